@@ -1,0 +1,195 @@
+"""Load the YAML config: keep each key's line, interpolate `${VAR}`, validate, and explain errors.
+
+An error reads `FILE:LINE: key.path: what is wrong` so an operator can go straight to it at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from nodeagent.config_model import Component, Config, ProbeSpec
+from nodeagent.errors import ConfigError
+
+Path_ = tuple[str | int, ...]
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
+
+
+def _interpolate(text: str, env: typing.Mapping[str, str], where: str) -> str:
+    def sub(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        raise ConfigError(f"{where}: environment variable ${{{name}}} is not set (use ${{{name}:-default}})")
+
+    return _VAR.sub(sub, text)
+
+
+class _Tree:
+    """YAML → plain data, remembering the line of every key path."""
+
+    def __init__(self, filename: str, env: typing.Mapping[str, str]) -> None:
+        self.filename = filename
+        self.env = env
+        self.lines: dict[Path_, int] = {}
+
+    def build(self, text: str) -> Any:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            return None if node is None else self._walk(loader, node, ())
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark else "?"
+            raise ConfigError(f"{self.filename}:{line}: YAML syntax: {exc.problem or exc}") from None
+        finally:
+            loader.dispose()
+
+    def _walk(self, loader: yaml.SafeLoader, node: yaml.Node, path: Path_) -> Any:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            loader.flatten_mapping(node)
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                key = loader.construct_object(key_node, deep=True)
+                where = f"{self.filename}:{key_node.start_mark.line + 1}"
+                if not isinstance(key, str | int):
+                    raise ConfigError(f"{where}: keys must be strings, got {key!r}")
+                if key in out:
+                    raise ConfigError(f"{where}: {_dotted((*path, key))}: duplicate key")
+                self.lines[(*path, key)] = key_node.start_mark.line + 1
+                out[key] = self._walk(loader, value_node, (*path, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self._walk(loader, item, (*path, i)) for i, item in enumerate(node.value)]
+        value = loader.construct_object(node, deep=True)
+        if isinstance(value, str) and "$" in value:
+            where = f"{self.filename}:{node.start_mark.line + 1}: {_dotted(path)}"
+            value = _interpolate(value, self.env, where)
+        return value
+
+
+def _dotted(path: typing.Sequence[str | int]) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _data_path(data: Any, loc: typing.Sequence[str | int]) -> Path_:
+    """Map a pydantic error location onto the YAML path (drop union tags and list wrapping)."""
+    path: list[str | int] = []
+    cur = data
+    for part in loc:
+        in_list = isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur)
+        if (isinstance(cur, dict) and part in cur) or in_list:
+            path.append(part)
+            cur = cur[part]
+        elif isinstance(cur, dict) and (isinstance(part, int) or part in _KIND_TAGS):
+            continue
+        else:
+            path.append(part)
+            cur = None
+    return tuple(path)
+
+
+def _members(ann: Any) -> list[Any]:
+    """The alternatives of an annotation, with Annotated and None stripped."""
+    while typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(ann) if a is not type(None) for m in _members(a)]
+    return [ann]
+
+
+def _tag_of(model: Any) -> tuple[Any, ...]:
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return ()
+    field = model.model_fields.get("kind")
+    return typing.get_args(field.annotation) if field else ()
+
+
+def _allowed_keys(loc: typing.Sequence[str | int]) -> list[str]:
+    """The keys valid at a pydantic location, walking the model types (union tags pick the member)."""
+    ann: Any = Config
+    for part in loc:
+        members = _members(ann)
+        tagged = [m for m in members if part in _tag_of(m)]
+        if tagged:
+            ann = tagged[0]
+            continue
+        ann = members[0] if len(members) == 1 else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            field = ann.model_fields.get(str(part))
+            if field is None:
+                return []
+            ann = field.annotation
+        elif typing.get_origin(ann) in (dict, list):
+            ann = typing.get_args(ann)[-1]
+        else:
+            return []
+    members = _members(ann)
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return [name for name, f in members[0].model_fields.items() if not f.exclude]
+    return []
+
+
+_KIND_TAGS = frozenset(
+    tag for union in (Component, ProbeSpec) for member in _members(union) for tag in _tag_of(member)
+)
+
+
+def _explain(filename: str, tree: _Tree, data: Any, exc: ValidationError) -> ConfigError:
+    messages = []
+    for err in exc.errors(include_url=False):
+        path = _data_path(data, err["loc"])
+        line = next((tree.lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in tree.lines), "?")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            key = str(path[-1])
+            msg = f"unknown key {key!r}"
+            close = difflib.get_close_matches(key, _allowed_keys(err["loc"][:-1]), n=1, cutoff=0.6)
+            if close:
+                msg += f" (did you mean {close[0]!r}?)"
+        elif err["type"] == "union_tag_invalid":
+            msg = f"unknown kind {err['input'].get('kind')!r}; expected one of {err['ctx']['expected_tags']}"
+        elif err["type"] == "union_tag_not_found":
+            msg = "missing 'kind'"
+        messages.append(f"{filename}:{line}: {_dotted(path)}: {msg}")
+    return ConfigError("\n".join(messages))
+
+
+def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = None,
+                 env: typing.Mapping[str, str] | None = None) -> Config:
+    tree = _Tree(filename, os.environ if env is None else env)
+    data = tree.build(text)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(f"{filename}:1: the config must be a mapping of sections, got {kind}")
+    try:
+        config = Config.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise _explain(filename, tree, data, exc) from None
+    return config.model_copy(update={"source": Path(filename) if base_dir else None})
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return parse_config(text, str(path), base_dir=path.resolve().parent)

@@ -1,0 +1,390 @@
+"""The typed configuration: one YAML describes the node and its components.
+
+Every model forbids unknown keys; `config.load_config` turns validation errors into messages naming the file,
+the line and the key path. Relative paths resolve against the config file's folder (validation context
+`base_dir`). Kind-specific defaults follow the deployment guide (run_etcd.sh, run_yr_worker.sh,
+run_ds_v4_flash_w8a8_mtp.sh); `config/dsv4-flash-a2.yaml` is that deployment written out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from nodeagent.probe_defaults import merge_probe_overrides
+
+
+def _resolve_path(value: Path, info: ValidationInfo) -> Path:
+    value = value.expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not value.is_absolute() and base is not None:
+        value = Path(base) / value
+    return Path(os.path.normpath(value))
+
+
+ConfigPath = Annotated[Path, AfterValidator(_resolve_path)]
+
+
+def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:
+    """A command is a program name, a path, or a list; a relative path with a slash is config-relative."""
+    argv = [value] if isinstance(value, str) else list(value)
+    if not argv or not argv[0]:
+        raise ValueError("command must name a program")
+    program = argv[0]
+    if "/" in program and not os.path.isabs(os.path.expanduser(program)):
+        argv[0] = str(_resolve_path(Path(program), info))
+    elif program.startswith("~"):
+        argv[0] = os.path.expanduser(program)
+    return argv
+
+
+Command = Annotated[str | list[str], AfterValidator(_resolve_command)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _default_node_name() -> str:
+    return socket.gethostname()
+
+
+def default_node_ip() -> str:
+    """The first non-loopback IPv4 address, like the guide's `hostname -I | awk '{print $1}'`."""
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family == socket.AF_INET and not addr.address.startswith("127."):
+                return addr.address
+    return "127.0.0.1"
+
+
+class ClusterConfig(Strict):
+    name: str = "local"
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
+
+
+class NodeConfig(Strict):
+    name: str = Field(default_factory=_default_node_name)
+    ip: str = Field(default_factory=default_node_ip)
+    role: Literal["master", "worker"] = "master"
+    nic_name: str | None = None
+    """The RoCE/host NIC the guide sets GLOO/TP/HCCL_SOCKET_IFNAME to (`ifconfig` shows it)."""
+
+
+def _parse_listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"listen must be HOST:PORT, got {value!r}")
+    return value
+
+
+class ApiConfig(Strict):
+    listen: Annotated[str, AfterValidator(_parse_listen)] = "127.0.0.1:18700"
+    token_file: ConfigPath = Path("/etc/dsv4-agent/token")
+    unix_socket: ConfigPath | None = None
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+class AgentSettings(Strict):
+    state_dir: ConfigPath = Path("/var/lib/dsv4-agent")
+    log_dir: ConfigPath = Path("/var/log/dsv4-agent")
+    api: ApiConfig = ApiConfig()
+    log_max_bytes: int = Field(default=100 * 1024 * 1024, ge=1024)
+    """A component's log file is copied and truncated (logrotate's copytruncate) past this size."""
+    log_keep: int = Field(default=5, ge=1)
+    archive_keep: int = Field(default=10, ge=1)
+    """How many compressed log archives per component survive residue cleanup."""
+    residue_roots: list[ConfigPath] = Field(default_factory=list)
+    """Folders (besides state_dir and each component's own) under which cleanup may delete."""
+
+
+class ProbeBase(Strict):
+    period_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=5.0, gt=0)
+    failure_threshold: int = Field(default=3, ge=1)
+    success_threshold: int = Field(default=1, ge=1)
+    initial_delay_s: float = Field(default=0.0, ge=0)
+
+
+class LivenessFileProbe(ProbeBase):
+    kind: Literal["liveness_file"] = "liveness_file"
+    path: ConfigPath | None = None
+    """Default: the datasystem component's liveness_check_path."""
+    max_age_s: float = Field(default=5.0, gt=0)
+
+
+class EtcdProbe(ProbeBase):
+    kind: Literal["etcd"] = "etcd"
+    endpoint: str | None = None
+    """HOST:PORT; default: the component's own client URL, else the cluster's first endpoint."""
+    put_get: bool = False
+
+
+class HttpProbe(ProbeBase):
+    """A request with a JSON body; the guide's vLLM probe is a 2-token chat completion."""
+
+    kind: Literal["http"] = "http"
+    url: str | None = None
+    path: str = "/v1/chat/completions"
+    method: Literal["GET", "POST"] = "POST"
+    body: dict[str, Any] | None = None
+    """Default for vllm: the guide's probe request with the served model name."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    expect_status: int = 200
+    expect_nonempty: str | None = "choices.0.message.content"
+
+
+class HttpGetProbe(ProbeBase):
+    kind: Literal["http_get"] = "http_get"
+    url: str | None = None
+    path: str = "/health"
+    expect_status: int = 200
+
+
+class TcpProbe(ProbeBase):
+    kind: Literal["tcp"] = "tcp"
+    host: str | None = None
+    port: int | None = Field(default=None, gt=0, lt=65536)
+
+
+class ExecProbe(ProbeBase):
+    kind: Literal["exec"] = "exec"
+    command: Command
+
+
+class DatasystemKvProbe(ProbeBase):
+    kind: Literal["datasystem_kv"] = "datasystem_kv"
+    address: str | None = None
+    python: ConfigPath | None = None
+    """The interpreter that has `yr.datasystem`; default: the one next to the dscli the component runs."""
+
+
+ProbeSpec = Annotated[
+    LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe,
+    Field(discriminator="kind"),
+]
+
+
+class ProbeSet(Strict):
+    """Kubernetes semantics: startup gates the others; liveness failure restarts; readiness only gates."""
+
+    startup: list[ProbeSpec] = Field(default_factory=list)
+    liveness: list[ProbeSpec] = Field(default_factory=list)
+    readiness: list[ProbeSpec] = Field(default_factory=list)
+
+
+class RestartSpec(Strict):
+    first_delay_s: float = Field(default=0.0, ge=0)
+    backoff_initial_s: float = Field(default=10.0, ge=0)
+    backoff_max_s: float = Field(default=300.0, ge=0)
+    stable_after_s: float = Field(default=600.0, ge=0)
+    redeploy_after_failures: int = Field(default=5, ge=1)
+    """Component failures within failure_window_s that escalate to a node redeploy."""
+    failure_window_s: float = Field(default=900.0, gt=0)
+    failed_after_redeploys: int = Field(default=3, ge=1)
+    """Redeploys within failure_window_s after which the node is `failed` (alert; retries continue)."""
+
+
+class DependencyEdge(Strict):
+    restart_with: bool | None = None
+    """Restart this component when the dependency restarts; default depends on the dependency's kind."""
+
+
+class ComponentBase(Strict):
+    command: Command
+    depends_on: dict[str, DependencyEdge] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)
+    """Overrides the rendered environment; null unsets a variable."""
+    extra_args: list[str] = Field(default_factory=list)
+    workdir: ConfigPath | None = None
+    stop_grace_s: float = Field(default=10.0, gt=0)
+    restart: RestartSpec = RestartSpec()
+    probes: ProbeSet = ProbeSet()
+    enabled: bool = True
+
+    @field_validator("depends_on", mode="before")
+    @classmethod
+    def _list_to_edges(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return {name: {} for name in value}
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_default_probes(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("kind"), str):
+            data = dict(data)
+            data["probes"] = merge_probe_overrides(data["kind"], data.get("probes"))
+        return data
+
+
+class EtcdComponent(ComponentBase):
+    kind: Literal["etcd"]
+    command: Command = "etcd"
+    name: str = "etcd-single"
+    client_port: int = Field(default=2379, gt=0, lt=65536)
+    peer_port: int = Field(default=2380, gt=0, lt=65536)
+    data_dir: ConfigPath = Path("/tmp/etcd-data")
+    listen_ip: str | None = None
+    """The guide's `<IP_ADDRESS>` in --listen-*-urls; default node.ip."""
+
+
+class DatasystemComponent(ComponentBase):
+    kind: Literal["datasystem"]
+    command: Command = "dscli"
+    workdir: ConfigPath | None = None
+    """Where `dscli start` runs: the worker's `datasystem/` folder (logs, probe files, uds) lands here."""
+    worker_port: int = Field(default=18481, gt=0, lt=65536)
+    etcd_address: str | None = None
+    """Default: the cluster's first etcd endpoint."""
+    start_timeout_s: int = Field(default=600, gt=0)
+    shared_memory_size_mb: int = Field(default=512000, gt=0)
+    node_timeout_s: int = Field(default=30, gt=0)
+    node_dead_timeout_s: int = Field(default=60, gt=0)
+    liveness_check_path: ConfigPath = Path("/workspace/liveness")
+    arena_per_tenant: int | None = Field(default=None, ge=1)
+    enable_huge_tlb: bool | None = None
+    remote_h2d_device_ids: list[int] | None = None
+    """Setting it enables RH2D (needs huge pages and HDK >= 25.5.0)."""
+    rpc_thread_num: int | None = Field(default=None, ge=1)
+    enable_worker_worker_batch_get: bool | None = None
+    client_log_dir: ConfigPath | None = None
+    """DATASYSTEM_CLIENT_LOG_DIR for clients the agent starts; default ~/.datasystem (guide's residue)."""
+    stop_grace_s: float = Field(default=15.0, gt=0)
+
+
+class VllmComponent(ComponentBase):
+    """`vllm serve` with every flag of the guide's run_ds_v4_flash_w8a8_mtp.sh as a typed default."""
+
+    kind: Literal["vllm"]
+    command: Command = "vllm"
+    model: str
+    port: int = Field(default=8080, gt=0, lt=65536)
+    host: str | None = None
+    served_model_name: str = "dsv4"
+    max_model_len: int = 204800
+    max_num_batched_tokens: int = 4096
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    max_num_seqs: int = 8
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 8
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    headless: bool = False
+    enable_expert_parallel: bool = True
+    tokenizer_mode: str | None = "deepseek_v4"
+    tool_call_parser: str | None = "deepseek_v4"
+    enable_auto_tool_choice: bool = True
+    reasoning_parser: str | None = "deepseek_v4"
+    safetensors_load_strategy: str | None = "prefetch"
+    enable_prefix_caching: bool = True
+    model_loader_extra_config: dict[str, Any] | None = Field(
+        default_factory=lambda: {"enable_multithread_load": "true", "num_threads": 128}
+    )
+    quantization: str | None = "ascend"
+    trust_remote_code: bool = True
+    block_size: int | None = 128
+    hybrid_kv_cache_manager: bool | None = True
+    """True renders --no-disable-hybrid-kv-cache-manager, False --disable-..., null neither."""
+    kv_transfer_config: dict[str, Any] | None = Field(
+        default_factory=lambda: {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "yuanrong"},
+        }
+    )
+    speculative_config: dict[str, Any] | None = Field(
+        default_factory=lambda: {"num_speculative_tokens": 1, "method": "mtp", "enforce_eager": True}
+    )
+    compilation_config: dict[str, Any] | None = Field(
+        default_factory=lambda: {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [8]}
+    )
+    async_scheduling: bool = True
+    additional_config: dict[str, Any] | None = Field(
+        default_factory=lambda: {
+            "ascend_compilation_config": {"enable_npugraph_ex": True, "enable_static_kernel": False},
+            "enable_flashcomm1": False,
+            "enable_dsa_cp": False,
+            "enable_cpu_binding": "true",
+            "enable_shared_expert_dp": False,
+            "multistream_overlap_shared_expert": True,
+        }
+    )
+    ld_preload: list[str] = Field(default_factory=lambda: ["/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"])
+    """Prepended to the inherited LD_PRELOAD, as the guide does."""
+    remote_h2d: bool = False
+    """DS_ENABLE_REMOTE_H2D; enable together with the worker's remote_h2d_device_ids."""
+    datasystem: str | None = None
+    """Which datasystem component's worker_port gives DS_WORKER_ADDR; default the only one."""
+    stop_grace_s: float = Field(default=60.0, gt=0)
+    """vLLM drains in-flight requests on SIGTERM."""
+
+
+class ProcessComponent(ComponentBase):
+    """Anything else (a PD proxy, an exporter): a plain command, no code change."""
+
+    kind: Literal["process"]
+    ports: list[int] = Field(default_factory=list)
+    """Ports the process listens on: cleanup waits for them to be free before a start."""
+    process_match: list[str] = Field(default_factory=list)
+    """cmdline prefixes that identify leftover processes of this component."""
+
+
+Component = Annotated[
+    EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent, Field(discriminator="kind")
+]
+
+KIND_ORDER = ("etcd", "datasystem", "vllm", "process")
+
+
+class Config(Strict):
+    cluster: ClusterConfig = ClusterConfig()
+    node: NodeConfig = NodeConfig()
+    agent: AgentSettings = AgentSettings()
+    components: dict[str, Component] = Field(default_factory=dict)
+    source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> Config:
+        for name, comp in self.components.items():
+            for dep in comp.depends_on:
+                if dep not in self.components:
+                    raise ValueError(
+                        f"component {name!r} depends on unknown component {dep!r}"
+                        f" (known: {', '.join(sorted(self.components))})"
+                    )
+        from nodeagent.graph import start_order
+
+        start_order({n: list(c.depends_on) for n, c in self.components.items()})
+        return self
+
+    def active_components(self) -> dict[str, Any]:
+        """The components this node runs: etcd only on the master, disabled ones never."""
+        return {
+            name: comp
+            for name, comp in self.components.items()
+            if comp.enabled and not (comp.kind == "etcd" and self.node.role != "master")
+        }

@@ -1,0 +1,62 @@
+"""Each kind's default probes, in YAML terms, and how a config overrides or extends them.
+
+A role given as a mapping without `kind` (or with the default's kind) is merged onto the default, so
+`probes: {liveness: {period_s: 5}}` tunes the default probe; a mapping of another kind or a list replaces it;
+`null` disables the role. Values left null (URLs, paths, bodies) are derived from the component at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
+    "etcd": {
+        "startup": [{"kind": "etcd", "period_s": 1, "timeout_s": 2, "failure_threshold": 120}],
+        "liveness": [{"kind": "etcd", "period_s": 5, "timeout_s": 3, "failure_threshold": 3}],
+        "readiness": [],
+    },
+    "datasystem": {
+        # dscli itself waits for probe/ready; the file only has to turn fresh and say success.
+        "startup": [{"kind": "liveness_file", "period_s": 1, "timeout_s": 2, "failure_threshold": 120}],
+        "liveness": [
+            {"kind": "liveness_file", "period_s": 2, "timeout_s": 2, "failure_threshold": 3, "max_age_s": 5}
+        ],
+        "readiness": [],
+    },
+    "vllm": {
+        # /health answers 200 only once the engine is up; 720 x 5 s covers VLLM_ENGINE_READY_TIMEOUT_S=3600.
+        "startup": [
+            {"kind": "http_get", "path": "/health", "period_s": 5, "timeout_s": 5, "failure_threshold": 720}
+        ],
+        # /health does not see a hung engine: liveness is a real 2-token chat completion (the guide's probe).
+        "liveness": [{"kind": "http", "period_s": 30, "timeout_s": 60, "failure_threshold": 3}],
+        "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
+    },
+    "process": {"startup": [], "liveness": [], "readiness": []},
+}
+
+ROLES = ("startup", "liveness", "readiness")
+
+
+def default_probes(kind: str) -> dict[str, list[dict[str, Any]]]:
+    return copy.deepcopy(DEFAULT_PROBES.get(kind, {role: [] for role in ROLES}))
+
+
+def merge_probe_overrides(kind: str, overrides: Any) -> Any:
+    """Defaults of `kind` with the config's `probes:` mapping applied; non-mappings pass to validation."""
+    merged: dict[str, Any] = dict(default_probes(kind))
+    if overrides is None:
+        return merged
+    if not isinstance(overrides, dict):
+        return overrides
+    for role, value in overrides.items():
+        defaults = merged.get(role, [])
+        if value is None:
+            merged[role] = []
+        elif isinstance(value, dict):
+            same_kind = "kind" not in value or (len(defaults) == 1 and value["kind"] == defaults[0]["kind"])
+            merged[role] = [{**defaults[0], **value}] if same_kind and len(defaults) == 1 else [value]
+        else:
+            merged[role] = value
+    return merged
