@@ -1,0 +1,66 @@
+"""Where a child's stdout/stderr go: a journald stream under systemd, else a rotated file under log_dir.
+
+Never a pipe the agent owns: if the agent dies, a child writing into a dead pipe would get SIGPIPE.
+Rotation is logrotate's copytruncate (children write with O_APPEND, so truncation is safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from loguru import logger
+
+
+def use_journal() -> bool:
+    try:
+        from nodeagent import journal
+    except ImportError:
+        return False
+    return journal.running_under_systemd() and journal.journald_available()
+
+
+def log_path(log_dir: Path, component: str) -> Path:
+    return log_dir / f"{component}.log"
+
+
+def open_output(component: str, log_dir: Path) -> tuple[int, str]:
+    """An fd for the child's output and a description of where it goes. The caller closes the fd."""
+    if use_journal():
+        from nodeagent import journal
+
+        with contextlib.suppress(OSError):
+            return journal.open_stream(component), f"journald (SYSLOG_IDENTIFIER={component})"
+        logger.warning(f"[{component}] journald stream unavailable; logging to a file instead")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_path(log_dir, component)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+    return fd, str(path)
+
+
+def append_text(component: str, log_dir: Path, text: str) -> None:
+    """Forward a launcher's captured output (dscli) to the component's log destination."""
+    fd, _ = open_output(component, log_dir)
+    try:
+        os.write(fd, text.encode(errors="replace"))
+    finally:
+        os.close(fd)
+
+
+def rotate_if_large(path: Path, max_bytes: int, keep: int) -> bool:
+    """copytruncate: <name>.log → <name>.log.1 (… .keep), then truncate the live file in place."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for i in range(keep - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{i}")
+        if older.exists():
+            os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+    shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    with open(path, "r+b") as fh:
+        fh.truncate(0)
+    return True

@@ -1,0 +1,228 @@
+"""Thin OS shell for process trees: launch in a new session, adopt, watch exits instantly, stop whole trees.
+
+Every child starts in its own session, so its session id names the whole tree — including descendants that
+outlive their parent and get re-parented to PID 1 (vLLM's EngineCore after its API server is SIGKILLed, the
+datasystem worker after `dscli start` exits). Exits are seen through `os.pidfd_open` registered with the event
+loop: immediate for our children and for daemonised processes we never forked alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import psutil
+from loguru import logger
+
+from nodeagent.errors import AdoptError, LaunchError
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """Enough to find a process again after an agent restart, and to refuse a reused PID."""
+
+    pid: int
+    create_time: float
+    cmdline: tuple[str, ...]
+    sid: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "cmdline": list(self.cmdline)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ProcessRecord:
+        return cls(
+            pid=int(data["pid"]),  # type: ignore[arg-type]
+            create_time=float(data["create_time"]),  # type: ignore[arg-type]
+            cmdline=tuple(data["cmdline"]),  # type: ignore[arg-type]
+            sid=int(data["sid"]),  # type: ignore[arg-type]
+        )
+
+
+def record_of(pid: int) -> ProcessRecord:
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return ProcessRecord(pid, proc.create_time(), tuple(proc.cmdline()), os.getsid(pid))
+    except (psutil.Error, ProcessLookupError) as exc:
+        raise LaunchError(f"process {pid} vanished right after start: {exc}") from None
+
+
+def verify(record: ProcessRecord) -> psutil.Process:
+    """The live process the record describes, or AdoptError saying why not (gone, PID reused, changed)."""
+    try:
+        proc = psutil.Process(record.pid)
+        with proc.oneshot():
+            if abs(proc.create_time() - record.create_time) > 0.05:
+                raise AdoptError(f"pid {record.pid} was reused by another process")
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                raise AdoptError(f"pid {record.pid} has exited (zombie)")
+            if tuple(proc.cmdline()) != record.cmdline:
+                raise AdoptError(f"pid {record.pid} runs a different command now")
+        return proc
+    except psutil.NoSuchProcess:
+        raise AdoptError(f"pid {record.pid} is gone") from None
+    except psutil.AccessDenied as exc:
+        raise AdoptError(f"pid {record.pid}: {exc}") from None
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str, output_fd: int) -> subprocess.Popen[bytes]:
+    """Start a child in its own session; output to a file or journald stream, never a pipe we own."""
+    try:
+        return subprocess.Popen(
+            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=output_fd, stderr=output_fd,
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    except FileNotFoundError:
+        raise LaunchError(f"{argv[0]}: command not found (PATH={env.get('PATH', '')})") from None
+    except PermissionError:
+        raise LaunchError(f"{argv[0]}: permission denied") from None
+    except OSError as exc:
+        raise LaunchError(f"{argv[0]}: cannot start: {exc}") from None
+
+
+class ExitWatch:
+    """Resolves when a process exits, via a pidfd on the event loop; works for non-children too."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+        self.pid = pid
+        self.popen = popen
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[int | None] = self.loop.create_future()
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.fd = None
+            self._finish()
+            return
+        self.loop.add_reader(self.fd, self._finish)
+
+    def _finish(self) -> None:
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        code: int | None = None
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.popen.wait(timeout=1)
+        if not self.done.done():
+            self.done.set_result(code)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        if not self.done.done():
+            self.done.cancel()
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Every live process of a session: the whole tree of a child started with start_new_session."""
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+    return members
+
+
+def tree_of(record: ProcessRecord) -> list[psutil.Process]:
+    """The main process (if it is still the recorded one), its descendants and its session."""
+    procs: dict[int, psutil.Process] = {}
+    with contextlib.suppress(AdoptError):
+        main = verify(record)
+        procs[main.pid] = main
+        with contextlib.suppress(psutil.Error):
+            for child in main.children(recursive=True):
+                procs[child.pid] = child
+    if record.sid > 1 and record.sid != os.getsid(0):
+        for proc in session_members(record.sid):
+            procs.setdefault(proc.pid, proc)
+    return list(procs.values())
+
+
+def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
+
+
+def _alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
+
+
+async def _wait_gone(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
+    while True:
+        procs = _alive(procs)
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        await asyncio.sleep(0.02)
+
+
+async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> dict[str, object]:
+    """SIGTERM the main process, then every remembered descendant, then SIGKILL what is left.
+
+    Descendants are remembered *before* signalling: once vLLM's API server is gone its EngineCore is no
+    longer its child. Returns what happened, for the event log.
+    """
+    started = time.monotonic()
+    tree = tree_of(record)
+    if not tree:
+        return {"signalled": 0, "killed": 0, "elapsed_s": 0.0}
+    main = [p for p in tree if p.pid == record.pid]
+    rest = [p for p in tree if p.pid != record.pid]
+    deadline = started + grace_s
+    _signal(main or rest, signal.SIGTERM)
+    await _wait_gone(main or rest, deadline)
+    left = _alive(rest)
+    if left:
+        _signal(left, signal.SIGTERM)
+        await _wait_gone(left, max(deadline, time.monotonic() + min(5.0, grace_s)))
+    late = {p.pid: p for p in _alive(tree)}
+    for proc in tree_of(record):  # descendants born during the stop
+        late.setdefault(proc.pid, proc)
+    killed = list(late.values())
+    if killed:
+        logger.bind(event="stop").warning(
+            f"{what}: SIGKILL {len(killed)} process(es) still alive after {grace_s:.0f}s grace: "
+            + ", ".join(f"{p.pid}" for p in killed)
+        )
+        _signal(killed, signal.SIGKILL)
+        await _wait_gone(killed, time.monotonic() + 10)
+    return {"signalled": len(tree), "killed": len(killed), "elapsed_s": round(time.monotonic() - started, 3)}
+
+
+_DSCLI_PID = re.compile(r"Starting worker service with PID: (\d+)|success, PID: (\d+)")
+
+
+def parse_dscli_pid(output: str) -> int | None:
+    """The worker PID `dscli start` prints (first on launch, again on success)."""
+    pid = None
+    for match in _DSCLI_PID.finditer(output):
+        pid = int(match.group(1) or match.group(2))
+    return pid
+
+
+def find_datasystem_worker(pid: int, address: str) -> ProcessRecord:
+    """Check that `pid` is the datasystem_worker serving `address` (exact match, not dscli's loose one)."""
+    record = record_of(pid)
+    if not any(os.path.basename(a) == "datasystem_worker" for a in record.cmdline[:1]):
+        shown = " ".join(record.cmdline)[:200]
+        raise LaunchError(f"pid {pid} from dscli is not a datasystem_worker: {shown}")
+    if f"--worker_address={address}" not in record.cmdline:
+        raise LaunchError(f"pid {pid} serves another address than {address}")
+    return record

@@ -1,0 +1,295 @@
+"""Pure rendering: config → the exact argv, environment and working directory of each component.
+
+The output reproduces the deployment guide's scripts (run_etcd.sh, run_yr_worker.sh and its huge-page/RH2D
+variants, run_ds_v4_flash_w8a8_mtp.sh); `tests/test_render_golden.py` holds the guide's scripts and checks it.
+Shell-only scaffolding of those scripts (`ETCD_IP=...` used for expansion, `| tee`, `&`) is not rendered: the
+agent owns output and backgrounding. What the agent adds beyond the guide is listed in AGENT_ENV.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent.config_model import (
+    Config,
+    DatasystemComponent,
+    EtcdComponent,
+    ProcessComponent,
+    VllmComponent,
+)
+
+# Variables the agent sets on every child so leftovers can be recognised (residue) and TMPDIR is private.
+AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "TMPDIR")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    component: str
+    kind: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    """Variables set on top of the agent's environment, in the guide's order."""
+    unset: tuple[str, ...]
+    cwd: Path
+    files: dict[Path, str] = field(default_factory=dict)
+    """Files written before the start (e.g. the YR_CONFIG_PATH JSON)."""
+    daemonizes: bool = False
+    """The launcher exits after starting the real process (`dscli start`); its PID is read from its output."""
+    ports: tuple[int, ...] = ()
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The child's full environment: base, minus unset, plus env (with $VAR of the base expanded)."""
+        env = {k: v for k, v in base.items() if k not in self.unset}
+        env.update(self.env)
+        return env
+
+    def shell(self) -> str:
+        """The spec as a shell script an operator can read or run by hand."""
+        lines = [f"cd {shlex.quote(str(self.cwd))}"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+        if self.unset:
+            lines.append("unset " + " ".join(self.unset))
+        words: list[str] = []
+        for arg in self.argv:
+            if words and words[-1].startswith("-") and " " not in words[-1] and not arg.startswith("-"):
+                words[-1] += " " + shlex.quote(arg)
+            else:
+                words.append(shlex.quote(arg))
+        lines.append(" \\\n    ".join(words))
+        return "\n".join(lines)
+
+
+def component_dir(config: Config, name: str) -> Path:
+    return config.agent.state_dir / "components" / name
+
+
+def _agent_env(config: Config, name: str) -> dict[str, str]:
+    return {
+        "DSV4_AGENT_COMPONENT": name,
+        "DSV4_AGENT_CLUSTER": config.cluster.name,
+        "DSV4_AGENT_NODE": config.node.name,
+        "TMPDIR": str(component_dir(config, name) / "tmp"),
+    }
+
+
+def _apply_overrides(env: dict[str, str], unset: list[str], overrides: Mapping[str, str | None]) -> None:
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+            if key not in unset:
+                unset.append(key)
+        else:
+            env[key] = value
+            if key in unset:
+                unset.remove(key)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def etcd_client_address(config: Config, comp: EtcdComponent) -> str:
+    return f"{comp.listen_ip or config.node.ip}:{comp.client_port}"
+
+
+def render_etcd(name: str, comp: EtcdComponent, config: Config) -> LaunchSpec:
+    ip = config.node.ip
+    listen = comp.listen_ip or ip
+    peer_url = f"http://{ip}:{comp.peer_port}"
+    argv = [
+        *comp.command,
+        "--name", comp.name,
+        "--data-dir", str(comp.data_dir),
+        "--listen-client-urls", f"http://{listen}:{comp.client_port}",
+        "--advertise-client-urls", f"http://{ip}:{comp.client_port}",
+        "--listen-peer-urls", f"http://{listen}:{comp.peer_port}",
+        "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"{comp.name}={peer_url}",
+        *comp.extra_args,
+    ]  # fmt: skip
+    env, unset = _agent_env(config, name), []
+    _apply_overrides(env, unset, comp.env)
+    return LaunchSpec(
+        component=name, kind="etcd", argv=tuple(argv), env=env, unset=tuple(unset),
+        cwd=comp.workdir or component_dir(config, name), ports=(comp.client_port, comp.peer_port),
+    )  # fmt: skip
+
+
+def datasystem_workdir(config: Config, name: str, comp: DatasystemComponent) -> Path:
+    return comp.workdir or component_dir(config, name)
+
+
+def worker_address(config: Config, comp: DatasystemComponent) -> str:
+    return f"{config.node.ip}:{comp.worker_port}"
+
+
+def datasystem_etcd_address(config: Config, comp: DatasystemComponent) -> str:
+    """Explicit, else the etcd this node runs (the guide's ETCD_IP = this host), else the cluster's first."""
+    if comp.etcd_address:
+        return comp.etcd_address
+    local = [c for c in config.active_components().values() if isinstance(c, EtcdComponent)]
+    if local:
+        return f"{config.node.ip}:{local[0].client_port}"
+    return config.cluster.etcd_endpoints[0].removeprefix("http://")
+
+
+def render_datasystem(name: str, comp: DatasystemComponent, config: Config) -> LaunchSpec:
+    argv = [
+        *comp.command, "start", "-t", str(comp.start_timeout_s), "-w",
+        "--worker_address", worker_address(config, comp),
+        "--etcd_address", datasystem_etcd_address(config, comp),
+        "--shared_memory_size_mb", str(comp.shared_memory_size_mb),
+        "--node_timeout_s", str(comp.node_timeout_s),
+        "--node_dead_timeout_s", str(comp.node_dead_timeout_s),
+        "--liveness_check_path", str(comp.liveness_check_path),
+    ]  # fmt: skip
+    if comp.rpc_thread_num is not None:
+        argv += ["--rpc_thread_num", str(comp.rpc_thread_num)]
+    if comp.enable_worker_worker_batch_get is not None:
+        argv += ["--enable_worker_worker_batch_get", str(comp.enable_worker_worker_batch_get).lower()]
+    if comp.arena_per_tenant is not None:
+        argv += ["--arena_per_tenant", str(comp.arena_per_tenant)]
+    if comp.remote_h2d_device_ids is not None:
+        argv += ["--remote_h2d_device_ids", ",".join(str(i) for i in comp.remote_h2d_device_ids)]
+    if comp.enable_huge_tlb is not None:
+        argv += ["--enable_huge_tlb", str(comp.enable_huge_tlb).lower()]
+    argv += comp.extra_args
+    env, unset = _agent_env(config, name), []
+    _apply_overrides(env, unset, comp.env)
+    return LaunchSpec(
+        component=name, kind="datasystem", argv=tuple(argv), env=env, unset=tuple(unset),
+        cwd=datasystem_workdir(config, name, comp), daemonizes=True, ports=(comp.worker_port,),
+    )  # fmt: skip
+
+
+def _flag(argv: list[str], name: str, value: Any) -> None:
+    if value is None or value is False:
+        return
+    argv.append(name)
+    if value is not True:
+        argv.append(_json(value) if isinstance(value, dict | list) else str(value))
+
+
+def render_vllm_argv(comp: VllmComponent) -> list[str]:
+    argv = [*comp.command, "serve", comp.model]
+    _flag(argv, "--max_model_len", comp.max_model_len)
+    _flag(argv, "--max-num-batched-tokens", comp.max_num_batched_tokens)
+    _flag(argv, "--served-model-name", comp.served_model_name)
+    _flag(argv, "--gpu-memory-utilization", comp.gpu_memory_utilization)
+    _flag(argv, "--max-num-seqs", comp.max_num_seqs)
+    _flag(argv, "--data-parallel-size", comp.data_parallel_size)
+    _flag(argv, "--data-parallel-size-local", comp.data_parallel_size_local)
+    _flag(argv, "--data-parallel-start-rank", comp.data_parallel_start_rank)
+    _flag(argv, "--data-parallel-address", comp.data_parallel_address)
+    _flag(argv, "--data-parallel-rpc-port", comp.data_parallel_rpc_port)
+    _flag(argv, "--headless", comp.headless)
+    _flag(argv, "--tensor-parallel-size", comp.tensor_parallel_size)
+    _flag(argv, "--enable-expert-parallel", comp.enable_expert_parallel)
+    _flag(argv, "--tokenizer-mode", comp.tokenizer_mode)
+    _flag(argv, "--tool-call-parser", comp.tool_call_parser)
+    _flag(argv, "--enable-auto-tool-choice", comp.enable_auto_tool_choice)
+    _flag(argv, "--reasoning-parser", comp.reasoning_parser)
+    _flag(argv, "--safetensors-load-strategy", comp.safetensors_load_strategy)
+    _flag(argv, "--enable-prefix-caching", comp.enable_prefix_caching)
+    if comp.model_loader_extra_config is not None:
+        argv.append(f"--model-loader-extra-config={_json(comp.model_loader_extra_config)}")
+    _flag(argv, "--quantization", comp.quantization)
+    _flag(argv, "--trust-remote-code", comp.trust_remote_code)
+    _flag(argv, "--host", comp.host)
+    _flag(argv, "--port", comp.port)
+    _flag(argv, "--block-size", comp.block_size)
+    if comp.hybrid_kv_cache_manager is not None:
+        prefix = "--no-" if comp.hybrid_kv_cache_manager else "--"
+        argv.append(f"{prefix}disable-hybrid-kv-cache-manager")
+    _flag(argv, "--kv-transfer-config", comp.kv_transfer_config)
+    _flag(argv, "--speculative-config", comp.speculative_config)
+    _flag(argv, "--compilation-config", comp.compilation_config)
+    _flag(argv, "--async-scheduling", comp.async_scheduling)
+    _flag(argv, "--additional-config", comp.additional_config)
+    return argv + comp.extra_args
+
+
+def _datasystem_for(config: Config, comp: VllmComponent) -> DatasystemComponent | None:
+    candidates = {n: c for n, c in config.components.items() if isinstance(c, DatasystemComponent)}
+    if comp.datasystem is not None:
+        return candidates.get(comp.datasystem)
+    return next(iter(candidates.values()), None) if len(candidates) == 1 else None
+
+
+def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
+    ip = config.node.ip
+    nic = config.node.nic_name
+    env: dict[str, str] = {"HCCL_IF_IP": ip}
+    if nic:
+        env.update(GLOO_SOCKET_IFNAME=nic, TP_SOCKET_IFNAME=nic, HCCL_SOCKET_IFNAME=nic)
+    env.update(
+        OMP_PROC_BIND="false",
+        OMP_NUM_THREADS="10",
+        PYTORCH_NPU_ALLOC_CONF="expandable_segments:True",
+    )
+    preload = [*comp.ld_preload, *filter(None, base_env.get("LD_PRELOAD", "").split(":"))]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    env.update(
+        HCCL_BUFFSIZE="1024",
+        VLLM_ASCEND_APPLY_DSV4_PATCH="1",
+        TASK_QUEUE_ENABLE="1",
+        HCCL_OP_EXPANSION_MODE="AIV",
+    )
+    files: dict[Path, str] = {}
+    datasystem = _datasystem_for(config, comp)
+    if datasystem is not None:
+        addr = f"{ip}:{datasystem.worker_port}"
+        env["DS_WORKER_ADDR"] = addr
+        yr_config = component_dir(config, name) / "yr_config.json"
+        files[yr_config] = _json({"worker_addr": addr}) + "\n"
+    env["DS_ENABLE_REMOTE_H2D"] = "1" if comp.remote_h2d else "0"
+    # The guide's FAQ: identical on every node or KV pool keys never match; and a 1-hour engine budget.
+    env["PYTHONHASHSEED"] = "0"
+    env["VLLM_ENGINE_READY_TIMEOUT_S"] = "3600"
+    if datasystem is not None:
+        env["YR_CONFIG_PATH"] = str(yr_config)
+    env.update(_agent_env(config, name))
+    unset = ["GOOGLE_LOGTOSTDERR", "GOOGLE_ALSOLOGTOSTDERR"]
+    _apply_overrides(env, unset, comp.env)
+    return LaunchSpec(
+        component=name, kind="vllm", argv=tuple(render_vllm_argv(comp)), env=env, unset=tuple(unset),
+        cwd=comp.workdir or component_dir(config, name), files=files, ports=(comp.port,),
+    )  # fmt: skip
+
+
+def render_process(name: str, comp: ProcessComponent, config: Config) -> LaunchSpec:
+    env, unset = _agent_env(config, name), []
+    _apply_overrides(env, unset, comp.env)
+    return LaunchSpec(
+        component=name, kind="process", argv=(*comp.command, *comp.extra_args), env=env,
+        unset=tuple(unset), cwd=comp.workdir or component_dir(config, name), ports=tuple(comp.ports),
+    )  # fmt: skip
+
+
+def render_component(name: str, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
+    comp = config.components[name]
+    if isinstance(comp, EtcdComponent):
+        return render_etcd(name, comp, config)
+    if isinstance(comp, DatasystemComponent):
+        return render_datasystem(name, comp, config)
+    if isinstance(comp, VllmComponent):
+        return render_vllm(name, comp, config, base_env)
+    return render_process(name, comp, config)
+
+
+def launch_fingerprint(spec: LaunchSpec) -> str:
+    """What must change for a reload to restart the component: argv, env, cwd and written files."""
+    payload = {
+        "argv": spec.argv,
+        "env": spec.env,
+        "unset": spec.unset,
+        "cwd": str(spec.cwd),
+        "files": {str(k): v for k, v in spec.files.items()},
+    }
+    return json.dumps(payload, sort_keys=True)

@@ -1,0 +1,18 @@
+#!/bin/bash
+
+export HOST_IP=`hostname -I|awk -F " " '{print$1}'`
+export ETCD_IP=`hostname -I|awk -F " " '{print$1}'`
+export WORKER_PORT=18481
+export ETCD_PORT=2379
+export SHM_SIZE=512000
+export NODE_TIMEOUT=30
+export NODE_DEAD_TIMEOUT=60
+export LIVENESS_PATH=/workspace/liveness
+
+dscli start -t 600 -w \
+  --worker_address ${HOST_IP}:${WORKER_PORT} \
+  --etcd_address ${ETCD_IP}:${ETCD_PORT} \
+  --shared_memory_size_mb ${SHM_SIZE} \
+  --node_timeout_s ${NODE_TIMEOUT} \
+  --node_dead_timeout_s ${NODE_DEAD_TIMEOUT} \
+  --liveness_check_path ${LIVENESS_PATH}
