@@ -1,0 +1,120 @@
+"""Turn a LaunchSpec into a running, recorded process.
+
+Plain components are our children. The datasystem worker is daemonised by `dscli start`: we run dscli with its
+output captured to a file, learn the worker's PID from that output (as early as dscli prints it, so a cancelled
+start can still stop the worker), verify the PID's cmdline, and watch the worker itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodeagent import logsink
+from nodeagent.errors import LaunchError
+from nodeagent.process import (
+    ExitWatch,
+    ProcessRecord,
+    find_datasystem_worker,
+    parse_dscli_pid,
+    record_of,
+    spawn,
+    stop_tree,
+)
+from nodeagent.render import LaunchSpec
+
+# Variables systemd gives the agent that must not leak into children (they would notify as us).
+_AGENT_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
+
+def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment for children; our interpreter's bin dir goes first on PATH so the venv's
+    console scripts (etcd, dscli, vllm-standin) resolve under systemd's minimal PATH too."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in _AGENT_ONLY}
+    bindir = os.path.dirname(sys.executable)
+    path = env.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    if bindir not in path.split(":"):
+        path = f"{bindir}:{path}"
+    env["PATH"] = path
+    return env
+
+
+@dataclass
+class Launched:
+    record: ProcessRecord
+    popen: subprocess.Popen[bytes] | None
+    output: str
+
+
+def _prepare(spec: LaunchSpec, env: Mapping[str, str]) -> None:
+    spec.cwd.mkdir(parents=True, exist_ok=True)
+    if "TMPDIR" in env:
+        Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    for path, text in spec.files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
+                 capture_dir: Path, timeout_s: float = 900.0) -> Launched:
+    env = spec.environment(base_env)
+    try:
+        _prepare(spec, env)
+    except OSError as exc:
+        raise LaunchError(f"cannot prepare {spec.cwd}: {exc}") from None
+    if spec.daemonizes:
+        return await _launch_daemonizing(spec, env, log_dir, capture_dir, timeout_s)
+    fd, where = logsink.open_output(spec.component, log_dir)
+    try:
+        popen = spawn(list(spec.argv), env, str(spec.cwd), fd)
+    finally:
+        os.close(fd)
+    return Launched(record_of(popen.pid), popen, where)
+
+
+def _worker_address(spec: LaunchSpec) -> str:
+    argv = list(spec.argv)
+    return argv[argv.index("--worker_address") + 1]
+
+
+async def _launch_daemonizing(spec: LaunchSpec, env: dict[str, str], log_dir: Path,
+                              capture_dir: Path, timeout_s: float) -> Launched:
+    capture_dir.mkdir(parents=True, exist_ok=True)
+    capture = capture_dir / "dscli.out"
+    fd = os.open(capture, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    try:
+        popen = spawn(list(spec.argv), env, str(spec.cwd), fd)
+    finally:
+        os.close(fd)
+    launcher = record_of(popen.pid)
+    watch = ExitWatch(popen.pid, popen)
+    worker_pid: int | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not watch.done.done():
+                worker_pid = worker_pid or parse_dscli_pid(capture.read_text(errors="replace"))
+                await asyncio.wait({watch.done}, timeout=0.1)
+        code = watch.done.result()
+    except (asyncio.CancelledError, TimeoutError):
+        await stop_tree(launcher, 2.0, f"{spec.component} launcher")
+        if worker_pid is not None:
+            with contextlib.suppress(LaunchError):
+                await stop_tree(record_of(worker_pid), 15.0, spec.component)
+        raise
+    finally:
+        watch.close()
+    output = capture.read_text(errors="replace")
+    logsink.append_text(spec.component, log_dir, output)
+    if code != 0:
+        tail = " | ".join(line.strip() for line in output.strip().splitlines()[-3:])
+        raise LaunchError(f"{spec.argv[0]} start exited with {code}: {tail or 'no output'}")
+    pid = parse_dscli_pid(output)
+    if pid is None:
+        raise LaunchError(f"{spec.argv[0]} start printed no worker PID")
+    return Launched(find_datasystem_worker(pid, _worker_address(spec)), None, str(capture))

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install and run the agent on the embedded local default: real etcd, the real datasystem worker and the vLLM
+# stand-in on loopback, all state under .dsv4-agent/. Ctrl-C (SIGTERM) stops the stack in reverse order.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-dev.sh
+echo "dsv4-agent: starting on config/local.yaml (logs: .dsv4-agent/logs/, state: .dsv4-agent/state/)" >&2
+exec .venv/bin/dsv4-agent --config config/local.yaml "$@"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything the tests need on a fresh Debian/Ubuntu machine, then run them.
+# Host packages: bash, procps (for operators), and for the systemd system tests: debootstrap,
+# systemd-container (nspawn), systemd (systemd-analyze), mosquitto. Python: .venv with the [test] extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+for pair in debootstrap:debootstrap systemd-nspawn:systemd-container systemd-analyze:systemd mosquitto:mosquitto \
+            nsenter:util-linux; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
+done
+if [ "${#need[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test.sh: installing ${need[*]}" >&2
+  apt-get update -qq >/dev/null
+  # --no-install-recommends: systemd-container's recommends would edit nsswitch.conf
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+EXTRAS=test scripts/install-dev.sh
+.venv/bin/ruff check nodeagent tests bench scripts
+exec .venv/bin/pytest -q -p no:cacheprovider "$@"

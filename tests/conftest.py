@@ -1,0 +1,140 @@
+"""Shared fixtures: free ports, and an agent run on config/local.yaml in a private folder."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            last = check()
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def session_pids(sid: int) -> set[int]:
+    pids = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(Exception):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.add(proc.pid)
+    return pids
+
+
+class LocalAgent:
+    """dsv4-agent on config/local.yaml with its own home folder and free ports."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+            "DSV4_AGENT_HOME": str(home),
+            "DSV4_ETCD_PORT": str(free_port()),
+            "DSV4_ETCD_PEER_PORT": str(free_port()),
+            "DSV4_WORKER_PORT": str(free_port()),
+            "DSV4_VLLM_PORT": str(free_port()),
+            "DSV4_API_PORT": str(free_port()),
+            "DSV4_STANDIN_DELAY_S": "0.5",
+            "VLLM_STANDIN_ORPHAN_EXIT_S": "120",
+        }
+        for var in ("NOTIFY_SOCKET", "INVOCATION_ID", "JOURNAL_STREAM", "WATCHDOG_USEC"):
+            self.env.pop(var, None)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.known_sids: set[int] = set()
+
+    @property
+    def state_dir(self) -> Path:
+        return self.home / "state"
+
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+        log = open(self.home / "agent.log", "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [str(BIN / "dsv4-agent"), "--config", str(ROOT / "config" / "local.yaml"), *extra],
+            env=self.env, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        return self.proc
+
+    def status(self) -> dict[str, Any]:
+        return json.loads((self.state_dir / "status.json").read_text())
+
+    def children(self) -> dict[str, Any]:
+        data = json.loads((self.state_dir / "children.json").read_text())["children"]
+        self.known_sids.update(int(rec["sid"]) for rec in data.values())
+        return data
+
+    def states(self) -> dict[str, str]:
+        return {n: c["state"] for n, c in self.status()["components"].items()}
+
+    def wait_states(self, want: dict[str, set[str]], timeout: float = 90.0) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            comps = self.status()["components"]
+            ok = all(comps[n]["state"] in allowed for n, allowed in want.items())
+            return comps if ok else None
+
+        return wait_for(f"states {want}", check, timeout)
+
+    def wait_all_up(self, timeout: float = 120.0) -> dict[str, Any]:
+        self.wait_states({n: {"running", "ready"} for n in ("etcd", "datasystem", "vllm")}, timeout)
+        return self.children()
+
+    def log(self) -> str:
+        return (self.home / "agent.log").read_text(errors="replace")
+
+    def terminate(self, timeout: float = 120.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        """Whatever happened, leave nothing behind: the agent, then every session it recorded."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.terminate(60)
+            if self.proc.poll() is None:
+                self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.children()
+        for sid in self.known_sids:
+            for pid in session_pids(sid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def local_agent(tmp_path: Path) -> Iterator[LocalAgent]:
+    agent = LocalAgent(tmp_path / "home")
+    agent.home.mkdir()
+    try:
+        yield agent
+    finally:
+        agent.cleanup()
