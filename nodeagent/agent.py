@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from loguru import logger
-
 from nodeagent import __version__
 from nodeagent.config import load_config
 from nodeagent.config_model import Config

@@ -811,12 +811,13 @@ def _kill_processes(action: KillProcesses) -> tuple[bool, str]:
 
 
 def _signal(proc: psutil.Process, how: str) -> None:
-    with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
-        proc.terminate() if how == "terminate" else proc.kill()
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        proc.terminate() if how == "terminate" else proc.kill()  # a denied one shows up as still alive
 
 
 def port_in_use(port: int) -> bool:
-    """Busy if something listens on it (any address family) or an IPv4 wildcard bind fails."""
+    """Busy if a wildcard bind, IPv4 or IPv6, fails with EADDRINUSE (SO_REUSEADDR, as servers bind:
+    TIME_WAIT leftovers do not count)."""
     for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -982,29 +983,3 @@ def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
     if kept:
         detail += f"; kept {len(kept)} in use: " + ", ".join(kept[:20])
     return True, detail
-
-
-__all__ = [
-    "ActionOutcome",
-    "ArchiveThenRemove",
-    "KillProcesses",
-    "ProcInfo",
-    "ProcessMatch",
-    "RemoveFile",
-    "RemoveShmSegments",
-    "RemoveTree",
-    "ResidueAction",
-    "ResiduePlan",
-    "UnsafePathError",
-    "WaitDevicesFree",
-    "WaitPortsFree",
-    "archive_name",
-    "archives_to_prune",
-    "check_deletable",
-    "execute",
-    "find_leftovers",
-    "match_reason",
-    "plan_start_cleanup",
-    "residue_roots",
-    "validate_residue_paths",
-]

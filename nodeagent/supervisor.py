@@ -12,15 +12,17 @@ from typing import Any
 from nodeagent import launcher, residue
 from nodeagent.component import Component, State
 from nodeagent.config_model import Config
-from nodeagent.errors import UnknownComponentError
+from nodeagent.errors import LaunchError, UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.graph import start_order
 from nodeagent.policy import Intent, RedeployTracker, RestartTracker, may_act, restarts_with
-from nodeagent.process import ProcessRecord, stop_tree
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, resolve_probe_set
+from nodeagent.process import ProcessRecord, stop_tree
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
+
+BLOCKING_RESIDUE = (residue.KillProcesses, residue.WaitPortsFree, residue.WaitDevicesFree)
 
 
 class Supervisor:
@@ -93,9 +95,18 @@ class Supervisor:
         for callback in self.on_state_change:
             callback()
 
-    async def before_start(self, comp: Component, scope: str = "start") -> None:
-        plan = residue.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope)
-        await residue.execute(plan)
+    async def before_start(self, comp: Component, scope: str = "start", reason: str | None = None) -> None:
+        """Clean residue; a leftover that would not die or a port that stays busy fails the start, since a
+        duplicate start must never happen (a second `dscli start` deletes the live worker's ready file)."""
+        plan = residue.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
+                                          reason=reason)  # fmt: skip
+        outcomes = await residue.execute(plan)
+        blocking = [o for o in outcomes if not o.ok and isinstance(o.action, BLOCKING_RESIDUE)]
+        if blocking:
+            raise LaunchError("start blocked by residue: " + "; ".join(o.detail for o in blocking))
+        failed = [o for o in outcomes if not o.ok and o not in blocking]
+        for outcome in failed:
+            self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
 
     async def launch(self, comp: Component) -> launcher.Launched:
         spec = render_component(comp.name, self.config, self.base_env)
@@ -129,7 +140,7 @@ class Supervisor:
             elif role == "liveness" and status == "failure":
                 comp.signal("liveness_failed", gen, detail)
             elif role == "liveness" and status == "success":
-                self.trackers[comp.name].record_healthy(time.time())
+                self.policy_healthy(comp)
             elif role == "readiness" and status in ("success", "failure"):
                 comp.signal("ready" if status == "success" else "not_ready", gen, detail)
 
@@ -152,7 +163,21 @@ class Supervisor:
 
     # ---- policy ---------------------------------------------------------------------------------------------
     def policy_started(self, comp: Component) -> None:
-        self.trackers[comp.name].record_start(time.time())
+        now = time.time()
+        self.trackers[comp.name].record_start(now)
+        if not comp.cfg.probes.liveness:
+            self.trackers[comp.name].record_healthy(now)
+
+    def policy_healthy(self, comp: Component) -> None:
+        """A passing liveness check; once every component ran stably the node's failed state clears."""
+        now = time.time()
+        cleared = self.trackers[comp.name].record_healthy(now)
+        if self.redeploys.failed and all(t.is_stable(now) for t in self.trackers.values()):
+            self.redeploys.record_stable()
+            self.events.emit("recovered", "every component ran stably: node failed state cleared")
+            cleared = True
+        if cleared:
+            self._save_intent()
 
     def policy_failure(self, comp: Component, detail: str) -> Any:
         ok, why = may_act(self.intent(comp.name), "restart")
@@ -226,9 +251,13 @@ class Supervisor:
         await self._stop_all_processes()
         for name in self.order:
             comp = self.components[name]
-            ok, why = may_act(self.intent(name), "restart")
-            if ok:
-                await self.before_start(comp, scope="redeploy")
+            ok, why = may_act(self.intent(name), "redeploy")
+            if not ok:
+                self.events.emit("no_action", f"redeploy leaves it alone: {why}", name)
+                continue
+            await self.before_start(comp, scope="redeploy", reason=reason)
+            self.trackers[name].record_redeploy(time.time())
+        self._save_intent()
         self.redeploying = None
         for name in self.order:
             self.tasks[name] = asyncio.create_task(self.components[name].run(None), name=f"component:{name}")
