@@ -33,6 +33,8 @@ class Supervisor:
         self.base_env = launcher.base_environment()
         self.intent_changed = asyncio.Event()
         self.on_state_change: list[Any] = []
+        self.on_probe_result: list[Any] = []
+        """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
         self.components = {name: Component(name, active[name], self) for name in self.order}
@@ -144,7 +146,11 @@ class Supervisor:
             elif role == "readiness" and status in ("success", "failure"):
                 comp.signal("ready" if status == "success" else "not_ready", gen, detail)
 
-        comp.prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change)
+        def on_result(role: str, probe: Any, result: Any) -> None:
+            for callback in self.on_probe_result:
+                callback(comp.name, role, result)
+
+        comp.prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
         comp.prober.start(comp.started_at or time.time())
 
     def stop_probes(self, comp: Component) -> None:
@@ -304,6 +310,30 @@ class Supervisor:
         else:
             await self._stop_all_processes()
         await self.probe_ctx.close()
+
+    def reload(self, config: Config) -> dict[str, list[str]]:
+        """Take a new config; restart only components whose rendered argv, env, cwd or files changed.
+
+        Added or removed components need an agent restart (their tasks and ordering are fixed at start)."""
+        old_names, new_names = set(self.components), set(config.active_components())
+        if old_names != new_names:
+            raise ValueError(
+                f"reload cannot add or remove components ({', '.join(sorted(old_names ^ new_names))}): "
+                "restart the agent (nodeagentctl detach + systemctl restart keeps the stack running)"
+            )
+        self.config = config
+        changed, unchanged = [], []
+        for name, comp in self.components.items():
+            comp.cfg = config.components[name]
+            self.trackers[name].spec = comp.cfg.restart
+            fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
+            if comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
+                changed.append(name)
+                comp.signal("restart", None, "config reload changed its command or environment")
+            else:
+                unchanged.append(name)
+        self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
+        return {"restarted": changed, "unchanged": unchanged}
 
     def status(self) -> dict[str, Any]:
         return {
