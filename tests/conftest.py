@@ -51,8 +51,9 @@ def session_pids(sid: int) -> set[int]:
 class LocalAgent:
     """dsv4-agent on config/local.yaml with its own home folder and free ports."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, config_path: Path | None = None) -> None:
         self.home = home
+        self.config_path = config_path or ROOT / "config" / "local.yaml"
         self.env = {
             **os.environ,
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
@@ -77,7 +78,7 @@ class LocalAgent:
     def start(self, *extra: str) -> subprocess.Popen[bytes]:
         log = open(self.home / "agent.log", "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [str(BIN / "dsv4-agent"), "--config", str(ROOT / "config" / "local.yaml"), *extra],
+            [str(BIN / "dsv4-agent"), "--config", str(self.config_path), *extra],
             env=self.env, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
         log.close()
@@ -128,6 +129,20 @@ class LocalAgent:
             for pid in session_pids(sid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def derived_config(path: Path, changes: dict[str, Any]) -> Path:
+    """config/local.yaml with `changes` deep-merged in (e.g. faster probes), written to `path`."""
+    import yaml
+
+    def merge(base: Any, extra: Any) -> Any:
+        if isinstance(base, dict) and isinstance(extra, dict):
+            return {**base, **{k: merge(base.get(k), v) for k, v in extra.items()}}
+        return extra
+
+    data = yaml.safe_load((ROOT / "config" / "local.yaml").read_text())
+    path.write_text(yaml.safe_dump(merge(data, changes), sort_keys=False))
+    return path
 
 
 @pytest.fixture
