@@ -96,9 +96,7 @@ def _grow_sndbuf(sock: socket.socket, size: int) -> None:
 class JournalSender:
     """Sends native-protocol entries to one journald socket through one unbound datagram socket."""
 
-    def __init__(
-        self, socket_path: str = JOURNAL_SOCKET, sndbuf: int = _SNDBUF, timeout: float = 1.0
-    ) -> None:
+    def __init__(self, socket_path: str = JOURNAL_SOCKET, sndbuf: int = _SNDBUF, timeout: float = 1.0) -> None:
         """``socket_path`` is a parameter so tests can run a fake journald; ``sndbuf`` sizes the datagrams.
 
         ``timeout`` bounds how long a send may block on a journald that stopped reading: the asyncio agent
@@ -133,7 +131,8 @@ class JournalSender:
             if name is not None and name not in ("MESSAGE", "PRIORITY"):
                 entry[name] = value
         if entry.get("SYSLOG_IDENTIFIER") is None:
-            entry["SYSLOG_IDENTIFIER"] = os.path.basename(sys.argv[0] or "") or "python"
+            prog = os.path.basename(sys.argv[0] or "")
+            entry["SYSLOG_IDENTIFIER"] = prog if prog and not prog.startswith("-") else "python"
         return self.send_raw(encode_entry(entry))
 
     def send_raw(self, payload: bytes) -> bool:
@@ -164,9 +163,7 @@ class JournalSender:
                 view = view[os.write(fd, view) :]
             seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-            sock.sendmsg(
-                [], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], 0, self.socket_path
-            )
+            sock.sendmsg([], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], 0, self.socket_path)
             return True
         except OSError:
             return False

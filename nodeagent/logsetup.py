@@ -125,9 +125,7 @@ class _InterceptHandler(logging.Handler):
         while frame is not None and (depth == 0 or frame.f_code.co_filename == logging.__file__):
             frame = frame.f_back
             depth += 1
-        logger.bind(logger=record.name).opt(depth=depth, exception=record.exc_info).log(
-            level, record.getMessage()
-        )
+        logger.bind(logger=record.name).opt(depth=depth, exception=record.exc_info).log(level, record.getMessage())
 
 
 def setup_logging(
@@ -158,6 +156,7 @@ def setup_logging(
     elif fmt not in ("text", "json", "journal"):
         raise ValueError(f"log format must be auto, text, json or journal, not {fmt!r}")
 
+    levelno = logger.level(level).no  # ValueError for an unknown level, before any sink is removed
     logger.remove()
     if chosen == "journal":
         sender = journal.JournalSender(journal_socket)
@@ -168,7 +167,7 @@ def setup_logging(
         logger.add(out, level=level, format=_text_format, colorize=False, backtrace=False, diagnose=False)
 
     # loguru's level numbers match the stdlib's (DEBUG 10 … CRITICAL 50), so the root logger filters alike.
-    logging.basicConfig(handlers=[_InterceptHandler()], level=logger.level(level).no, force=True)
+    logging.basicConfig(handlers=[_InterceptHandler()], level=levelno, force=True)
     if fmt == "journal" and chosen != "journal":
         logger.warning("log format 'journal' requested but journald is not available; logging text to stderr")
     return chosen

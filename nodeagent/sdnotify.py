@@ -82,10 +82,13 @@ class Notifier:
         return watchdog_interval(self._environ) if self.enabled else None
 
     def send(self, **fields: str | int) -> bool:
-        """Send the given fields (``send(STATUS="x", READY=1)``) as one datagram. False if not sent."""
+        """Send the given fields (``send(STATUS="x", READY=1)``) as one datagram. False if not sent.
+
+        A newline inside a value would start a new assignment, so it becomes a space.
+        """
         if self._address is None or not fields:
             return False
-        payload = "".join(f"{k}={v}\n" for k, v in fields.items()).encode()
+        payload = "".join(f"{k}={str(v).replace(chr(10), ' ')}\n" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -104,7 +107,7 @@ class Notifier:
 
     def status(self, text: str) -> bool:
         """STATUS=<one line> shown by ``systemctl status``."""
-        return self.send(STATUS=text.replace("\n", " "))
+        return self.send(STATUS=text)
 
     def watchdog(self) -> bool:
         """WATCHDOG=1: keep-alive ping, due every watchdog_interval()/2 seconds."""

@@ -23,6 +23,10 @@ if [[ $(id -u) -ne 0 ]]; then
     exit 1
 fi
 
+mkdir -p "$(dirname "$DIR")"
+# Two test runs may ask at once: one builds, the other waits and then finds it current.
+exec 9>"$DIR.lock"
+flock 9
 if [[ -f "$DIR/$STAMP_NAME" && "$(cat "$DIR/$STAMP_NAME")" == "$STAMP_TEXT" ]]; then
     log "cached rootfs is current: $DIR"
     exit 0
@@ -84,7 +88,6 @@ if [[ -z "$MIRROR" ]]; then
 fi
 
 TMP="$DIR.tmp"
-mkdir -p "$(dirname "$DIR")"
 rm -rf "$TMP"
 log "debootstrap $SUITE ($VARIANT, +$PACKAGES) from $MIRROR into $TMP"
 start=$(date +%s)
