@@ -257,9 +257,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
 def resolve_probe_set(component: AnyComponent, config: Config) -> dict[str, list[ResolvedProbe]]:
     """Every role's probes of one component, resolved; a role without probes maps to []."""
     probes = component.probes
-    return {
-        role: [resolve_probe(spec, component, config) for spec in getattr(probes, role)] for role in ROLES
-    }
+    return {role: [resolve_probe(spec, component, config) for spec in getattr(probes, role)] for role in ROLES}
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -313,9 +311,7 @@ def _b64(data: str) -> str:
     return base64.b64encode(data.encode()).decode()
 
 
-async def check_etcd(
-    session: aiohttp.ClientSession, endpoint: str, put_get: bool, key: str | None
-) -> tuple[bool, str]:
+async def check_etcd(session: aiohttp.ClientSession, endpoint: str, put_get: bool, key: str | None) -> tuple[bool, str]:
     """`/health` says the member has a leader and no alarm; the put/get proves a write commits."""
     base = f"http://{endpoint}"
     try:
