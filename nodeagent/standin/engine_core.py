@@ -195,6 +195,7 @@ class Engine:
         local_blocks = cfg.local_blocks if cfg.prefix_caching else 0
         self.cache = PrefixCacheSim(cfg.block_size, local_blocks, cfg.external_blocks)
         self.clients: set[_Client] = set()
+        self._client_tasks: set[asyncio.Task[Any]] = set()
         self.waiting: deque[_Request] = deque()
         self.running: dict[str, _Request] = {}
         self.workers = [_Worker(rank, pid, sock) for rank, pid, sock in workers]
@@ -246,6 +247,10 @@ class Engine:
             server.close()
         for client in list(self.clients):
             client.writer.close()
+        if self._client_tasks:
+            # Let the connection handlers see EOF and return: Python 3.11's asyncio logs a spurious
+            # traceback for handler tasks that are still pending (and so cancelled) at loop teardown.
+            await asyncio.wait(self._client_tasks, timeout=0.5)
         await self._stop_workers()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.cfg.socket_path)
@@ -283,13 +288,16 @@ class Engine:
         )
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._client_tasks.add(task)
+            task.add_done_callback(self._client_tasks.discard)
         client = _Client(writer)
         self.clients.add(client)
         client.send(
             {
                 "t": "ready",
                 "pid": os.getpid(),
-                "workers": [w.pid for w in self.workers],
                 "block_size": self.cfg.block_size,
                 "kv_blocks": self.cache.local.capacity,
             }
@@ -329,9 +337,7 @@ class Engine:
     def _set_fault(self, mode: str, n: int) -> None:
         self.fault_mode = mode if mode in ENGINE_FAULTS else "none"
         self.fault_n = n if self.fault_mode == "crash_after" else 0
-        log(
-            PROC, "core.py:388", f"stand-in fault mode set to {self.fault_mode} (n={self.fault_n})", "WARNING"
-        )
+        log(PROC, "core.py:388", f"stand-in fault mode set to {self.fault_mode} (n={self.fault_n})", "WARNING")
         if self.fault_mode == "crash_after" and self.fault_n <= 0:
             self._crash_reason = "crash_after fault reached 0 completions"
         self._broadcast(self._fault_message())
@@ -354,7 +360,10 @@ class Engine:
                 now = time.monotonic()
                 ready = [r for r in self.running.values() if r.ready_at <= now]
                 if ready:
-                    await asyncio.gather(*(w.step() for w in self.workers))
+                    try:
+                        await asyncio.gather(*(w.step() for w in self.workers))
+                    except (FatalEngineError, OSError) as exc:
+                        await self._crash(f"model step failed: {exc}")
                     self._publish(self._advance(ready))
                     if self._crash_reason is None:
                         await asyncio.sleep(self.cfg.step_s)
@@ -453,12 +462,14 @@ class Engine:
     async def _watch_worker(self, worker: _Worker) -> None:
         code = await wait_child(worker.pid)
         worker.exited = True
+        with contextlib.suppress(TimeoutError):
+            # A group-wide SIGTERM (systemd stop) reaches the workers too; that is a shutdown, not a crash.
+            await asyncio.wait_for(self.stop.wait(), timeout=0.2)
         if not self.stop.is_set():
             log(
                 PROC,
                 "multiproc_executor.py:154",
-                f"Worker proc VllmWorker-{worker.rank} died unexpectedly (exit code {code}), "
-                "shutting down executor.",
+                f"Worker proc VllmWorker-{worker.rank} died unexpectedly (exit code {code}), shutting down executor.",
                 level="ERROR",
             )
             await self._crash(f"worker {worker.rank} died")

@@ -3,8 +3,15 @@
 It behaves like `vllm serve` wherever the supervisor can see it: the same command line (unknown
 flags are accepted and ignored), the same process tree (`VLLM::EngineCore` with `VLLM::Worker_TPn`
 children that survive a SIGKILL of this process), the port bound only after "loading weights",
-vLLM-shaped log lines, OpenAI endpoints, and vLLM's Prometheus metric names. `/standin/fault`
-switches fault modes at run time so tests can drive every failure the supervisor must handle.
+vLLM-shaped log lines, OpenAI endpoints, and vLLM's Prometheus metric names.
+
+Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
+--tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `crash_after:N`),
+VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
+VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing for NPU memory),
+VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
+blocks = no KV connector), VLLM_STANDIN_STEP_S / _PREFILL_TOKENS_PER_S (speed), and vLLM's own
+VLLM_LOG_STATS_INTERVAL (10 s). `GET|POST /standin/fault` reads or switches the fault mode.
 """
 
 from __future__ import annotations
@@ -83,9 +90,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-USAGE = (
-    "usage: vllm-standin serve MODEL [--host HOST] [--port PORT] [--served-model-name NAME ...] [vllm flags]"
-)
+USAGE = "usage: vllm-standin serve MODEL [--host HOST] [--port PORT] [--served-model-name NAME ...] [vllm flags]"
 
 
 class UsageError(Exception):
@@ -149,9 +154,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         flags_seen.add(name)
         if eq:
             value: str | None = attached
-        elif (
-            name in BOOL_FLAGS or name.startswith(BOOL_PREFIXES) or (name.startswith("-O") and len(name) > 2)
-        ):
+        elif name in BOOL_FLAGS or name.startswith(BOOL_PREFIXES) or (name.startswith("-O") and len(name) > 2):
             value = None
         elif name == "--served-model-name":
             while i < len(argv) and not _looks_like_flag(argv[i]):
@@ -194,13 +197,9 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
     if "--max-num-seqs" in options:
         args.max_num_seqs = max(1, _parse_int("--max-num-seqs", options["--max-num-seqs"]))
     if "--tensor-parallel-size" in options:
-        args.tensor_parallel_size = max(
-            1, _parse_int("--tensor-parallel-size", options["--tensor-parallel-size"])
-        )
+        args.tensor_parallel_size = max(1, _parse_int("--tensor-parallel-size", options["--tensor-parallel-size"]))
     if "--max-model-len" in options:
-        args.max_model_len = max(
-            1, _parse_int("--max-model-len", options["--max-model-len"], allow_suffix=True)
-        )
+        args.max_model_len = max(1, _parse_int("--max-model-len", options["--max-model-len"], allow_suffix=True))
     args.enable_prefix_caching = "--no-enable-prefix-caching" not in flags_seen
     args.access_log = "--disable-uvicorn-access-log" not in flags_seen
     args.log_stats = "--disable-log-stats" not in flags_seen
@@ -312,7 +311,7 @@ class Metrics:
             return Counter(name, doc, labels, registry=reg).labels(*values)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labels, registry=reg, multiprocess_mode="mostrecent").labels(*values)
+            return Gauge(name, doc, labels, registry=reg).labels(*values)
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -320,9 +319,7 @@ class Metrics:
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.external_queries = counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
@@ -374,9 +371,7 @@ class EngineClient:
         self.on_stats = on_stats
         self.on_fault = on_fault
         self.proc: subprocess.Popen[bytes] | None = None
-        self.worker_pids: list[int] = []
         self.errored = False
-        self.stopping = False
         self.dead = asyncio.Event()
         self.death_reason = ""
         self._writer: asyncio.StreamWriter | None = None
@@ -400,14 +395,20 @@ class EngineClient:
             except (FileNotFoundError, ConnectionRefusedError):
                 await asyncio.sleep(0.05)
         self._writer = writer
+        handshake = asyncio.ensure_future(reader.readline())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({handshake, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not handshake.done():
+            handshake.cancel()
+            return False
         try:
-            hello = json.loads(await reader.readline())
-        except ValueError:
+            hello = json.loads(handshake.result() or b"{}")
+        except (ValueError, ConnectionError):
             hello = {}
         if hello.get("t") != "ready":
             self._mark_dead("EngineCore closed the connection during the handshake")
             return False
-        self.worker_pids = [int(p) for p in hello.get("workers", [])]
         self._tasks.append(asyncio.create_task(self._read_loop(reader)))
         return True
 
@@ -455,9 +456,7 @@ class EngineClient:
         self._queues[rid] = queue
         finished = False
         try:
-            self.send(
-                {"t": "add", "id": rid, "tokens": tokens, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
-            )
+            self.send({"t": "add", "id": rid, "tokens": tokens, "max_tokens": max_tokens, "ignore_eos": ignore_eos})
             while not finished:
                 item = await queue.get()
                 if item is None:
@@ -471,7 +470,6 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         """SIGTERM the engine (it stops its workers), SIGKILL it if it has not gone within 1.5 s."""
-        self.stopping = True
         if self._writer is not None:
             self._writer.close()
         proc = self.proc
@@ -566,9 +564,7 @@ class ApiServer:
             await self.engine.shutdown()
             if stop.is_set():
                 return 0
-            log(
-                PROC, "core_client.py:683", f"EngineCore failed to start: {self.engine.death_reason}", "ERROR"
-            )
+            log(PROC, "core_client.py:683", f"EngineCore failed to start: {self.engine.death_reason}", "ERROR")
             log(
                 PROC,
                 "api_server.py:1901",
@@ -590,7 +586,8 @@ class ApiServer:
         try:
             await web.TCPSite(runner, args.host, args.port).start()
         except OSError as exc:
-            log(PROC, "api_server.py:1925", f"OSError: [Errno {exc.errno}] {exc.strerror}", level="ERROR")
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            log(PROC, "api_server.py:1925", f"OSError: [Errno {exc.errno}] {reason}", level="ERROR")
             await runner.cleanup()
             await self.engine.shutdown()
             return 1
@@ -623,7 +620,6 @@ class ApiServer:
         for task in (stop_wait, dead_wait, stats_task):
             if task is not None:
                 task.cancel()
-        self.engine.stopping = True
         await runner.cleanup()
         await self.engine.shutdown()
         log_plain(PROC, "INFO:     Application shutdown complete.")
@@ -740,9 +736,7 @@ class ApiServer:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_fault(self, request: web.Request) -> web.Response:
         return web.json_response({"mode": self.fault_mode, "n": self.fault_n})
@@ -831,9 +825,7 @@ class ApiServer:
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             return await self._stream_response(request, job, results, include_usage)
 
-    async def _full_response(
-        self, job: _Job, results: AsyncIterator[tuple[list[str], str | None]]
-    ) -> web.Response:
+    async def _full_response(self, job: _Job, results: AsyncIterator[tuple[list[str], str | None]]) -> web.Response:
         words: list[str] = []
         finish: str | None = None
         async for delta, reason in results:
@@ -878,9 +870,7 @@ class ApiServer:
         include_usage: bool,
     ) -> web.StreamResponse:
         """Server-sent events like vLLM: headers at once, a role chunk with the first output, then deltas."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         kind = "chat.completion.chunk" if job.chat else "text_completion"
 
@@ -903,9 +893,7 @@ class ApiServer:
                 if job.chat:
                     if completion_tokens == 0:
                         role = {"role": "assistant", "content": ""}
-                        await send(
-                            chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
-                        )
+                        await send(chunk([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}]))
                     choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None}
