@@ -115,6 +115,10 @@ class AgentSettings(Strict):
     log_keep: int = Field(default=5, ge=1)
     archive_keep: int = Field(default=10, ge=1)
     """How many compressed log archives per component survive residue cleanup."""
+    systemd_scopes: Literal["auto", "always", "never"] = "auto"
+    """Under systemd, run each component in its own transient scope (`systemd-run --scope`): with the unit's
+    KillMode=mixed, an agent crash or watchdog restart then cannot SIGKILL the stack, and the next agent adopts
+    it. auto = when systemd is PID 1 and systemd-run exists."""
     residue_roots: list[ConfigPath] = Field(default_factory=list)
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,54 @@ def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return env
 
 
+_RESET_OOM = 'echo 0 > /proc/self/oom_score_adj 2>/dev/null; exec "$0" "$@"'
+
+
+def _own_oom_score_adj() -> int:
+    try:
+        return int(Path("/proc/self/oom_score_adj").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def systemd_is_init() -> bool:
+    return Path("/run/systemd/system").is_dir()
+
+
+def host_argv(argv: list[str], unit: str | None, oom_reset: bool, relay: tuple[str, str] | None = None) -> list[str]:
+    """Wrap a command for the host: a transient scope of its own (systemd-run --scope execs the command, so the
+    PID is the same and nothing forks before the move), and the OOM score the unit shields the agent with
+    (OOMScoreAdjust=-900) reset to 0 before the real program starts, so vLLM is not shielded."""
+    if relay is not None:
+        argv = [sys.executable, "-m", "nodeagent.logrelay", relay[0], relay[1], "--", *argv]
+    if oom_reset:
+        argv = ["/bin/sh", "-c", _RESET_OOM, *argv]
+    if unit:
+        argv = ["systemd-run", "--scope", "--quiet", "--collect", f"--unit={unit}",
+                "--description=dsv4-agent component", "--", *argv]  # fmt: skip
+    return argv
+
+
+def agent_unit() -> str:
+    """The unit the agent runs as (from its own cgroup), so relayed output is filed under it."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            for part in reversed(line.rpartition(":")[2].split("/")):
+                if part.endswith(".service"):
+                    return part
+    except OSError:
+        pass
+    return "dsv4-agent.service"
+
+
+def scope_unit(mode: str, cluster: str, component: str) -> str | None:
+    """The transient scope name for a start, or None when scopes are off or unavailable."""
+    if mode == "never" or (mode == "auto" and not (systemd_is_init() and shutil.which("systemd-run"))):
+        return None
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{cluster}-{component}")
+    return f"dsv4-{safe}-{time.time_ns() // 1_000_000}.scope"
+
+
 @dataclass
 class Launched:
     record: ProcessRecord
@@ -62,17 +112,20 @@ def _prepare(spec: LaunchSpec, env: Mapping[str, str]) -> None:
 
 
 async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
-                 capture_dir: Path, timeout_s: float = 900.0) -> Launched:
+                 capture_dir: Path, timeout_s: float = 900.0, scope: str | None = None) -> Launched:
     env = spec.environment(base_env)
+    # In a scope, journald would file a stream's lines under the scope: relay them as the agent's unit instead.
+    relay = (spec.component, agent_unit()) if scope and not spec.daemonizes and logsink.use_journal() else None
+    argv = host_argv(list(spec.argv), scope, _own_oom_score_adj() != 0, relay)
     try:
         _prepare(spec, env)
     except OSError as exc:
         raise LaunchError(f"cannot prepare {spec.cwd}: {exc}") from None
     if spec.daemonizes:
-        return await _launch_daemonizing(spec, env, log_dir, capture_dir, timeout_s)
+        return await _launch_daemonizing(spec, argv, env, log_dir, capture_dir, timeout_s)
     fd, where = logsink.open_output(spec.component, log_dir)
     try:
-        popen = spawn(list(spec.argv), env, str(spec.cwd), fd)
+        popen = spawn(argv, env, str(spec.cwd), fd)
     finally:
         os.close(fd)
     return Launched(record_of(popen.pid), popen, where)
@@ -83,13 +136,13 @@ def _worker_address(spec: LaunchSpec) -> str:
     return argv[argv.index("--worker_address") + 1]
 
 
-async def _launch_daemonizing(spec: LaunchSpec, env: dict[str, str], log_dir: Path,
+async def _launch_daemonizing(spec: LaunchSpec, argv: list[str], env: dict[str, str], log_dir: Path,
                               capture_dir: Path, timeout_s: float) -> Launched:
     capture_dir.mkdir(parents=True, exist_ok=True)
     capture = capture_dir / "dscli.out"
     fd = os.open(capture, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
     try:
-        popen = spawn(list(spec.argv), env, str(spec.cwd), fd)
+        popen = spawn(argv, env, str(spec.cwd), fd)
     finally:
         os.close(fd)
     launcher = record_of(popen.pid)

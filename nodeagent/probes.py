@@ -47,6 +47,7 @@ from nodeagent.config_model import (
 )
 from nodeagent.errors import ConfigError
 from nodeagent.probe_defaults import ROLES
+from nodeagent.render import datasystem_etcd_address, datasystem_for
 
 LIVENESS_OK = "liveness check success"
 EMPTY_READ_RETRY_S = 0.02
@@ -122,16 +123,6 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _datasystem_of(config: Config, comp: AnyComponent) -> DatasystemComponent | None:
-    """The datasystem component `comp` talks to: itself, the vllm's named one, or the only one."""
-    if isinstance(comp, DatasystemComponent):
-        return comp
-    found = {n: c for n, c in config.components.items() if isinstance(c, DatasystemComponent)}
-    if isinstance(comp, VllmComponent) and comp.datasystem is not None:
-        return found.get(comp.datasystem)
-    return next(iter(found.values())) if len(found) == 1 else None
-
-
 def _listen_address(comp: AnyComponent, config: Config) -> tuple[str, int | None]:
     """Where the component accepts connections: the address a probe on this node should dial."""
     if isinstance(comp, EtcdComponent):
@@ -205,8 +196,8 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         elif isinstance(component, EtcdComponent):
             host, port = _listen_address(component, config)
             endpoint = f"{_url_host(host)}:{port}"
-        elif isinstance(component, DatasystemComponent) and component.etcd_address:
-            endpoint = _strip_scheme(component.etcd_address)
+        elif isinstance(component, DatasystemComponent):
+            endpoint = _strip_scheme(datasystem_etcd_address(config, component))
         else:
             endpoint = _strip_scheme(config.cluster.etcd_endpoints[0])
         key = f"/dsv4-agent/probe/{_etcd_key_part(config.node.name)}"
@@ -236,7 +227,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         cwd = component.workdir
         return ResolvedProbe(spec, spec.kind, shlex.join(argv), command=argv, cwd=cwd)
     if isinstance(spec, DatasystemKvProbe):
-        ds = _datasystem_of(config, component)
+        ds = datasystem_for(config, component)
         if spec.address:
             address = _strip_scheme(spec.address)
         elif ds is not None:

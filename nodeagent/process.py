@@ -64,8 +64,11 @@ def verify(record: ProcessRecord) -> psutil.Process:
                 raise AdoptError(f"pid {record.pid} was reused by another process")
             if proc.status() == psutil.STATUS_ZOMBIE:
                 raise AdoptError(f"pid {record.pid} has exited (zombie)")
-            if tuple(proc.cmdline()) != record.cmdline:
-                raise AdoptError(f"pid {record.pid} runs a different command now")
+            # pid + create_time identify the process (a reused PID has a later create time); the cmdline
+            # may legitimately differ from the one recorded at spawn: launchers (systemd-run --scope, the
+            # venv's console scripts) exec the real program afterwards. It must still be a live program.
+            if not proc.cmdline():
+                raise AdoptError(f"pid {record.pid} has no command line (kernel thread or exiting)")
         return proc
     except psutil.NoSuchProcess:
         raise AdoptError(f"pid {record.pid} is gone") from None

@@ -214,9 +214,12 @@ def render_vllm_argv(comp: VllmComponent) -> list[str]:
     return argv + comp.extra_args
 
 
-def _datasystem_for(config: Config, comp: VllmComponent) -> DatasystemComponent | None:
+def datasystem_for(config: Config, comp: Any) -> DatasystemComponent | None:
+    """The datasystem a component talks to: itself, the vllm's named one, or the only one."""
+    if isinstance(comp, DatasystemComponent):
+        return comp
     candidates = {n: c for n, c in config.components.items() if isinstance(c, DatasystemComponent)}
-    if comp.datasystem is not None:
+    if isinstance(comp, VllmComponent) and comp.datasystem is not None:
         return candidates.get(comp.datasystem)
     return next(iter(candidates.values()), None) if len(candidates) == 1 else None
 
@@ -242,7 +245,7 @@ def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mappin
         HCCL_OP_EXPANSION_MODE="AIV",
     )
     files: dict[Path, str] = {}
-    datasystem = _datasystem_for(config, comp)
+    datasystem = datasystem_for(config, comp)
     if datasystem is not None:
         addr = f"{ip}:{datasystem.worker_port}"
         env["DS_WORKER_ADDR"] = addr

@@ -114,8 +114,9 @@ class Supervisor:
         spec = render_component(comp.name, self.config, self.base_env)
         comp.fingerprint = launch_fingerprint(spec)
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
+        scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         return await launcher.launch(spec, self.config.agent.log_dir, self.base_env,
-                                     component_dir(self.config, comp.name), timeout)  # fmt: skip
+                                     component_dir(self.config, comp.name), timeout, scope)  # fmt: skip
 
     def remember(self, comp: Component) -> None:
         self._save_children()

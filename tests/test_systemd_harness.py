@@ -1,14 +1,11 @@
 """Our sd_notify, journald and logging code under a real systemd 252 (booted with systemd-nspawn).
 
-Also pins down the systemd behaviour the production unit relies on: with KillMode=process a crashed agent's
-children survive and the restarted agent adopts them; with KillMode=mixed systemd SIGKILLs them at once.
+The production unit with the real agent is exercised in tests/test_systemd_agent.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -219,81 +216,4 @@ LimitCORE=0
     assert unit_processes(c, f"/opt/dsv4-test/{unit}.py") == []
 
 
-FAKE_AGENT = """
-import os, signal, subprocess, sys, time
-from pathlib import Path
-from nodeagent import journal
-from nodeagent.sdnotify import Notifier
 
-n = Notifier()
-state = Path("/run/dsv4-agent/child.pid")  # RuntimeDirectory, preserved across restarts
-pid = int(state.read_text()) if state.exists() else None
-adopted = pid is not None and Path(f"/proc/{pid}").exists()
-if not adopted:
-    fd = journal.open_stream("fakechild")
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import time\\nwhile True: time.sleep(1)", "fake-vllm"],
-        stdout=fd, stderr=fd, start_new_session=True,
-    )
-    os.close(fd)
-    pid = child.pid
-    state.write_text(str(pid))
-
-
-def on_term(signum, frame):
-    n.stopping()
-    os.kill(pid, signal.SIGTERM)
-    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
-        time.sleep(0.05)
-    state.unlink()
-    sys.exit(0)
-
-
-signal.signal(signal.SIGTERM, on_term)
-signal.signal(signal.SIGUSR1, lambda *_: os._exit(1))  # "crash" on demand
-n.ready(status=("adopted" if adopted else "spawned") + f" child {pid}")
-interval = n.watchdog_interval() or 2
-while True:
-    time.sleep(interval / 2)
-    n.watchdog()
-"""
-
-
-def test_production_unit_children_survive_agent_crash(container: SystemdContainer) -> None:
-    """The shipped unit (ExecStart swapped for a fake agent) keeps children across an agent crash."""
-    c = container
-    unit = "dsv4-agent"
-    prod = (REPO / "systemd" / "dsv4-agent.service").read_text()
-    c.write_file("/etc/systemd/system/dsv4-agent.service", prod)
-    dropin = f"ExecStart=\nExecStart={PY} /opt/dsv4-test/fake_agent.py\nEnvironment=PYTHONPATH={REPO}\n"
-    c.write_file("/etc/systemd/system/dsv4-agent.service.d/test.conf", "[Service]\n" + dropin)
-    c.write_file("/opt/dsv4-test/fake_agent.py", FAKE_AGENT)
-    c.run(["systemctl", "daemon-reload"])
-    c.run(["systemctl", "start", unit], timeout=30)
-    st = show(c, unit, "StatusText", "MainPID", "NRestarts")
-    assert st["StatusText"].startswith("spawned child ")
-    child = int(st["StatusText"].rsplit(" ", 1)[1])
-    child_host = c.host_pid_of(child)
-
-    def crash_and_wait_restart(n: int) -> str:
-        os.kill(c.host_pid_of(int(show(c, unit, "MainPID")["MainPID"])), signal.SIGUSR1)
-        wait_for(f"restart #{n}", lambda: show(c, unit, "NRestarts")["NRestarts"] == str(n), timeout=15)
-        wait_for("the agent to be ready again", lambda: show(c, unit, "SubState")["SubState"] == "running")
-        return show(c, unit, "StatusText")["StatusText"]
-
-    # KillMode=process (the shipped unit): the child outlives the crash and the new agent adopts it.
-    assert crash_and_wait_restart(1) == f"adopted child {child}"
-    assert Path(f"/proc/{child_host}").exists()
-
-    # KillMode=mixed, for contrast: the crash takes the child down with it, so the new agent must spawn anew.
-    c.write_file("/etc/systemd/system/dsv4-agent.service.d/mixed.conf", "[Service]\nKillMode=mixed\n")
-    c.run(["systemctl", "daemon-reload"])
-    status = crash_and_wait_restart(2)
-    assert status.startswith("spawned child ") and status != f"spawned child {child}"
-    assert not Path(f"/proc/{child_host}").exists()
-
-    # A clean stop: the agent stops its child itself and nothing is left.
-    c.run(["systemctl", "stop", unit], timeout=60)
-    assert show(c, unit, "ActiveState")["ActiveState"] == "inactive"
-    assert unit_processes(c, "fake_agent.py") == []
-    assert unit_processes(c, "fake-vllm") == []

@@ -58,7 +58,7 @@ def test_unit_settings() -> None:
     assert s["WatchdogSec"] == "30"
     # Children must outlive an agent crash so the next agent adopts them (see the unit's comment and
     # test_systemd_harness.py::test_production_unit_children_survive_agent_crash).
-    assert s["KillMode"] == "process"
+    assert s["KillMode"] == "mixed"
     assert int(s["TimeoutStopSec"]) >= 60 + 10 + 10
     assert int(s["TimeoutStartSec"]) >= 60
     assert s["Restart"] == "always"
