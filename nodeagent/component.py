@@ -102,6 +102,7 @@ class Component:
             outcome, detail = await self._supervise()
             await self._stop_process(detail)
             if outcome == "failure":
+                await self.sup.archive_failure(self, detail)
                 await self._after_failure(detail)
             elif outcome == "restart":
                 self.restarts += 1
@@ -146,6 +147,8 @@ class Component:
                 launched = await self.sup.launch(self)
             except LaunchError as exc:
                 self.last_exit = {"at": time.time(), "reason": f"launch failed: {exc}", "code": None}
+                self.sup.events.emit("launch_failed", str(exc), self.name, "error")
+                await self.sup.archive_failure(self, f"launch failed: {exc}")
                 await self._after_failure(f"launch failed: {exc}")
                 return False
             self.record, self.popen = launched.record, launched.popen
@@ -228,6 +231,7 @@ class Component:
             self.sup.request_redeploy(f"{self.name}: retry after failed state")
             return
         if decision.delay_s > 0:
+            self.backoff_until = time.time() + decision.delay_s
             if decision.action != "failed":
                 self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
                           delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)
@@ -235,7 +239,6 @@ class Component:
 
     async def _sleep_interruptibly(self, delay: float) -> None:
         """Back off, but an operator's start/restart/stop cuts the wait short."""
-        self.backoff_until = time.time() + delay
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):

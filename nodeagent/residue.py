@@ -45,7 +45,7 @@ from nodeagent.config_model import (
 from nodeagent.errors import AgentError
 from nodeagent.render import component_dir, worker_address
 
-Scope = Literal["start", "redeploy"]
+Scope = Literal["start", "redeploy", "failure"]
 
 ENV_COMPONENT = "DSV4_AGENT_COMPONENT"
 ENV_CLUSTER = "DSV4_AGENT_CLUSTER"
@@ -138,6 +138,19 @@ class ArchiveThenRemove:
 
 
 @dataclass(frozen=True)
+class ArchiveEvidence:
+    """Archive the logs of a failed run, leaving them in place (a failure's evidence is not residue)."""
+
+    paths: tuple[Path, ...]
+    archive_dir: Path
+    keep: int = 10
+    reason: str = "failure"
+
+    def describe(self) -> str:
+        return f"archive {', '.join(str(p) for p in self.paths)} to {self.archive_dir}"
+
+
+@dataclass(frozen=True)
 class KillProcesses:
     match: ProcessMatch
     grace_s: float = 10.0
@@ -181,6 +194,7 @@ ResidueAction = (
     RemoveFile
     | RemoveTree
     | ArchiveThenRemove
+    | ArchiveEvidence
     | KillProcesses
     | WaitPortsFree
     | WaitDevicesFree
@@ -325,6 +339,18 @@ def plan_start_cleanup(
         notes.append("wipe_etcd ignored: only a redeploy wipes etcd")
     actions.append(RemoveTree(component_tmpdir(name, config)))
     return ResiduePlan(name, scope, tuple(actions), tuple(residue_roots(config)), tuple(notes))
+
+
+def plan_failure_evidence(name: str, component: Any, config: Config, reason: str) -> ResiduePlan:
+    """After a failure, before cleanup: archive what explains it — the component's log file (journald keeps
+    its own copy under systemd) and, for the datasystem worker, its own logs folder."""
+    from nodeagent.logsink import log_path
+
+    paths = [log_path(config.agent.log_dir, name)]
+    if isinstance(component, DatasystemComponent):
+        paths.append(component_workdir(name, component, config) / "datasystem" / "logs")
+    action = ArchiveEvidence(tuple(paths), archive_dir(name, config), config.agent.archive_keep, reason)
+    return ResiduePlan(name, "failure", (action,), tuple(residue_roots(config)), ())
 
 
 def residue_roots(config: Config) -> list[Path]:
@@ -587,6 +613,8 @@ async def _run(action: ResidueAction, roots: Sequence[Path]) -> tuple[bool, str]
         return await asyncio.to_thread(_remove_tree, action.path, roots)
     if isinstance(action, ArchiveThenRemove):
         return await asyncio.to_thread(_archive_then_remove, action, roots)
+    if isinstance(action, ArchiveEvidence):
+        return await asyncio.to_thread(_archive_evidence, action)
     if isinstance(action, KillProcesses):
         return await asyncio.to_thread(_kill_processes, action)
     if isinstance(action, WaitPortsFree):
@@ -665,7 +693,7 @@ def _archive_then_remove(action: ArchiveThenRemove, roots: Sequence[Path]) -> tu
     detail = "nothing to archive"
     if files:
         try:
-            archive, count = _write_archive(action, files)
+            archive, count = _write_archive(action.archive_dir, action.reason, files, action.path.parent)
         except OSError as exc:
             return False, f"archive failed ({exc}); {path} kept"
         pruned = _prune_archives(action.archive_dir, action.keep)
@@ -680,16 +708,27 @@ def _walk_files(src: Path) -> list[Path]:
     return [Path(d) / n for d, _, names in os.walk(src) for n in sorted(names)]
 
 
-def _write_archive(action: ArchiveThenRemove, files: list[Path]) -> tuple[Path, int]:
-    action.archive_dir.mkdir(parents=True, exist_ok=True)
-    name = archive_name(datetime.now(UTC), action.reason)
-    target = action.archive_dir / name
+def _archive_evidence(action: ArchiveEvidence) -> tuple[bool, str]:
+    files = [f for src in action.paths if os.path.lexists(src) for f in _walk_files(src)]
+    if not files:
+        return True, "nothing to archive"
+    try:
+        archive, count = _write_archive(action.archive_dir, action.reason, files, Path("/"))
+    except OSError as exc:
+        return False, f"archive failed: {exc}"
+    pruned = _prune_archives(action.archive_dir, action.keep)
+    return True, f"archived {count} files to {archive}" + (f", pruned {len(pruned)} old" if pruned else "")
+
+
+def _write_archive(archive_dir: Path, reason: str, files: list[Path], base: Path) -> tuple[Path, int]:
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    name = archive_name(datetime.now(UTC), reason)
+    target = archive_dir / name
     n = 1
     while target.exists():
-        target = action.archive_dir / name.replace(".tar.gz", f"-{n}.tar.gz")
+        target = archive_dir / name.replace(".tar.gz", f"-{n}.tar.gz")
         n += 1
     partial = target.with_name(target.name + ".partial")
-    base = action.path.parent
     count = 0
     try:
         with tarfile.open(partial, "w:gz") as tar:

@@ -15,9 +15,9 @@ from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.graph import start_order
-from nodeagent.policy import Intent, RedeployTracker, RestartTracker, may_act, restarts_with
+from nodeagent.policy import Intent, RedeployTracker, RestartTracker, hold_for_dependency, may_act, restarts_with
 from nodeagent.prober import ComponentProber
-from nodeagent.probes import ProbeContext, resolve_probe_set
+from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ProcessRecord, stop_tree
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
@@ -48,6 +48,7 @@ class Supervisor:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.redeploying: asyncio.Task[None] | None = None
         self.started_at = time.time()
+        self.remote_etcd_ok = True
 
     # ---- intent (persisted; re-checked before every automatic action) --------------------------------------
     def desired(self, name: str) -> str:
@@ -79,9 +80,39 @@ class Supervisor:
     def deps(self, comp: Component) -> list[str]:
         return [d for d in comp.cfg.depends_on if d in self.components]
 
+    def etcd_reachable(self) -> bool:
+        """The node's etcd if it runs one (its startup/liveness probes decide), else the cluster's."""
+        local = [c for c in self.components.values() if c.kind == "etcd"]
+        return local[0].up.is_set() if local else self.remote_etcd_ok
+
+    async def _watch_remote_etcd(self) -> None:
+        """On worker nodes: is any cluster etcd endpoint healthy? Holds datasystem restarts while not."""
+        while True:
+            ok = False
+            for endpoint in self.config.cluster.etcd_endpoints:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(2):
+                        ok, _ = await check_etcd(self.probe_ctx.session(), endpoint.removeprefix("http://"),
+                                                 False, None)  # fmt: skip
+                if ok:
+                    break
+            if ok != self.remote_etcd_ok:
+                self.remote_etcd_ok = ok
+                self.events.emit("etcd", "cluster etcd reachable again" if ok else "cluster etcd unreachable",
+                                 None, "info" if ok else "error")  # fmt: skip
+                self.intent_changed.set()
+                self.intent_changed = asyncio.Event()
+            await asyncio.sleep(2.0)
+
+    def dependency_hold(self, comp: Component) -> str | None:
+        return hold_for_dependency(comp.kind, self.etcd_reachable())
+
     def blocked(self, comp: Component) -> str | None:
         if self.desired(comp.name) != "running":
             return "desired state is stopped"
+        hold = self.dependency_hold(comp)
+        if hold:
+            return hold
         if self.redeploying is not None and not self.redeploying.done():
             return "node redeploy in progress"
         waiting = [d for d in self.deps(comp) if not self.components[d].up.is_set()]
@@ -154,11 +185,13 @@ class Supervisor:
         comp.prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
         comp.prober.start(comp.started_at or time.time())
 
+    def _keep(self, task: asyncio.Task[Any] | asyncio.Future[Any]) -> None:
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._background.discard)
+
     def stop_probes(self, comp: Component) -> None:
         if comp.prober is not None:
-            task = asyncio.ensure_future(comp.prober.stop())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._keep(asyncio.ensure_future(comp.prober.stop()))
 
     def dependency_going_down(self, comp: Component) -> None:
         for other in self.components.values():
@@ -186,7 +219,15 @@ class Supervisor:
         if cleared:
             self._save_intent()
 
+    async def archive_failure(self, comp: Component, detail: str) -> None:
+        reason = detail.split(":", 1)[0].split("(", 1)[0].strip().replace(" ", "-") or "failure"
+        await residue.execute(residue.plan_failure_evidence(comp.name, comp.cfg, self.config, reason))
+
     def policy_failure(self, comp: Component, detail: str) -> Any:
+        hold = self.dependency_hold(comp)
+        if hold:
+            self.events.emit("held", f"{detail}; {hold}", comp.name, "error")
+            return None
         ok, why = may_act(self.intent(comp.name), "restart")
         if not ok:
             self.events.emit("no_action", f"not restarting: {why}", comp.name, "warning")
@@ -218,6 +259,9 @@ class Supervisor:
         return {name: ProcessRecord.from_dict(rec) for name, rec in saved.items() if name in self.components}
 
     async def start(self) -> None:
+        kinds = {c.kind for c in self.components.values()}
+        if "datasystem" in kinds and "etcd" not in kinds:
+            self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
         adopt = self._adoptable()
         for name in self.order:
             comp = self.components[name]
@@ -301,6 +345,8 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.redeploying
         await self._cancel_tasks()
+        for task in list(self._background):
+            task.cancel()
         if detach:
             for comp in self.components.values():
                 self.stop_probes(comp)

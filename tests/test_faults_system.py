@@ -1,0 +1,143 @@
+"""Fault injection as an operator would, against the real etcd and datasystem worker: SIGSTOP of each
+component (a stale liveness file for the worker), a hung vLLM whose /health still says 200, empty content,
+a crash loop. Each must end healthy again (or visibly backing off), nothing started twice, the failed run's
+logs archived, and the events saying what happened."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tarfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import LocalAgent, derived_config, wait_for
+
+pytestmark = pytest.mark.system
+
+FAST_PROBES = {
+    "components": {
+        "etcd": {"probes": {"liveness": {"period_s": 1, "timeout_s": 1, "failure_threshold": 2}}},
+        "datasystem": {"probes": {"liveness": {"period_s": 1, "max_age_s": 3, "failure_threshold": 2}}},
+        "vllm": {"probes": {"liveness": {"period_s": 1, "timeout_s": 1.5, "failure_threshold": 2},
+                            "readiness": {"period_s": 1, "timeout_s": 1.5}}},
+    }
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    base = tmp_path_factory.mktemp("faults")
+    home = base / "home"
+    home.mkdir()
+    a = LocalAgent(home, derived_config(base / "config.yaml", FAST_PROBES))
+    a.start()
+    try:
+        a.wait_all_up()
+        yield a
+    finally:
+        a.cleanup()
+
+
+def vllm_url(agent: LocalAgent, path: str) -> str:
+    return f"http://127.0.0.1:{agent.env['DSV4_VLLM_PORT']}{path}"
+
+
+def http(url: str, body: dict | None = None, timeout: float = 3) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def replaced(agent: LocalAgent, name: str, old_pid: int, timeout: float = 60) -> int:
+    wait_for(f"{name} replaced", lambda: agent.children().get(name, {}).get("pid") not in (None, old_pid), timeout)
+    agent.wait_all_up()
+    return agent.children()[name]["pid"]
+
+
+def archives(agent: LocalAgent, name: str) -> list[Path]:
+    return sorted((agent.state_dir / "archive" / name).glob("*.tar.gz"))
+
+
+def single_instance(agent: LocalAgent) -> None:
+    """Nothing started twice: one datasystem_worker on our address, one vllm API server on our port."""
+    address = f"--worker_address=127.0.0.1:{agent.env['DSV4_WORKER_PORT']}"
+    workers = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if address in (proc.info["cmdline"] or []):
+                workers.append(proc.pid)
+    assert len(workers) == 1, workers
+
+
+def test_sigstop_etcd_restarts_etcd_only(agent: LocalAgent) -> None:
+    before = agent.children()
+    os.kill(before["etcd"]["pid"], signal.SIGSTOP)
+    replaced(agent, "etcd", before["etcd"]["pid"])
+    after = agent.children()
+    assert after["datasystem"]["pid"] == before["datasystem"]["pid"], "a local etcd restart keeps the worker"
+    assert after["vllm"]["pid"] == before["vllm"]["pid"]
+    assert "[etcd] liveness failed" in agent.log()
+    single_instance(agent)
+
+
+def test_sigstop_worker_goes_stale_and_is_replaced_with_vllm_following(agent: LocalAgent) -> None:
+    before = agent.children()
+    os.kill(before["datasystem"]["pid"], signal.SIGSTOP)
+    new = replaced(agent, "datasystem", before["datasystem"]["pid"], 90)
+    assert new != before["datasystem"]["pid"]
+    wait_for("vllm restarted after the worker", lambda: agent.children()["vllm"]["pid"] != before["vllm"]["pid"])
+    agent.wait_all_up()
+    log = agent.log()
+    assert "liveness file" in log and "[datasystem] liveness failed" in log
+    assert "dependency datasystem restarts" in log
+    evidence = archives(agent, "datasystem")
+    assert evidence, "the failed run's logs must be archived"
+    with tarfile.open(evidence[-1]) as tar:
+        names = tar.getnames()
+    assert any("datasystem/logs" in n for n in names), names
+    single_instance(agent)
+
+
+def test_hung_vllm_is_caught_although_health_says_200(agent: LocalAgent) -> None:
+    old = agent.children()["vllm"]["pid"]
+    assert http(vllm_url(agent, "/standin/fault"), {"mode": "hang"})[0] == 200
+    assert http(vllm_url(agent, "/health"))[0] == 200, "vLLM's /health does not see a hung engine"
+    replaced(agent, "vllm", old)
+    assert "[vllm] liveness failed" in agent.log()
+    assert archives(agent, "vllm")
+
+
+def test_empty_content_is_a_liveness_failure(agent: LocalAgent) -> None:
+    old = agent.children()["vllm"]["pid"]
+    assert http(vllm_url(agent, "/standin/fault"), {"mode": "empty"})[0] == 200
+    replaced(agent, "vllm", old)
+    assert "choices.0.message.content" in agent.log() or "empty" in agent.log()
+
+
+def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    changes = json.loads(json.dumps(FAST_PROBES))
+    changes["components"]["vllm"]["env"] = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3", "VLLM_STANDIN_FAULT": "crash_after:0"}
+    agent = LocalAgent(home, derived_config(tmp_path / "config.yaml", changes))
+    agent.start()
+    try:
+        comps = agent.wait_states({"vllm": {"backoff"}}, timeout=90)
+        vllm = comps["vllm"]
+        assert vllm["policy"]["crash_loop"] is True
+        assert vllm["policy"]["consecutive_failures"] >= 2
+        assert vllm["backoff_remaining_s"] > 0
+        assert agent.states()["datasystem"] in ("running", "ready"), "a vLLM crash loop leaves the worker alone"
+        assert "backing off" in agent.log()
+    finally:
+        agent.cleanup()
