@@ -46,6 +46,21 @@ SYSTEM_DIRS = frozenset(
 _counter = itertools.count()
 
 
+def default_binds() -> list[str]:
+    """Repo, venv and interpreter prefix, each bound read-only at its own path (nested ones dropped).
+
+    A distro interpreter (prefix /usr) is not bound: the container's bookworm python3 is the same one.
+    """
+    import sys
+
+    paths = sorted({str(REPO), sys.prefix, sys.base_prefix} - SYSTEM_DIRS, key=len)
+    keep: list[str] = []
+    for p in paths:
+        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
+            keep.append(p)
+    return keep
+
+
 def nspawn_unavailable_reason() -> str | None:
     """Why this host cannot boot a container or None (missing packages are no reason: we install them)."""
     if not Path("/proc/self/ns/pid").exists():

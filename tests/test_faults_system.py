@@ -128,7 +128,8 @@ def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     changes = json.loads(json.dumps(FAST_PROBES))
-    changes["components"]["vllm"]["env"] = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3", "VLLM_STANDIN_FAULT": "crash_after:0"}
+    fault = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3", "VLLM_STANDIN_FAULT": "crash_after:0"}
+    changes["components"]["vllm"]["env"] = fault
     agent = LocalAgent(home, derived_config(tmp_path / "config.yaml", changes))
     agent.start()
     try:

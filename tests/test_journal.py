@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from journald_fake import fake_journald_socket, parse_entry
 
 from nodeagent import journal
 from nodeagent.journal import (
@@ -36,33 +37,10 @@ def sockdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def fake_journald(sockdir: Path) -> Iterator[tuple[socket.socket, str]]:
+def fake_journald() -> Iterator[tuple[socket.socket, str]]:
     """journald's native socket: a bound datagram socket."""
-    path = str(sockdir / "socket")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.bind(path)
-    s.settimeout(5)
-    yield s, path
-    s.close()
-
-
-def parse_entry(data: bytes) -> dict[str, bytes]:
-    """Decode the native protocol (both the ``NAME=value`` and the length-prefixed binary form)."""
-    fields: dict[str, bytes] = {}
-    i = 0
-    while i < len(data):
-        nl = data.index(b"\n", i)
-        line = data[i:nl]
-        if b"=" in line:
-            name, value = line.split(b"=", 1)
-            fields[name.decode()] = value
-            i = nl + 1
-        else:
-            (size,) = struct.unpack("<Q", data[nl + 1 : nl + 9])
-            fields[line.decode()] = data[nl + 9 : nl + 9 + size]
-            assert data[nl + 9 + size : nl + 10 + size] == b"\n"
-            i = nl + 10 + size
-    return fields
+    with fake_journald_socket() as pair:
+        yield pair
 
 
 def test_send_exact_bytes(fake_journald: tuple[socket.socket, str]) -> None:

@@ -8,13 +8,13 @@ import logging
 import os
 import re
 import socket
-import struct
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from journald_fake import fake_journald_socket
+from journald_fake import parse_entry as parse_bytes
 from loguru import logger
 
 from nodeagent.logsetup import journal_priority, setup_logging
@@ -36,34 +36,12 @@ def restore_logging() -> Iterator[None]:
 
 @pytest.fixture
 def fake_journald() -> Iterator[tuple[socket.socket, str]]:
-    d = tempfile.mkdtemp(prefix="lgs-")
-    path = os.path.join(d, "socket")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    s.bind(path)
-    s.settimeout(5)
-    yield s, path
-    s.close()
-    if os.path.exists(path):
-        os.unlink(path)
-    os.rmdir(d)
+    with fake_journald_socket() as pair:
+        yield pair
 
 
 def parse_entry(data: bytes) -> dict[str, str]:
-    """Native journal protocol → fields (both encodings)."""
-    fields: dict[str, str] = {}
-    i = 0
-    while i < len(data):
-        nl = data.index(b"\n", i)
-        line = data[i:nl]
-        if b"=" in line:
-            name, value = line.split(b"=", 1)
-            fields[name.decode()] = value.decode()
-            i = nl + 1
-        else:
-            (size,) = struct.unpack("<Q", data[nl + 1 : nl + 9])
-            fields[line.decode()] = data[nl + 9 : nl + 9 + size].decode()
-            i = nl + 10 + size
-    return fields
+    return {k: v.decode() for k, v in parse_bytes(data).items()}
 
 
 def test_text_format() -> None:

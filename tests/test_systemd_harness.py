@@ -12,16 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-try:
-    from systemd_container import SYSTEM_DIRS, SystemdContainer, ensure_rootfs, nspawn_unavailable_reason
-except ImportError:  # tests/ became a package
-    from tests.systemd_container import (
-        SYSTEM_DIRS,
-        SystemdContainer,
-        ensure_rootfs,
-        nspawn_unavailable_reason,
-    )
+from systemd_container import SystemdContainer, default_binds, ensure_rootfs, nspawn_unavailable_reason
 
 import nodeagent
 
@@ -34,23 +25,10 @@ pytestmark = [
 ]
 
 
-def _binds() -> list[str]:
-    """Repo, venv and interpreter prefix, each mounted read-only at its own path (nested ones dropped).
-
-    A distro interpreter (prefix /usr) is not bound: the container's bookworm python3 is the same one.
-    """
-    paths = sorted({str(REPO), sys.prefix, sys.base_prefix} - SYSTEM_DIRS, key=len)
-    keep: list[str] = []
-    for p in paths:
-        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep):
-            keep.append(p)
-    return keep
-
-
 @pytest.fixture(scope="module")
 def container() -> Iterator[SystemdContainer]:
     ensure_rootfs()
-    with SystemdContainer(binds_ro=_binds()) as c:
+    with SystemdContainer(binds_ro=default_binds()) as c:
         yield c
 
 
