@@ -9,7 +9,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import tarfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +144,42 @@ def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
         assert "backing off" in agent.log()
     finally:
         agent.cleanup()
+
+
+def _squat(port: int, deadline_s: float = 2.0) -> socket.socket:
+    """Take a port the moment its owner dies: etcd cannot come back while we hold it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # probes' connections linger in TIME_WAIT
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            return sock
+        except OSError:
+            if time.monotonic() > end:
+                sock.close()
+                raise
+            time.sleep(0.0005)
+
+
+def test_worker_restart_is_held_while_etcd_is_down(agent: LocalAgent) -> None:
+    agent.wait_all_up()
+    etcd_port = int(agent.env["DSV4_ETCD_PORT"])
+    before = agent.children()
+    os.kill(before["etcd"]["pid"], signal.SIGKILL)
+    squatter = _squat(etcd_port)
+    try:
+        agent.wait_states({"etcd": {"starting", "backoff", "stopped", "unhealthy", "stopping"}}, timeout=20)
+        os.kill(before["datasystem"]["pid"], signal.SIGKILL)
+        wait_for("the hold", lambda: "etcd unreachable: holding the datasystem worker restart" in agent.log(), 30)
+        time.sleep(3)
+        assert "datasystem" not in agent.children(), "no worker may be started while etcd is down"
+        ds = agent.status()["components"]["datasystem"]
+        assert ds["state"] == "stopped" and ds["policy"]["consecutive_failures"] == 0, "a hold burns no backoff"
+    finally:
+        squatter.close()
+    agent.wait_all_up(timeout=120)
+    after = agent.children()
+    assert after["datasystem"]["pid"] != before["datasystem"]["pid"]
+    single_instance(agent)
