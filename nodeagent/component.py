@@ -120,10 +120,14 @@ class Component:
             waiters = [asyncio.ensure_future(self.signals.get())]
             waiters += [asyncio.ensure_future(self.sup.components[d].up.wait()) for d in self.sup.deps(self)]
             waiters.append(asyncio.ensure_future(self.sup.intent_changed.wait()))
-            done, pending = await asyncio.wait(waiters, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
-            if waiters[0] in done:
+            try:
+                done, _ = await asyncio.wait(waiters, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # Also when we are cancelled (redeploy, shutdown): an orphaned queue getter would swallow
+                # the next signal — the exit of the process the new task starts.
+                for w in waiters:
+                    w.cancel()
+            if waiters[0] in done and not waiters[0].cancelled():
                 sig = waiters[0].result()
                 if sig.kind == "restart":
                     self.sup.set_desired(self.name, "running")

@@ -185,3 +185,30 @@ def test_worker_restart_is_held_while_etcd_is_down(agent: LocalAgent) -> None:
     after = agent.children()
     assert after["datasystem"]["pid"] != before["datasystem"]["pid"]
     single_instance(agent)
+
+
+def test_escalation_to_node_redeploy_then_failed(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    changes = json.loads(json.dumps(FAST_PROBES))
+    changes["components"]["vllm"]["env"] = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3",
+                                            "VLLM_STANDIN_FAULT": "crash_after:0"}  # fmt: skip
+    changes["components"]["vllm"]["restart"] = {"backoff_initial_s": 1, "backoff_max_s": 2,
+                                                "redeploy_after_failures": 2, "failed_after_redeploys": 1}
+    agent = LocalAgent(home, derived_config(tmp_path / "config.yaml", changes))
+    agent.start()
+    try:
+        agent.wait_states({n: {"running", "ready"} for n in ("etcd", "datasystem")}, timeout=90)
+        first = agent.children()
+        wait_for("a node redeploy", lambda: "node redeploy:" in agent.log(), 90)
+        wait_for("etcd and the worker started anew", lambda: all(
+            agent.children().get(n, {}).get("pid") not in (None, first[n]["pid"]) for n in ("etcd", "datasystem")), 90)
+        log = agent.log()
+        assert log.index("node redeploy:") < log.rindex("[vllm] stopping") or "[vllm] stopped" in log
+        assert archives(agent, "datasystem"), "the redeploy archives the worker's logs before removing its folder"
+        wait_for("node failed after the redeploy did not help",
+                 lambda: agent.status()["node_policy"]["failed"], 120)  # fmt: skip
+        assert "node failed" in agent.log()
+        wait_for("still retrying while failed", lambda: agent.log().count("node redeploy:") >= 2, 120)
+    finally:
+        agent.cleanup()
