@@ -731,7 +731,7 @@ def _write_archive(archive_dir: Path, reason: str, files: list[Path], base: Path
     partial = target.with_name(target.name + ".partial")
     count = 0
     try:
-        with tarfile.open(partial, "w:gz") as tar:
+        with tarfile.open(partial, "w:gz", compresslevel=1) as tar:
             for file in files:
                 try:
                     info = tar.gettarinfo(file, arcname=str(file.relative_to(base)))

@@ -124,7 +124,7 @@ class Supervisor:
     def state_changed(self) -> None:
         """Persist status.json (readable when the API is not) and tell listeners (sd_notify STATUS=)."""
         with contextlib.suppress(OSError):
-            write_json_atomic(self.config.agent.state_dir / "status.json", self.status())
+            write_json_atomic(self.config.agent.state_dir / "status.json", self.status(), durable=False)
         for callback in self.on_state_change:
             callback()
 
