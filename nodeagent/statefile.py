@@ -61,8 +61,8 @@ class StateStore:
         data = read_json(self.children_path, {})
         return data.get("children", {}) if isinstance(data, dict) else {}
 
-    def save_children(self, children: dict[str, dict[str, Any]], detached: bool = False) -> None:
-        write_json_atomic(self.children_path, {"children": children, "detached": detached})
+    def save_children(self, children: dict[str, dict[str, Any]], detached: bool = False, durable: bool = True) -> None:
+        write_json_atomic(self.children_path, {"children": children, "detached": detached}, durable)
 
     def detached(self) -> bool:
         data = read_json(self.children_path, {})
@@ -72,5 +72,5 @@ class StateStore:
         data = read_json(self.intent_path, {})
         return data if isinstance(data, dict) else {}
 
-    def save_intent(self, intent: dict[str, Any]) -> None:
-        write_json_atomic(self.intent_path, intent)
+    def save_intent(self, intent: dict[str, Any], durable: bool = True) -> None:
+        write_json_atomic(self.intent_path, intent, durable)

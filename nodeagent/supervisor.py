@@ -58,10 +58,11 @@ class Supervisor:
     def paused(self) -> bool:
         return bool(self._intent.get("paused", False))
 
-    def _save_intent(self) -> None:
+    def _save_intent(self, durable: bool = True) -> None:
+        """Operator intent must survive a power cut; restart counters alone need not (durable=False)."""
         self._intent["trackers"] = {n: t.to_dict() for n, t in self.trackers.items()}
         self._intent["redeploys"] = self.redeploys.to_dict()
-        self.store.save_intent(self._intent)
+        self.store.save_intent(self._intent, durable)
         self.intent_changed.set()
         self.intent_changed = asyncio.Event()
 
@@ -154,14 +155,14 @@ class Supervisor:
 
     def forget(self, comp: Component) -> None:
         comp.gen += 1
-        self._save_children()
+        self._save_children(durable=False)  # a stale record is harmless: adoption verifies pid + create_time
 
-    def _save_children(self, detached: bool = False) -> None:
+    def _save_children(self, detached: bool = False, durable: bool = True) -> None:
         children = {
             name: {**c.record.to_dict(), "started_at": c.started_at, "fingerprint": c.fingerprint}
             for name, c in self.components.items() if c.record is not None
         }  # fmt: skip
-        self.store.save_children(children, detached=detached)
+        self.store.save_children(children, detached=detached, durable=durable)
 
     def start_probes(self, comp: Component) -> None:
         probes = resolve_probe_set(comp.cfg, self.config)
@@ -235,7 +236,7 @@ class Supervisor:
         now = time.time()
         decision = self.trackers[comp.name].record_failure(now, detail, node_failed=self.redeploys.failed)
         decision = self.redeploys.escalate(decision, now, comp.cfg.restart)
-        self._save_intent()
+        self._save_intent(durable=decision.action != "restart")
         level = "critical" if decision.action == "failed" else "warning"
         self.events.emit("failure", f"{detail}; next: {decision.action} in {decision.delay_s:.0f}s",
                          comp.name, level, action=decision.action, delay_s=decision.delay_s,
