@@ -9,7 +9,7 @@ import contextlib
 import time
 from typing import Any
 
-from nodeagent import launcher, residue
+from nodeagent import launcher, residue, residue_plan
 from nodeagent.component import Component, State
 from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, UnknownComponentError
@@ -22,7 +22,7 @@ from nodeagent.process import ProcessRecord, stop_tree
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
 
-BLOCKING_RESIDUE = (residue.KillProcesses, residue.WaitPortsFree, residue.WaitDevicesFree)
+BLOCKING_RESIDUE = (residue_plan.KillProcesses, residue_plan.WaitPortsFree, residue_plan.WaitDevicesFree)
 
 
 class Supervisor:
@@ -132,7 +132,7 @@ class Supervisor:
     async def before_start(self, comp: Component, scope: str = "start", reason: str | None = None) -> None:
         """Clean residue; a leftover that would not die or a port that stays busy fails the start, since a
         duplicate start must never happen (a second `dscli start` deletes the live worker's ready file)."""
-        plan = residue.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
+        plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
                                           reason=reason)  # fmt: skip
         outcomes = await residue.execute(plan)
         blocking = [o for o in outcomes if not o.ok and isinstance(o.action, BLOCKING_RESIDUE)]
@@ -222,7 +222,7 @@ class Supervisor:
 
     async def archive_failure(self, comp: Component, detail: str) -> None:
         reason = detail.split(":", 1)[0].split("(", 1)[0].strip().replace(" ", "-") or "failure"
-        await residue.execute(residue.plan_failure_evidence(comp.name, comp.cfg, self.config, reason))
+        await residue.execute(residue_plan.plan_failure_evidence(comp.name, comp.cfg, self.config, reason))
 
     def policy_failure(self, comp: Component, detail: str) -> Any:
         hold = self.dependency_hold(comp)

@@ -101,7 +101,13 @@ class LocalAgent:
             ok = all(comps[n]["state"] in allowed for n, allowed in want.items())
             return comps if ok else None
 
-        return wait_for(f"states {want}", check, timeout)
+        try:
+            return wait_for(f"states {want}", check, timeout)
+        except AssertionError as exc:
+            with contextlib.suppress(Exception):
+                states = self.states()
+            tail = "\n".join(self.log().splitlines()[-40:])
+            raise AssertionError(f"{exc}\nstates: {locals().get('states')}\nagent log tail:\n{tail}") from None
 
     def wait_all_up(self, timeout: float = 120.0) -> dict[str, Any]:
         self.wait_states({n: {"running", "ready"} for n in ("etcd", "datasystem", "vllm")}, timeout)

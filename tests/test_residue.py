@@ -21,8 +21,20 @@ import pytest
 
 from nodeagent import residue
 from nodeagent.config_model import Config
+from nodeagent.pathsafety import (
+    check_deletable,
+    validate_residue_paths,
+)
 from nodeagent.render import component_dir
 from nodeagent.residue import (
+    archive_name,
+    archives_to_prune,
+    execute,
+    find_leftovers,
+    npu_processes,
+)
+from nodeagent.residue_plan import (
+    ActionOutcome,
     ArchiveThenRemove,
     KillProcesses,
     ProcessMatch,
@@ -34,14 +46,8 @@ from nodeagent.residue import (
     UnsafePathError,
     WaitDevicesFree,
     WaitPortsFree,
-    archive_name,
-    archives_to_prune,
-    check_deletable,
-    execute,
     match_reason,
-    npu_processes,
     plan_start_cleanup,
-    validate_residue_paths,
 )
 
 NODE_IP = "127.0.0.77"  # an address nothing else on a shared machine uses in a worker_address
@@ -331,7 +337,7 @@ def test_validate_sees_through_symlinks(tmp_path: Path) -> None:
 # ---- executor: files -------------------------------------------------------------------------------------
 
 
-def run(plan: ResiduePlan) -> list[residue.ActionOutcome]:
+def run(plan: ResiduePlan) -> list[ActionOutcome]:
     return asyncio.run(execute(plan))
 
 
@@ -570,7 +576,7 @@ def test_kill_never_targets_the_agent_or_its_ancestors() -> None:
     me = psutil.Process()
     family = {me.pid, *(p.pid for p in me.parents())}
     prefixes = tuple(" ".join(p.cmdline()) for p in (me, *me.parents()) if p.pid > 1 and p.cmdline())
-    found = {p.pid for p, _ in residue.find_leftovers(ProcessMatch(cmdline_prefixes=prefixes))}
+    found = {p.pid for p, _ in find_leftovers(ProcessMatch(cmdline_prefixes=prefixes))}
     assert not found & family
 
 
@@ -578,7 +584,7 @@ def test_kill_never_targets_the_agent_or_its_ancestors() -> None:
 
 
 def test_wait_ports_free_returns_once_the_port_is_released(tmp_path: Path) -> None:
-    async def scenario() -> list[residue.ActionOutcome]:
+    async def scenario() -> list[ActionOutcome]:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen()

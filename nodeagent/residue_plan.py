@@ -1,0 +1,398 @@
+"""What a dead run leaves behind, as a pure plan (DESIGN §5, §10): config in, typed actions out.
+
+`plan_start_cleanup` lists what to remove, kill and wait for before a (re)start or a node redeploy;
+`plan_failure_evidence` what to archive after a failure. `residue.execute` carries a plan out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from nodeagent.config_model import (
+    Config,
+    DatasystemComponent,
+    EtcdComponent,
+    ProcessComponent,
+    VllmComponent,
+)
+from nodeagent.errors import AgentError
+from nodeagent.render import component_dir, worker_address
+
+Scope = Literal["start", "redeploy", "failure"]
+
+ENV_COMPONENT = "DSV4_AGENT_COMPONENT"
+ENV_CLUSTER = "DSV4_AGENT_CLUSTER"
+"""The launcher sets both on every child; they are how leftovers are recognised as ours."""
+
+SHM_DIR = Path("/dev/shm")
+SHM_PATTERNS = ("psm_*", "sem.mp-*")
+PORT_TIMEOUT_S = 30.0
+DEVICE_TIMEOUT_S = 120.0
+"""NPU memory can take ~50 s to free after the owning processes die."""
+SHM_MIN_AGE_S = 5.0
+"""A segment younger than this may belong to a process that has created but not yet mapped it."""
+KILL_CONFIRM_S = 5.0
+
+
+class UnsafePathError(AgentError):
+    """A path the agent was about to delete (or manage) is not safe to delete."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass(frozen=True)
+class ProcessMatch:
+    """How leftovers of one component are recognised; a process matching any clause is ours.
+
+    - `env`: every pair is in its environment (the launcher's markers). Not enough alone: setproctitle,
+      which vLLM uses for `VLLM::EngineCore`/`VLLM::Worker_TP<n>`, zeroes what /proc/<pid>/environ shows;
+    - `program` + `option`: an argv element named `program` and the option with exactly that value
+      (`--opt=V`, `-opt=V`, or `--opt V`) — anchored, so `:2848` never matches `:28481`;
+    - `title_prefixes` + `cwd`: a process title starting so (vLLM's `VLLM::EngineCore`) running in `cwd`;
+    - `cmdline_prefixes`: the space-joined cmdline starts so;
+    - `ports`: it listens on one of them.
+    """
+
+    env: tuple[tuple[str, str], ...] = ()
+    program: str | None = None
+    option: tuple[str, str] | None = None
+    title_prefixes: tuple[str, ...] = ()
+    cwd: str | None = None
+    cmdline_prefixes: tuple[str, ...] = ()
+    ports: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        parts = []
+        if self.env:
+            parts.append("env " + ",".join(f"{k}={v}" for k, v in self.env))
+        if self.program and self.option:
+            parts.append(f"{self.program} --{self.option[0]}={self.option[1]}")
+        if self.title_prefixes and self.cwd:
+            parts.append(f"title {'|'.join(self.title_prefixes)}* in {self.cwd}")
+        if self.cmdline_prefixes:
+            parts.append("cmdline " + " | ".join(repr(p) for p in self.cmdline_prefixes))
+        if self.ports:
+            parts.append("listening on " + ",".join(map(str, self.ports)))
+        return "; ".join(parts) or "nothing"
+
+
+@dataclass(frozen=True)
+class RemoveFile:
+    path: Path
+
+    def describe(self) -> str:
+        return f"remove file {self.path}"
+
+
+@dataclass(frozen=True)
+class RemoveTree:
+    path: Path
+
+    def describe(self) -> str:
+        return f"remove folder {self.path}"
+
+
+@dataclass(frozen=True)
+class ArchiveThenRemove:
+    """Archive `path` (or only its `evidence` subpaths) to `<archive_dir>/<UTC ts>-<reason>.tar.gz`, keep
+    the newest `keep` archives, then remove `path`. If archiving fails nothing is removed."""
+
+    path: Path
+    archive_dir: Path
+    keep: int = 10
+    reason: str = "cleanup"
+    evidence: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        what = f"{self.path}/{{{','.join(self.evidence)}}}" if self.evidence else str(self.path)
+        return f"archive {what} to {self.archive_dir}, then remove {self.path}"
+
+
+@dataclass(frozen=True)
+class ArchiveEvidence:
+    """Archive the logs of a failed run, leaving them in place (a failure's evidence is not residue)."""
+
+    paths: tuple[Path, ...]
+    archive_dir: Path
+    keep: int = 10
+    reason: str = "failure"
+
+    def describe(self) -> str:
+        return f"archive {', '.join(str(p) for p in self.paths)} to {self.archive_dir}"
+
+
+@dataclass(frozen=True)
+class KillProcesses:
+    match: ProcessMatch
+    grace_s: float = 10.0
+
+    def describe(self) -> str:
+        return f"kill leftover processes ({self.match.describe()})"
+
+
+@dataclass(frozen=True)
+class WaitPortsFree:
+    ports: tuple[int, ...]
+    timeout_s: float = PORT_TIMEOUT_S
+
+    def describe(self) -> str:
+        return f"wait for ports {','.join(map(str, self.ports))} to be free"
+
+
+@dataclass(frozen=True)
+class WaitDevicesFree:
+    """Wait until `npu-smi info` lists no process on any NPU; skipped where npu-smi does not exist."""
+
+    timeout_s: float = DEVICE_TIMEOUT_S
+
+    def describe(self) -> str:
+        return "wait for NPU memory to be free"
+
+
+@dataclass(frozen=True)
+class RemoveShmSegments:
+    """Remove shared-memory files matching `patterns` that no live process maps or holds open."""
+
+    patterns: tuple[str, ...] = SHM_PATTERNS
+    shm_dir: Path = SHM_DIR
+    min_age_s: float = SHM_MIN_AGE_S
+
+    def describe(self) -> str:
+        return f"remove unused {','.join(self.patterns)} in {self.shm_dir}"
+
+
+ResidueAction = (
+    RemoveFile
+    | RemoveTree
+    | ArchiveThenRemove
+    | ArchiveEvidence
+    | KillProcesses
+    | WaitPortsFree
+    | WaitDevicesFree
+    | RemoveShmSegments
+)
+
+
+@dataclass(frozen=True)
+class ResiduePlan:
+    component: str
+    scope: Scope
+    actions: tuple[ResidueAction, ...]
+    roots: tuple[Path, ...]
+    """Deletion is allowed only at or under these (re-checked at execution, after resolving symlinks)."""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    action: ResidueAction
+    ok: bool
+    detail: str
+    duration_s: float
+
+
+# --------------------------------------------------------------------------------------------------------
+# Where each component lives (shared conventions with the launcher)
+
+
+def component_workdir(name: str, comp: Any, config: Config) -> Path:
+    """The component's cwd, as render gives it: its `workdir`, else its folder under the agent's state
+    (dscli's `./datasystem` lands here)."""
+    return comp.workdir if comp.workdir is not None else component_dir(config, name)
+
+
+def component_tmpdir(name: str, config: Config) -> Path:
+    """The private TMPDIR render gives every child (vLLM leaves its IPC socket files there)."""
+    return component_dir(config, name) / "tmp"
+
+
+def archive_dir(name: str, config: Config) -> Path:
+    return config.agent.state_dir / "archive" / name
+
+
+def client_log_dir(comp: DatasystemComponent) -> Path:
+    """DATASYSTEM_CLIENT_LOG_DIR, or the client library's default `~/.datasystem`."""
+    return comp.client_log_dir if comp.client_log_dir is not None else Path.home() / ".datasystem"
+
+
+def component_ports(comp: Any) -> tuple[int, ...]:
+    """The ports a component binds on this node; a start waits until they are free."""
+    if isinstance(comp, EtcdComponent):
+        return (comp.client_port, comp.peer_port)
+    if isinstance(comp, DatasystemComponent):
+        return (comp.worker_port,)
+    if isinstance(comp, VllmComponent):
+        rpc = comp.data_parallel_rpc_port
+        return (comp.port,) if rpc is None or comp.headless else (comp.port, rpc)
+    if isinstance(comp, ProcessComponent):
+        return tuple(dict.fromkeys(comp.ports))
+    return ()
+
+
+def process_match(name: str, comp: Any, config: Config) -> ProcessMatch:
+    """What identifies leftovers of this component (see ProcessMatch)."""
+    env = ((ENV_COMPONENT, name), (ENV_CLUSTER, config.cluster.name))
+    if isinstance(comp, DatasystemComponent):
+        return ProcessMatch(
+            env=env, program="datasystem_worker", option=("worker_address", worker_address(config, comp))
+        )
+    if isinstance(comp, EtcdComponent):
+        return ProcessMatch(env=env, program="etcd", option=("data-dir", str(comp.data_dir)))
+    if isinstance(comp, VllmComponent):
+        # Orphaned EngineCore/Workers hold device memory while the API port is already free (DESIGN §10).
+        return ProcessMatch(
+            env=env,
+            title_prefixes=("VLLM::",),
+            cwd=str(component_workdir(name, comp, config)),
+            ports=(comp.port,),
+        )
+    if isinstance(comp, ProcessComponent):
+        prefixes = tuple(p for p in comp.process_match if p.strip())
+        return ProcessMatch(env=env, cmdline_prefixes=prefixes, ports=component_ports(comp))
+    raise TypeError(f"unknown component type {type(comp).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The plan (pure)
+
+
+def plan_start_cleanup(
+    name: str,
+    component: Any,
+    config: Config,
+    scope: Scope = "start",
+    *,
+    wipe_etcd: bool = False,
+    reason: str | None = None,
+) -> ResiduePlan:
+    """Residue to remove before (re)starting `name`. `redeploy` adds the node recovery's deeper cleanup.
+
+    `wipe_etcd` (redeploy only) deletes the etcd data dir; it invalidates every worker's registration, so
+    it is a cluster decision and only ever done on the master.
+    """
+    if scope not in ("start", "redeploy"):
+        raise ValueError(f"scope must be 'start' or 'redeploy', got {scope!r}")
+    reason = reason or scope
+    actions: list[ResidueAction] = [
+        KillProcesses(process_match(name, component, config), component.stop_grace_s)
+    ]
+    notes: list[str] = []
+    ports = component_ports(component)
+    if ports:
+        actions.append(WaitPortsFree(ports))
+
+    if isinstance(component, DatasystemComponent):
+        ds_dir = component_workdir(name, component, config) / "datasystem"
+        actions.append(RemoveFile(component.liveness_check_path))
+        if scope == "redeploy":
+            keep = config.agent.archive_keep
+            archive = archive_dir(name, config)
+            actions.append(ArchiveThenRemove(ds_dir, archive, keep, reason, evidence=("logs",)))
+            actions.append(ArchiveThenRemove(client_log_dir(component), archive, keep, f"{reason}-client"))
+        else:
+            # A stale ready file would make a later dscli start believe at once; uds sockets pile up.
+            actions += [
+                RemoveFile(ds_dir / "probe" / "healthy"),
+                RemoveFile(ds_dir / "probe" / "ready"),
+                RemoveTree(ds_dir / "uds"),
+            ]
+    elif isinstance(component, VllmComponent):
+        # Killed runs leave 160-250 MB psm_* segments each, and device memory frees only slowly.
+        actions += [WaitDevicesFree(), RemoveShmSegments()]
+    elif isinstance(component, EtcdComponent) and scope == "redeploy":
+        if not wipe_etcd:
+            notes.append(f"etcd data dir {component.data_dir} kept (no cluster-level wipe requested)")
+        elif config.node.role != "master":
+            notes.append(f"etcd data dir {component.data_dir} kept: only the master wipes etcd")
+        else:
+            actions.append(RemoveTree(component.data_dir))
+    elif isinstance(component, EtcdComponent) and wipe_etcd:
+        notes.append("wipe_etcd ignored: only a redeploy wipes etcd")
+    actions.append(RemoveTree(component_tmpdir(name, config)))
+    return ResiduePlan(name, scope, tuple(actions), tuple(residue_roots(config)), tuple(notes))
+
+
+def plan_failure_evidence(name: str, component: Any, config: Config, reason: str) -> ResiduePlan:
+    """After a failure, before cleanup: archive what explains it — the component's log file (journald keeps
+    its own copy under systemd) and, for the datasystem worker, its own logs folder."""
+    from nodeagent.logsink import log_path
+
+    paths = [log_path(config.agent.log_dir, name)]
+    if isinstance(component, DatasystemComponent):
+        paths.append(component_workdir(name, component, config) / "datasystem" / "logs")
+    action = ArchiveEvidence(tuple(paths), archive_dir(name, config), config.agent.archive_keep, reason)
+    return ResiduePlan(name, "failure", (action,), tuple(residue_roots(config)), ())
+
+
+def residue_roots(config: Config) -> list[Path]:
+    """The folders (and the one file) the agent owns and may delete in."""
+    roots: list[Path] = [config.agent.state_dir]
+    for name, comp in config.components.items():
+        if isinstance(comp, EtcdComponent):
+            roots.append(comp.data_dir)
+        elif isinstance(comp, DatasystemComponent):
+            roots += [
+                component_workdir(name, comp, config) / "datasystem",
+                comp.liveness_check_path,
+                client_log_dir(comp),
+            ]
+    roots += config.agent.residue_roots
+    return list(dict.fromkeys(roots))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Process matching (pure)
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    cmdline: tuple[str, ...]
+    environ: Mapping[str, str] | None = None
+    cwd: str | None = None
+    listen_ports: frozenset[int] = frozenset()
+
+
+def _has_option(argv: Sequence[str], option: str, value: str) -> bool:
+    for i, arg in enumerate(argv):
+        for dashes in ("--", "-"):
+            flag = dashes + option
+            if arg == f"{flag}={value}" or (arg == flag and i + 1 < len(argv) and argv[i + 1] == value):
+                return True
+    return False
+
+
+def _joined(argv: Iterable[str]) -> str:
+    """The cmdline as one string; a process title leaves empty padding arguments behind."""
+    return " ".join(a for a in argv if a)
+
+
+def match_reason(info: ProcInfo, match: ProcessMatch) -> str | None:
+    """Why `info` is a leftover of the matched component, or None."""
+    if match.env and info.environ is not None and all(info.environ.get(k) == v for k, v in match.env):
+        return "agent env markers"
+    argv = info.cmdline
+    if match.program and match.option and any(os.path.basename(a) == match.program for a in argv):
+        option, value = match.option
+        if _has_option(argv, option, value):
+            return f"{match.program} --{option}={value}"
+    joined = _joined(argv)
+    if match.cwd and info.cwd == match.cwd:
+        for prefix in match.title_prefixes:
+            if joined.startswith(prefix):
+                return f"title {prefix}* in {match.cwd}"
+    for prefix in match.cmdline_prefixes:
+        if prefix.strip() and joined.startswith(prefix):
+            return f"cmdline starts with {prefix!r}"
+    ports = info.listen_ports.intersection(match.ports)
+    if ports:
+        return f"listens on {','.join(map(str, sorted(ports)))}"
+    return None
+
+
