@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_checked(path: str) -> Config:
     """The config, with residue paths vetted too: a path unsafe to delete is a config error."""
-    from nodeagent.residue import validate_residue_paths
+    from nodeagent.pathsafety import validate_residue_paths
 
     config = load_config(path)
     problems = validate_residue_paths(config)
