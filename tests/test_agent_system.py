@@ -89,3 +89,14 @@ def test_config_typo_exits_78_naming_line_and_key(tmp_path: Path) -> None:
     assert f"{bad}:{line}: components.datasystem.worker_prot: unknown key 'worker_prot'" in out.stderr
     assert "did you mean 'worker_port'?" in out.stderr
     assert not (tmp_path / "state").exists(), "a bad config must not touch anything"
+
+
+def test_unsafe_cleanup_path_is_a_config_error(tmp_path: Path) -> None:
+    text = (ROOT / "config" / "local.yaml").read_text()
+    text = text.replace("    data_dir: ${DSV4_AGENT_HOME:-../.dsv4-agent}/etcd-data", "    data_dir: /")
+    bad = tmp_path / "unsafe.yaml"
+    bad.write_text(text)
+    out = subprocess.run([str(BIN / "dsv4-agent"), "--config", str(bad)], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, "DSV4_AGENT_HOME": str(tmp_path)})  # fmt: skip
+    assert out.returncode == 78
+    assert "components.etcd.data_dir: refusing to manage '/': not a safe folder to delete" in out.stderr
