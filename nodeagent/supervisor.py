@@ -9,7 +9,7 @@ import contextlib
 import time
 from typing import Any
 
-from nodeagent import launcher, residue, residue_plan
+from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component, State
 from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, UnknownComponentError
@@ -259,7 +259,22 @@ class Supervisor:
         saved = self.store.load_children()
         return {name: ProcessRecord.from_dict(rec) for name, rec in saved.items() if name in self.components}
 
+    async def _rotate_logs(self, every_s: float = 30.0) -> None:
+        """copytruncate each component's log file past log_max_bytes (journald rotates its own)."""
+        agent = self.config.agent
+        while True:
+            for name in self.components:
+                path = logsink.log_path(agent.log_dir, name)
+                try:
+                    if await asyncio.to_thread(logsink.rotate_if_large, path, agent.log_max_bytes, agent.log_keep):
+                        self.events.emit("log_rotated", f"rotated {path}", name)
+                except OSError as exc:
+                    self.events.emit("log_rotate_failed", f"cannot rotate {path}: {exc}", name, "warning")
+            await asyncio.sleep(every_s)
+
     async def start(self) -> None:
+        if not logsink.use_journal():
+            self._keep(asyncio.create_task(self._rotate_logs(), name="log-rotation"))
         kinds = {c.kind for c in self.components.values()}
         if "datasystem" in kinds and "etcd" not in kinds:
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
