@@ -24,7 +24,7 @@ from nodeagent.config_model import (
 )
 
 # Variables the agent sets on every child so leftovers can be recognised (residue) and TMPDIR is private.
-AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "TMPDIR")
+AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "DSV4_AGENT_STATE", "TMPDIR")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ def _agent_env(config: Config, name: str) -> dict[str, str]:
         "DSV4_AGENT_COMPONENT": name,
         "DSV4_AGENT_CLUSTER": config.cluster.name,
         "DSV4_AGENT_NODE": config.node.name,
+        # Which agent instance owns it: two agents on one host (tests, a dev box) never touch each other's.
+        "DSV4_AGENT_STATE": str(config.agent.state_dir),
         "TMPDIR": str(component_dir(config, name) / "tmp"),
     }
 

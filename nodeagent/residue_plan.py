@@ -26,6 +26,7 @@ Scope = Literal["start", "redeploy", "failure"]
 
 ENV_COMPONENT = "DSV4_AGENT_COMPONENT"
 ENV_CLUSTER = "DSV4_AGENT_CLUSTER"
+ENV_STATE = "DSV4_AGENT_STATE"
 """The launcher sets both on every child; they are how leftovers are recognised as ours."""
 
 SHM_DIR = Path("/dev/shm")
@@ -237,7 +238,7 @@ def component_ports(comp: Any) -> tuple[int, ...]:
 
 def process_match(name: str, comp: Any, config: Config) -> ProcessMatch:
     """What identifies leftovers of this component (see ProcessMatch)."""
-    env = ((ENV_COMPONENT, name), (ENV_CLUSTER, config.cluster.name))
+    env = ((ENV_COMPONENT, name), (ENV_CLUSTER, config.cluster.name), (ENV_STATE, str(config.agent.state_dir)))
     if isinstance(comp, DatasystemComponent):
         return ProcessMatch(
             env=env, program="datasystem_worker", option=("worker_address", worker_address(config, comp))

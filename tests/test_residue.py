@@ -100,7 +100,11 @@ def test_datasystem_start_plan(tmp_path: Path) -> None:
     assert isinstance(kill, KillProcesses) and kill.grace_s == 15.0
     assert kill.match.program == "datasystem_worker"
     assert kill.match.option == ("worker_address", f"{NODE_IP}:2848")
-    assert kill.match.env == (("DSV4_AGENT_COMPONENT", "ds"), ("DSV4_AGENT_CLUSTER", "c1"))
+    assert kill.match.env == (
+        ("DSV4_AGENT_COMPONENT", "ds"),
+        ("DSV4_AGENT_CLUSTER", "c1"),
+        ("DSV4_AGENT_STATE", str(config.agent.state_dir)),
+    )
     assert plan.actions[1:] == (
         WaitPortsFree((2848,)),
         RemoveFile(tmp_path / "live" / "liveness"),
@@ -227,6 +231,16 @@ def test_env_markers_must_all_match() -> None:
     other_cluster = {**ours, "DSV4_AGENT_CLUSTER": "c2"}
     assert match_reason(ProcInfo(1, ("x",), environ=other_cluster), match) is None
     assert match_reason(ProcInfo(1, ("x",), environ=None), match) is None
+
+
+def test_another_agent_instance_on_the_host_is_not_ours(tmp_path: Path) -> None:
+    """Two agents of the same cluster on one host (tests, a dev box) must never kill each other's children."""
+    config = make_config(tmp_path)
+    match = plan_for(config, "ds").actions[0].match  # type: ignore[union-attr]
+    ours = dict(match.env)
+    assert match_reason(ProcInfo(1, ("x",), environ=ours), match) == "agent env markers"
+    theirs = {**ours, "DSV4_AGENT_STATE": "/elsewhere/state"}
+    assert match_reason(ProcInfo(1, ("x",), environ=theirs), match) is None
 
 
 def test_vllm_titles_match_only_in_the_components_cwd() -> None:
