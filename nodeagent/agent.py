@@ -1,21 +1,25 @@
 """`dsv4-agent`: load the config, supervise the stack, talk to systemd, stop in order on SIGTERM.
 
-Exit status: 0 after an orderly stop, 78 (EX_CONFIG) on a bad config so systemd does not loop on it.
+Exit status: 0 after an orderly stop (or a detach), 78 (EX_CONFIG) on a bad config so systemd does not loop on
+it, 1 when the API cannot listen (before anything of the stack was touched).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
 from pathlib import Path
 
+from loguru import logger
+
 from nodeagent import __version__
 from nodeagent.config import load_config
 from nodeagent.config_model import Config
-from nodeagent.errors import ConfigError
+from nodeagent.errors import AgentError, ConfigError
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 
@@ -45,11 +49,61 @@ class Agent:
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
         self.detach = False
+        self.started_at = time.time()
         self._last_status = ""
+        self._reload_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[object]] = set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested.is_set()
 
     def request_stop(self, detach: bool = False) -> None:
         self.detach = self.detach or detach
         self.stop_requested.set()
+
+    async def reload(self) -> dict[str, object]:
+        """Re-read the config file; restart only what changed. A bad config raises ConfigError and changes nothing.
+
+        Every component is rendered with the new config first, so a config that would fail half-way through
+        the supervisor's reload is refused whole.
+        """
+        from nodeagent.render import render_component
+
+        async with self._reload_lock:
+            self.notifier.reloading()
+            try:
+                config = await asyncio.to_thread(load_checked, str(self.config_path))
+                try:
+                    for name in config.active_components():
+                        render_component(name, config, self.supervisor.base_env)
+                    result = self.supervisor.reload(config)
+                except (ValueError, AgentError) as exc:
+                    raise ConfigError(f"{self.config_path}: {exc}") from None
+            except ConfigError as exc:
+                self.supervisor.events.emit("reload_failed", f"config reload refused, nothing changed: {exc}",
+                                            None, "error")  # fmt: skip
+                raise
+            finally:
+                self.notifier.ready()
+            if config.agent.api != self.config.agent.api:
+                logger.warning("agent.api changed: the API keeps its address and token until the agent restarts")
+            self.config = config
+            logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}")
+            return dict(result)
+
+    def _reload_on_signal(self) -> None:
+        if self.stopping:
+            logger.warning("SIGHUP ignored: the agent is stopping")
+            return
+
+        async def run() -> None:
+            with contextlib.suppress(ConfigError):
+                await self.reload()
+
+        task = asyncio.create_task(run(), name="reload:SIGHUP")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _publish_status(self) -> None:
         line = status_line(self.supervisor.status())
@@ -67,22 +121,37 @@ class Agent:
             await asyncio.sleep(period)
 
     async def run(self) -> int:
+        from nodeagent.api import ApiServer
+
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_on_signal)
         self.config.agent.state_dir.mkdir(parents=True, exist_ok=True)
         self.config.agent.log_dir.mkdir(parents=True, exist_ok=True)
-        self.supervisor.on_state_change.append(self._publish_status)
-        self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "
-                                    f"({self.config.node.role}), config {self.config_path}")
-        await self.supervisor.start()
-        self.notifier.ready()
-        heartbeat = asyncio.create_task(self._heartbeat())
-        await self.stop_requested.wait()
-        self.notifier.stopping()
-        heartbeat.cancel()
-        self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
-        await self.supervisor.shutdown(detach=self.detach)
+        # The API first: if it cannot listen we exit before touching the stack (the next agent adopts it).
+        api = ApiServer(self)
+        try:
+            await api.start()
+        except AgentError as exc:
+            logger.error(str(exc))
+            return 1
+        try:
+            self.supervisor.on_state_change.append(self._publish_status)
+            self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "
+                                        f"({self.config.node.role}), config {self.config_path}")
+            # READY=1 once the API answers, not when vLLM is ready: loading the model takes 30-60 min.
+            self.notifier.ready()
+            await self.supervisor.start()
+            heartbeat = asyncio.create_task(self._heartbeat())
+            await self.stop_requested.wait()
+            self.notifier.stopping()
+            heartbeat.cancel()
+            self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
+            # The API keeps answering (status, events) while the stack drains.
+            await self.supervisor.shutdown(detach=self.detach)
+        finally:
+            await api.close()
         return 0
 
 

@@ -1,6 +1,13 @@
-"""`nodeagentctl`: the operator's command line. Imports stay light (no aiohttp) so it answers fast.
+"""`nodeagentctl`: the operator's command line for the dsv4-agent on this node.
 
-Exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, 4 unknown component, 78 bad config.
+Imports stay light so it answers fast: HTTP with the standard library (http.client), and the commands that
+talk to the agent read only the `agent` section and the vLLM ports of the config with PyYAML
+(`LightConfig`), not the pydantic model (~250 ms to import). Only `render`, `config validate` and `probe`,
+which need the full model, load it — and so does any command when the light read fails, to report the exact
+config error.
+
+Exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, 4 unknown component, 5 unauthorised,
+78 bad config.
 """
 
 from __future__ import annotations
@@ -8,12 +15,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from nodeagent import __version__
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
-EXIT_FAILED, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_CONFIG = 1, 3, 4, 78
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT_CONFIG = 1, 2, 3, 4, 5, 78
+# The ApiConfig / AgentSettings defaults, repeated so the light reader needs no pydantic (a test keeps them equal).
+DEFAULT_LISTEN = "127.0.0.1:18700"
+DEFAULT_TOKEN_FILE = "/etc/dsv4-agent/token"
+DEFAULT_LOG_DIR = "/var/log/dsv4-agent"
+DEFAULT_STATE_DIR = "/var/lib/dsv4-agent"
+DEFAULT_VLLM_PORT = 8080
+DEFAULT_UNIT = "dsv4-agent"
+DEFAULT_WAIT_S = 1800.0
+"""`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
+UP_STATES = ("running", "ready")
 
 
 class CliError(Exception):
@@ -30,6 +52,546 @@ def _load(path: str):  # type: ignore[no-untyped-def]
         return load_config(path)
     except ConfigError as exc:
         raise CliError(f"config error:\n{exc}", EXIT_CONFIG) from None
+
+
+# ---- the light config view -----------------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
+
+
+class _Unreadable(Exception):
+    """The light reader cannot tell; the full loader will say exactly what is wrong."""
+
+
+def _interpolate(value: Any) -> Any:
+    """`${VAR}` / `${VAR:-default}` / `$$` as `nodeagent.config` does, for the few scalars read here."""
+    if not isinstance(value, str) or "$" not in value:
+        return value
+
+    def sub(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise _Unreadable(f"${{{name}}} not set")
+        return default
+
+    return _VAR.sub(sub, value)
+
+
+@dataclass(frozen=True)
+class LightConfig:
+    """What the agent-facing commands need from the config, read without validating the rest."""
+
+    path: Path
+    listen: str = DEFAULT_LISTEN
+    token_file: Path = Path(DEFAULT_TOKEN_FILE)
+    unix_socket: Path | None = None
+    log_dir: Path = Path(DEFAULT_LOG_DIR)
+    state_dir: Path = Path(DEFAULT_STATE_DIR)
+    vllm: dict[str, str] = field(default_factory=dict)
+    """vLLM component → its /metrics URL."""
+    components: tuple[str, ...] = ()
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+def _section(data: Any, key: str) -> dict[str, Any]:
+    value = data.get(key) if isinstance(data, dict) else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Unreadable(f"{key} is not a mapping")
+    return value
+
+
+def _path(value: Any, base: Path, default: str) -> Path:
+    value = _interpolate(value) if value is not None else default
+    if not isinstance(value, str) or not value:
+        raise _Unreadable("not a path")
+    path = Path(value).expanduser()
+    return Path(os.path.normpath(path if path.is_absolute() else base / path))
+
+
+def read_light_config(path: str) -> LightConfig:
+    """The API address, token file, log folder and vLLM ports; on anything odd, the full loader's error."""
+    try:
+        return _read_light(Path(path).expanduser())
+    except (_Unreadable, OSError, ValueError, TypeError, AttributeError):
+        _load(path)  # raises CliError(78) with the file, line and key, as the agent would
+        # The full model accepts what the light reader could not: use it (slow path, same answers).
+        return _light_from_model(path)
+
+
+def _read_light(path: Path) -> LightConfig:
+    import yaml
+
+    text = path.read_text(encoding="utf-8")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        data = yaml.load(text, Loader=loader)
+    except yaml.YAMLError as exc:
+        raise _Unreadable(str(exc)) from None
+    if data is None:
+        data = {}
+    base = path.resolve().parent
+    agent = _section(data, "agent")
+    api = _section(agent, "api")
+    listen = str(_interpolate(api.get("listen", DEFAULT_LISTEN)))
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise _Unreadable("listen")
+    socket_raw = api.get("unix_socket")
+    components = _section(data, "components")
+    node_role = _interpolate(_section(data, "node").get("role", "master"))
+    vllm, names = {}, []
+    for name, comp in components.items():
+        if not isinstance(comp, dict):
+            raise _Unreadable(f"component {name}")
+        kind = _interpolate(comp.get("kind"))
+        enabled = _interpolate(comp.get("enabled", True))
+        disabled = enabled is False or str(enabled).lower() in ("false", "no", "off", "0")
+        if disabled or (kind == "etcd" and node_role != "master"):
+            continue
+        names.append(str(name))
+        if kind == "vllm":
+            bind = _interpolate(comp.get("host"))
+            h = "127.0.0.1" if bind in (None, "", "0.0.0.0", "::") else str(bind)
+            h = f"[{h}]" if ":" in h else h
+            vllm[str(name)] = f"http://{h}:{int(_interpolate(comp.get('port', DEFAULT_VLLM_PORT)))}/metrics"
+    return LightConfig(
+        path=path,
+        listen=listen,
+        token_file=_path(api.get("token_file"), base, DEFAULT_TOKEN_FILE),
+        unix_socket=_path(socket_raw, base, "") if socket_raw is not None else None,
+        log_dir=_path(agent.get("log_dir"), base, DEFAULT_LOG_DIR),
+        state_dir=_path(agent.get("state_dir"), base, DEFAULT_STATE_DIR),
+        vllm=vllm,
+        components=tuple(names),
+    )
+
+
+def _light_from_model(path: str) -> LightConfig:
+    from nodeagent.metrics import vllm_metrics_urls
+
+    config = _load(path)
+    api, active = config.agent.api, config.active_components()
+    return LightConfig(path=Path(path), listen=api.listen, token_file=api.token_file, unix_socket=api.unix_socket,
+                       log_dir=config.agent.log_dir, state_dir=config.agent.state_dir,
+                       vllm=vllm_metrics_urls(active), components=tuple(active))  # fmt: skip
+
+
+# ---- talking to the agent ------------------------------------------------------------------------------------
+
+
+class Client:
+    """HTTP/1.1 to the agent: the unix socket if configured and present (no token needed as root), else TCP."""
+
+    def __init__(self, light: LightConfig, timeout: float = 10.0) -> None:
+        self.light = light
+        self.timeout = timeout
+        sock = light.unix_socket
+        self.unix = sock if sock is not None and sock.exists() else None
+        self.address = f"unix:{self.unix}" if self.unix else f"http://{light.listen}"
+
+    def _connection(self):  # type: ignore[no-untyped-def]
+        import http.client
+        import socket
+
+        if self.unix is None:
+            return http.client.HTTPConnection(self.light.host, self.light.port, timeout=self.timeout)
+        path = str(self.unix)
+
+        class UnixConnection(http.client.HTTPConnection):
+            def connect(self) -> None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout)
+                self.sock.connect(path)
+
+        return UnixConnection("localhost", timeout=self.timeout)
+
+    def _token(self) -> str | None:
+        try:
+            return self.light.token_file.read_text(encoding="utf-8").strip() or None
+        except OSError:
+            return None
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        """(status, parsed JSON); CliError(3) naming the address if the agent does not answer."""
+        headers = {"Accept": "application/json"}
+        payload = None
+        if method == "POST":
+            token = self._token()
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            payload = json.dumps(body or {}).encode()
+            headers["Content-Type"] = "application/json"
+        import http.client
+
+        conn = self._connection()
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise CliError(f"agent unreachable at {self.address}: {reason} (is dsv4-agent running? "
+                           "systemctl status dsv4-agent)", EXIT_UNREACHABLE) from None  # fmt: skip
+        finally:
+            conn.close()
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = raw.decode(errors="replace")
+        return response.status, data
+
+    def get(self, path: str) -> Any:
+        status, data = self.request("GET", path)
+        if status != 200:
+            raise CliError(f"GET {path}: {_error_text(data, status)}")
+        return data
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        status, data = self.request("POST", path, body)
+        if status in (200, 202):
+            return data
+        text = _error_text(data, status)
+        if status == 401:
+            hint = "" if self._token() else f" (cannot read the token file {self.light.token_file}: run as root?)"
+            raise CliError(f"unauthorised: {text}{hint}", EXIT_UNAUTHORISED)
+        if status == 404 and (path.startswith("/components/") or path == "/reset"):
+            raise CliError(text, EXIT_UNKNOWN)
+        if status == 400 and path == "/reload":
+            raise CliError(text, EXIT_CONFIG)
+        raise CliError(text, EXIT_USAGE if status == 400 else EXIT_FAILED)
+
+
+def _error_text(data: Any, status: int) -> str:
+    if isinstance(data, dict) and "error" in data:
+        return str(data["error"])
+    return f"HTTP {status}: {str(data)[:200]}"
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(read_light_config(args.config))
+
+
+# ---- status --------------------------------------------------------------------------------------------------
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _last_exit(exit_info: dict[str, Any] | None, now: float) -> str:
+    if not exit_info:
+        return "-"
+    text = str(exit_info.get("reason") or exit_info.get("code") or "?")
+    text = text if len(text) <= 48 else text[:47] + "…"
+    at = exit_info.get("at")
+    return f"{human_duration(now - at)} ago: {text}" if isinstance(at, int | float) else text
+
+
+def _note(comp: dict[str, Any]) -> str:
+    notes = []
+    if comp.get("desired") == "stopped":
+        notes.append("desired stopped")
+    if comp.get("backoff_remaining_s"):
+        notes.append(f"retry in {human_duration(comp['backoff_remaining_s'])}")
+    if comp.get("held"):
+        notes.append(str(comp["held"]))
+    policy = comp.get("policy") or {}
+    if policy.get("crash_loop"):
+        notes.append("crash loop")
+    return "; ".join(notes)
+
+
+def format_status(data: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    node, agent = data.get("node", {}), data.get("agent", {})
+    head = (f"node {node.get('name')} ({node.get('role')}) · cluster {node.get('cluster')} · agent "
+            f"{agent.get('version', '?')} pid {agent.get('pid', '?')} up {human_duration(agent.get('uptime_s'))}")
+    flags = []
+    if data.get("paused"):
+        flags.append("PAUSED (no automatic restarts)")
+    if data.get("redeploying"):
+        flags.append("REDEPLOYING")
+    policy = data.get("node_policy") or {}
+    if policy.get("failed"):
+        flags.append(f"NODE FAILED: {policy.get('failed_reason')}")
+    if agent.get("stopping"):
+        flags.append("AGENT STOPPING")
+    rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
+    for name, comp in data.get("components", {}).items():
+        rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",
+                     str(comp.get("restarts", 0)), human_duration(comp.get("uptime_s")),
+                     _last_exit(comp.get("last_exit"), now), _note(comp)))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, *flags, ""]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    data = _client(args).get("/status")
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    return 0
+
+
+# ---- actions -------------------------------------------------------------------------------------------------
+
+
+def _components(client: Client) -> dict[str, Any]:
+    return client.get("/status")["components"]
+
+
+def _wait(client: Client, what: str, done: Any, timeout: float, interval: float = 0.5) -> dict[str, Any]:
+    """Poll /status until done(status) returns a message (success) or raises CliError (failure)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        status = client.get("/status")
+        message = done(status)
+        if message:
+            return {"message": message}
+        summary = ", ".join(f"{n} {c['state']}" for n, c in status["components"].items())
+        if summary != last:
+            print(f"  … {summary}", file=sys.stderr)
+            last = summary
+        if time.monotonic() >= deadline:
+            raise CliError(f"timed out after {timeout:g}s waiting for {what} ({summary})")
+        time.sleep(interval)
+
+
+def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
+    old_pid = before.get("pid")
+    seen = {"moved": False}
+
+    def done(status: dict[str, Any]) -> str | None:
+        comp = status["components"][name]
+        state, pid = comp["state"], comp["pid"]
+        if action == "stop":
+            # No process and none coming: a component stopped during its backoff keeps showing `backoff`.
+            gone = pid is None and comp.get("desired") == "stopped" and state in ("stopped", "backoff", "failed")
+            return f"{name} stopped" if gone else None
+        moved = state in ("stopping", "stopped", "starting") or (pid is not None and pid != old_pid)
+        seen["moved"] = seen["moved"] or moved
+        if state == "failed" or (state == "backoff" and (seen["moved"] or action == "start")):
+            reason = (comp.get("last_exit") or {}).get("reason") or (comp.get("policy") or {}).get("last_reason")
+            raise CliError(f"{name} {action} failed: {state} ({reason or 'see nodeagentctl logs ' + name})")
+        if state in UP_STATES and (action == "start" or (pid is not None and pid != old_pid)):
+            was = f", was {old_pid}" if action == "restart" else ""
+            return f"{name} {state} (pid {pid}{was})"
+        return None
+
+    return done
+
+
+def cmd_component(args: argparse.Namespace) -> int:
+    client = _client(args)
+    before = None
+    if args.wait:
+        comps = _components(client)
+        if args.component not in comps:
+            raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(comps)})",
+                           EXIT_UNKNOWN)  # fmt: skip
+        before = comps[args.component]
+    client.post(f"/components/{args.component}/{args.action}")
+    if before is None:
+        print(f"{args.action} {args.component}: accepted")
+        return 0
+    began = time.monotonic()
+    result = _wait(client, f"{args.component} to {args.action}", _component_waiter(args.component, args.action, before),
+                   args.timeout)  # fmt: skip
+    print(f"{result['message']} after {time.monotonic() - began:.1f}s")
+    return 0
+
+
+def cmd_redeploy(args: argparse.Namespace) -> int:
+    client = _client(args)
+    before = _components(client) if args.wait else {}
+    data = client.post("/redeploy", {"reason": args.reason} if args.reason else None)
+    note = " (one was already in progress)" if data.get("already_in_progress") else ""
+    print(f"redeploy: accepted{note}")
+    if not args.wait:
+        return 0
+    old = {n: c["pid"] for n, c in before.items()}
+
+    def done(status: dict[str, Any]) -> str | None:
+        if status.get("redeploying"):
+            return None
+        comps = status["components"]
+        failed = [n for n, c in comps.items() if c["state"] == "failed"]
+        if failed:
+            raise CliError(f"redeploy failed: {', '.join(failed)} failed")
+        wanted = {n: c for n, c in comps.items() if c.get("desired") == "running"}
+        if all(c["state"] in UP_STATES and c["pid"] not in (None, old.get(n)) for n, c in wanted.items()):
+            return "redeploy done: " + ", ".join(f"{n} {c['state']} (pid {c['pid']})" for n, c in wanted.items())
+        return None
+
+    began = time.monotonic()
+    result = _wait(client, "the redeploy", done, args.timeout)
+    print(f"{result['message']} after {time.monotonic() - began:.1f}s")
+    return 0
+
+
+def cmd_simple(args: argparse.Namespace) -> int:
+    client = _client(args)
+    action = args.command
+    body = {"component": args.component} if action == "reset" and args.component else None
+    data = client.post(f"/{action}", body)
+    if action == "reload":
+        print(f"reload: restarted {', '.join(data.get('restarted', [])) or 'nothing'}")
+    elif action == "detach":
+        print("detach: the agent exits leaving the stack running; the next agent adopts it")
+    elif action == "reset":
+        print(f"reset: restart counters cleared ({args.component or 'all components and the node state'})")
+    else:
+        print(f"{action}: done")
+    return 0
+
+
+# ---- logs ----------------------------------------------------------------------------------------------------
+
+
+def tail_lines(path: Path, n: int) -> tuple[list[bytes], int]:
+    """The last n lines of a file and the offset where following should continue."""
+    with open(path, "rb") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        if n <= 0:
+            return [], end
+        block, data, pos = 64 * 1024, b"", end
+        while pos > 0 and data.count(b"\n") <= n:
+            step = min(block, pos)
+            pos -= step
+            fh.seek(pos)
+            data = fh.read(step) + data
+        lines = data.splitlines(keepends=True)
+        return lines[-n:], end
+
+
+def follow(path: Path, offset: int, out: Any, interval: float = 0.25, until: float | None = None) -> None:
+    """Print what is appended to `path`; after copytruncate (size below our offset) start again from the top,
+    and reopen when the file is replaced. `until` (monotonic) bounds it, for tests."""
+    fh = open(path, "rb")  # noqa: SIM115 - reopened on rotation
+    try:
+        fh.seek(offset)
+        inode = os.fstat(fh.fileno()).st_ino
+        while until is None or time.monotonic() < until:
+            chunk = fh.read(64 * 1024)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                time.sleep(interval)
+                continue
+            if st.st_ino != inode:
+                fh.close()
+                fh = open(path, "rb")  # noqa: SIM115
+                inode = os.fstat(fh.fileno()).st_ino
+            elif st.st_size < fh.tell():
+                fh.seek(0)  # truncated in place (copytruncate)
+            else:
+                time.sleep(interval)
+    finally:
+        fh.close()
+
+
+def _log_source(args: argparse.Namespace, light: LightConfig) -> tuple[str, Path]:
+    """("journal"|"file", log_dir): ask the agent where children's output goes; without it, guess from disk."""
+    client = Client(light, timeout=2.0)
+    try:
+        status = client.get("/status")
+    except CliError as exc:
+        if exc.code != EXIT_UNREACHABLE:
+            raise
+        if args.component not in light.components:
+            raise CliError(f"unknown component {args.component!r} (config has: {', '.join(light.components)})",
+                           EXIT_UNKNOWN) from None  # fmt: skip
+        path = light.log_dir / f"{args.component}.log"
+        if path.exists() or not _which("journalctl"):
+            return "file", light.log_dir
+        return "journal", light.log_dir
+    if args.component not in status["components"]:
+        raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(status['components'])})",
+                       EXIT_UNKNOWN)  # fmt: skip
+    agent = status.get("agent", {})
+    return ("journal" if agent.get("journal") else "file"), Path(agent.get("log_dir") or light.log_dir)
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    light = read_light_config(args.config)
+    source, log_dir = (args.source, light.log_dir) if args.source != "auto" else _log_source(args, light)
+    if source == "journal":
+        argv = ["journalctl", "-u", args.unit, "-t", args.component, "-n", str(args.lines), "--no-pager"]
+        if args.follow:
+            argv.append("-f")
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            raise CliError(f"cannot run journalctl: {exc}") from None
+    path = log_dir / f"{args.component}.log"
+    try:
+        lines, offset = tail_lines(path, args.lines)
+    except FileNotFoundError:
+        raise CliError(f"no log file {path} (has {args.component} run on this node yet?)") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc}") from None
+    out = sys.stdout.buffer
+    out.writelines(lines)
+    out.flush()
+    if args.follow:
+        follow(path, offset, out)
+    return 0
+
+
+# ---- cache, probe, render, config --------------------------------------------------------------------------------
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from nodeagent.cachewatch import run_cache
+
+    url = args.url
+    if url is None:
+        light = read_light_config(args.config)
+        if not light.vllm:
+            raise CliError(f"no vllm component in {args.config}: give the metrics URL with --url", EXIT_USAGE)
+        url = next(iter(light.vllm.values()))
+    return run_cache(url, watch=args.watch, interval=args.interval, output=args.output, as_json=args.as_json)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from nodeagent.probecmd import probe_targets, run_probe
+
+    config = _load(args.config)
+    role = args.role or ("master" if config.node.role == "master" else "slave")
+    return run_probe(probe_targets(config), role, args.timeout)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -68,18 +630,81 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nodeagentctl", description="Operate the dsv4-agent on this node.")
+    from nodeagent.cachewatch import add_cache_arguments
+
+    parser = argparse.ArgumentParser(prog="nodeagentctl", description="Operate the dsv4-agent on this node.",
+                                     epilog="exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, "
+                                     "4 unknown component, 5 unauthorised, 78 bad config")  # fmt: skip
     parser.add_argument("--config", "-c", default=os.environ.get("DSV4_AGENT_CONFIG", DEFAULT_CONFIG),
                         help=f"agent config (default {DEFAULT_CONFIG}; env DSV4_AGENT_CONFIG)")
-    # --config is accepted after the subcommand too (`nodeagentctl render --config FILE`).
+    # --config is accepted after the subcommand too (`nodeagentctl status --config FILE`).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", default=argparse.SUPPRESS, help="agent config")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    render = sub.add_parser("render", parents=[common], help="print the exact command, environment and cwd of components")
+
+    def add(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    status = add("status", "components: state, pid, ready, restarts, uptime, last exit", cmd_status)
+    status.add_argument("--json", action="store_true", help="the agent's full /status JSON")
+    for action, text in (("start", "start a component (desired: running)"),
+                         ("stop", "stop a component (desired: stopped; stays stopped)"),
+                         ("restart", "restart a component; concurrent restarts coalesce")):  # fmt: skip
+        p = add(action, text, cmd_component)
+        p.set_defaults(action=action)
+        p.add_argument("component")
+        p.add_argument("--wait", action="store_true", help="until done: up (new pid for restart) or stopped")
+        p.add_argument("--timeout", type=_seconds, default=DEFAULT_WAIT_S, metavar="S",
+                       help=f"with --wait (default {DEFAULT_WAIT_S:g})")  # fmt: skip
+    redeploy = add("redeploy", "the guide's recovery: stop all, clean residue, start all in order", cmd_redeploy)
+    redeploy.add_argument("--reason", help="recorded in the event log")
+    redeploy.add_argument("--wait", action="store_true", help="until every component is up again with a new pid")
+    redeploy.add_argument("--timeout", type=_seconds, default=DEFAULT_WAIT_S, metavar="S")
+    reset = add("reset", "clear restart counters (crash loop, backoff); without COMPONENT also the node's failed state",
+                cmd_simple)  # fmt: skip
+    reset.add_argument("component", nargs="?")
+    add("pause", "maintenance pause: no automatic restarts or redeploys", cmd_simple)
+    add("resume", "end the maintenance pause", cmd_simple)
+    add("detach", "the agent exits, leaving the stack running for the next agent to adopt", cmd_simple)
+    add("reload", "re-read the config; restart only components whose command or environment changed", cmd_simple)
+    logs = add("logs", "a component's output (journald under systemd, else log_dir/COMPONENT.log)", cmd_logs)
+    logs.add_argument("component")
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.add_argument("-n", "--lines", type=_count, default=50, metavar="N", help="last N lines (default 50)")
+    logs.add_argument("--source", choices=["auto", "journal", "file"], default="auto",
+                      help="auto: ask the agent where output goes")  # fmt: skip
+    logs.add_argument("--unit", default=DEFAULT_UNIT, help=f"systemd unit for journalctl (default {DEFAULT_UNIT})")
+    cache = add("cache", "vLLM prefix-cache hit rates, like watch_cache_hit_rate.sh", cmd_cache)
+    add_cache_arguments(cache)
+    probe = add("probe", "the guide's vllm_probe_yr.py checks (exit 0/1)", cmd_probe)
+    probe.add_argument("role", nargs="?", choices=["master", "slave"], help="default: from node.role")
+    probe.add_argument("--timeout", type=_seconds, default=30.0, metavar="S")
+    render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")
-    render.set_defaults(func=cmd_render)
     config = sub.add_parser("config", help="config tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     validate = config_sub.add_parser("validate", help="validate a config file")
@@ -97,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"nodeagentctl: {exc}", file=sys.stderr)
         return exc.code
+    except BrokenPipeError:
+        return 0
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,512 @@
+"""The agent's local HTTP API (aiohttp): health, status, metrics, events, and operator actions.
+
+Reads are open; mutating calls need `Authorization: Bearer <token>` (the token file, 0600), or — on the
+optional unix socket — a peer that is root or the agent's own user (SO_PEERCRED). Every error is JSON
+`{"error": ..., "status": N}`; bad input is a 4xx, never a 500, and never disturbs the stack. Actions that take
+long answer 202 at once and run in the background, so /status always answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import web
+from loguru import logger
+
+from nodeagent import __version__
+from nodeagent.errors import AgentError, ConfigError, UnknownComponentError
+from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
+
+if TYPE_CHECKING:
+    from nodeagent.config_model import Config
+    from nodeagent.supervisor import Supervisor
+
+MAX_BODY = 64 * 1024
+"""Every body this API takes is a tiny JSON object; anything bigger is refused with 413 before parsing."""
+SSE_KEEPALIVE_S = 10.0
+SSE_MAX_SUBSCRIBERS = 64
+REPLAY_DEFAULT = 50
+COMPONENT_ACTIONS = ("start", "stop", "restart")
+LIVENESS_KINDS = ("vllm", "datasystem", "etcd")
+"""What the guide's liveness check covers (etcd only runs on the master, so it is only there)."""
+
+
+class Controller(Protocol):
+    """What the API needs from the agent; `nodeagent.agent.Agent` is the implementation."""
+
+    supervisor: Supervisor
+    config: Config
+    started_at: float
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def request_stop(self, detach: bool = False) -> None: ...
+
+    async def reload(self) -> dict[str, Any]: ...
+
+
+class ApiError(Exception):
+    """An error with its HTTP status; the middleware turns it into the JSON error body."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status, headers=headers)
+
+
+_dumps = functools.partial(json.dumps, default=str)
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=_dumps)
+
+
+# ---- the token -------------------------------------------------------------------------------------------------
+
+
+def ensure_token(path: Path) -> str:
+    """The API token from `path`, created (0600, folder 0700 if new) on first start.
+
+    Written to a temp file and renamed in, so a CLI reading it concurrently never sees half a token.
+    """
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        token = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AgentError(f"cannot read the API token file {path}: {exc}") from None
+    if token:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            logger.warning(f"API token file {path} is readable by others (mode {mode:o}); chmod 600 it")
+        return token
+    try:
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, mode=0o700)
+            path.parent.chmod(0o700)  # mkdir's mode is subject to the umask
+        token = secrets.token_urlsafe(32)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise AgentError(f"cannot create the API token file {path}: {exc}") from None
+    logger.info(f"created the API token file {path}")
+    return token
+
+
+def peer_uid(request: web.Request) -> int | None:
+    """The uid of a unix-socket peer (SO_PEERCRED), None over TCP."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    with contextlib.suppress(OSError):
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))  # fmt: skip
+        return uid
+    return None
+
+
+# ---- the routes --------------------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    name: str
+    """The handler method of `Api`; also the OpenAPI operationId."""
+    mutating: bool = False
+
+
+ROUTES = (
+    Route("GET", "/healthz", "healthz"),
+    Route("GET", "/livez", "livez"),
+    Route("GET", "/readyz", "readyz"),
+    Route("GET", "/status", "status"),
+    Route("GET", "/metrics", "metrics"),
+    Route("GET", "/events", "events"),
+    Route("GET", "/openapi.json", "openapi"),
+    Route("POST", "/components/{name}/{action}", "component_action", True),
+    Route("POST", "/redeploy", "redeploy", True),
+    Route("POST", "/reset", "reset", True),
+    Route("POST", "/pause", "pause", True),
+    Route("POST", "/resume", "resume", True),
+    Route("POST", "/detach", "detach", True),
+    Route("POST", "/reload", "reload", True),
+)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error as JSON: aiohttp's own (404, 405, 413), ours, and — logged — anything unexpected."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, str(exc), exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "WWW-Authenticate")}
+        if exc.status == 404:
+            message = f"no such endpoint: {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} not allowed on {request.path} (allowed: {exc.headers.get('Allow')})"
+        elif exc.status == 413:
+            message = f"request body too large (limit {MAX_BODY} bytes)"
+        else:
+            message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        return error_response(exc.status, message, headers)
+    except Exception:
+        logger.exception(f"API: unexpected error in {request.method} {request.path}")
+        return error_response(500, "internal error (logged by the agent)")
+
+
+class Api:
+    """Request handlers over a Controller; `build_app` wires them with the middleware and limits."""
+
+    def __init__(self, ctl: Controller, token: str, metrics: AgentMetrics | None = None) -> None:
+        self.ctl = ctl
+        self.token = token
+        self.agent_metrics = metrics or AgentMetrics(ctl.supervisor, started_at=ctl.started_at)
+        self.closing = asyncio.Event()
+        self.sse_streams = 0
+        self.journal = _output_to_journal()
+
+    @property
+    def sup(self) -> Supervisor:
+        return self.ctl.supervisor
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def authorize(self, request: web.Request) -> str:
+        """Who is asking (for the audit log), or 401. Root or our own uid on the unix socket need no token."""
+        uid = peer_uid(request)
+        if uid is not None and uid in (0, os.getuid()):
+            return f"unix socket uid {uid}"
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        challenge = {"WWW-Authenticate": 'Bearer realm="dsv4-agent"'}
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ApiError(401, "this call needs 'Authorization: Bearer <token>' (the agent's token file)",
+                           challenge)  # fmt: skip
+        if not hmac.compare_digest(given.strip().encode(errors="surrogateescape"), self.token.encode()):
+            raise ApiError(401, "wrong token", challenge)
+        peer = request.remote or (f"unix socket uid {uid}" if uid is not None else "?")
+        return f"token holder at {peer}"
+
+    def mutation(self, request: web.Request) -> str:
+        who = self.authorize(request)
+        if self.ctl.stopping:
+            raise ApiError(503, "the agent is stopping; no new actions")
+        logger.info(f"API: {request.method} {request.path} by {who}")
+        return who
+
+    @staticmethod
+    async def body(request: web.Request, allowed: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The JSON object body ({} when empty); unknown keys, non-objects and bad JSON are a 400."""
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"body must be a JSON object, got {type(data).__name__}")
+        extra = sorted(set(data) - set(allowed))
+        if extra:
+            accepted = ", ".join(allowed) or "none"
+            raise ApiError(400, f"unknown body keys: {', '.join(extra)} (accepted: {accepted})")
+        return data
+
+    def component(self, name: Any) -> str:
+        if not isinstance(name, str):
+            raise ApiError(400, f"component must be a string, got {type(name).__name__}")
+        try:
+            self.sup.get(name)
+        except UnknownComponentError as exc:
+            raise ApiError(404, str(exc)) from None
+        return name
+
+    # ---- reads -----------------------------------------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        return json_response({
+            "ok": True, "version": __version__, "pid": os.getpid(), "node": self.sup.config.node.name,
+            "uptime_s": round(time.time() - self.ctl.started_at, 1), "paused": self.sup.paused,
+            "stopping": self.ctl.stopping,
+        })  # fmt: skip
+
+    def _liveness(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, comp in self.sup.components.items():
+            if comp.kind not in LIVENESS_KINDS:
+                continue
+            liveness = comp.prober.status("liveness") if comp.prober is not None else "unknown"
+            running = str(comp.state) in ("running", "ready")
+            live = running and liveness != "failure"
+            reason = None
+            if not running:
+                reason = f"state {comp.state}" + (", desired stopped" if self.sup.desired(name) == "stopped" else "")
+            elif not live:
+                reason = "liveness probe failing"
+            out[name] = {"live": live, "state": str(comp.state), "liveness": liveness, "reason": reason}
+        return out
+
+    async def livez(self, request: web.Request) -> web.Response:
+        parts = self._liveness()
+        failing = {n: p["reason"] for n, p in parts.items() if not p["live"]}
+        return json_response({"live": not failing, "components": parts, "failing": failing},
+                             200 if not failing else 503)  # fmt: skip
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """vLLM ready; on a node without vLLM, every component ready."""
+        comps = self.sup.components
+        gate = [n for n, c in comps.items() if c.kind == "vllm"] or list(comps)
+        parts = {n: {"ready": comps[n].ready, "state": str(comps[n].state)} for n in gate}
+        not_ready = [n for n, p in parts.items() if not p["ready"]]
+        return json_response({"ready": not not_ready, "components": parts, "not_ready": not_ready},
+                             200 if not not_ready else 503)  # fmt: skip
+
+    async def status(self, request: web.Request) -> web.Response:
+        data = self.sup.status()
+        data["agent"] = {
+            "version": __version__, "pid": os.getpid(), "started_at": self.ctl.started_at,
+            "uptime_s": round(time.time() - self.ctl.started_at, 1), "stopping": self.ctl.stopping,
+            "config": str(self.sup.config.source or ""), "log_dir": str(self.sup.config.agent.log_dir),
+            "journal": self.journal,
+        }  # fmt: skip
+        return json_response(data)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        await self.agent_metrics.refresh_vllm()
+        return web.Response(body=self.agent_metrics.generate(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from nodeagent.openapi import openapi_document
+
+        return json_response(openapi_document())
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: up to `replay` recent events (or those after Last-Event-ID), then live ones."""
+        raw = request.query.get("replay", str(REPLAY_DEFAULT))
+        try:
+            replay = int(raw)
+        except ValueError:
+            raise ApiError(400, f"replay must be a whole number, got {raw!r}") from None
+        if replay < 0:
+            raise ApiError(400, f"replay must be >= 0, got {replay}")
+        last_id = request.headers.get("Last-Event-ID", "").strip()
+        after = int(last_id) if last_id.isdigit() else None
+        if request.method == "HEAD":  # headers only: no stream to hold open
+            return web.Response(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if self.sse_streams >= SSE_MAX_SUBSCRIBERS:
+            raise ApiError(503, f"too many event streams open ({SSE_MAX_SUBSCRIBERS})")
+        bus = self.sup.events
+        queue = bus.subscribe()  # before the snapshot, so no event falls between replay and live
+        self.sse_streams += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})  # fmt: skip
+        closing = asyncio.ensure_future(self.closing.wait())
+        getter: asyncio.Future[Any] | None = None
+        try:
+            recent = list(bus.recent)
+            if after is not None:
+                backlog = [e for e in recent if e.seq > after]
+            else:
+                backlog = recent[len(recent) - replay:] if replay else []
+            last = recent[-1].seq if recent else 0  # up to here: replayed, or skipped on purpose
+            await response.prepare(request)
+            await response.write(b"".join(_sse(e) for e in backlog) + b": live\n\n")  # a comment: caught up
+            while not self.closing.is_set():
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, closing}, timeout=SSE_KEEPALIVE_S,
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if getter not in done:
+                    getter.cancel()
+                    if not done:
+                        await response.write(b": keepalive\n\n")
+                    continue
+                event = getter.result()
+                if event.seq > last:
+                    await response.write(_sse(event))
+                    last = event.seq
+        except ConnectionError:
+            pass  # the client left
+        finally:
+            for fut in (getter, closing):
+                if fut is not None:
+                    fut.cancel()
+            bus.unsubscribe(queue)
+            self.sse_streams -= 1
+        return response
+
+    # ---- actions ---------------------------------------------------------------------------------------------
+    async def component_action(self, request: web.Request) -> web.Response:
+        action, name = request.match_info["action"], request.match_info["name"]
+        self.mutation(request)
+        if action not in COMPONENT_ACTIONS:
+            raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
+        await self.body(request)
+        self.component(name)
+        self.sup.command(name, action)
+        return json_response({"accepted": True, "action": action, "component": name}, 202)
+
+    async def redeploy(self, request: web.Request) -> web.Response:
+        who = self.mutation(request)
+        data = await self.body(request, ("reason",))
+        reason = data.get("reason", f"operator request ({who})")
+        if not isinstance(reason, str) or len(reason) > 500:
+            raise ApiError(400, "reason must be a string of at most 500 characters")
+        started = self.sup.request_redeploy(reason)
+        return json_response({"accepted": True, "action": "redeploy", "component": None,
+                              "already_in_progress": not started}, 202)  # fmt: skip
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.mutation(request)
+        data = await self.body(request, ("component",))
+        name = data.get("component")
+        if name is not None:
+            self.component(name)
+        self.sup.reset(name)
+        return json_response({"ok": True, "action": "reset", "component": name})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.mutation(request)
+        await self.body(request)
+        self.sup.set_paused(True)
+        return json_response({"ok": True, "action": "pause", "paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.mutation(request)
+        await self.body(request)
+        self.sup.set_paused(False)
+        return json_response({"ok": True, "action": "resume", "paused": False})
+
+    async def detach(self, request: web.Request) -> web.Response:
+        self.mutation(request)
+        await self.body(request)
+        # After this handler returns, so the answer is sent before the agent starts to wind down.
+        asyncio.get_running_loop().call_soon(functools.partial(self.ctl.request_stop, detach=True))
+        return json_response({"accepted": True, "action": "detach", "component": None}, 202)
+
+    async def reload(self, request: web.Request) -> web.Response:
+        self.mutation(request)
+        await self.body(request)
+        try:
+            # Shielded: a client hanging up must not abandon a reload half-way.
+            result = await asyncio.shield(self.ctl.reload())
+        except ConfigError as exc:
+            raise ApiError(400, f"config error, nothing changed:\n{exc}") from None
+        return json_response({"ok": True, "action": "reload", **result})
+
+
+def _sse(event: Any) -> bytes:
+    return f"id: {event.seq}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n".encode()
+
+
+def _output_to_journal() -> bool:
+    """Where the children's output goes (journald under systemd), so `nodeagentctl logs` reads the right place."""
+    from nodeagent.logsink import use_journal
+
+    return use_journal()
+
+
+def build_app(api: Api) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY)
+    for route in ROUTES:
+        handler = getattr(api, route.name)
+        if route.method == "GET":
+            app.router.add_get(route.path, handler, name=route.name)  # and HEAD
+        else:
+            app.router.add_route(route.method, route.path, handler, name=route.name)
+
+    async def on_shutdown(_app: web.Application) -> None:
+        api.closing.set()  # ends open event streams so shutdown does not wait for them
+
+    async def on_cleanup(_app: web.Application) -> None:
+        await api.agent_metrics.close()
+
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class ApiServer:
+    """The API on its TCP address and, optionally, its unix socket; started before the stack, closed last."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        self.runner: web.AppRunner | None = None
+        self.socket_path: Path | None = None
+        self.api: Api | None = None
+
+    async def start(self) -> None:
+        """Bind every address or raise AgentError naming the one that failed (nothing is left bound)."""
+        cfg = self.ctl.config.agent.api
+        token = ensure_token(cfg.token_file)
+        self.api = Api(self.ctl, token)
+        self.runner = web.AppRunner(build_app(self.api), handler_cancellation=True, shutdown_timeout=3.0,
+                                    access_log=None)  # fmt: skip
+        await self.runner.setup()
+        try:
+            try:
+                await web.TCPSite(self.runner, cfg.host, cfg.port).start()
+            except OSError as exc:
+                raise AgentError(f"API: cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
+            if cfg.unix_socket is not None:
+                await self._start_unix(cfg.unix_socket)
+        except BaseException:
+            await self.close()
+            raise
+        where = cfg.listen + (f" and {cfg.unix_socket}" if cfg.unix_socket else "")
+        logger.info(f"API listening on {where}")
+
+    async def _start_unix(self, path: Path) -> None:
+        assert self.runner is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()  # a stale socket of a previous agent
+        try:
+            await web.UnixSite(self.runner, str(path)).start()
+        except OSError as exc:
+            raise AgentError(f"API: cannot listen on unix socket {path}: {exc.strerror or exc}") from None
+        self.socket_path = path
+        # Anyone local may read (as over loopback TCP); mutations are checked per peer uid or token.
+        path.chmod(0o666)
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()
+            self.socket_path = None

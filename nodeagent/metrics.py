@@ -1,0 +1,279 @@
+"""Prometheus metrics of the agent, its components and vLLM's prefix-cache hit rates.
+
+Own CollectorRegistry (never the global one), so a second agent in one process (tests) cannot collide.
+Component state and process usage are read at scrape time by a custom collector — no bookkeeping on the
+supervisor's hot path; probe latency and failures are pushed by `Supervisor.on_probe_result`. The vLLM hit
+rates are computed like vllm-ascend's watch_cache_hit_rate.sh (`nodeagent.cachehit`) over the window since the
+previous scrape of this agent's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from loguru import logger
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from nodeagent import __version__
+from nodeagent.cachehit import CacheCounters, CacheMetricsError, compute_table, parse_cache_counters
+from nodeagent.component import State
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from nodeagent.process import ProcessRecord
+    from nodeagent.supervisor import Supervisor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The classic text format: what every Prometheus (and promtool) reads."""
+VLLM_SCRAPE_TIMEOUT_S = 2.0
+PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATIO_KINDS = ("local_total", "local_win", "ext_total", "ext_win", "eff_total")
+
+
+def vllm_metrics_urls(components: Mapping[str, Any]) -> dict[str, str]:
+    """Each vLLM component's /metrics (config name → URL): loopback, or its bind address if it binds one."""
+    urls = {}
+    for name, cfg in components.items():
+        if cfg.kind == "vllm":
+            host = cfg.host if cfg.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
+            host = f"[{host}]" if ":" in host else host
+            urls[name] = f"http://{host}:{cfg.port}/metrics"
+    return urls
+
+
+def tree_usage(records: dict[str, ProcessRecord]) -> dict[str, tuple[float, int, int]]:
+    """(CPU seconds, RSS bytes, process count) of each record's whole tree, in one pass over /proc.
+
+    Same membership as `process.tree_of`: the main process if it is still the recorded one, its descendants,
+    and every member of its session. CPU includes reaped children (children_user/system), so a short-lived
+    helper's time is not lost; RSS is a plain sum (shared pages count once per process).
+    """
+    if not records:
+        return {}
+    own_sid = os.getsid(0)
+    by_sid: dict[int, list[psutil.Process]] = defaultdict(list)
+    by_parent: dict[int, list[psutil.Process]] = defaultdict(list)
+    by_pid: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        by_pid[proc.pid] = proc
+        by_parent[proc.info["ppid"] or 0].append(proc)
+        with contextlib.suppress(OSError):
+            by_sid[os.getsid(proc.pid)].append(proc)
+    out = {}
+    for name, rec in records.items():
+        members: dict[int, psutil.Process] = {}
+        main = by_pid.get(rec.pid)
+        with contextlib.suppress(psutil.Error):
+            if main is not None and abs(main.create_time() - rec.create_time) <= 0.05:
+                stack = [main]
+                while stack:
+                    proc = stack.pop()
+                    if proc.pid not in members:
+                        members[proc.pid] = proc
+                        stack.extend(by_parent.get(proc.pid, ()))
+        if rec.sid > 1 and rec.sid != own_sid:
+            for proc in by_sid.get(rec.sid, ()):
+                members.setdefault(proc.pid, proc)
+        cpu, rss, count = 0.0, 0, 0
+        for proc in members.values():
+            with contextlib.suppress(psutil.Error), proc.oneshot():
+                times = proc.cpu_times()
+                cpu += times.user + times.system + times.children_user + times.children_system
+                rss += proc.memory_info().rss
+                count += 1
+        out[name] = (cpu, rss, count)
+    return out
+
+
+class _StackCollector:
+    """Reads the supervisor at scrape time: component state, restarts, process usage, agent info."""
+
+    def __init__(self, owner: AgentMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.owner.supervisor
+        node = sup.config.node
+        info = InfoMetricFamily("dsv4_agent", "The agent's version and where it runs.")
+        info.add_metric([], {"version": __version__, "node": node.name, "role": node.role,
+                             "cluster": sup.config.cluster.name})  # fmt: skip
+        yield info
+        yield GaugeMetricFamily("dsv4_agent_start_time_seconds", "When the agent started (Unix time).",
+                                value=self.owner.started_at)  # fmt: skip
+        yield GaugeMetricFamily("dsv4_agent_paused", "1 while the maintenance pause holds automatic actions.",
+                                value=float(sup.paused))  # fmt: skip
+        yield GaugeMetricFamily("dsv4_node_failed", "1 while the node is in the failed state (alert).",
+                                value=float(sup.redeploys.failed))  # fmt: skip
+        yield CounterMetricFamily("dsv4_node_redeploys", "Node redeploys (the guide's full stop-clean-start).",
+                                  value=sup.redeploys.redeploys_total)  # fmt: skip
+
+        labels = ["component", "kind"]
+        up = GaugeMetricFamily("dsv4_component_up", "1 when the process is up (startup probes passed).", labels=labels)
+        ready = GaugeMetricFamily("dsv4_component_ready", "1 when its readiness probes pass.", labels=labels)
+        desired = GaugeMetricFamily("dsv4_component_desired_running", "1 when the operator wants it running.",
+                                    labels=labels)  # fmt: skip
+        state = GaugeMetricFamily("dsv4_component_state", "1 for the component's current state, 0 for the others.",
+                                  labels=[*labels, "state"])  # fmt: skip
+        restarts = CounterMetricFamily("dsv4_component_restarts", "Restarts since the agent started.",
+                                       labels=labels)  # fmt: skip
+        started = GaugeMetricFamily("dsv4_component_start_time_seconds",
+                                    "When the current process started (Unix time).", labels=labels)  # fmt: skip
+        cpu = CounterMetricFamily("dsv4_component_cpu_seconds",
+                                  "User+system CPU of the component's process tree (live and reaped).", labels=labels)
+        rss = GaugeMetricFamily("dsv4_component_memory_rss_bytes",
+                                "Resident memory summed over the component's process tree.", labels=labels)
+        procs = GaugeMetricFamily("dsv4_component_processes", "Processes in the component's tree.", labels=labels)
+        records = {}
+        for name, comp in sup.components.items():
+            lv = [name, comp.kind]
+            up.add_metric(lv, float(comp.up.is_set()))
+            ready.add_metric(lv, float(comp.ready))
+            desired.add_metric(lv, float(sup.desired(name) == "running"))
+            for st in State:
+                state.add_metric([*lv, str(st)], float(comp.state == st))
+            restarts.add_metric(lv, comp.restarts)
+            if comp.record is not None:
+                records[name] = comp.record
+                if comp.started_at is not None:
+                    started.add_metric(lv, comp.started_at)
+        for name, (seconds, resident, count) in tree_usage(records).items():
+            lv = [name, sup.components[name].kind]
+            cpu.add_metric(lv, seconds)
+            rss.add_metric(lv, resident)
+            procs.add_metric(lv, count)
+        yield from (up, ready, desired, state, restarts, started, cpu, rss, procs)
+        yield from self.owner.vllm_families()
+
+
+class AgentMetrics:
+    """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
+
+    def __init__(self, supervisor: Supervisor, started_at: float | None = None,
+                 vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.supervisor = supervisor
+        self.started_at = started_at if started_at is not None else time.time()
+        self._fixed_urls = vllm_urls
+        self.registry = CollectorRegistry()
+        labels = ["component", "role", "kind"]
+        self.probe_duration = Histogram("dsv4_probe_duration_seconds", "How long each probe took.", labels,
+                                        buckets=PROBE_BUCKETS, registry=self.registry)  # fmt: skip
+        self.probe_failures = Counter("dsv4_probe_failures", "Probe runs that failed.", labels, registry=self.registry)
+        ProcessCollector(namespace="dsv4_agent", registry=self.registry)
+        self.registry.register(_StackCollector(self))
+        supervisor.on_probe_result.append(self.observe_probe)
+        self._session: aiohttp.ClientSession | None = None
+        self._prev: dict[str, dict[str, CacheCounters]] = {}
+        self._rows: dict[str, list[Any]] = {}
+        self._scrape_ok: dict[str, bool] = {}
+        self._scrape_s: dict[str, float] = {}
+
+    @property
+    def vllm_urls(self) -> dict[str, str]:
+        """From the live config each time, so a reload that moves vLLM's port is followed."""
+        if self._fixed_urls is not None:
+            return self._fixed_urls
+        return vllm_metrics_urls({name: comp.cfg for name, comp in self.supervisor.components.items()})
+
+    def observe_probe(self, component: str, role: str, result: Any) -> None:
+        """Supervisor.on_probe_result callback: cheap, synchronous."""
+        labels = (component, role, result.kind)
+        self.probe_duration.labels(*labels).observe(max(0.0, result.latency_s))
+        if not result.ok:
+            self.probe_failures.labels(*labels).inc()
+
+    async def refresh_vllm(self) -> None:
+        """Scrape each up vLLM's /metrics (short timeout) and compute hit rates over the window since last time.
+
+        A vLLM that is not up yet (loading for half an hour) is not asked; its ratio series disappear.
+        """
+        jobs, urls = {}, self.vllm_urls
+        for name, url in urls.items():
+            comp = self.supervisor.components.get(name)
+            if comp is not None and comp.up.is_set():
+                jobs[name] = self._scrape(url)
+            else:
+                self._rows.pop(name, None)
+                self._scrape_ok.pop(name, None)
+        if not jobs:
+            return
+        results = await asyncio.gather(*jobs.values(), return_exceptions=True)
+        for name, result in zip(jobs, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                self._scrape_ok[name] = False
+                self._rows.pop(name, None)
+                logger.debug(f"[{name}] metrics scrape failed: {result}")
+                continue
+            self._scrape_ok[name] = True
+            if not result:
+                self._rows.pop(name, None)
+                continue
+            self._rows[name] = compute_table(self._prev.get(name), result)
+            self._prev[name] = result
+
+    async def _scrape(self, url: str) -> dict[str, CacheCounters]:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=VLLM_SCRAPE_TIMEOUT_S))
+        began = time.monotonic()
+        try:
+            async with self._session.get(url) as response:
+                if response.status != 200:
+                    raise CacheMetricsError(f"{url}: HTTP {response.status}")
+                text = await response.text(errors="replace")
+        finally:
+            self._scrape_s[url] = time.monotonic() - began
+        return parse_cache_counters(text)
+
+    def vllm_families(self) -> Iterator[Metric]:
+        urls = self.vllm_urls
+        if not urls:
+            return
+        ok = GaugeMetricFamily("dsv4_vllm_metrics_scrape_ok", "1 if the last scrape of vLLM's /metrics worked.",
+                               labels=["component"])  # fmt: skip
+        took = GaugeMetricFamily("dsv4_vllm_metrics_scrape_duration_seconds", "How long that scrape took.",
+                                 labels=["component"])  # fmt: skip
+        for name, good in self._scrape_ok.items():
+            ok.add_metric([name], float(good))
+            took.add_metric([name], self._scrape_s.get(urls.get(name, ""), 0.0))
+        ratio = GaugeMetricFamily(
+            "dsv4_vllm_cache_hit_ratio",
+            "vLLM prefix-cache hit ratio (0..1) like watch_cache_hit_rate.sh: local/ext _total since vLLM started, "
+            "_win since the agent's previous scrape, eff_total = (local+ext hits)/local queries.",
+            labels=["component", "engine", "kind"],
+        )
+        for name, rows in self._rows.items():
+            for rates in rows:
+                engine = rates.counters.engine
+                for kind in RATIO_KINDS:
+                    value = getattr(rates, kind)
+                    if value is not None:
+                        ratio.add_metric([name, engine, kind], value)
+        yield from (ok, took, ratio)
+
+    def generate(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+__all__ = ["CONTENT_TYPE", "AgentMetrics", "tree_usage", "vllm_metrics_urls"]

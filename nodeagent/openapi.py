@@ -1,0 +1,168 @@
+"""The OpenAPI 3 document of the agent's HTTP API, served at GET /openapi.json.
+
+Written out by hand (the API is small) and checked against the router by the tests, so a new endpoint
+without documentation fails the suite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nodeagent import __version__
+
+_ERROR = {"$ref": "#/components/responses/Error"}
+_AUTH_ERRORS = {"401": _ERROR, "503": _ERROR}
+_COMPONENT_NAME = {
+    "name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+    "description": "A component of this node (e.g. etcd, datasystem, vllm)",
+}  # fmt: skip
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _text(media: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {media: {"schema": {"type": "string"}}}}
+
+
+def _get(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": extra.pop("operation_id"), "responses": responses, **extra}}
+
+
+def _post(summary: str, operation_id: str, responses: dict[str, Any], body: dict[str, Any] | None = None,
+          parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    op: dict[str, Any] = {
+        "summary": summary, "operationId": operation_id, "security": [{"bearer": []}],
+        "responses": {**responses, **_AUTH_ERRORS, "400": _ERROR, "413": _ERROR},
+    }  # fmt: skip
+    if parameters:
+        op["parameters"] = parameters
+    schema = body or {"type": "object", "additionalProperties": False}
+    op["requestBody"] = {"required": False, "content": {"application/json": {"schema": schema}}}
+    return {"post": op}
+
+
+_ACCEPTED = _json({"$ref": "#/components/schemas/Accepted"}, "Accepted; runs in the background")
+_OK = _json({"$ref": "#/components/schemas/Ok"}, "Done")
+
+
+def openapi_document() -> dict[str, Any]:
+    schemas = {
+        "Error": {
+            "type": "object", "required": ["error", "status"],
+            "properties": {"error": {"type": "string"}, "status": {"type": "integer"}},
+        },
+        "Accepted": {
+            "type": "object", "required": ["accepted", "action"],
+            "properties": {"accepted": {"type": "boolean"}, "action": {"type": "string"},
+                           "component": {"type": "string", "nullable": True},
+                           "already_in_progress": {"type": "boolean"}},
+        },
+        "Ok": {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"},
+                                                                    "action": {"type": "string"}}},
+        "ComponentStatus": {
+            "type": "object",
+            "properties": {
+                "kind": {"type": "string"},
+                "state": {"type": "string", "enum": ["stopped", "starting", "running", "ready", "unhealthy",
+                                                     "stopping", "backoff", "failed"]},
+                "desired": {"type": "string", "enum": ["running", "stopped"]},
+                "pid": {"type": "integer", "nullable": True},
+                "ready": {"type": "boolean"}, "up": {"type": "boolean"},
+                "restarts": {"type": "integer"},
+                "uptime_s": {"type": "number", "nullable": True},
+                "last_exit": {"type": "object", "nullable": True},
+                "backoff_remaining_s": {"type": "number", "nullable": True},
+                "held": {"type": "string", "nullable": True},
+                "probes": {"type": "object", "description": "Per role: status and each probe's last result"},
+                "policy": {"type": "object", "description": "Restart policy counters (crash loop, backoff)"},
+            },
+        },
+        "Status": {
+            "type": "object",
+            "properties": {
+                "node": {"type": "object"}, "paused": {"type": "boolean"}, "redeploying": {"type": "boolean"},
+                "node_policy": {"type": "object"}, "agent": {"type": "object"},
+                "components": {"type": "object",
+                               "additionalProperties": {"$ref": "#/components/schemas/ComponentStatus"}},
+            },
+        },
+    }  # fmt: skip
+    paths: dict[str, Any] = {
+        "/healthz": _get("The agent is alive", {"200": _json({"type": "object"}, "Alive")}, operation_id="healthz"),
+        "/livez": _get(
+            "The guide's liveness: vllm, datasystem and (on the master) etcd running with liveness probes passing",
+            {"200": _json({"type": "object"}, "Live"), "503": _json({"type": "object"}, "Not live: see failing")},
+            operation_id="livez",
+        ),
+        "/readyz": _get(
+            "vLLM ready (on a node without vLLM: every component ready)",
+            {"200": _json({"type": "object"}, "Ready"), "503": _json({"type": "object"}, "Not ready")},
+            operation_id="readyz",
+        ),
+        "/status": _get("Node, agent and per-component state, PIDs, restarts, probes, desired state",
+                        {"200": _json({"$ref": "#/components/schemas/Status"}, "Status")}, operation_id="status"),
+        "/metrics": _get(
+            "Prometheus metrics: components, probes, process usage, vLLM prefix-cache hit ratios",
+            {"200": _text("text/plain", "Prometheus text format 0.0.4")},
+            operation_id="metrics",
+        ),
+        "/events": _get(
+            "Server-sent events: recent ones replayed, a `: live` comment, then live ones (data: one JSON event each)",
+            {"200": _text("text/event-stream", "An event stream"), "400": _ERROR, "503": _ERROR},
+            operation_id="events",
+            parameters=[
+                {"name": "replay", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 0, "default": 50},
+                 "description": "How many recent events to send first (bounded by the agent's buffer)"},
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"},
+                 "description": "Resume: replay the buffered events after this id instead"},
+            ],
+        ),
+        "/openapi.json": _get("This document", {"200": _json({"type": "object"}, "OpenAPI 3 document")},
+                              operation_id="openapi"),
+        "/components/{name}/{action}": _post(
+            "Start, stop or restart a component (sets its desired state); concurrent restarts coalesce",
+            "component_action", {"202": _ACCEPTED, "404": _ERROR},
+            parameters=[_COMPONENT_NAME, {"name": "action", "in": "path", "required": True,
+                                          "schema": {"type": "string", "enum": ["start", "stop", "restart"]}}],
+        ),
+        "/redeploy": _post(
+            "The guide's node recovery: stop all in reverse order, clean residue, start all in order",
+            "redeploy", {"202": _ACCEPTED},
+            body={"type": "object", "additionalProperties": False,
+                  "properties": {"reason": {"type": "string", "maxLength": 500}}},
+        ),
+        "/reset": _post(
+            "Reset restart-policy counters (crash loop, backoff) of one component, or all and the node's failed state",
+            "reset", {"200": _OK, "404": _ERROR},
+            body={"type": "object", "additionalProperties": False, "properties": {"component": {"type": "string"}}},
+        ),
+        "/pause": _post("Maintenance pause: no automatic restarts or redeploys", "pause", {"200": _OK}),
+        "/resume": _post("End the maintenance pause", "resume", {"200": _OK}),
+        "/detach": _post("The agent exits leaving the stack running, for the next agent to adopt", "detach",
+                         {"202": _ACCEPTED}),
+        "/reload": _post(
+            "Re-read the config file; restart only components whose command or environment changed",
+            "reload", {"200": _json({"type": "object", "properties": {
+                "ok": {"type": "boolean"}, "restarted": {"type": "array", "items": {"type": "string"}},
+                "unchanged": {"type": "array", "items": {"type": "string"}}}}, "Reloaded")},
+        ),
+    }  # fmt: skip
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "dsv4-agent",
+            "version": __version__,
+            "description": "Local API of the per-node DeepSeek-V4 supervisor. Reads are open; POSTs need "
+            "'Authorization: Bearer <token>' (agent.api.token_file), or the unix socket as root or the "
+            "agent's user. Errors are JSON {error, status}.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "responses": {"Error": _json({"$ref": "#/components/schemas/Error"}, "Error")},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

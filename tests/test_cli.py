@@ -1,0 +1,305 @@
+"""`nodeagentctl` against a real dsv4-agent (on `process` one-liners, so it boots in a second): the status
+table, actions with --wait, logs, and the exit codes an operator's scripts rely on."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from apihelpers import tiny_config, write_config
+from conftest import BIN, ROOT, free_port, wait_for
+
+from nodeagent import cli
+from nodeagent.logsink import rotate_if_large
+
+
+def ctl(config: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "nodeagentctl"), "--config", str(config), *args], capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+class RunningAgent:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        home.mkdir(parents=True, exist_ok=True)
+        data = tiny_config(home)
+        data["components"]["broken"] = {
+            "kind": "process", "command": ["python3", "-c", "import sys; print('bye', flush=True); sys.exit(3)"],
+            "restart": {"backoff_initial_s": 60, "redeploy_after_failures": 100},
+        }  # fmt: skip
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="ctl-"))  # sun_path is 108 bytes at most
+        data["agent"]["api"]["unix_socket"] = str(self.socket_dir / "api.sock")
+        self.data = data
+        self.config = write_config(home / "config.yaml", data)
+        self.port = int(data["agent"]["api"]["listen"].rsplit(":", 1)[1])
+        log = open(home / "agent.log", "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen([str(BIN / "dsv4-agent"), "--config", str(self.config)], stdout=log, stderr=log,
+                                     start_new_session=True)  # fmt: skip
+        log.close()
+
+    def status(self) -> dict[str, Any]:
+        out = ctl(self.config, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def comp(self, name: str) -> dict[str, Any]:
+        return self.status()["components"][name]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningAgent]:
+    running = RunningAgent(tmp_path_factory.mktemp("cli") / "home")
+    try:
+        wait_for("agent up", lambda: all(c["state"] in ("running", "ready") for n, c in
+                                         running.status()["components"].items() if n != "broken"), 30)  # fmt: skip
+        yield running
+    finally:
+        running.stop()
+
+
+def test_status_table(agent: RunningAgent) -> None:
+    out = ctl(agent.config, "status")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("node tiny (master) · cluster t")
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("COMPONENT"))
+    assert lines[header].split() == ["COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST", "EXIT", "NOTE"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[header + 1:]}
+    status = agent.status()["components"]
+    assert set(rows) == {"a", "b", "broken"}
+    for name in ("a", "b"):
+        assert rows[name][1] == status[name]["state"] and rows[name][2] == str(status[name]["pid"])
+        assert rows[name][3] == ("yes" if status[name]["ready"] else "no")
+    assert "ago: exited" in out.stdout, "broken's last exit is shown"
+
+
+def test_status_json_is_the_agents_status(agent: RunningAgent) -> None:
+    data = agent.status()
+    assert data["node"]["name"] == "tiny" and data["agent"]["pid"] == agent.proc.pid
+
+
+def test_status_stays_light() -> None:
+    """No pydantic, aiohttp or prometheus_client on the status path (each costs tens to hundreds of ms)."""
+    code = ("import sys\nfrom nodeagent import cli\ncli.main(['--config', sys.argv[1], 'status'])\n"
+            "print(sorted(m for m in ('pydantic', 'aiohttp', 'prometheus_client', 'psutil') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "local.yaml")], capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "DSV4_API_PORT": str(free_port())})  # fmt: skip
+    assert "agent unreachable" in out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_light_config_reads_what_the_full_loader_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeagent.config import load_config
+    from nodeagent.config_model import AgentSettings, ApiConfig
+    from nodeagent.metrics import vllm_metrics_urls
+
+    api, agent = ApiConfig(), AgentSettings()
+    assert (api.listen, str(api.token_file)) == (cli.DEFAULT_LISTEN, cli.DEFAULT_TOKEN_FILE)
+    assert (str(agent.log_dir), str(agent.state_dir)) == (cli.DEFAULT_LOG_DIR, cli.DEFAULT_STATE_DIR)
+    monkeypatch.setenv("DSV4_API_PORT", "18999")
+    monkeypatch.setenv("DSV4_AGENT_HOME", "rel/home")
+    data = tiny_config(tmp_path)
+    data["agent"]["api"]["unix_socket"] = "sock/api.sock"
+    data["agent"]["api"]["token_file"] = "~/tok"
+    data["components"]["v"] = {"kind": "vllm", "model": "/m", "port": 9123, "host": "::1", "enabled": True}
+    data["components"]["off"] = {"kind": "vllm", "model": "/m", "enabled": False}
+    tiny = write_config(tmp_path / "tiny.yaml", data)
+    for path in (ROOT / "config" / "local.yaml", ROOT / "config" / "dsv4-flash-a2.yaml", tiny):
+        full = load_config(path)
+        light = cli.read_light_config(str(path))
+        api = full.agent.api
+        assert (light.listen, light.token_file, light.unix_socket) == (api.listen, api.token_file, api.unix_socket)
+        assert (light.log_dir, light.state_dir) == (full.agent.log_dir, full.agent.state_dir)
+        assert light.vllm == vllm_metrics_urls(full.active_components()), path
+        assert light.components == tuple(full.active_components())
+    assert cli.read_light_config(str(tiny)).vllm == {"v": "http://[::1]:9123/metrics"}
+
+
+def test_restart_stop_start_with_wait(agent: RunningAgent) -> None:
+    old = agent.comp("b")["pid"]
+    out = ctl(agent.config, "restart", "b", "--wait", "--timeout", "30")
+    assert out.returncode == 0, out.stderr
+    new = agent.comp("b")
+    assert new["pid"] != old and new["state"] in ("running", "ready") and new["restarts"] >= 1
+    assert f"(pid {new['pid']}, was {old})" in out.stdout
+    out = ctl(agent.config, "stop", "b", "--wait", "--timeout", "30")
+    assert out.returncode == 0 and "b stopped" in out.stdout, out.stderr
+    assert agent.comp("b")["state"] == "stopped" and agent.comp("b")["desired"] == "stopped"
+    out = ctl(agent.config, "start", "b", "--wait", "--timeout", "30")
+    assert out.returncode == 0, out.stderr
+    assert agent.comp("b")["state"] in ("running", "ready")
+    out = ctl(agent.config, "start", "b")
+    assert (out.returncode, out.stdout.strip()) == (0, "start b: accepted")
+
+
+def test_wait_reports_a_failed_action(agent: RunningAgent) -> None:
+    out = ctl(agent.config, "restart", "broken", "--wait", "--timeout", "30")
+    assert out.returncode == cli.EXIT_FAILED
+    assert "broken restart failed: backoff" in out.stderr and "exited" in out.stderr
+
+
+def test_unknown_component_exits_4(agent: RunningAgent) -> None:
+    for args in (("restart", "nope"), ("stop", "nope", "--wait"), ("reset", "nope"), ("logs", "nope")):
+        out = ctl(agent.config, *args)
+        assert out.returncode == cli.EXIT_UNKNOWN, (args, out.stderr)
+        assert "unknown component 'nope'" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_unreachable_exits_3_naming_the_address(tmp_path: Path) -> None:
+    data = tiny_config(tmp_path)
+    path = write_config(tmp_path / "c.yaml", data)
+    for args in (("status",), ("restart", "a"), ("pause",)):
+        out = ctl(path, *args)
+        assert out.returncode == cli.EXIT_UNREACHABLE, out.stderr
+        assert f"agent unreachable at http://{data['agent']['api']['listen']}" in out.stderr
+
+
+def test_unauthorised_exits_5_and_root_on_the_socket_needs_no_token(agent: RunningAgent, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    data = json.loads(json.dumps(agent.data))
+    socket_path = data["agent"]["api"].pop("unix_socket")  # over TCP a token is needed, even as root
+    data["agent"]["api"]["token_file"] = str(wrong)
+    other = write_config(tmp_path / "other.yaml", data)
+    out = ctl(other, "pause")
+    assert out.returncode == cli.EXIT_UNAUTHORISED and "unauthorised: wrong token" in out.stderr
+    data["agent"]["api"]["token_file"] = str(tmp_path / "missing")
+    out = ctl(write_config(tmp_path / "other2.yaml", data), "pause")
+    assert out.returncode == cli.EXIT_UNAUTHORISED and "cannot read the token file" in out.stderr
+    assert not agent.status()["paused"]
+    data["agent"]["api"]["unix_socket"] = socket_path  # the same missing token, but root on the socket
+    out = ctl(write_config(tmp_path / "other3.yaml", data), "pause")
+    assert out.returncode == 0, out.stderr
+    assert agent.status()["paused"]
+    assert ctl(agent.config, "resume").returncode == 0
+
+
+def test_pause_resume_reset_reload(agent: RunningAgent) -> None:
+    assert ctl(agent.config, "pause").returncode == 0
+    out = ctl(agent.config, "status")
+    assert "PAUSED" in out.stdout and agent.status()["paused"]
+    assert ctl(agent.config, "resume").returncode == 0
+    assert not agent.status()["paused"]
+    out = ctl(agent.config, "reset", "a")
+    assert out.returncode == 0 and "(a)" in out.stdout
+    out = ctl(agent.config, "reload")
+    assert (out.returncode, out.stdout.strip()) == (0, "reload: restarted nothing")
+    original = agent.config.read_text()
+    try:
+        agent.config.write_text(original.replace("stop_grace_s:", "stop_grace:", 1))
+        out = ctl(agent.config, "reload")
+        assert out.returncode == cli.EXIT_CONFIG and "unknown key 'stop_grace'" in out.stderr, out.stderr
+    finally:
+        agent.config.write_text(original)
+
+
+def test_redeploy_wait(agent: RunningAgent) -> None:
+    before = {n: c["pid"] for n, c in agent.status()["components"].items()}
+    out = ctl(agent.config, "stop", "broken", "--wait", "--timeout", "30")  # it would never come up
+    assert out.returncode == 0 and "broken stopped" in out.stdout, out.stderr
+    out = ctl(agent.config, "redeploy", "--wait", "--timeout", "60", "--reason", "cli test")
+    assert out.returncode == 0, out.stderr
+    after = agent.status()["components"]
+    for name in ("a", "b"):
+        assert after[name]["pid"] not in (None, before[name]) and after[name]["state"] in ("running", "ready")
+    assert "redeploy done" in out.stdout
+
+
+def test_logs_last_lines_from_the_file(agent: RunningAgent) -> None:
+    wait_for("b's output", lambda: "b line 5" in (agent.home / "logs" / "b.log").read_text())
+    out = ctl(agent.config, "logs", "b", "-n", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["b line 3", "b line 4", "b line 5"]
+    out = ctl(agent.config, "logs", "b", "-n", "0")
+    assert (out.returncode, out.stdout) == (0, "")
+
+
+def test_follow_survives_copytruncate_and_replacement(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    log.write_text("".join(f"old {i}\n" for i in range(100)))
+    lines, offset = cli.tail_lines(log, 2)
+    assert lines == [b"old 98\n", b"old 99\n"]
+    sink = io.BytesIO()
+    follower = threading.Thread(target=cli.follow, args=(log, offset, sink, 0.02, time.monotonic() + 2.0))
+    follower.start()
+
+    def append(text: str) -> None:
+        with open(log, "a") as fh:
+            fh.write(text)
+
+    append("new 1\n")
+    wait_for("new 1", lambda: b"new 1\n" in sink.getvalue(), 2, 0.02)
+    assert rotate_if_large(log, 10, 3)  # copytruncate, as the agent's log sink does
+    append("after truncate\n")
+    wait_for("after truncate", lambda: b"after truncate\n" in sink.getvalue(), 2, 0.02)
+    os.replace(log, tmp_path / "c.log.old")
+    log.write_text("replaced\n")
+    wait_for("replaced", lambda: b"replaced\n" in sink.getvalue(), 2, 0.02)
+    follower.join()
+    assert sink.getvalue() == b"new 1\nafter truncate\nreplaced\n"
+
+
+def test_bad_config_exits_78_and_usage_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("agent:\n  api: {listen: [\n")
+    out = ctl(bad, "status")
+    assert out.returncode == cli.EXIT_CONFIG and f"{bad}:" in out.stderr and "YAML" in out.stderr
+    out = ctl(tmp_path / "missing.yaml", "status")
+    assert out.returncode == cli.EXIT_CONFIG and "no such config file" in out.stderr
+    assert ctl(bad, "restart").returncode == cli.EXIT_USAGE
+    assert ctl(bad, "logs", "a", "-n", "-1").returncode == cli.EXIT_USAGE
+
+
+def test_cache_defaults_to_the_configured_vllm(tmp_path: Path) -> None:
+    port = free_port()
+    data = tiny_config(tmp_path)
+    data["components"]["vllm"] = {"kind": "vllm", "model": "/m", "port": port}
+    out = ctl(write_config(tmp_path / "c.yaml", data), "cache")
+    assert out.returncode == 3 and f"http://127.0.0.1:{port}/metrics" in out.stderr
+    out = ctl(write_config(tmp_path / "d.yaml", tiny_config(tmp_path)), "cache")
+    assert out.returncode == cli.EXIT_USAGE and "no vllm component" in out.stderr
+
+
+def test_config_env_variable_and_version(agent: RunningAgent) -> None:
+    env = {**os.environ, "DSV4_AGENT_CONFIG": str(agent.config)}
+    out = subprocess.run([str(BIN / "nodeagentctl"), "status"], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0 and "node tiny" in out.stdout
+    out = ctl(agent.config, "version")
+    assert out.stdout.startswith("nodeagentctl ")
+    data = yaml.safe_load(agent.config.read_text())
+    assert data["node"]["name"] == "tiny"
+
+
+def test_logs_under_systemd_hand_over_to_journalctl(agent: RunningAgent, tmp_path: Path) -> None:
+    """The exact journalctl command (a stand-in on PATH records it): the unit's entries of that component."""
+    fake = tmp_path / "bin" / "journalctl"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "journalctl $*"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    out = subprocess.run([str(BIN / "nodeagentctl"), "-c", str(agent.config), "logs", "b", "-n", "7", "-f",
+                          "--source", "journal"], capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "journalctl -u dsv4-agent -t b -n 7 --no-pager -f"
