@@ -114,6 +114,8 @@ class Component:
             why = self.sup.blocked(self)
             if why is None:
                 return
+            if self.record is None and self.state in (State.BACKOFF, State.FAILED, State.UNHEALTHY):
+                self._set(State.STOPPED, f"not restarting: {why}")
             if why != self.held:
                 self.held = why
                 self.sup.events.emit("held", f"waiting: {why}", self.name)

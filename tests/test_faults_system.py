@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import tarfile
 import time
 import urllib.request
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import LocalAgent, derived_config, wait_for
+from conftest import BIN, LocalAgent, derived_config, wait_for
 
 pytestmark = pytest.mark.system
 
@@ -143,6 +144,13 @@ def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
         assert vllm["backoff_remaining_s"] > 0
         assert agent.states()["datasystem"] in ("running", "ready"), "a vLLM crash loop leaves the worker alone"
         assert "backing off" in agent.log()
+        # An operator's stop during the backoff ends it: the component shows stopped, and stays so.
+        ctl = subprocess.run([str(BIN / "nodeagentctl"), "--config", str(agent.config_path), "stop", "vllm"],
+                             env=agent.env, capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert ctl.returncode == 0, ctl.stderr
+        agent.wait_states({"vllm": {"stopped"}}, timeout=30)
+        time.sleep(2)
+        assert agent.states()["vllm"] == "stopped" and "vllm" not in agent.children()
     finally:
         agent.cleanup()
 
