@@ -15,6 +15,16 @@ if [ "${#need[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nul
   # --no-install-recommends: systemd-container's recommends would edit nsswitch.conf
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+# promtool checks the /metrics exposition; only the binary is taken from Debian's prometheus package.
+if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  tmp=$(mktemp -d)
+  ( cd "$tmp" && apt-get download -qq prometheus >/dev/null 2>&1 && dpkg-deb -x prometheus_*.deb x \
+      && install -m 0755 x/usr/bin/promtool /usr/local/bin/promtool ) \
+    || { apt-get update -qq >/dev/null; ( cd "$tmp" && apt-get download -qq prometheus >/dev/null \
+      && dpkg-deb -x prometheus_*.deb x && install -m 0755 x/usr/bin/promtool /usr/local/bin/promtool ); } \
+    || echo "test.sh: promtool unavailable; the promtool check will be skipped" >&2
+  rm -rf "$tmp"
+fi
 EXTRAS=test scripts/install-dev.sh
 .venv/bin/ruff check nodeagent tests bench scripts
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"
