@@ -52,6 +52,8 @@ components:
 DROPIN = f"""[Service]
 ExecStart=
 ExecStart={BIN}/dsv4-agent --config /etc/dsv4-agent/config.yaml
+ExecReload=
+ExecReload={BIN}/nodeagentctl --config /etc/dsv4-agent/config.yaml reload
 WatchdogSec=3
 TimeoutAbortSec=3
 TimeoutStopSec=60
@@ -140,6 +142,35 @@ def test_agent_as_a_systemd_service(container: SystemdContainer) -> None:
     wait("adoption", lambda: "adopted running pid" in c.run(agent_log, check=False).stdout, 30)
     wait("stack up after adoption", all_up, 60)
     assert children(c) == before
+
+    # an upgrade: `nodeagentctl detach`, systemd starts the (new) agent, which adopts vLLM with the same PID
+    restarts = int(show(c, "NRestarts")["NRestarts"])
+    c.run([str(BIN / "nodeagentctl"), "detach"], timeout=30)
+    wait("agent restarted after detach", lambda: int(show(c, "NRestarts")["NRestarts"]) == restarts + 1, 60)
+    wait("agent active again", lambda: show(c, "SubState")["SubState"] == "running", 60)
+    wait("stack up after the upgrade restart", all_up, 60)
+    assert children(c) == before
+
+    # systemctl reload with a changed vLLM setting: only vLLM restarts
+    config = c.read_file("/etc/dsv4-agent/config.yaml")
+    c.write_file("/etc/dsv4-agent/config.yaml", config.replace('VLLM_STANDIN_STARTUP_DELAY_S: "0.5"',
+                                                               'VLLM_STANDIN_STARTUP_DELAY_S: "0.6"'))  # fmt: skip
+    c.run(["systemctl", "reload", "dsv4-agent"], timeout=60)
+    wait("vllm restarted by the reload", lambda: children(c).get("vllm", before["vllm"]) != before["vllm"], 60)
+    wait("stack up after the reload", all_up, 60)
+    after = children(c)
+    assert after["etcd"] == before["etcd"] and after["datasystem"] == before["datasystem"]
+    text = c.run([str(BIN / "nodeagentctl"), "status"], timeout=30).stdout
+    assert "vllm" in text and "datasystem" in text
+
+    # a reload with a broken config fails visibly and disturbs nothing
+    good = c.read_file("/etc/dsv4-agent/config.yaml")
+    c.write_file("/etc/dsv4-agent/config.yaml", good.replace("worker_port:", "worker_prot:"))
+    bad = c.run(["systemctl", "reload", "dsv4-agent"], check=False, timeout=60)
+    assert bad.returncode != 0
+    assert "worker_prot" in c.run(["journalctl", "-u", "dsv4-agent", "-n", "30", "--no-pager"]).stdout
+    c.write_file("/etc/dsv4-agent/config.yaml", good)
+    assert children(c) == after
 
     # systemctl stop: the agent stops the stack in reverse order; nothing of it is left
     c.run(["systemctl", "stop", "dsv4-agent"], timeout=90)

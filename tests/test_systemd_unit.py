@@ -27,14 +27,16 @@ def verify(unit_text: str, tmp_path: Path) -> str:
     """Run ``systemd-analyze verify`` on a copy; return everything it printed.
 
     It exits 0 even on parse warnings ("Unknown key ..., ignoring"), so callers check the output is empty.
-    The copy's ExecStart points at an existing executable (/bin/true): verify complains when the binary is
-    missing, and this test machine has no installed dsv4-agent at /usr/local/bin. The arguments stay.
+    The copy's ExecStart and ExecReload point at an existing executable (/bin/true): verify complains when a
+    binary is missing, and this test machine has no dsv4-agent/nodeagentctl in /usr/local/bin. The arguments
+    stay.
     """
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.fail("systemd-analyze missing: apt-get install -y --no-install-recommends systemd")
     copy = tmp_path / UNIT.name
-    copy.write_text(unit_text.replace(f"ExecStart={EXEC} ", "ExecStart=/bin/true "))
+    text = unit_text.replace(f"ExecStart={EXEC} ", "ExecStart=/bin/true ")
+    copy.write_text(text.replace("ExecReload=/usr/local/bin/nodeagentctl ", "ExecReload=/bin/true "))
     res = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True, timeout=60)
     return (res.stdout + res.stderr).strip() + ("" if res.returncode == 0 else f"\n(exit {res.returncode})")
 
@@ -56,8 +58,8 @@ def test_unit_settings() -> None:
     assert s["Type"] == "notify"
     assert s["NotifyAccess"] == "main"
     assert s["WatchdogSec"] == "30"
-    # Children must outlive an agent crash so the next agent adopts them (see the unit's comment and
-    # test_systemd_harness.py::test_production_unit_children_survive_agent_crash).
+    # The agent alone stops its children; components live in scopes of their own, so they outlive an agent
+    # crash and are adopted (test_systemd_agent.py).
     assert s["KillMode"] == "mixed"
     assert int(s["TimeoutStopSec"]) >= 60 + 10 + 10
     assert int(s["TimeoutStartSec"]) >= 60
@@ -66,6 +68,6 @@ def test_unit_settings() -> None:
     assert s["RuntimeDirectoryPreserve"] == "yes"
     assert s["StateDirectory"] == s["RuntimeDirectory"] == "dsv4-agent"
     assert s["LimitNOFILE"] == "1048576"
-    assert s["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert s["ExecReload"] == "/usr/local/bin/nodeagentctl --config /etc/dsv4-agent/config.yaml reload"
     assert "Delegate" not in s
     assert s["WantedBy"] == "multi-user.target"
