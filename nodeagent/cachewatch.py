@@ -24,6 +24,7 @@ from nodeagent.cachehit import (
     rates_to_json,
 )
 from nodeagent.errors import AgentError
+from nodeagent.parsing import positive_seconds
 
 DEFAULT_INTERVAL = 5.0  # the script's default poll interval
 SCRAPE_TIMEOUT = 5.0
@@ -136,16 +137,6 @@ def run_cache(
         return 0
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid interval: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"interval must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nodeagentctl cache``; -u/-i/-o are the script's, so operators' habits carry over."""
     parser.add_argument(
@@ -155,7 +146,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-i",
         "--interval",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_INTERVAL,
         metavar="S",
         help=f"seconds between scrapes with --watch (default: {DEFAULT_INTERVAL:g})",

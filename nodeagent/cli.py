@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.parsing import positive_seconds, split_listen
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT_CONFIG = 1, 2, 3, 4, 5, 78
@@ -97,11 +98,11 @@ class LightConfig:
 
     @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
+        return split_listen(self.listen)[0]
 
     @property
     def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return split_listen(self.listen)[1]
 
 
 def _section(data: Any, key: str) -> dict[str, Any]:
@@ -630,16 +631,6 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -677,12 +668,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(action=action)
         p.add_argument("component")
         p.add_argument("--wait", action="store_true", help="until done: up (new pid for restart) or stopped")
-        p.add_argument("--timeout", type=_seconds, default=DEFAULT_WAIT_S, metavar="S",
+        p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="S",
                        help=f"with --wait (default {DEFAULT_WAIT_S:g})")  # fmt: skip
     redeploy = add("redeploy", "the guide's recovery: stop all, clean residue, start all in order", cmd_redeploy)
     redeploy.add_argument("--reason", help="recorded in the event log")
     redeploy.add_argument("--wait", action="store_true", help="until every component is up again with a new pid")
-    redeploy.add_argument("--timeout", type=_seconds, default=DEFAULT_WAIT_S, metavar="S")
+    redeploy.add_argument("--timeout", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="S")
     reset = add("reset", "clear restart counters (crash loop, backoff); without COMPONENT also the node's failed state",
                 cmd_simple)  # fmt: skip
     reset.add_argument("component", nargs="?")
@@ -701,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_arguments(cache)
     probe = add("probe", "the guide's vllm_probe_yr.py checks (exit 0/1)", cmd_probe)
     probe.add_argument("role", nargs="?", choices=["master", "slave"], help="default: from node.role")
-    probe.add_argument("--timeout", type=_seconds, default=30.0, metavar="S")
+    probe.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S")
     render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")

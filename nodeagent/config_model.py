@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from nodeagent.parsing import split_listen
 from nodeagent.probe_defaults import merge_probe_overrides
 
 
@@ -99,11 +100,11 @@ class ApiConfig(Strict):
 
     @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
+        return split_listen(self.listen)[0]
 
     @property
     def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return split_listen(self.listen)[1]
 
 
 class AgentSettings(Strict):
