@@ -121,6 +121,16 @@ def test_hung_vllm_is_caught_although_health_says_200(agent: LocalAgent) -> None
     assert archives(agent, "vllm")
 
 
+def test_sigstop_vllm_api_server_is_replaced_and_its_tree_stopped(agent: LocalAgent) -> None:
+    old = agent.children()["vllm"]
+    tree = [p.pid for p in psutil.Process(old["pid"]).children(recursive=True)]
+    os.kill(old["pid"], signal.SIGSTOP)
+    replaced(agent, "vllm", old["pid"])
+    for pid in [old["pid"], *tree]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "[vllm] liveness failed" in agent.log()
+
+
 def test_empty_content_is_a_liveness_failure(agent: LocalAgent) -> None:
     old = agent.children()["vllm"]["pid"]
     assert http(vllm_url(agent, "/standin/fault"), {"mode": "empty"})[0] == 200
