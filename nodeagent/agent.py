@@ -27,14 +27,12 @@ DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 def status_line(status: dict) -> str:
     """The systemd STATUS= line: `etcd running · datasystem ready · vllm starting 12m`."""
     parts = []
-    now = time.time()
     for name, comp in status["components"].items():
         text = f"{name} {comp['state']}"
         if comp["state"] in ("starting", "backoff") and comp.get("uptime_s"):
             minutes = comp["uptime_s"] / 60
             text += f" {minutes:.0f}m" if minutes >= 1 else f" {comp['uptime_s']:.0f}s"
         parts.append(text)
-    del now
     return " · ".join(parts) + (" · PAUSED" if status.get("paused") else "")
 
 
