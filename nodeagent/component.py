@@ -100,7 +100,7 @@ class Component:
             if not launched:
                 continue
             outcome, detail = await self._supervise()
-            await self._stop_process(detail)
+            await self.stop_process(detail)
             if outcome == "failure":
                 await self.sup.archive_failure(self, detail)
                 await self._after_failure(detail)
@@ -205,7 +205,8 @@ class Component:
                 self.record = fresh
                 self.sup.remember(self)
 
-    async def _stop_process(self, why: str) -> None:
+    async def stop_process(self, why: str) -> None:
+        """Stop this component's whole tree (if any) and forget it; dependents follow per their edges."""
         self.up.clear()
         self.ready = False
         self.sup.stop_probes(self)

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from nodeagent import launcher, logsink, residue, residue_plan
-from nodeagent.component import Component, State
+from nodeagent.component import Component
 from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, UnknownComponentError
 from nodeagent.events import EventBus
@@ -18,7 +18,7 @@ from nodeagent.graph import start_order
 from nodeagent.policy import Intent, RedeployTracker, RestartTracker, hold_for_dependency, may_act, restarts_with
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
-from nodeagent.process import ProcessRecord, stop_tree
+from nodeagent.process import ProcessRecord
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
 
@@ -315,7 +315,7 @@ class Supervisor:
         """The guide's recovery: stop all in reverse order, clean all residue, start all in order."""
         self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning")
         await self._cancel_tasks()
-        await self._stop_all_processes()
+        await self._stop_all_processes(f"node redeploy: {reason}")
         for name in self.order:
             comp = self.components[name]
             ok, why = may_act(self.intent(name), "redeploy")
@@ -338,21 +338,9 @@ class Supervisor:
                 await task
         self.tasks.clear()
 
-    async def _stop_all_processes(self) -> None:
+    async def _stop_all_processes(self, why: str) -> None:
         for name in reversed(self.order):
-            comp = self.components[name]
-            comp.up.clear()
-            self.stop_probes(comp)
-            if comp.watch is not None:
-                comp.watch.close()
-                comp.watch = None
-            if comp.record is not None:
-                comp._set(State.STOPPING, f"stopping pid {comp.record.pid}")
-                result = await stop_tree(comp.record, comp.cfg.stop_grace_s, name)
-                self.events.emit("stopped", f"stopped pid {comp.record.pid}", name, **result)
-                comp.record = None
-                self._save_children()
-            comp._set(State.STOPPED)
+            await self.components[name].stop_process(why)
 
     async def shutdown(self, detach: bool = False) -> None:
         """Stop everything in reverse order — or, detached, leave the stack running for the next agent."""
@@ -371,7 +359,7 @@ class Supervisor:
             self._save_children(detached=True)
             self.events.emit("detached", "agent exits leaving the stack running for adoption")
         else:
-            await self._stop_all_processes()
+            await self._stop_all_processes("agent stopping")
         await self.probe_ctx.close()
 
     def reload(self, config: Config) -> dict[str, list[str]]:
