@@ -91,6 +91,15 @@ def _apply_overrides(env: dict[str, str], unset: list[str], overrides: Mapping[s
                 unset.remove(key)
 
 
+def _component_env(name: str, comp: Any, config: Config, env: dict[str, str] | None = None,
+                   unset: list[str] | None = None) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`env` (the kind's variables, in the guide's order), then the agent's markers, then the config's overrides."""
+    env = {**(env or {}), **_agent_env(config, name)}
+    unset = list(unset or [])
+    _apply_overrides(env, unset, comp.env)
+    return env, tuple(unset)
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -114,10 +123,9 @@ def render_etcd(name: str, comp: EtcdComponent, config: Config) -> LaunchSpec:
         "--initial-cluster", f"{comp.name}={peer_url}",
         *comp.extra_args,
     ]  # fmt: skip
-    env, unset = _agent_env(config, name), []
-    _apply_overrides(env, unset, comp.env)
+    env, unset = _component_env(name, comp, config)
     return LaunchSpec(
-        component=name, kind="etcd", argv=tuple(argv), env=env, unset=tuple(unset),
+        component=name, kind="etcd", argv=tuple(argv), env=env, unset=unset,
         cwd=comp.workdir or component_dir(config, name), ports=(comp.client_port, comp.peer_port),
     )  # fmt: skip
 
@@ -161,10 +169,9 @@ def render_datasystem(name: str, comp: DatasystemComponent, config: Config) -> L
     if comp.enable_huge_tlb is not None:
         argv += ["--enable_huge_tlb", str(comp.enable_huge_tlb).lower()]
     argv += comp.extra_args
-    env, unset = _agent_env(config, name), []
-    _apply_overrides(env, unset, comp.env)
+    env, unset = _component_env(name, comp, config)
     return LaunchSpec(
-        component=name, kind="datasystem", argv=tuple(argv), env=env, unset=tuple(unset),
+        component=name, kind="datasystem", argv=tuple(argv), env=env, unset=unset,
         cwd=datasystem_workdir(config, name, comp), daemonizes=True, ports=(comp.worker_port,),
     )  # fmt: skip
 
@@ -259,21 +266,18 @@ def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mappin
     env["VLLM_ENGINE_READY_TIMEOUT_S"] = "3600"
     if datasystem is not None:
         env["YR_CONFIG_PATH"] = str(yr_config)
-    env.update(_agent_env(config, name))
-    unset = ["GOOGLE_LOGTOSTDERR", "GOOGLE_ALSOLOGTOSTDERR"]
-    _apply_overrides(env, unset, comp.env)
+    env, unset = _component_env(name, comp, config, env, ["GOOGLE_LOGTOSTDERR", "GOOGLE_ALSOLOGTOSTDERR"])
     return LaunchSpec(
-        component=name, kind="vllm", argv=tuple(render_vllm_argv(comp)), env=env, unset=tuple(unset),
+        component=name, kind="vllm", argv=tuple(render_vllm_argv(comp)), env=env, unset=unset,
         cwd=comp.workdir or component_dir(config, name), files=files, ports=(comp.port,),
     )  # fmt: skip
 
 
 def render_process(name: str, comp: ProcessComponent, config: Config) -> LaunchSpec:
-    env, unset = _agent_env(config, name), []
-    _apply_overrides(env, unset, comp.env)
+    env, unset = _component_env(name, comp, config)
     return LaunchSpec(
         component=name, kind="process", argv=(*comp.command, *comp.extra_args), env=env,
-        unset=tuple(unset), cwd=comp.workdir or component_dir(config, name), ports=tuple(comp.ports),
+        unset=unset, cwd=comp.workdir or component_dir(config, name), ports=tuple(comp.ports),
     )  # fmt: skip
 
 
