@@ -1,7 +1,8 @@
 """`dsv4-agent`: load the config, supervise the stack, talk to systemd, stop in order on SIGTERM.
 
-Exit status: 0 after an orderly stop (or a detach), 78 (EX_CONFIG) on a bad config so systemd does not loop on
-it, 1 when the API cannot listen (before anything of the stack was touched).
+Exit status: 0 after an orderly stop (or a detach), 78 (EX_CONFIG) on a bad config and 75 (EX_TEMPFAIL) when
+another agent already runs on the same state dir — the unit's RestartPreventExitStatus keeps systemd from looping
+on either —, 1 when the API cannot listen (before anything of the stack was touched).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from nodeagent import __version__
 from nodeagent.config import load_config
 from nodeagent.config_model import Config
 from nodeagent.errors import AgentError, ConfigError
+from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
+LOCK_HANDOVER_S = 30.0
+"""How long a new agent waits for a detaching/stopping predecessor to let go of the state dir."""
 
 
 def status_line(status: dict) -> str:
@@ -51,6 +55,7 @@ class Agent:
         self._last_status = ""
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[object]] = set()
+        self.lock: InstanceLock | None = None
 
     @property
     def stopping(self) -> bool:
@@ -59,6 +64,8 @@ class Agent:
     def request_stop(self, detach: bool = False) -> None:
         self.detach = self.detach or detach
         self.stop_requested.set()
+        if self.lock is not None:
+            self.lock.update({"phase": "detaching" if self.detach else "stopping"})
 
     async def reload(self) -> dict[str, object]:
         """Re-read the config file; restart only what changed. A bad config raises ConfigError and changes nothing.
@@ -119,6 +126,21 @@ class Agent:
             await asyncio.sleep(period)
 
     async def run(self) -> int:
+        # The lock first: a second agent on this state dir must touch nothing (not even the API's token file).
+        self.lock = InstanceLock(self.config.agent.state_dir)
+        try:
+            await asyncio.to_thread(self.lock.acquire, {"api": self.config.agent.api.listen, "phase": "starting",
+                                                       "config": str(self.config_path)}, LOCK_HANDOVER_S)  # fmt: skip
+        except AlreadyRunning as exc:
+            logger.error(str(exc))
+            self.lock = None
+            return AlreadyRunning.exit_code
+        try:
+            return await self._run_locked()
+        finally:
+            self.lock.release()
+
+    async def _run_locked(self) -> int:
         from nodeagent.api import ApiServer
 
         loop = asyncio.get_running_loop()
@@ -127,13 +149,15 @@ class Agent:
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_signal)
         self.config.agent.state_dir.mkdir(parents=True, exist_ok=True)
         self.config.agent.log_dir.mkdir(parents=True, exist_ok=True)
-        # The API first: if it cannot listen we exit before touching the stack (the next agent adopts it).
+        # The API next: if it cannot listen we exit before touching the stack (the next agent adopts it).
         api = ApiServer(self)
         try:
             await api.start()
         except AgentError as exc:
             logger.error(str(exc))
             return 1
+        assert self.lock is not None
+        self.lock.update({"phase": "running"})
         try:
             self.supervisor.on_state_change.append(self._publish_status)
             self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "

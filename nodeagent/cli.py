@@ -318,6 +318,12 @@ def _note(comp: dict[str, Any]) -> str:
         notes.append(f"retry in {human_duration(comp['backoff_remaining_s'])}")
     if comp.get("held"):
         notes.append(str(comp["held"]))
+    failure = comp.get("failure") or {}
+    if comp.get("state") == "failed" and failure:
+        notes.append(f"failed: {failure.get('permanent') or failure.get('detail')}")
+        last = next((line for line in reversed(failure.get("output_tail") or []) if line.strip()), None)
+        if last and last not in notes[-1]:
+            notes.append(f"last output: {last[:100]}")
     policy = comp.get("policy") or {}
     if policy.get("crash_loop"):
         notes.append("crash loop")
@@ -519,7 +525,8 @@ def follow(path: Path, offset: int, out: Any, interval: float = 0.25, until: flo
 
 
 def _log_source(args: argparse.Namespace, light: LightConfig) -> tuple[str, Path]:
-    """("journal"|"file", log_dir): ask the agent where children's output goes; without it, guess from disk."""
+    """("own"|"journal"|"file", folder or file): the component's own log file if it writes one (the datasystem
+    worker), else where the agent sends children's output; without the agent, guess from disk."""
     client = Client(light, timeout=2.0)
     try:
         status = client.get("/status")
@@ -536,6 +543,11 @@ def _log_source(args: argparse.Namespace, light: LightConfig) -> tuple[str, Path
     if args.component not in status["components"]:
         raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(status['components'])})",
                        EXIT_UNKNOWN)  # fmt: skip
+    own = [Path(p) for p in status["components"][args.component].get("log_files") or []]
+    if args.source in ("auto", "own") and own and own[0].exists():
+        return "own", own[0]
+    if args.source == "own":
+        raise CliError(f"{args.component} writes no log file of its own here ({', '.join(map(str, own)) or 'none'})")
     agent = status.get("agent", {})
     return ("journal" if agent.get("journal") else "file"), Path(agent.get("log_dir") or light.log_dir)
 
@@ -548,7 +560,8 @@ def _which(name: str) -> str | None:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     light = read_light_config(args.config)
-    source, log_dir = (args.source, light.log_dir) if args.source != "auto" else _log_source(args, light)
+    explicit = args.source in ("journal", "file")
+    source, log_dir = (args.source, light.log_dir) if explicit else _log_source(args, light)
     if source == "journal":
         argv = ["journalctl", "-u", args.unit, "-t", args.component, "-n", str(args.lines), "--no-pager"]
         if args.follow:
@@ -557,7 +570,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             os.execvp(argv[0], argv)
         except OSError as exc:
             raise CliError(f"cannot run journalctl: {exc}") from None
-    path = log_dir / f"{args.component}.log"
+    path = log_dir if source == "own" else log_dir / f"{args.component}.log"
+    if source == "own":
+        print(f"==> {path} <==  (its launcher's output: --source file|journal)", file=sys.stderr)
     try:
         lines, offset = tail_lines(path, args.lines)
     except FileNotFoundError:
@@ -685,8 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("component")
     logs.add_argument("-f", "--follow", action="store_true")
     logs.add_argument("-n", "--lines", type=_count, default=50, metavar="N", help="last N lines (default 50)")
-    logs.add_argument("--source", choices=["auto", "journal", "file"], default="auto",
-                      help="auto: ask the agent where output goes")  # fmt: skip
+    logs.add_argument("--source", choices=["auto", "own", "journal", "file"], default="auto",
+                      help="auto: the component's own log if it writes one (datasystem worker), else its output "
+                           "where the agent sends it; own: only its own log")  # fmt: skip
     logs.add_argument("--unit", default=DEFAULT_UNIT, help=f"systemd unit for journalctl (default {DEFAULT_UNIT})")
     cache = add("cache", "vLLM prefix-cache hit rates, like watch_cache_hit_rate.sh", cmd_cache)
     add_cache_arguments(cache)

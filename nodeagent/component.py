@@ -1,81 +1,71 @@
 """One component's state machine: a single task consumes one signal queue, so exits, probe results and
 operator commands are handled strictly in order and never race each other.
 
-    stopped ──start──▶ starting ──startup ok──▶ running ◀──▶ ready
-       ▲                  │   ╲                    │
-       │               failure  exit / liveness failure / restart / dependency restart
-       │                  ▼                         ▼
-       └──desired stop── stopping ──failure──▶ backoff ──delay──▶ starting
-                                   ╲─escalation─▶ node redeploy · failed (still retrying at the cap)
+    stopped ──gate open──▶ starting ──startup ok──▶ running ◀──▶ ready
+       ▲  ▲                   │   ╲                    │
+       │  └─held (foreign     │  failure     exit / liveness failure / restart / dependency restart
+       │    port, paused...)  ▼                         ▼
+       └──desired stop──── stopping ◀──draining (planned restart of vLLM)
+                              │
+                           failure ──▶ backoff ──delay──▶ starting
+                                    ╲─▶ failed: permanent (retry at the cap) · node redeploy · node failed
+
+The component decides nothing about policy: it asks its host (`host.ComponentHost`) whether it may start,
+how to launch, and what a failure means, and reports what it observes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from nodeagent.errors import AdoptError, LaunchError
-from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
+from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
+from nodeagent.failure import Failure, classify, exit_text
+from nodeagent.host import ComponentHost, Process, StartHeld
+from nodeagent.process import ProcessRecord
+from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 
-if TYPE_CHECKING:
-    import subprocess
+__all__ = ["COMMANDS", "Component", "Signal", "State"]
 
-    from nodeagent.supervisor import Supervisor
-
-
-class State(StrEnum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    RUNNING = "running"
-    READY = "ready"
-    UNHEALTHY = "unhealthy"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Signal:
-    kind: str
-    """exited | startup_ok | startup_failed | liveness_failed | ready | not_ready | stop | restart | wake
-    | dep_restart"""
-    gen: int | None = None
-    """The process generation it concerns; stale signals of an older process are dropped."""
-    detail: str = ""
-
-
-COMMANDS = frozenset({"stop", "restart", "wake", "dep_restart"})
+HOLD_RECHECK_S = 2.0
 
 
 class Component:
-    def __init__(self, name: str, spec: Any, supervisor: Supervisor) -> None:
+    def __init__(self, name: str, spec: Any, host: ComponentHost) -> None:
         self.name = name
         self.cfg = spec
         self.kind: str = spec.kind
-        self.sup = supervisor
+        self.host = host
         self.state = State.STOPPED
         self.ready = False
         self.up = asyncio.Event()
         self.signals: asyncio.Queue[Signal] = asyncio.Queue()
         self.gen = 0
-        self.record: ProcessRecord | None = None
-        self.popen: subprocess.Popen[bytes] | None = None
-        self.watch: ExitWatch | None = None
+        self.proc: Process | None = None
         self.started_at: float | None = None
+        """The process's real start time (the kernel's, for an adopted one)."""
         self.restarts = 0
         self.last_exit: dict[str, Any] | None = None
+        self.failure: Failure | None = None
+        """The last failure, classified; kept across restarts to recognise the same error twice."""
         self.backoff_until: float | None = None
         self.held: str | None = None
+        self.operator_start = False
+        """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
         self.prober: Any = None
+        self.extra_status: dict[str, Any] = {}
+        """What the host adds to this component's status (draining, gang generation...)."""
+
+    @property
+    def record(self) -> ProcessRecord | None:
+        return self.proc.record if self.proc is not None else None
 
     # ---- signals -------------------------------------------------------------------------------------------
-    def signal(self, kind: str, gen: int | None = None, detail: str = "") -> None:
-        self.signals.put_nowait(Signal(kind, gen, detail))
+    def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
+               drain: bool = True) -> None:  # fmt: skip
+        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain))
 
     async def _next(self) -> Signal:
         while True:
@@ -86,179 +76,233 @@ class Component:
     def _set(self, state: State, message: str = "", level: str = "info", **data: Any) -> None:
         if state != self.state or message:
             old, self.state = self.state, state
-            self.sup.events.emit("state", message or f"{old} → {state}", self.name, level, state=str(state),
-                                 previous=str(old), **data)  # fmt: skip
-            self.sup.state_changed()
+            self.host.events.emit("state", message or f"{old} → {state}", self.name, level, state=str(state),
+                                  previous=str(old), **data)  # fmt: skip
+            self.host.on_state(self)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     async def run(self, adopt: ProcessRecord | None) -> None:
         while True:
             if adopt is None:
-                await self._until_wanted()
+                await self._until_startable()
             launched = await self._start(adopt)
             adopt = None
             if not launched:
                 continue
-            outcome, detail = await self._supervise()
+            outcome, detail, failure = await self._supervise()
             await self.stop_process(detail)
-            if outcome == "failure":
-                await self.sup.archive_failure(self, detail)
-                await self._after_failure(detail)
+            if failure is not None:
+                await self._after_failure(failure)
             elif outcome == "restart":
                 self.restarts += 1
-                self._drain({"restart"})
+                self._drain_queue({"restart"})
+                self.host.on_state(self)
 
-    async def _until_wanted(self) -> None:
-        """Wait until the operator wants it running, no pause holds it, and its dependencies are up."""
+    async def _until_startable(self) -> None:
+        """Wait until the one start gate opens: desired running, not paused (unless an operator asked),
+        dependencies up, nothing holding it."""
         while True:
-            why = self.sup.blocked(self)
+            why = self.host.start_gate(self, self.operator_start)
             if why is None:
                 return
-            if self.record is None and self.state in (State.BACKOFF, State.FAILED, State.UNHEALTHY):
+            resting = (State.BACKOFF, State.UNHEALTHY) if why.startswith("paused") else (
+                State.BACKOFF, State.UNHEALTHY, State.FAILED)  # a failed component stays visible while paused
+            if self.proc is None and self.state in resting:
                 self._set(State.STOPPED, f"not restarting: {why}")
-            if why != self.held:
-                self.held = why
-                self.sup.events.emit("held", f"waiting: {why}", self.name)
+            self._hold(why)
             waiters = [asyncio.ensure_future(self.signals.get())]
-            waiters += [asyncio.ensure_future(self.sup.components[d].up.wait()) for d in self.sup.deps(self)]
-            waiters.append(asyncio.ensure_future(self.sup.intent_changed.wait()))
+            waiters += [asyncio.ensure_future(w) for w in self.host.gate_waiters(self)]
             try:
-                done, _ = await asyncio.wait(waiters, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiters, timeout=HOLD_RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 # Also when we are cancelled (redeploy, shutdown): an orphaned queue getter would swallow
                 # the next signal — the exit of the process the new task starts.
                 for w in waiters:
                     w.cancel()
             if waiters[0] in done and not waiters[0].cancelled():
-                sig = waiters[0].result()
-                if sig.kind == "restart":
-                    self.sup.set_desired(self.name, "running")
+                self._take_command(waiters[0].result())
+
+    def _take_command(self, sig: Signal) -> None:
+        if sig.kind in ("restart", "wake") and sig.operator:
+            self.operator_start = True
+
+    def _hold(self, why: str) -> None:
+        if why != self.held:
+            self.held = why
+            self.host.events.emit("held", f"waiting: {why}", self.name)
+            self.host.on_state(self)
 
     async def _start(self, adopt: ProcessRecord | None) -> bool:
-        self.held = None
         self.gen += 1
         self.ready = False
         if adopt is not None:
             try:
-                verify(adopt)
+                self.proc = await self.host.adopt(self, adopt)
             except AdoptError as exc:
-                self.sup.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
+                self.host.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
                 return False
-            self.record, self.popen = adopt, None
+            self.held = None
+            self.started_at = adopt.create_time
             self._set(State.STARTING, f"adopted running pid {adopt.pid}", pid=adopt.pid)
         else:
             self._set(State.STARTING)
             try:
-                await self.sup.before_start(self)
-                launched = await self.sup.launch(self)
-            except LaunchError as exc:
-                self.last_exit = {"at": time.time(), "reason": f"launch failed: {exc}", "code": None}
-                self.sup.events.emit("launch_failed", str(exc), self.name, "error")
-                await self.sup.archive_failure(self, f"launch failed: {exc}")
-                await self._after_failure(f"launch failed: {exc}")
+                await self.host.prepare(self)
+                self.proc = await self.host.launch(self)
+            except StartHeld as held:
+                await self._wait_out(held)
                 return False
-            self.record, self.popen = launched.record, launched.popen
-            self.sup.events.emit("started", f"started pid {self.record.pid} (output: {launched.output})",
-                                 self.name, pid=self.record.pid)  # fmt: skip
-        self.started_at = time.time()
-        self.sup.remember(self)
-        self.watch = ExitWatch(self.record.pid, self.popen)
+            except LaunchError as exc:
+                what = "precheck" if isinstance(exc, MissingPrerequisite) else "launch"
+                self.held = None
+                self.last_exit = {"at": self.host.clock.time(), "reason": f"launch failed: {exc}", "code": None}
+                self.host.events.emit("launch_failed", str(exc), self.name, "error")
+                detail = str(exc) if what == "precheck" else f"launch failed: {exc}"
+                await self._after_failure(Failure(what, detail, output_tail=(str(exc),)))
+                return False
+            self.held = None
+            self.started_at = self.proc.record.create_time
+            self.host.events.emit("started", f"started pid {self.proc.record.pid} (output: {self.proc.output})",
+                                  self.name, pid=self.proc.record.pid)  # fmt: skip
+        self.operator_start = False
         gen = self.gen
-        self.watch.done.add_done_callback(
-            lambda fut: self.signal("exited", gen, "" if fut.cancelled() else f"code {fut.result()}")
+        self.proc.exited.add_done_callback(
+            lambda fut: self.signal("exited", gen, "" if fut.cancelled() else str(fut.result()))
         )
-        self.sup.start_probes(self)
+        self.host.on_process(self)
+        self.host.on_state(self)
         return True
 
-    async def _supervise(self) -> tuple[str, str]:
+    async def _wait_out(self, held: StartHeld) -> None:
+        """A foreign obstacle: show it, re-check it cheaply, and go back to the gate once it is gone (or an
+        operator command arrives). Nothing counts as a failure."""
+        if self.state == State.STARTING:
+            self._set(State.STOPPED, f"start held: {held.reason}", "warning")
+        self._hold(held.reason)
+        while True:
+            getter = asyncio.ensure_future(self._next())
+            try:
+                done, _ = await asyncio.wait({getter}, timeout=HOLD_RECHECK_S)
+            finally:
+                getter.cancel()
+            if getter in done and not getter.cancelled():
+                sig = getter.result()
+                self._take_command(sig)
+                if sig.kind in COMMANDS:
+                    return
+            still = held.recheck() if held.recheck is not None else None
+            if still is None:
+                self.host.events.emit("released", f"no longer held ({held.reason})", self.name)
+                return
+            self._hold(still)
+
+    async def _supervise(self) -> tuple[str, str, Failure | None]:
         while True:
             sig = await self._next()
             if sig.kind == "startup_ok":
-                self._refresh_record()
                 self.up.set()
-                self.sup.policy_started(self)
-                self._set(State.RUNNING, f"up after {time.time() - (self.started_at or time.time()):.1f}s")
+                self.host.on_up(self)
+                self._set(State.RUNNING, f"up after {self.host.clock.time() - (self.started_at or 0):.1f}s")
             elif sig.kind in ("ready", "not_ready"):
                 self.ready = sig.kind == "ready"
                 if self.state in (State.RUNNING, State.READY):
                     self._set(State.READY if self.ready else State.RUNNING)
             elif sig.kind == "exited":
-                self.last_exit = {"at": time.time(), "reason": f"exited ({sig.detail})", "code": sig.detail}
-                return "failure", f"process exited unexpectedly ({sig.detail})"
+                code = int(sig.detail) if sig.detail.lstrip("-").isdigit() else None
+                text = exit_text(code)
+                failure = Failure("exit", f"process {text}", code, self._uptime(), self._tail())
+                self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": code}
+                return "failure", f"process {text} unexpectedly", failure
             elif sig.kind in ("startup_failed", "liveness_failed"):
-                self._set(State.UNHEALTHY, f"{sig.kind.replace('_', ' ')}: {sig.detail}", "warning")
-                self.last_exit = {"at": time.time(), "reason": f"{sig.kind}: {sig.detail}", "code": None}
-                return "failure", f"{sig.kind}: {sig.detail}"
+                what, text = sig.kind.split("_")[0], f"{sig.kind.replace('_', ' ')}: {sig.detail}"
+                self._set(State.UNHEALTHY, text, "warning")
+                self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": None}
+                return "failure", f"{sig.kind}: {sig.detail}", Failure(what, text, uptime_s=self._uptime())
             elif sig.kind == "stop":
-                return "stop", "stop requested"
+                return "stop", "stop requested", None
             elif sig.kind in ("restart", "dep_restart"):
-                return "restart", sig.detail or "restart requested"
+                return "restart", sig.detail or "restart requested", None
 
-    def _refresh_record(self) -> None:
-        """Re-read the cmdline once up: launchers such as the venv's `etcd` wrapper exec the real binary
-        after we recorded the PID, and adoption compares the cmdline."""
-        if self.record is None:
-            return
-        with contextlib.suppress(LaunchError):
-            fresh = record_of(self.record.pid)
-            if abs(fresh.create_time - self.record.create_time) < 0.05 and fresh.cmdline != self.record.cmdline:
-                self.record = fresh
-                self.sup.remember(self)
+    def _uptime(self) -> float | None:
+        return None if self.started_at is None else round(self.host.clock.time() - self.started_at, 3)
+
+    def _tail(self) -> tuple[str, ...]:
+        if self.proc is None:
+            return ()
+        with contextlib.suppress(Exception):
+            return self.host.output_tail(self, self.proc)
+        return ()
 
     async def stop_process(self, why: str) -> None:
         """Stop this component's whole tree (if any) and forget it; dependents follow per their edges."""
         self.up.clear()
         self.ready = False
-        self.sup.stop_probes(self)
-        self.sup.dependency_going_down(self)
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        record = self.record
-        if record is not None:
-            self._set(State.STOPPING, f"stopping pid {record.pid}: {why}")
-            result = await stop_tree(record, self.cfg.stop_grace_s, self.name)
-            self.sup.events.emit("stopped", f"stopped pid {record.pid}", self.name, **result)
-        self.record = None
-        self.popen = None
-        self.sup.forget(self)
+        self.host.on_going_down(self)
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.close is not None:
+                proc.close()
+            self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
+            result = await self.host.terminate(self, proc, why)
+            self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
+            self.host.on_process(self)
         self._set(State.STOPPED)
 
-    async def _after_failure(self, detail: str) -> None:
-        decision = self.sup.policy_failure(self, detail)
+    async def _after_failure(self, failure: Failure) -> None:
+        failure = classify(failure, self.failure, self.cfg.restart.quick_exit_s)
+        self.failure = failure
+        await self.host.archive(self, failure)
+        decision = self.host.decide(self, failure)
         if decision is None:
             return
         self.restarts += 1
         if decision.action == "redeploy":
-            self.sup.request_redeploy(f"{self.name}: {detail}")
+            if decision.delay_s > 0:
+                self._set(State.BACKOFF, f"node redeploy in {decision.delay_s:.0f}s: {decision.reason}", "warning",
+                          delay_s=decision.delay_s)  # fmt: skip
+                if await self._sleep_interruptibly(decision.delay_s):
+                    return
+            self.host.request_redeploy(f"{self.name}: {failure.detail}")
             return
         if decision.action == "failed":
-            self._set(State.FAILED, decision.reason, "critical", retry_in_s=decision.delay_s)
-            await self._sleep_interruptibly(decision.delay_s)
-            self.sup.request_redeploy(f"{self.name}: retry after failed state")
+            reason = failure.permanent or decision.reason
+            self._set(State.FAILED, f"failed: {reason}; retrying in {decision.delay_s:.0f}s", "critical",
+                      retry_in_s=decision.delay_s, permanent=failure.permanent is not None,
+                      output_tail=list(failure.output_tail))  # fmt: skip
+            if await self._sleep_interruptibly(decision.delay_s) or failure.permanent:
+                return
+            self.host.request_redeploy(f"{self.name}: retry after failed state")
             return
         if decision.delay_s > 0:
-            self.backoff_until = time.time() + decision.delay_s
-            if decision.action != "failed":
-                self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
-                          delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)
+            self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
+                      delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)  # fmt: skip
             await self._sleep_interruptibly(decision.delay_s)
 
-    async def _sleep_interruptibly(self, delay: float) -> None:
-        """Back off, but an operator's start/restart/stop cuts the wait short."""
+    async def _sleep_interruptibly(self, delay: float) -> bool:
+        """Back off; an operator's start/restart/stop cuts the wait short (returns True then)."""
+        self.backoff_until = self.host.clock.time() + delay
+        self.host.on_state(self)
+        sleeper = asyncio.ensure_future(self.host.clock.sleep(delay))
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    while True:
-                        sig = await self._next()
-                        if sig.kind in ("restart", "wake", "stop"):
-                            if sig.kind == "stop":
-                                self.signal("wake")
-                            return
+            while True:
+                getter = asyncio.ensure_future(self._next())
+                try:
+                    done, _ = await asyncio.wait({getter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    getter.cancel()
+                if sleeper in done:
+                    return False
+                sig = getter.result()
+                if sig.kind in ("restart", "wake", "stop"):
+                    self._take_command(sig)
+                    if sig.kind == "stop":
+                        self.signal("wake")
+                    return True
         finally:
+            sleeper.cancel()
             self.backoff_until = None
 
-    def _drain(self, kinds: set[str]) -> None:
+    def _drain_queue(self, kinds: set[str]) -> None:
         """Coalesce: commands of these kinds queued while one was being carried out are already done."""
         keep = []
         while not self.signals.empty():
@@ -269,20 +313,26 @@ class Component:
             self.signals.put_nowait(sig)
 
     # ---- views ---------------------------------------------------------------------------------------------
+    @property
+    def is_up(self) -> bool:
+        return self.state in UP_STATES
+
     def status(self) -> dict[str, Any]:
-        now = time.time()
+        now = self.host.clock.time()
+        failure = self.failure
         return {
             "kind": self.kind,
             "state": str(self.state),
-            "desired": self.sup.desired(self.name),
             "pid": self.record.pid if self.record else None,
             "ready": self.ready,
             "up": self.up.is_set(),
             "restarts": self.restarts,
+            "started_at": self.started_at if self.record else None,
             "uptime_s": round(now - self.started_at, 1) if self.started_at and self.record else None,
             "last_exit": self.last_exit,
+            "failure": failure.to_dict() if failure is not None and self.state == State.FAILED else None,
             "backoff_remaining_s": round(self.backoff_until - now, 1) if self.backoff_until else None,
-            "held": self.held,
+            "held": self.held if self.record is None else None,
             "probes": self.prober.snapshot() if self.prober is not None else {},
-            "policy": self.sup.policy_view(self),
+            **self.extra_status,
         }

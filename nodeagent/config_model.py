@@ -209,6 +209,9 @@ class RestartSpec(Strict):
     failure_window_s: float = Field(default=900.0, gt=0)
     failed_after_redeploys: int = Field(default=3, ge=1)
     """Redeploys within failure_window_s after which the node is `failed` (alert; retries continue)."""
+    quick_exit_s: float = Field(default=30.0, ge=0)
+    """An exit this soon after the start is a failed start: twice in a row with the same error text, it is a
+    permanent failure (no redeploy, retried at backoff_max_s). 0 turns the rule off."""
 
 
 class DependencyEdge(Strict):
@@ -285,6 +288,7 @@ class VllmComponent(ComponentBase):
     kind: Literal["vllm"]
     command: Command = "vllm"
     model: str
+    """A local folder (absolute, `~`, or `./`/`../` relative to this config file) or a hub repo id."""
     port: int = Field(default=8080, gt=0, lt=65536)
     host: str | None = None
     served_model_name: str = "dsv4"
@@ -346,6 +350,13 @@ class VllmComponent(ComponentBase):
     """Which datasystem component's worker_port gives DS_WORKER_ADDR; default the only one."""
     stop_grace_s: float = Field(default=60.0, gt=0)
     """vLLM drains in-flight requests on SIGTERM."""
+
+    @field_validator("model")
+    @classmethod
+    def _relative_model(cls, value: str, info: ValidationInfo) -> str:
+        if value.startswith(("./", "../")):
+            return str(_resolve_path(Path(value), info))
+        return value
 
 
 class ProcessComponent(ComponentBase):

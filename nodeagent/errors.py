@@ -21,3 +21,7 @@ class AdoptError(AgentError):
 
 class UnknownComponentError(AgentError):
     """An operator named a component the config does not have."""
+
+
+class MissingPrerequisite(LaunchError):
+    """The command, the model or a configured file is missing: no launch can succeed (a permanent failure)."""

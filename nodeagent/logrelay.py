@@ -6,11 +6,15 @@ scope. Entries sent by root with `OBJECT_SYSTEMD_UNIT=dsv4-agent.service` are wh
 matches, and `SYSLOG_IDENTIFIER=<component>` is what `-t <component>` matches. The relay lives inside the
 scope with the component, so it survives the agent too; it exits with the component's exit status.
 
-    python -m nodeagent.logrelay IDENTIFIER UNIT -- COMMAND ARGS...
+    python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] -- COMMAND ARGS...
+
+`--tail FILE` keeps the component's last lines in FILE when it exits, so the agent can say why a start failed
+without querying journald on the crash path.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import selectors
 import signal
@@ -23,7 +27,10 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 MAX_LINE = 64 * 1024
 
 
-def relay(identifier: str, unit: str, command: list[str]) -> int:
+TAIL_KEEP = 20
+
+
+def relay(identifier: str, unit: str, command: list[str], tail_file: str | None = None) -> int:
     read_fd, write_fd = os.pipe()
     try:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, close_fds=True)
@@ -38,8 +45,12 @@ def relay(identifier: str, unit: str, command: list[str]) -> int:
     fields = {"SYSLOG_IDENTIFIER": identifier, "OBJECT_SYSTEMD_UNIT": unit, "COMPONENT": identifier,
               "OBJECT_PID": child.pid}  # fmt: skip
 
+    recent: collections.deque[str] = collections.deque(maxlen=TAIL_KEEP)
+
     def emit(line: bytes) -> None:
         text = line.decode(errors="replace").rstrip("\r")
+        if text:
+            recent.append(text)
         if text and not sender.send(text, 6, **fields):
             sys.stderr.write(text + "\n")  # journald gone: the scope's own stream still takes it
 
@@ -78,15 +89,31 @@ def relay(identifier: str, unit: str, command: list[str]) -> int:
     if pending:
         emit(pending)
     code = child.wait()
+    if tail_file:
+        write_tail(tail_file, list(recent))
     return 128 - code if code < 0 else code
+
+
+def write_tail(path: str, lines: list[str]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    tail = None
+    if len(args) >= 4 and args[2] == "--tail":
+        tail, args = args[3], args[:2] + args[4:]
     if len(args) < 4 or args[2] != "--":
-        print("usage: python -m nodeagent.logrelay IDENTIFIER UNIT -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] -- COMMAND [ARGS...]",
+              file=sys.stderr)
         return 2
-    return relay(args[0], args[1], args[3:])
+    return relay(args[0], args[1], args[3:], tail)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,18 @@ def log_path(log_dir: Path, component: str) -> Path:
     return log_dir / f"{component}.log"
 
 
+def log_offset(log_dir: Path, component: str) -> int | None:
+    """Where the next run's output starts in its log file (None under journald: no file of ours)."""
+    if use_journal():
+        return None
+    try:
+        return log_path(log_dir, component).stat().st_size
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return None
+
+
 def open_output(component: str, log_dir: Path) -> tuple[int, str]:
     """An fd for the child's output and a description of where it goes. The caller closes the fd."""
     if use_journal():

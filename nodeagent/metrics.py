@@ -29,7 +29,7 @@ from prometheus_client.core import (
 
 from nodeagent import __version__
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, compute_table, parse_cache_counters
-from nodeagent.component import State
+from nodeagent.states import State
 
 if TYPE_CHECKING:
     import aiohttp
@@ -128,7 +128,8 @@ class _StackCollector:
                                     labels=labels)  # fmt: skip
         state = GaugeMetricFamily("dsv4_component_state", "1 for the component's current state, 0 for the others.",
                                   labels=[*labels, "state"])  # fmt: skip
-        restarts = CounterMetricFamily("dsv4_component_restarts", "Restarts since the agent started.",
+        restarts = CounterMetricFamily("dsv4_component_restarts",
+                                       "Restarts of the component, kept across agent restarts and upgrades.",
                                        labels=labels)  # fmt: skip
         started = GaugeMetricFamily("dsv4_component_start_time_seconds",
                                     "When the current process started (Unix time).", labels=labels)  # fmt: skip

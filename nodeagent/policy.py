@@ -120,12 +120,7 @@ class RestartTracker:
         window = self.spec.failure_window_s
         self.failure_times = [t for t in self.failure_times if now - t < window]
         self.failure_times.append(now)
-        self.consecutive_failures += 1
-        self.failures_total += 1
-        self.last_failure_at = now
-        self.last_reason = reason
-        self.started_at = None
-        self.healthy_since = None
+        self._note_failure(now, reason)
 
         n = self.consecutive_failures
         delay = self.spec.backoff_max_s if node_failed else backoff_delay(self.spec, n)
@@ -141,6 +136,23 @@ class RestartTracker:
             why = f"{reason} (failure {n} in a row, backing off {delay:g}s)"
         self.retry_at = now + delay
         return RestartDecision(action, delay, why, n, n >= 2)
+
+    def _note_failure(self, now: float, reason: str) -> None:
+        self.consecutive_failures += 1
+        self.failures_total += 1
+        self.last_failure_at = now
+        self.last_reason = reason
+        self.started_at = None
+        self.healthy_since = None
+
+    def record_permanent(self, now: float, reason: str) -> RestartDecision:
+        """A failure no restart can fix (failure.classify): `failed`, retried only at the cap, never escalated
+        to a node redeploy (it cannot help and it would take healthy components down)."""
+        self._note_failure(now, reason)
+        delay = self.spec.backoff_max_s
+        self.retry_at = now + delay
+        return RestartDecision("failed", delay, f"{reason} (permanent: retrying every {delay:g}s)",
+                               self.consecutive_failures, True)  # fmt: skip
 
     def record_redeploy(self, now: float) -> None:
         """The node redeployed: every component (not only the escalating one) starts a fresh ladder."""
@@ -294,10 +306,17 @@ def hold_for_dependency(kind: str, etcd_reachable: bool) -> str | None:
 def restarts_with(dependent_kind: str, dependency_kind: str, edge: DependencyEdge) -> bool:
     """Does the dependent restart when its dependency restarts?
 
-    The edge's `restart_with` wins. Defaults: never for an etcd dependency (a local etcd restart with its
-    data intact keeps every registration; the worker reconnects), otherwise yes (vllm must reconnect to a
-    restarted datasystem worker; a `process` follows what it depends on).
+    The edge's `restart_with` wins. Defaults:
+    - never for an etcd dependency (a local etcd restart with its data intact keeps every registration; the
+      worker reconnects);
+    - never for vLLM on its datasystem worker: measured with the real worker, a `yr.datasystem` client kept
+      open across a worker restart (SIGTERM or SIGKILL, down for 30 s) works again as soon as the new worker
+      is up, and vllm-ascend's yuanrong backend turns pool errors into cache misses — restarting vLLM (a
+      30-60 min DeepSeek-V4 reload) would buy nothing (docs/architecture.md);
+    - otherwise yes (a `process` follows what it depends on).
     """
     if edge.restart_with is not None:
         return edge.restart_with
-    return dependency_kind != "etcd"
+    if dependency_kind == "etcd":
+        return False
+    return not (dependency_kind == "datasystem" and dependent_kind == "vllm")

@@ -249,23 +249,16 @@ def _ancestors() -> set[int]:
     return pids
 
 
-def _listening_ports() -> dict[int, set[int]]:
-    ports: dict[int, set[int]] = {}
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status == psutil.CONN_LISTEN and conn.pid is not None and conn.laddr:
-            ports.setdefault(conn.pid, set()).add(conn.laddr.port)
-    return ports
-
-
 def find_leftovers(match: ProcessMatch) -> list[tuple[psutil.Process, str]]:
     """Live processes matching `match` (with why), excluding this process and its ancestors."""
     protected = _ancestors()
-    listeners = _listening_ports() if match.ports else {}
     attrs = ["cmdline"]
     if match.env:
         attrs.append("environ")
     if match.cwd:
         attrs.append("cwd")
+    if match.records:
+        attrs.append("create_time")
     found = []
     for proc in psutil.process_iter(attrs, ad_value=None):
         if proc.pid in protected or proc.pid <= 1:
@@ -275,7 +268,7 @@ def find_leftovers(match: ProcessMatch) -> list[tuple[psutil.Process, str]]:
             cmdline=tuple(proc.info.get("cmdline") or ()),
             environ=proc.info.get("environ"),
             cwd=proc.info.get("cwd"),
-            listen_ports=frozenset(listeners.get(proc.pid, ())),
+            create_time=proc.info.get("create_time"),
         )
         why = match_reason(info, match)
         if why:
@@ -354,22 +347,33 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def _port_holders(ports: Iterable[int]) -> str:
+def port_holders(ports: Iterable[int]) -> str:
+    """Who listens on these ports: `8080 held by pid 123 'python3 -m http.server' (user alice)`."""
     wanted = set(ports)
     holders = []
     try:
         for conn in psutil.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in wanted:
-                who = "?"
+                who = "an unknown process (not visible to the agent)"
                 if conn.pid:
                     try:
-                        who = f"pid {conn.pid} {' '.join(psutil.Process(conn.pid).cmdline())[:60]!r}"
+                        proc = psutil.Process(conn.pid)
+                        who = f"pid {conn.pid} {' '.join(proc.cmdline())[:80]!r} (user {proc.username()})"
                     except psutil.Error:
                         who = f"pid {conn.pid}"
                 holders.append(f"{conn.laddr.port} held by {who}")
     except psutil.Error:
         pass
-    return "; ".join(holders)
+    return "; ".join(dict.fromkeys(holders))
+
+
+def busy_ports_description(ports: Iterable[int]) -> str | None:
+    """None when every port is free; else which are busy and who holds them (a cheap re-check)."""
+    busy = [p for p in ports if port_in_use(p)]
+    if not busy:
+        return None
+    holders = port_holders(busy)
+    return f"port {','.join(map(str, busy))} in use" + (f": {holders}" if holders else "")
 
 
 async def _wait_ports_free(action: WaitPortsFree) -> tuple[bool, str]:
@@ -379,7 +383,7 @@ async def _wait_ports_free(action: WaitPortsFree) -> tuple[bool, str]:
         if not busy:
             return True, "free"
         if time.monotonic() >= deadline:
-            holders = await asyncio.to_thread(_port_holders, busy)
+            holders = await asyncio.to_thread(port_holders, busy)
             return False, f"still in use after {action.timeout_s:g}s: {busy}" + (
                 f" ({holders})" if holders else ""
             )

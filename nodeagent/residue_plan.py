@@ -31,7 +31,9 @@ ENV_STATE = "DSV4_AGENT_STATE"
 
 SHM_DIR = Path("/dev/shm")
 SHM_PATTERNS = ("psm_*", "sem.mp-*")
-PORT_TIMEOUT_S = 30.0
+PORT_TIMEOUT_S = 3.0
+"""Enough for the sockets of our own just-killed leftovers to close; a port still busy then is held by a
+process we cannot prove is ours, and the start is held (never a kill) until it frees."""
 DEVICE_TIMEOUT_S = 120.0
 """NPU memory can take ~50 s to free after the owning processes die."""
 SHM_MIN_AGE_S = 5.0
@@ -56,8 +58,11 @@ class ProcessMatch:
     - `program` + `option`: an argv element named `program` and the option with exactly that value
       (`--opt=V`, `-opt=V`, or `--opt V`) — anchored, so `:2848` never matches `:28481`;
     - `title_prefixes` + `cwd`: a process title starting so (vLLM's `VLLM::EngineCore`) running in `cwd`;
-    - `cmdline_prefixes`: the space-joined cmdline starts so;
-    - `ports`: it listens on one of them.
+    - `cmdline_prefixes`: the space-joined cmdline starts so (an operator-declared `process_match`);
+    - `records`: the (pid, start time) this agent recorded for the component's last run.
+
+    Listening on one of the component's ports is deliberately *not* a clause: a foreign process on our port is
+    never signalled — the start is held with the holder named until the port frees (supervisor, StartHeld).
     """
 
     env: tuple[tuple[str, str], ...] = ()
@@ -66,7 +71,7 @@ class ProcessMatch:
     title_prefixes: tuple[str, ...] = ()
     cwd: str | None = None
     cmdline_prefixes: tuple[str, ...] = ()
-    ports: tuple[int, ...] = ()
+    records: tuple[tuple[int, float], ...] = ()
 
     def describe(self) -> str:
         parts = []
@@ -78,8 +83,8 @@ class ProcessMatch:
             parts.append(f"title {'|'.join(self.title_prefixes)}* in {self.cwd}")
         if self.cmdline_prefixes:
             parts.append("cmdline " + " | ".join(repr(p) for p in self.cmdline_prefixes))
-        if self.ports:
-            parts.append("listening on " + ",".join(map(str, self.ports)))
+        if self.records:
+            parts.append("recorded " + ",".join(f"pid {pid}" for pid, _ in self.records))
         return "; ".join(parts) or "nothing"
 
 
@@ -222,6 +227,14 @@ def client_log_dir(comp: DatasystemComponent) -> Path:
     return comp.client_log_dir if comp.client_log_dir is not None else Path.home() / ".datasystem"
 
 
+def own_log_files(name: str, comp: Any, config: Config) -> list[Path]:
+    """Logs a component writes itself, beside its output: the datasystem worker's real logs (dscli prints three
+    lines; the worker's stderr is a dead pipe once dscli exits)."""
+    if isinstance(comp, DatasystemComponent):
+        return [component_workdir(name, comp, config) / "datasystem" / "logs" / "datasystem_worker.INFO.log"]
+    return []
+
+
 def component_ports(comp: Any) -> tuple[int, ...]:
     """The ports a component binds on this node; a start waits until they are free."""
     if isinstance(comp, EtcdComponent):
@@ -236,26 +249,24 @@ def component_ports(comp: Any) -> tuple[int, ...]:
     return ()
 
 
-def process_match(name: str, comp: Any, config: Config) -> ProcessMatch:
-    """What identifies leftovers of this component (see ProcessMatch)."""
+def process_match(name: str, comp: Any, config: Config,
+                  records: Sequence[tuple[int, float]] = ()) -> ProcessMatch:  # fmt: skip
+    """What proves a process is a leftover of this component (see ProcessMatch)."""
     env = ((ENV_COMPONENT, name), (ENV_CLUSTER, config.cluster.name), (ENV_STATE, str(config.agent.state_dir)))
+    recorded = tuple(records)
     if isinstance(comp, DatasystemComponent):
-        return ProcessMatch(
-            env=env, program="datasystem_worker", option=("worker_address", worker_address(config, comp))
-        )
+        return ProcessMatch(env=env, program="datasystem_worker",
+                            option=("worker_address", worker_address(config, comp)), records=recorded)  # fmt: skip
     if isinstance(comp, EtcdComponent):
-        return ProcessMatch(env=env, program="etcd", option=("data-dir", str(comp.data_dir)))
+        return ProcessMatch(env=env, program="etcd", option=("data-dir", str(comp.data_dir)), records=recorded)
     if isinstance(comp, VllmComponent):
-        # Orphaned EngineCore/Workers hold device memory while the API port is already free (DESIGN §10).
-        return ProcessMatch(
-            env=env,
-            title_prefixes=("VLLM::",),
-            cwd=str(component_workdir(name, comp, config)),
-            ports=(comp.port,),
-        )
+        # Orphaned EngineCore/Workers hold device memory while the API port is already free (DESIGN §10);
+        # setproctitle hides their environment, so their title and our private cwd identify them.
+        return ProcessMatch(env=env, title_prefixes=("VLLM::",), cwd=str(component_workdir(name, comp, config)),
+                            records=recorded)  # fmt: skip
     if isinstance(comp, ProcessComponent):
         prefixes = tuple(p for p in comp.process_match if p.strip())
-        return ProcessMatch(env=env, cmdline_prefixes=prefixes, ports=component_ports(comp))
+        return ProcessMatch(env=env, cmdline_prefixes=prefixes, records=recorded)
     raise TypeError(f"unknown component type {type(comp).__name__}")
 
 
@@ -271,6 +282,7 @@ def plan_start_cleanup(
     *,
     wipe_etcd: bool = False,
     reason: str | None = None,
+    records: Sequence[tuple[int, float]] = (),
 ) -> ResiduePlan:
     """Residue to remove before (re)starting `name`. `redeploy` adds the node recovery's deeper cleanup.
 
@@ -281,7 +293,7 @@ def plan_start_cleanup(
         raise ValueError(f"scope must be 'start' or 'redeploy', got {scope!r}")
     reason = reason or scope
     actions: list[ResidueAction] = [
-        KillProcesses(process_match(name, component, config), component.stop_grace_s)
+        KillProcesses(process_match(name, component, config, records), component.stop_grace_s)
     ]
     notes: list[str] = []
     ports = component_ports(component)
@@ -357,7 +369,7 @@ class ProcInfo:
     cmdline: tuple[str, ...]
     environ: Mapping[str, str] | None = None
     cwd: str | None = None
-    listen_ports: frozenset[int] = frozenset()
+    create_time: float | None = None
 
 
 def _has_option(argv: Sequence[str], option: str, value: str) -> bool:
@@ -391,9 +403,10 @@ def match_reason(info: ProcInfo, match: ProcessMatch) -> str | None:
     for prefix in match.cmdline_prefixes:
         if prefix.strip() and joined.startswith(prefix):
             return f"cmdline starts with {prefix!r}"
-    ports = info.listen_ports.intersection(match.ports)
-    if ports:
-        return f"listens on {','.join(map(str, sorted(ports)))}"
+    if info.create_time is not None:
+        for pid, created in match.records:
+            if pid == info.pid and abs(created - info.create_time) < 0.05:
+                return "the process this agent recorded (pid + start time)"
     return None
 
 

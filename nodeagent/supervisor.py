@@ -1,82 +1,110 @@
 """Ties components together: dependency order, adoption after an agent restart, operator intent, probes,
 restart policy, residue cleanup, node redeploys, and an orderly (or detached) shutdown.
+
+The Supervisor is each component's host (`host.ComponentHost`): it answers the start gate, launches and
+stops processes, turns failures into decisions with the pure policy, and keeps the books (state files, probes,
+dependents). Layers above it (the cluster coordinator, preflight, hardware health) add start gates and drive
+components only through the operator's commands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component
 from nodeagent.config_model import Config
-from nodeagent.errors import LaunchError, UnknownComponentError
+from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
 from nodeagent.events import EventBus
+from nodeagent.failure import Failure
 from nodeagent.graph import start_order
-from nodeagent.policy import Intent, RedeployTracker, RestartTracker, hold_for_dependency, may_act, restarts_with
+from nodeagent.host import Clock, Process, StartHeld
+from nodeagent.intent import NodeIntent
+from nodeagent.output_tail import read_tail
+from nodeagent.policy import RestartDecision, hold_for_dependency, may_act, restarts_with
+from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
-from nodeagent.process import ProcessRecord
+from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
 
-BLOCKING_RESIDUE = (residue_plan.KillProcesses, residue_plan.WaitPortsFree, residue_plan.WaitDevicesFree)
+StartGate = Callable[[Component, bool], "str | None"]
+STABILITY_TICK_S = 30.0
 
 
 class Supervisor:
-    def __init__(self, config: Config, events: EventBus | None = None) -> None:
+    def __init__(self, config: Config, events: EventBus | None = None, clock: Clock | None = None) -> None:
         self.config = config
         self.events = events or EventBus()
+        self.clock = clock or Clock()
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
-        self.intent_changed = asyncio.Event()
-        self.on_state_change: list[Any] = []
+        self.on_state_change: list[Callable[[], None]] = []
         self.on_probe_result: list[Any] = []
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
+        self.gates: list[StartGate] = []
+        """Extra start gates of the layers above (cluster barrier, preflight, hardware): a reason blocks."""
+        self._gate_poked = asyncio.Event()
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
+        self.intent_store = NodeIntent(self.store, {n: active[n].restart for n in self.order})
         self.components = {name: Component(name, active[name], self) for name in self.order}
-        self._intent = self.store.load_intent()
-        saved = self._intent.get("trackers", {})
-        self.trackers = {name: RestartTracker.from_dict(saved.get(name, {}), active[name].restart)
-                         for name in self.order}  # fmt: skip
-        self.redeploys = RedeployTracker.from_dict(self._intent.get("redeploys", {}))
+        for name, comp in self.components.items():
+            self._restore_history(comp, self.intent_store.history(name))
         self.probe_ctx = ProbeContext()
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.redeploying: asyncio.Task[None] | None = None
-        self.started_at = time.time()
+        self.started_at = self.clock.time()
         self.remote_etcd_ok = True
 
+    @staticmethod
+    def _restore_history(comp: Component, saved: dict[str, Any]) -> None:
+        comp.restarts = int(saved.get("restarts") or 0)
+        comp.last_exit = saved.get("last_exit")
+        if saved.get("failure"):
+            comp.failure = Failure.from_dict(saved["failure"])
+
     # ---- intent (persisted; re-checked before every automatic action) --------------------------------------
+    @property
+    def trackers(self) -> dict[str, Any]:
+        return self.intent_store.trackers
+
+    @property
+    def redeploys(self) -> Any:
+        return self.intent_store.redeploys
+
     def desired(self, name: str) -> str:
-        return self._intent.get("desired", {}).get(name, "running")
+        return self.intent_store.desired(name)
 
     @property
     def paused(self) -> bool:
-        return bool(self._intent.get("paused", False))
-
-    def _save_intent(self, durable: bool = True) -> None:
-        """Operator intent must survive a power cut; restart counters alone need not (durable=False)."""
-        self._intent["trackers"] = {n: t.to_dict() for n, t in self.trackers.items()}
-        self._intent["redeploys"] = self.redeploys.to_dict()
-        self.store.save_intent(self._intent, durable)
-        self.intent_changed.set()
-        self.intent_changed = asyncio.Event()
+        return self.intent_store.paused
 
     def set_desired(self, name: str, desired: str) -> None:
-        self._intent.setdefault("desired", {})[name] = desired
-        self._save_intent()
+        self.intent_store.set_desired(name, desired)
 
-    def set_paused(self, paused: bool) -> None:
-        self._intent["paused"] = paused
-        self._save_intent()
-        self.events.emit("pause" if paused else "resume", "maintenance pause " + ("on" if paused else "off"))
+    def set_paused(self, paused: bool, by: str = "operator") -> None:
+        self.intent_store.set_paused(paused, by)
+        self.events.emit("pause" if paused else "resume", "maintenance pause " + ("on" if paused else "off")
+                         + f" ({by})")  # fmt: skip
 
-    def intent(self, name: str) -> Intent:
-        return Intent(desired=self.desired(name), paused=self.paused)  # type: ignore[arg-type]
+    def intent(self, name: str) -> Any:
+        return self.intent_store.intent(name)
+
+    def _save_intent(self, durable: bool = True) -> None:
+        self.intent_store.save(durable)
+
+    def poke(self) -> None:
+        """Something an extra gate reads changed: every waiting component re-checks its gate now."""
+        self._gate_poked.set()
+        self._gate_poked = asyncio.Event()
 
     def deps(self, comp: Component) -> list[str]:
         return [d for d in comp.cfg.depends_on if d in self.components]
@@ -101,16 +129,20 @@ class Supervisor:
                 self.remote_etcd_ok = ok
                 self.events.emit("etcd", "cluster etcd reachable again" if ok else "cluster etcd unreachable",
                                  None, "info" if ok else "error")  # fmt: skip
-                self.intent_changed.set()
-                self.intent_changed = asyncio.Event()
+                self.intent_store.notify()
             await asyncio.sleep(2.0)
 
     def dependency_hold(self, comp: Component) -> str | None:
         return hold_for_dependency(comp.kind, self.etcd_reachable())
 
-    def blocked(self, comp: Component) -> str | None:
+    # ---- host: gate -------------------------------------------------------------------------------------------
+    def start_gate(self, comp: Component, operator: bool = False) -> str | None:
+        """The one gate every start passes, automatic or not (re-checked right before acting)."""
         if self.desired(comp.name) != "running":
             return "desired state is stopped"
+        if self.paused and not operator:
+            info = self.intent_store.pause_info() or {}
+            return f"paused by {info.get('by', '?')}: no automatic start (an operator start/restart still works)"
         hold = self.dependency_hold(comp)
         if hold:
             return hold
@@ -119,43 +151,133 @@ class Supervisor:
         waiting = [d for d in self.deps(comp) if not self.components[d].up.is_set()]
         if waiting:
             return "dependencies not up: " + ", ".join(waiting)
+        for gate in self.gates:
+            why = gate(comp, operator)
+            if why:
+                return why
         return None
 
-    # ---- hooks the component calls ------------------------------------------------------------------------
-    def state_changed(self) -> None:
-        """Persist status.json (readable when the API is not) and tell listeners (sd_notify STATUS=)."""
+    def blocked(self, comp: Component) -> str | None:
+        return self.start_gate(comp, False)
+
+    def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
+        waiters: list[Awaitable[Any]] = [self.intent_store.changed.wait(), self._gate_poked.wait()]
+        waiters += [self.components[d].up.wait() for d in self.deps(comp)]
+        return waiters
+
+    # ---- host: launch -----------------------------------------------------------------------------------------
+    def _last_records(self, name: str) -> list[tuple[int, float]]:
+        rec = self.store.load_children().get(name)
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return [(int(rec["pid"]), float(rec["create_time"]))] if rec else []
+        return []
+
+    async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None) -> None:
+        """Clean residue. A leftover of ours that would not die fails the start (a duplicate start must never
+        happen: a second `dscli start` deletes the live worker's ready file); a port or an NPU held by a process
+        we cannot prove is ours holds it, never a kill."""
+        plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
+                                               reason=reason, records=self._last_records(comp.name))  # fmt: skip
+        outcomes = await residue.execute(plan)
+        for outcome in outcomes:
+            if outcome.ok:
+                continue
+            action = outcome.action
+            if isinstance(action, residue_plan.KillProcesses):
+                raise LaunchError(f"start blocked: a leftover of ours would not die: {outcome.detail}")
+            if isinstance(action, residue_plan.WaitPortsFree):
+                ports = action.ports
+                why = residue.busy_ports_description(ports) or f"port {','.join(map(str, ports))} busy"
+                raise StartHeld(f"{why} — not ours, never signalled; starting once it is free",
+                                functools.partial(residue.busy_ports_description, ports))  # fmt: skip
+            if isinstance(action, residue_plan.WaitDevicesFree):
+                raise StartHeld(f"NPUs not free: {outcome.detail}")
+            self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
+
+    async def prepare(self, comp: Component) -> None:
+        missing = missing_prerequisite(comp.cfg, self.base_env)
+        if missing:
+            raise MissingPrerequisite(missing)
+        await self.cleanup(comp)
+
+    async def launch(self, comp: Component) -> Process:
+        spec = render_component(comp.name, self.config, self.base_env)
+        comp.fingerprint = launch_fingerprint(spec)
+        timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
+        scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
+        tail = component_dir(self.config, comp.name) / "output.tail"
+        log_offset = logsink.log_offset(self.config.agent.log_dir, comp.name)
+        launched = await launcher.launch(spec, self.config.agent.log_dir, self.base_env,
+                                         component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
+        watch = ExitWatch(launched.record.pid, launched.popen)
+        return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
+                       {"log_offset": log_offset, "tail_file": tail})  # fmt: skip
+
+    async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
+        verify(record)
+        watch = ExitWatch(record.pid, None)
+        tail = component_dir(self.config, comp.name) / "output.tail"
+        return Process(record, watch.done, None, "adopted", watch.close, {"log_offset": None, "tail_file": tail})
+
+    async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
+        return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
+
+    def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
+        return read_tail(logsink.log_path(self.config.agent.log_dir, comp.name), proc.extra.get("log_offset"),
+                         proc.extra.get("tail_file"))  # fmt: skip
+
+    # ---- host: observe ----------------------------------------------------------------------------------------
+    def on_state(self, comp: Component | None = None) -> None:
+        """Persist status.json (readable when the API is not) and history; tell listeners (sd_notify STATUS=)."""
+        if comp is not None and self.intent_store.record_history(comp.name, {
+            "restarts": comp.restarts, "last_exit": comp.last_exit,
+            "failure": comp.failure.to_dict() if comp.failure is not None else None,
+        }):  # fmt: skip
+            with contextlib.suppress(OSError):
+                self._save_intent(durable=False)
         with contextlib.suppress(OSError):
             write_json_atomic(self.config.agent.state_dir / "status.json", self.status(), durable=False)
         for callback in self.on_state_change:
             callback()
 
-    async def before_start(self, comp: Component, scope: str = "start", reason: str | None = None) -> None:
-        """Clean residue; a leftover that would not die or a port that stays busy fails the start, since a
-        duplicate start must never happen (a second `dscli start` deletes the live worker's ready file)."""
-        plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
-                                          reason=reason)  # fmt: skip
-        outcomes = await residue.execute(plan)
-        blocking = [o for o in outcomes if not o.ok and isinstance(o.action, BLOCKING_RESIDUE)]
-        if blocking:
-            raise LaunchError("start blocked by residue: " + "; ".join(o.detail for o in blocking))
-        failed = [o for o in outcomes if not o.ok and o not in blocking]
-        for outcome in failed:
-            self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
+    def state_changed(self) -> None:
+        self.on_state(None)
 
-    async def launch(self, comp: Component) -> launcher.Launched:
-        spec = render_component(comp.name, self.config, self.base_env)
-        comp.fingerprint = launch_fingerprint(spec)
-        timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
-        scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
-        return await launcher.launch(spec, self.config.agent.log_dir, self.base_env,
-                                     component_dir(self.config, comp.name), timeout, scope)  # fmt: skip
+    def on_process(self, comp: Component) -> None:
+        if comp.proc is not None:
+            self._save_children()
+            self.start_probes(comp)
+        else:
+            comp.gen += 1
+            self._save_children(durable=False)  # a stale record is harmless: adoption verifies pid + create_time
 
-    def remember(self, comp: Component) -> None:
-        self._save_children()
+    def on_up(self, comp: Component) -> None:
+        self._refresh_record(comp)
+        now = self.clock.time()
+        self.trackers[comp.name].record_start(now)
+        if not comp.cfg.probes.liveness:
+            self.trackers[comp.name].record_healthy(now)
 
-    def forget(self, comp: Component) -> None:
-        comp.gen += 1
-        self._save_children(durable=False)  # a stale record is harmless: adoption verifies pid + create_time
+    def _refresh_record(self, comp: Component) -> None:
+        """Re-read the cmdline once up: launchers such as the venv's `etcd` wrapper exec the real binary
+        after we recorded the PID, and adoption compares the cmdline."""
+        if comp.proc is None:
+            return
+        record = comp.proc.record
+        with contextlib.suppress(LaunchError):
+            fresh = record_of(record.pid)
+            if abs(fresh.create_time - record.create_time) < 0.05 and fresh.cmdline != record.cmdline:
+                comp.proc.record = fresh
+                self._save_children()
+
+    def on_going_down(self, comp: Component) -> None:
+        self.stop_probes(comp)
+        for other in self.components.values():
+            edge = other.cfg.depends_on.get(comp.name)
+            if edge is None or other.record is None:
+                continue
+            if restarts_with(other.kind, comp.kind, edge):
+                other.signal("dep_restart", None, f"dependency {comp.name} restarts")
 
     def _save_children(self, detached: bool = False, durable: bool = True) -> None:
         children = {
@@ -174,17 +296,19 @@ class Supervisor:
                 comp.signal("startup_ok" if status == "success" else "startup_failed", gen, detail)
             elif role == "liveness" and status == "failure":
                 comp.signal("liveness_failed", gen, detail)
-            elif role == "liveness" and status == "success":
-                self.policy_healthy(comp)
             elif role == "readiness" and status in ("success", "failure"):
                 comp.signal("ready" if status == "success" else "not_ready", gen, detail)
 
         def on_result(role: str, probe: Any, result: Any) -> None:
+            if role == "liveness" and result.ok:
+                self.policy_healthy(comp)  # every passing check: a stable run must be noticed
             for callback in self.on_probe_result:
                 callback(comp.name, role, result)
 
         comp.prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
-        comp.prober.start(comp.started_at or time.time())
+        # the prober schedules in real time; initial delays count from the process's start
+        age = self.clock.time() - comp.started_at if comp.started_at else 0.0
+        comp.prober.start(time.time() - max(0.0, age))
 
     def _keep(self, task: asyncio.Task[Any] | asyncio.Future[Any]) -> None:
         self._background.add(task)  # type: ignore[arg-type]
@@ -194,24 +318,10 @@ class Supervisor:
         if comp.prober is not None:
             self._keep(asyncio.ensure_future(comp.prober.stop()))
 
-    def dependency_going_down(self, comp: Component) -> None:
-        for other in self.components.values():
-            edge = other.cfg.depends_on.get(comp.name)
-            if edge is None or other.record is None:
-                continue
-            if restarts_with(other.kind, comp.kind, edge):
-                other.signal("dep_restart", None, f"dependency {comp.name} restarts")
-
-    # ---- policy ---------------------------------------------------------------------------------------------
-    def policy_started(self, comp: Component) -> None:
-        now = time.time()
-        self.trackers[comp.name].record_start(now)
-        if not comp.cfg.probes.liveness:
-            self.trackers[comp.name].record_healthy(now)
-
+    # ---- host: decide -----------------------------------------------------------------------------------------
     def policy_healthy(self, comp: Component) -> None:
         """A passing liveness check; once every component ran stably the node's failed state clears."""
-        now = time.time()
+        now = self.clock.time()
         cleared = self.trackers[comp.name].record_healthy(now)
         if self.redeploys.failed and all(t.is_stable(now) for t in self.trackers.values()):
             self.redeploys.record_stable()
@@ -220,31 +330,47 @@ class Supervisor:
         if cleared:
             self._save_intent()
 
-    async def archive_failure(self, comp: Component, detail: str) -> None:
+    async def _stability_tick(self) -> None:
+        """Components without liveness probes are healthy while up: tell the policy now and then."""
+        while True:
+            await asyncio.sleep(STABILITY_TICK_S)
+            for comp in self.components.values():
+                if comp.up.is_set() and not comp.cfg.probes.liveness:
+                    self.policy_healthy(comp)
+
+    async def archive(self, comp: Component, failure: Failure) -> None:
+        detail = failure.detail
         reason = detail.split(":", 1)[0].split("(", 1)[0].strip().replace(" ", "-") or "failure"
         await residue.execute(residue_plan.plan_failure_evidence(comp.name, comp.cfg, self.config, reason))
 
-    def policy_failure(self, comp: Component, detail: str) -> Any:
+    def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
         hold = self.dependency_hold(comp)
         if hold:
-            self.events.emit("held", f"{detail}; {hold}", comp.name, "error")
+            self.events.emit("held", f"{failure.detail}; {hold}", comp.name, "error")
             return None
         ok, why = may_act(self.intent(comp.name), "restart")
         if not ok:
-            self.events.emit("no_action", f"not restarting: {why}", comp.name, "warning")
+            self.events.emit("no_action", f"{failure.detail}; not restarting: {why}", comp.name, "warning")
             return None
-        now = time.time()
-        decision = self.trackers[comp.name].record_failure(now, detail, node_failed=self.redeploys.failed)
-        decision = self.redeploys.escalate(decision, now, comp.cfg.restart)
+        now = self.clock.time()
+        tracker = self.trackers[comp.name]
+        if failure.permanent:
+            decision = tracker.record_permanent(now, failure.permanent)
+        else:
+            decision = tracker.record_failure(now, failure.detail, node_failed=self.redeploys.failed)
+            decision = self.redeploys.escalate(decision, now, comp.cfg.restart)
         self._save_intent(durable=decision.action != "restart")
         level = "critical" if decision.action == "failed" else "warning"
-        self.events.emit("failure", f"{detail}; next: {decision.action} in {decision.delay_s:.0f}s",
-                         comp.name, level, action=decision.action, delay_s=decision.delay_s,
-                         consecutive_failures=decision.consecutive_failures)  # fmt: skip
+        what = {"restart": "restart", "redeploy": "node redeploy", "failed": "retry"}[decision.action]
+        when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
+        reason = f"failed: {failure.permanent}" if failure.permanent else failure.detail
+        self.events.emit("failure", f"{reason}; next: {what} {when}", comp.name, level, action=decision.action,
+                         delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures,
+                         permanent=failure.permanent is not None, output_tail=list(failure.output_tail))  # fmt: skip
         return decision
 
     def policy_view(self, comp: Component) -> dict[str, Any]:
-        return self.trackers[comp.name].status(time.time())
+        return self.trackers[comp.name].status(self.clock.time())
 
     def reset(self, name: str | None = None) -> None:
         for n in [name] if name else list(self.trackers):
@@ -275,14 +401,16 @@ class Supervisor:
     async def start(self) -> None:
         if not logsink.use_journal():
             self._keep(asyncio.create_task(self._rotate_logs(), name="log-rotation"))
+        self._keep(asyncio.create_task(self._stability_tick(), name="stability"))
         kinds = {c.kind for c in self.components.values()}
         if "datasystem" in kinds and "etcd" not in kinds:
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
         adopt = self._adoptable()
+        saved = self.store.load_children()
         for name in self.order:
             comp = self.components[name]
             if name in adopt:
-                comp.fingerprint = self.store.load_children().get(name, {}).get("fingerprint")
+                comp.fingerprint = saved.get(name, {}).get("fingerprint")
             self.tasks[name] = asyncio.create_task(comp.run(adopt.get(name)), name=f"component:{name}")
 
     def get(self, name: str) -> Component:
@@ -292,18 +420,19 @@ class Supervisor:
             known = ", ".join(self.components)
             raise UnknownComponentError(f"unknown component {name!r} (this node runs: {known})") from None
 
-    def command(self, name: str, action: str) -> None:
+    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> None:
+        """An operator's start/stop/restart: always honoured, paused or not."""
         comp = self.get(name)
         if action == "stop":
             self.set_desired(name, "stopped")
-            comp.signal("stop")
+            comp.signal("stop", operator=True, drain=drain)
         elif action == "start":
             self.set_desired(name, "running")
-            comp.signal("wake")
+            comp.signal("wake", operator=True)
         elif action == "restart":
             self.set_desired(name, "running")
-            comp.signal("restart", None, "operator restart")
-        self.events.emit("command", f"operator: {action}", name)
+            comp.signal("restart", None, "operator restart", operator=True, drain=drain)
+        self.events.emit("command", f"{by}: {action}", name)
 
     def request_redeploy(self, reason: str) -> bool:
         if self.redeploying is not None and not self.redeploying.done():
@@ -322,8 +451,9 @@ class Supervisor:
             if not ok:
                 self.events.emit("no_action", f"redeploy leaves it alone: {why}", name)
                 continue
-            await self.before_start(comp, scope="redeploy", reason=reason)
-            self.trackers[name].record_redeploy(time.time())
+            with contextlib.suppress(StartHeld, LaunchError):
+                await self.cleanup(comp, scope="redeploy", reason=reason)
+            self.trackers[name].record_redeploy(self.clock.time())
         self._save_intent()
         self.redeploying = None
         for name in self.order:
@@ -354,8 +484,8 @@ class Supervisor:
         if detach:
             for comp in self.components.values():
                 self.stop_probes(comp)
-                if comp.watch is not None:
-                    comp.watch.close()
+                if comp.proc is not None and comp.proc.close is not None:
+                    comp.proc.close()
             self._save_children(detached=True)
             self.events.emit("detached", "agent exits leaving the stack running for adoption")
         else:
@@ -380,19 +510,26 @@ class Supervisor:
             fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
             if comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
                 changed.append(name)
-                comp.signal("restart", None, "config reload changed its command or environment")
+                comp.signal("restart", None, "config reload changed its command or environment", operator=True)
             else:
                 unchanged.append(name)
         self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
         return {"restarted": changed, "unchanged": unchanged}
 
     def status(self) -> dict[str, Any]:
+        components = {}
+        for name, comp in self.components.items():
+            components[name] = {**comp.status(), "desired": self.desired(name), "policy": self.policy_view(comp),
+                                "log_files": [str(p) for p in residue_plan.own_log_files(name, comp.cfg,
+                                                                                         self.config)]}  # fmt: skip
         return {
             "node": {"name": self.config.node.name, "ip": self.config.node.ip, "role": self.config.node.role,
                      "cluster": self.config.cluster.name},
             "paused": self.paused,
+            "pause": self.intent_store.pause_info(),
             "redeploying": self.redeploying is not None and not self.redeploying.done(),
             "node_policy": {"failed": self.redeploys.failed, "failed_reason": self.redeploys.failed_reason,
                             "redeploys_total": self.redeploys.redeploys_total},
-            "components": {name: comp.status() for name, comp in self.components.items()},
+            "components": components,
         }  # fmt: skip
+

@@ -23,6 +23,17 @@ SLEEPER = ["python3", "-c", "import time; print('a up', flush=True); time.sleep(
 TALKER = ["python3", "-c", "import time\nfor i in range(1, 6): print(f'b line {i}', flush=True)\ntime.sleep(3600)"]
 
 
+async def wait_until(what: str, check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
+    """The asyncio twin of conftest.wait_for: poll `check` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def tiny_config(home: Path, socket_path: Path | None = None, **extra: Any) -> dict[str, Any]:
     """Two process components (b depends on a), a unique cluster name (leftover cleanup of other agents on
     this shared machine matches on it), and the API on a free port (plus a unix socket if given)."""
@@ -77,13 +88,7 @@ class InProcess:
         return {n: c.record.pid if c.record else None for n, c in self.agent.supervisor.components.items()}
 
     async def wait(self, what: str, check: Any, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = check()
-            if result:
-                return result
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+        return await wait_until(what, check, timeout)
 
     async def wait_states(self, want: dict[str, set[str]], timeout: float = 20.0) -> None:
         comps = self.agent.supervisor.components

@@ -64,6 +64,7 @@ class LocalAgent:
             "DSV4_VLLM_PORT": str(free_port()),
             "DSV4_API_PORT": str(free_port()),
             "DSV4_STANDIN_DELAY_S": "0.5",
+            "DSV4_STANDIN_MODEL": str(ROOT / "config" / "standin-model"),
             "VLLM_STANDIN_ORPHAN_EXIT_S": "120",
         }
         for var in ("NOTIFY_SOCKET", "INVOCATION_ID", "JOURNAL_STREAM", "WATCHDOG_USEC"):

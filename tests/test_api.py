@@ -606,6 +606,8 @@ def test_real_detach_then_a_new_agent_adopts(real: tuple[LocalAgent, dict[str, A
     """Last in the module: the agent exits 0 leaving the stack; the next one adopts the very same processes."""
     agent, _ = real
     before = {n: (c["pid"], c["create_time"]) for n, c in agent.children().items()}
+    history = {n: (c["restarts"], c["started_at"], c["last_exit"])
+               for n, c in _http(agent, "GET", "/status")[1]["components"].items()}
     status, body = _http(agent, "POST", "/detach", _token(agent))
     assert status == 202 and body["action"] == "detach"
     assert agent.proc is not None and agent.proc.wait(60) == 0
@@ -616,5 +618,8 @@ def test_real_detach_then_a_new_agent_adopts(real: tuple[LocalAgent, dict[str, A
     wait_for("ready", lambda: _http(agent, "GET", "/readyz")[0] == 200, 60)
     after = {n: (c["pid"], c["create_time"]) for n, c in agent.children().items()}
     assert after == before
-    assert all(c["restarts"] == 0 for c in _http(agent, "GET", "/status")[1]["components"].values())
+    # History survives the upgrade: restart counts, the processes' real start times, their last exits.
+    adopted = {n: (c["restarts"], c["started_at"], c["last_exit"])
+               for n, c in _http(agent, "GET", "/status")[1]["components"].items()}
+    assert adopted == history
     assert agent.terminate(120) == 0

@@ -94,16 +94,18 @@ def test_sigstop_etcd_restarts_etcd_only(agent: LocalAgent) -> None:
     single_instance(agent)
 
 
-def test_sigstop_worker_goes_stale_and_is_replaced_with_vllm_following(agent: LocalAgent) -> None:
+def test_sigstop_worker_goes_stale_and_is_replaced_while_vllm_keeps_serving(agent: LocalAgent) -> None:
     before = agent.children()
+    mark = len(agent.log())
     os.kill(before["datasystem"]["pid"], signal.SIGSTOP)
     new = replaced(agent, "datasystem", before["datasystem"]["pid"], 90)
     assert new != before["datasystem"]["pid"]
-    wait_for("vllm restarted after the worker", lambda: agent.children()["vllm"]["pid"] != before["vllm"]["pid"])
     agent.wait_all_up()
-    log = agent.log()
+    # The yr.datasystem client reconnects to the new worker by itself: vLLM (a 30-60 min reload) is left alone.
+    assert agent.children()["vllm"]["pid"] == before["vllm"]["pid"]
+    log = agent.log()[mark:]
     assert "liveness file" in log and "[datasystem] liveness failed" in log
-    assert "dependency datasystem restarts" in log
+    assert "dependency datasystem restarts" not in log
     evidence = archives(agent, "datasystem")
     assert evidence, "the failed run's logs must be archived"
     with tarfile.open(evidence[-1]) as tar:
@@ -134,8 +136,10 @@ def test_sigstop_vllm_api_server_is_replaced_and_its_tree_stopped(agent: LocalAg
 def test_empty_content_is_a_liveness_failure(agent: LocalAgent) -> None:
     old = agent.children()["vllm"]["pid"]
     assert http(vllm_url(agent, "/standin/fault"), {"mode": "empty"})[0] == 200
+    mark = len(agent.log())
     replaced(agent, "vllm", old)
-    assert "choices.0.message.content" in agent.log() or "empty" in agent.log()
+    assert "[vllm] liveness failed: HTTP 200 from" in agent.log()[mark:]
+    assert "but choices.0.message.content is empty" in agent.log()[mark:]
 
 
 def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
@@ -212,7 +216,8 @@ def test_escalation_to_node_redeploy_then_failed(tmp_path: Path) -> None:
     changes = json.loads(json.dumps(FAST_PROBES))
     changes["components"]["vllm"]["env"] = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3",
                                             "VLLM_STANDIN_FAULT": "crash_after:0"}  # fmt: skip
-    changes["components"]["vllm"]["restart"] = {"backoff_initial_s": 1, "backoff_max_s": 2,
+    # quick_exit_s 0: these crashes count as transient (a residue-type failure), not as a broken config
+    changes["components"]["vllm"]["restart"] = {"backoff_initial_s": 1, "backoff_max_s": 2, "quick_exit_s": 0,
                                                 "redeploy_after_failures": 2, "failed_after_redeploys": 1}
     agent = LocalAgent(home, derived_config(tmp_path / "config.yaml", changes))
     agent.start()
@@ -223,7 +228,10 @@ def test_escalation_to_node_redeploy_then_failed(tmp_path: Path) -> None:
         wait_for("etcd and the worker started anew", lambda: all(
             agent.children().get(n, {}).get("pid") not in (None, first[n]["pid"]) for n in ("etcd", "datasystem")), 90)
         log = agent.log()
-        assert log.index("node redeploy:") < log.rindex("[vllm] stopping") or "[vllm] stopped" in log
+        redeploy_at = log.index("node redeploy:")
+        # the redeploy stops the stack in reverse order: the worker and etcd go after vLLM
+        assert redeploy_at < log.index("[datasystem] stopping pid", redeploy_at) < log.index("[etcd] stopping pid",
+                                                                                             redeploy_at)
         assert archives(agent, "datasystem"), "the redeploy archives the worker's logs before removing its folder"
         wait_for("node failed after the redeploy did not help",
                  lambda: agent.status()["node_policy"]["failed"], 120)  # fmt: skip

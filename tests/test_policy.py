@@ -250,12 +250,13 @@ def test_datasystem_restarts_hold_while_etcd_is_unreachable() -> None:
 
 def test_restarts_with_defaults() -> None:
     edge = DependencyEdge()
-    assert restarts_with("vllm", "datasystem", edge) is True
+    assert restarts_with("vllm", "datasystem", edge) is False  # the client reconnects (test_datasystem_client)
+    assert restarts_with("process", "datasystem", edge) is True
     assert restarts_with("datasystem", "etcd", edge) is False
     assert restarts_with("process", "vllm", edge) is True
     assert restarts_with("process", "etcd", edge) is False
 
 
 def test_restarts_with_edge_override_wins() -> None:
-    assert restarts_with("vllm", "datasystem", DependencyEdge(restart_with=False)) is False
+    assert restarts_with("vllm", "datasystem", DependencyEdge(restart_with=True)) is True
     assert restarts_with("datasystem", "etcd", DependencyEdge(restart_with=True)) is True

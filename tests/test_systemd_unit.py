@@ -64,7 +64,7 @@ def test_unit_settings() -> None:
     assert int(s["TimeoutStopSec"]) >= 60 + 10 + 10
     assert int(s["TimeoutStartSec"]) >= 60
     assert s["Restart"] == "always"
-    assert s["RestartPreventExitStatus"] == "78"
+    assert s["RestartPreventExitStatus"] == "75 78"  # a bad config, and a second agent on the same state
     assert s["RuntimeDirectoryPreserve"] == "yes"
     assert s["StateDirectory"] == s["RuntimeDirectory"] == "dsv4-agent"
     assert s["LimitNOFILE"] == "1048576"

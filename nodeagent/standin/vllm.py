@@ -997,7 +997,25 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError) as exc:
         print(f"{USAGE}\nvllm-standin: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    missing = missing_local_model(args.model)
+    if missing:
+        # vllm serve fails the same way, within seconds: the hub rejects a path that is not a local model folder.
+        print(f"ERROR vllm-standin: {missing}", file=sys.stderr, flush=True)
+        return 1
     return asyncio.run(serve(args, fault))
+
+
+def missing_local_model(model: str) -> str | None:
+    """Like vLLM: a model given as a local path must be a folder with config.json; a repo id is not checked."""
+    if not model.startswith(("/", "./", "../", "~")):
+        return None
+    path = os.path.expanduser(model)
+    if not os.path.isdir(path):
+        return (f"OSError: {model} is not a local folder and is not a valid model identifier listed on "
+                "'https://huggingface.co/models'")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"ValueError: Invalid repository ID or local directory specified: {model!r} (no config.json)"
+    return None
 
 
 if __name__ == "__main__":

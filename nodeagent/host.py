@@ -1,0 +1,112 @@
+"""What a component needs from whoever runs it: a small interface instead of the whole supervisor.
+
+Four jobs, shaped like the API's `Controller` Protocol: **gate** (may it start now, and what to wait on),
+**launch** (clean residue, spawn, stop), **decide** (what a failure means), **observe** (bookkeeping: persist,
+probe, tell dependents). The supervisor implements it for real; tests implement it with a fake launcher and a
+fake clock, so the state machine is exercised without processes or sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nodeagent.errors import AgentError
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from nodeagent.component import Component
+    from nodeagent.events import EventBus
+    from nodeagent.failure import Failure
+    from nodeagent.policy import RestartDecision
+    from nodeagent.process import ProcessRecord
+
+
+class StartHeld(AgentError):
+    """A start must wait for something that is not ours to fix (a foreign process on our port, on an NPU).
+
+    Not a failure: nothing is counted, nothing escalates. `recheck()` answers cheaply whether the obstacle is
+    still there (its description, or None once gone)."""
+
+    def __init__(self, reason: str, recheck: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.recheck = recheck
+
+
+class Clock:
+    """Wall-clock time and sleeping; tests substitute a clock that jumps instead of waiting."""
+
+    def time(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+@dataclass
+class Process:
+    """A launched (or adopted) process as the component sees it."""
+
+    record: ProcessRecord
+    exited: asyncio.Future[int | None]
+    """Resolves with the exit code (None when not our child) once the process is gone."""
+    popen: subprocess.Popen[bytes] | None = None
+    output: str = ""
+    """Where its output goes, for the event log."""
+    close: Any = None
+    """Stops watching (without touching the process)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ComponentHost(Protocol):
+    events: EventBus
+    clock: Clock
+
+    # ---- gate
+    def start_gate(self, comp: Component, operator: bool) -> str | None:
+        """Why it may not start now (desired stopped, paused, dependency down, held...), or None."""
+
+    def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
+        """Awaitables that complete when the gate's answer may have changed."""
+
+    # ---- launch
+    async def prepare(self, comp: Component) -> None:
+        """Prerequisites and residue before a start; raises StartHeld, or LaunchError(permanent=...)"""
+
+    async def launch(self, comp: Component) -> Process: ...
+
+    async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
+        """Watch a process a previous agent started; raises AdoptError when it is not the recorded one."""
+
+    async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
+        """Stop the process's whole tree."""
+
+    def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
+        """The last lines it printed (for a failure's reason)."""
+
+    # ---- decide
+    def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
+        """What a failure leads to; None: no automatic action (paused, held)."""
+
+    async def archive(self, comp: Component, failure: Failure) -> None:
+        """Keep the evidence of a failed run before anything cleans it up."""
+
+    def request_redeploy(self, reason: str) -> bool: ...
+
+    # ---- observe
+    def on_process(self, comp: Component) -> None:
+        """Its process record changed (started, adopted, refreshed, gone): persist it, probe it or stop probing."""
+
+    def on_up(self, comp: Component) -> None:
+        """The startup probes passed."""
+
+    def on_going_down(self, comp: Component) -> None:
+        """Its process is about to be stopped: dependents follow per their edges."""
+
+    def on_state(self, comp: Component) -> None:
+        """Its state changed: persist status, tell listeners."""

@@ -1,0 +1,44 @@
+"""The vocabulary of a component's state machine: its states, and the signals that drive it.
+
+Kept apart from `component.py` so that observers (metrics, API, the cluster layer) can name states without
+importing the machine itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    RUNNING = "running"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+
+
+UP_STATES = frozenset({State.RUNNING, State.READY, State.DRAINING})
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One input to the machine; consumed strictly in order by the component's single task."""
+
+    kind: str
+    """exited | startup_ok | startup_failed | liveness_failed | ready | not_ready | stop | restart | wake
+    | dep_restart"""
+    gen: int | None = None
+    """The process generation it concerns; stale signals of an older process are dropped."""
+    detail: str = ""
+    operator: bool = False
+    """Asked for by an operator (API, CLI, remote command): allowed while paused."""
+    drain: bool = True
+    """For a planned restart or stop: drain in-flight requests first (vLLM); `--no-drain` clears it."""
+
+
+COMMANDS = frozenset({"stop", "restart", "wake", "dep_restart"})

@@ -1,0 +1,276 @@
+"""The component state machine wired to the real Supervisor, with a fake launcher, fake probes and a fake clock:
+no subprocess, no sleeps. Covers the wiring the pure policy tests cannot see — pause gating every start, a
+stable run being noticed, events telling the truth about what happens next, permanent failures never
+escalating, history surviving adoption."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apihelpers import wait_until
+
+from nodeagent.config import parse_config
+from nodeagent.errors import MissingPrerequisite
+from nodeagent.events import EventBus
+from nodeagent.host import Clock, Process
+from nodeagent.probes import ProbeResult
+from nodeagent.process import ProcessRecord
+from nodeagent.supervisor import Supervisor
+
+_PIDS = itertools.count(4_000_000)
+
+
+class FakeClock(Clock):
+    """Wall time that jumps: a backoff of 300 s passes at once, and the test can see how much time passed."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+        self.slept: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += max(0.0, seconds)
+        await asyncio.sleep(0)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeProbes:
+    """Stands in for ProbeContext: every probe answers `self.ok`, counted."""
+
+    def __init__(self) -> None:
+        self.ok = True
+        self.runs = 0
+
+    async def run(self, probe: Any) -> ProbeResult:
+        self.runs += 1
+        await asyncio.sleep(0.001)
+        return ProbeResult(self.ok, "fake ok" if self.ok else "fake failure", 0.0, probe.kind, time.time())
+
+    async def close(self) -> None:
+        pass
+
+
+class Rig:
+    """A real Supervisor whose OS work is replaced: launches are recorded, exits are ours to trigger."""
+
+    def __init__(self, sup: Supervisor, clock: FakeClock) -> None:
+        self.sup = sup
+        self.clock = clock
+        self.launches: list[tuple[str, float]] = []
+        self.live: dict[str, Process] = {}
+        self.missing: str | None = None
+        self.redeploys: list[tuple[str, float]] = []
+        sup.prepare = self.prepare  # type: ignore[method-assign]
+        sup.launch = self.launch  # type: ignore[method-assign]
+        sup.terminate = self.terminate  # type: ignore[method-assign]
+        sup.archive = self.archive  # type: ignore[method-assign]
+        sup.output_tail = lambda comp, proc: ("Traceback", "ValueError: boom")  # type: ignore[method-assign]
+        sup.request_redeploy = self.request_redeploy  # type: ignore[method-assign]
+        self.probes = FakeProbes()
+        sup.probe_ctx = self.probes  # type: ignore[assignment]
+
+    async def prepare(self, comp: Any) -> None:
+        if self.missing and comp.name == "b":
+            raise MissingPrerequisite(self.missing)
+
+    async def launch(self, comp: Any) -> Process:
+        self.launches.append((comp.name, self.clock.now))
+        record = ProcessRecord(next(_PIDS), self.clock.now, ("fake", comp.name), 1)
+        proc = Process(record, asyncio.get_running_loop().create_future(), output="fake")
+        self.live[comp.name] = proc
+        return proc
+
+    async def terminate(self, comp: Any, proc: Process, why: str) -> dict[str, Any]:
+        if not proc.exited.done():
+            proc.exited.set_result(-15)
+        return {"signalled": 1, "killed": 0, "elapsed_s": 0.0}
+
+    async def archive(self, comp: Any, failure: Any) -> None:
+        pass
+
+    def request_redeploy(self, reason: str) -> bool:
+        self.redeploys.append((reason, self.clock.now))
+        return True
+
+    def crash(self, name: str, code: int = 1) -> None:
+        self.live[name].exited.set_result(code)
+
+    def count(self, name: str) -> int:
+        return sum(1 for n, _ in self.launches if n == name)
+
+    def events(self, kind: str, component: str = "b") -> list[str]:
+        return [e.message for e in self.sup.events.recent if e.event == kind and e.component == component]
+
+
+async def until(what: str, check: Any, timeout: float = 5.0) -> Any:
+    return await wait_until(what, check, timeout, 0.005)
+
+
+def config_text(state: Path, restart: str = "") -> str:
+    cmd = '["python3", "-c", "pass"]'
+    return f"""
+cluster: {{name: fake}}
+node: {{name: n0, ip: 127.0.0.1, role: master}}
+agent: {{state_dir: {state}, log_dir: {state}/logs, systemd_scopes: never}}
+components:
+  a: {{kind: process, command: {cmd}}}
+  b:
+    kind: process
+    command: {cmd}
+    depends_on: [a]
+    probes: {{liveness: {{kind: exec, command: ["true"], period_s: 0.01, failure_threshold: 1}}}}
+    restart: {{stable_after_s: 600, backoff_initial_s: 10, backoff_max_s: 300, {restart}}}
+"""
+
+
+async def rig(tmp_path: Path, restart: str = "") -> Rig:
+    clock = FakeClock()
+    config = parse_config(config_text(tmp_path / "state", restart))
+    sup = Supervisor(config, EventBus(), clock)
+    r = Rig(sup, clock)
+    await sup.start()
+    await until("both up", lambda: all(c.up.is_set() for c in sup.components.values()))
+    return r
+
+
+async def stop(r: Rig) -> None:
+    await r.sup.shutdown()
+
+
+async def test_pause_holds_automatic_restarts_and_an_operator_restart_still_works(tmp_path: Path) -> None:
+    r = await rig(tmp_path)
+    try:
+        r.sup.set_paused(True, "test")
+        r.crash("b")
+        b = r.sup.components["b"]
+        await until("held by the pause", lambda: b.held and "paused by test" in b.held)
+        r.clock.advance(3600)
+        await asyncio.sleep(0.1)
+        assert r.count("b") == 1, "no automatic relaunch while paused (once was a tight loop)"
+        assert any("not restarting: paused" in m for m in r.events("no_action"))
+        r.sup.command("b", "restart")  # operator commands work while paused
+        await until("operator restart", lambda: r.count("b") == 2)
+        await until("up again", lambda: b.up.is_set())
+        r.crash("b")
+        await until("held again", lambda: b.proc is None and b.held and "paused" in b.held)
+        await asyncio.sleep(0.05)
+        assert r.count("b") == 2
+        r.sup.set_paused(False)
+        await until("resumed: relaunched once", lambda: r.count("b") == 3)
+        await asyncio.sleep(0.05)
+        assert r.count("b") == 3
+    finally:
+        await stop(r)
+
+
+async def test_a_stable_run_is_noticed_and_the_next_crash_restarts_at_once(tmp_path: Path) -> None:
+    r = await rig(tmp_path, "quick_exit_s: 0")  # these crashes are transient, not a broken start
+    try:
+        b = r.sup.components["b"]
+        for n in (2, 3):  # two crashes in a row: the second backs off 10 s (a crash loop)
+            r.crash("b")
+            await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+        tracker = r.sup.trackers["b"]
+        assert tracker.crash_loop and r.clock.slept[-1] == 10
+        await until("a first passing liveness check", lambda: tracker.healthy_since is not None)
+        runs = r.probes.runs
+        r.clock.advance(700)  # healthy for longer than stable_after_s, seen by liveness checks
+        await until("liveness checks after the jump", lambda: r.probes.runs > runs + 3)
+        assert not tracker.crash_loop, "every passing liveness check tells the policy (not only a change)"
+        assert r.sup.policy_view(b)["stable"]
+        slept = len(r.clock.slept)
+        before = r.clock.now
+        r.crash("b")
+        await until("relaunched", lambda: r.count("b") == 4)
+        assert r.launches[-1][1] == before, "the first crash after a stable run restarts at once"
+        assert len(r.clock.slept) == slept
+        assert "next: restart now" in r.events("failure")[-1]
+    finally:
+        await stop(r)
+
+
+async def test_the_event_says_when_the_redeploy_happens_and_it_happens_then(tmp_path: Path) -> None:
+    r = await rig(tmp_path, "redeploy_after_failures: 3, quick_exit_s: 0")
+    try:
+        b = r.sup.components["b"]
+        for n in (2, 3):
+            r.crash("b")
+            await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+        crashed_at = r.clock.now
+        r.crash("b")
+        await until("the redeploy request", lambda: r.redeploys)
+        message = r.events("failure")[-1]
+        assert "next: node redeploy in 20s" in message, message
+        assert r.redeploys[0][1] - crashed_at == 20, "'in 20 s' means 20 s"
+    finally:
+        await stop(r)
+
+
+async def test_a_missing_prerequisite_fails_permanently_without_redeploy(tmp_path: Path) -> None:
+    r = await rig(tmp_path, "redeploy_after_failures: 2")
+    try:
+        b = r.sup.components["b"]
+        r.missing = "model path /nowhere does not exist"
+        r.crash("b")
+        await until("failed", lambda: str(b.state) == "failed" and len(r.clock.slept) >= 3)
+        assert r.redeploys == [], "a redeploy cannot fix it and would take `a` down"
+        assert r.count("a") == 1 and r.sup.components["a"].up.is_set()
+        assert set(r.clock.slept[-2:]) == {300}, "retried at the cap only"
+        status = r.sup.status()["components"]["b"]
+        assert status["state"] == "failed"
+        assert status["failure"]["permanent"] == "model path /nowhere does not exist"
+        assert any("failed: model path /nowhere does not exist; next: retry in 300s" in m for m in r.events("failure"))
+        r.missing = None
+        r.sup.command("b", "restart")
+        await until("fixed and restarted", lambda: b.up.is_set() and r.count("b") == 2)
+    finally:
+        await stop(r)
+
+
+async def test_the_same_quick_error_twice_is_permanent_with_its_output(tmp_path: Path) -> None:
+    r = await rig(tmp_path, "redeploy_after_failures: 2")
+    try:
+        b = r.sup.components["b"]
+        r.crash("b")  # exit 1 within seconds, first time: transient, restarted at once
+        await until("restarted", lambda: r.count("b") == 2 and b.up.is_set())
+        r.crash("b")  # the same error again within seconds: no restart can help
+        await until("failed", lambda: str(b.state) == "failed")
+        assert r.redeploys == []
+        status = r.sup.status()["components"]["b"]
+        assert status["failure"]["permanent"].startswith("exits within 30s with the same error each time")
+        assert status["failure"]["output_tail"] == ["Traceback", "ValueError: boom"]
+        assert status["last_exit"]["reason"] == "exited with code 1"
+    finally:
+        await stop(r)
+
+
+async def test_history_survives_a_new_supervisor(tmp_path: Path) -> None:
+    r = await rig(tmp_path)
+    try:
+        r.crash("b", -9)
+        await until("restarted", lambda: r.count("b") == 2 and r.sup.components["b"].up.is_set())
+    finally:
+        await stop(r)
+    again = Supervisor(parse_config(config_text(tmp_path / "state")), EventBus(), FakeClock())
+    b = again.components["b"]
+    assert b.restarts == 1
+    assert b.last_exit is not None and b.last_exit["reason"] == "killed by SIGKILL"
+
+
+@pytest.mark.parametrize(("code", "text"), [(-9, "killed by SIGKILL"), (1, "exited with code 1"),
+                                             (137, "exited with code 137 (killed by SIGKILL)"),
+                                             (None, "exited (status unknown: not our child)")])  # fmt: skip
+def test_exit_text(code: int | None, text: str) -> None:
+    from nodeagent.failure import exit_text
+
+    assert exit_text(code) == text
