@@ -33,6 +33,7 @@ from typing import Any
 import psutil
 from loguru import logger
 
+from nodeagent.npu import NpuToolError, NpuTools, describe_process
 from nodeagent.pathsafety import (
     check_deletable,
 )
@@ -390,48 +391,23 @@ async def _wait_ports_free(action: WaitPortsFree) -> tuple[bool, str]:
         await asyncio.sleep(0.1)
 
 
-_NPU_PROCESS = re.compile(r"^\|\s*(\d+)\s+(\d+)\s*\|\s*(\d+)\s*\|\s*(.*?)\s*\|\s*(\d+)\s*\|?\s*$")
-
-
-def npu_processes(text: str) -> list[tuple[int, int, str, int]]:
-    """(npu, pid, name, memory MB) rows of `npu-smi info`'s process table."""
-    rows = []
-    in_table = False
-    for line in text.splitlines():
-        if "Process id" in line:
-            in_table = True
-            continue
-        match = _NPU_PROCESS.match(line) if in_table else None
-        if match:
-            rows.append((int(match[1]), int(match[3]), match[4], int(match[5])))
-    return rows
-
-
 async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str]:
-    npu_smi = shutil.which("npu-smi")
-    if npu_smi is None:
-        return True, "skipped: npu-smi not found"
+    tools = NpuTools.locate()
+    if tools.missing is not None:
+        return True, f"skipped: {tools.missing}"
     deadline = time.monotonic() + action.timeout_s
     while True:
-        proc = await asyncio.create_subprocess_exec(
-            npu_smi, "info", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout=15)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            out = b""
-        rows = npu_processes(out.decode(errors="replace")) if proc.returncode == 0 else None
-        if rows == []:
+            processes = (await tools.info()).processes
+            failure = None
+        except NpuToolError as exc:
+            processes, failure = (), str(exc)
+        if failure is None and not processes:
             return True, "no process holds NPU memory"
         if time.monotonic() >= deadline:
-            if rows is None:
-                return (
-                    False,
-                    f"npu-smi info failed (exit {proc.returncode}): {out.decode(errors='replace')[:200]}",
-                )
-            held = ", ".join(f"npu {n} pid {pid} {name} {mb} MB" for n, pid, name, mb in rows)
+            if failure is not None:
+                return False, failure
+            held = ", ".join(describe_process(p) for p in processes)
             return False, f"still held after {action.timeout_s:g}s: {held}"
         await asyncio.sleep(2.0)
 

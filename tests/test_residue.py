@@ -21,6 +21,7 @@ import pytest
 
 from nodeagent import residue
 from nodeagent.config_model import Config
+from nodeagent.npu import parse_npu_smi_info
 from nodeagent.pathsafety import (
     check_deletable,
     validate_residue_paths,
@@ -31,7 +32,6 @@ from nodeagent.residue import (
     archives_to_prune,
     execute,
     find_leftovers,
-    npu_processes,
 )
 from nodeagent.residue_plan import (
     ActionOutcome,
@@ -651,11 +651,12 @@ NPU_SMI_INFO = """\
 
 
 def test_npu_smi_process_table_is_parsed() -> None:
-    assert npu_processes(NPU_SMI_INFO) == [(0, 123456, "VLLM::Worker_TP0", 60012)]
+    procs = parse_npu_smi_info(NPU_SMI_INFO).processes
+    assert [(p.npu, p.pid, p.name, p.memory_mb) for p in procs] == [(0, 123456, "VLLM::Worker_TP0", 60012)]
     idle = NPU_SMI_INFO.replace(
         "| 0       0                 | 123456", "| No running processes found in NPU 0"
     )
-    assert npu_processes(idle) == []
+    assert parse_npu_smi_info(idle).processes == ()
 
 
 def test_wait_devices_free_is_skipped_without_npu_smi(
