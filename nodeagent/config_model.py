@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from nodeagent.parsing import split_listen
-from nodeagent.probe_defaults import merge_probe_overrides
+from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
 
 
 def _resolve_path(value: Path, info: ValidationInfo) -> Path:
@@ -76,14 +76,6 @@ def default_node_ip() -> str:
 class ClusterConfig(Strict):
     name: str = "local"
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
-
-
-class NodeConfig(Strict):
-    name: str = Field(default_factory=_default_node_name)
-    ip: str = Field(default_factory=default_node_ip)
-    role: Literal["master", "worker"] = "master"
-    nic_name: str | None = None
-    """The RoCE/host NIC the guide sets GLOO/TP/HCCL_SOCKET_IFNAME to (`ifconfig` shows it)."""
 
 
 def _parse_listen(value: str) -> str:
@@ -185,10 +177,63 @@ class DatasystemKvProbe(ProbeBase):
     """The interpreter that has `yr.datasystem`; default: the one next to the dscli the component runs."""
 
 
+NpuLevel = Literal["NotHandleFault", "SubHealthFault", "RestartRequest", "RestartBusiness", "FreeRestartNPU",
+                   "RestartNPU", "PreSeparateNPU", "SeparateNPU", "ManuallySeparateNPU"]
+
+
+class NpuProbe(ProbeBase):
+    """NPU chip health, HBM ECC, foreign processes and RoCE links through npu-smi/hccn_tool (npu_health.py).
+
+    Debounce and escalation happen inside (the Ascend Device Plugin's rules), so one failing result is
+    meaningful: failure_threshold defaults to 1. Without npu-smi the probe reports SKIP (ok)."""
+
+    kind: Literal["npu"] = "npu"
+    period_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0)
+    failure_threshold: int = Field(default=1, ge=1)
+    npu_smi: ConfigPath | None = None
+    """Default: npu-smi on PATH, else /usr/local/bin/npu-smi."""
+    hccn_tool: ConfigPath | None = None
+    """Default: hccn_tool on PATH, else /usr/local/Ascend/driver/tools/hccn_tool."""
+    roce: bool = True
+    """Check RoCE links (`hccn_tool -i D -link -g` every period, `-net_health -g` on detail polls)."""
+    detail_every: int = Field(default=6, ge=1)
+    """Every Nth poll also reads HBM ECC counts and RoCE net health (per-device calls)."""
+    hold_level: NpuLevel = "FreeRestartNPU"
+    """Faults at this level or worse hold vLLM starts until they clear or an operator overrides."""
+    link_down_tolerance_s: float = Field(default=20.0, ge=0)
+    link_recover_s: float = Field(default=60.0, ge=0)
+    flap_window_s: float = Field(default=86400.0, gt=0)
+    flap_limit: int = Field(default=5, ge=1)
+    flap_release_s: float = Field(default=172800.0, gt=0)
+    ecc_window_s: float = Field(default=86400.0, gt=0)
+    ecc_limit: int = Field(default=2, ge=1)
+    ecc_quiet_s: float = Field(default=300.0, ge=0)
+
+
 ProbeSpec = Annotated[
-    LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe,
+    LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe
+    | NpuProbe,
     Field(discriminator="kind"),
 ]
+
+
+class NodeConfig(Strict):
+    name: str = Field(default_factory=_default_node_name)
+    ip: str = Field(default_factory=default_node_ip)
+    role: Literal["master", "worker"] = "master"
+    nic_name: str | None = None
+    """The RoCE/host NIC the guide sets GLOO/TP/HCCL_SOCKET_IFNAME to (`ifconfig` shows it)."""
+    npus: int | None = Field(default=None, ge=0)
+    """NPUs this node must show in `npu-smi info`; default: what its vLLM needs (TP × local DP ranks), 0 for the
+    stand-in. 0 = no NPUs (a dev box): NPU checks are skipped."""
+    npu_health: NpuProbe = Field(default_factory=lambda: NpuProbe(**HOST_PROBES["npu"]))
+    """How the agent watches NPUs and RoCE links (`npu` probe settings; a mapping tunes the default)."""
+
+    @field_validator("npu_health", mode="before")
+    @classmethod
+    def _merge_npu_default(cls, value: Any) -> Any:
+        return {**HOST_PROBES["npu"], **value} if isinstance(value, dict) else value
 
 
 class ProbeSet(Strict):

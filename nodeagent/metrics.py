@@ -34,6 +34,7 @@ from nodeagent.states import State
 if TYPE_CHECKING:
     import aiohttp
 
+    from nodeagent.npu_monitor import NpuMonitor
     from nodeagent.process import ProcessRecord
     from nodeagent.supervisor import Supervisor
 
@@ -160,6 +161,61 @@ class _StackCollector:
         yield from self.owner.vllm_families()
 
 
+def npu_families(monitor: NpuMonitor) -> Iterator[Metric]:
+    """The node's NPUs as the monitor last saw them; only `dsv4_npu_checked` where npu-smi is absent."""
+    yield GaugeMetricFamily("dsv4_npu_checked", "1 when npu-smi exists and NPU health is watched.",
+                            value=float(monitor.skipped is None))  # fmt: skip
+    if monitor.skipped is not None:
+        return
+    yield GaugeMetricFamily("dsv4_npu_expected", "NPUs this node must show (node.npus).",
+                            value=monitor.policy.expected_npus)  # fmt: skip
+    yield GaugeMetricFamily("dsv4_npu_start_held", "1 while a hardware fault holds vLLM starts.",
+                            value=float(not monitor.decision().allowed))  # fmt: skip
+    yield GaugeMetricFamily("dsv4_npu_poll_duration_seconds", "How long the last NPU poll took.",
+                            value=monitor.last_poll_s)  # fmt: skip
+    fault = GaugeMetricFamily("dsv4_npu_fault", "1 per active hardware fault (npu '' = the node).",
+                              labels=["npu", "what", "level", "overridden"])  # fmt: skip
+    for f in monitor.faults:
+        fault.add_metric(["" if f.npu is None else str(f.npu), f.what, f.level.name, str(f.overridden).lower()], 1.0)
+    appeared = CounterMetricFamily("dsv4_npu_faults", "Hardware faults that appeared since the agent started.",
+                                   labels=["what", "level"])  # fmt: skip
+    for (what, level), count in sorted(monitor.appeared_total.items()):
+        appeared.add_metric([what, level], count)
+    yield from (fault, appeared)
+    snap = monitor.last
+    if snap is None or snap.info is None:
+        return
+    labels = ["npu", "chip"]
+    visible = GaugeMetricFamily("dsv4_npu_visible", "NPUs npu-smi info shows.", value=len(snap.info.npu_ids))
+    healthy = GaugeMetricFamily("dsv4_npu_healthy", "1 when npu-smi shows the chip's health as OK.", labels=labels)
+    used = GaugeMetricFamily("dsv4_npu_hbm_used_bytes", "HBM in use.", labels=labels)
+    total = GaugeMetricFamily("dsv4_npu_hbm_total_bytes", "HBM size.", labels=labels)
+    for chip in snap.info.chips:
+        lv = [str(chip.npu), str(chip.chip)]
+        healthy.add_metric(lv, float(chip.health == "OK"))
+        if chip.hbm_used_mb is not None and chip.hbm_total_mb is not None:
+            used.add_metric(lv, chip.hbm_used_mb * 2**20)
+            total.add_metric(lv, chip.hbm_total_mb * 2**20)
+    link = GaugeMetricFamily("dsv4_npu_roce_link_up", "1 when hccn_tool shows the NPU's RoCE link UP.", labels=["npu"])
+    for npu, state in snap.links.items():
+        link.add_metric([str(npu)], float(state == "UP"))
+    procs = GaugeMetricFamily("dsv4_npu_processes", "Processes npu-smi lists on the NPU.", labels=["npu"])
+    counts = {npu: 0 for npu in snap.info.npu_ids}
+    for proc in snap.info.processes:
+        counts[proc.npu] = counts.get(proc.npu, 0) + 1
+    for npu, count in counts.items():
+        procs.add_metric([str(npu)], count)
+    yield from (visible, healthy, used, total, link, procs)
+
+
+class _NpuCollector:
+    def __init__(self, monitor: NpuMonitor) -> None:
+        self.monitor = monitor
+
+    def collect(self) -> Iterator[Metric]:
+        yield from npu_families(self.monitor)
+
+
 class AgentMetrics:
     """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
 
@@ -268,6 +324,10 @@ class AgentMetrics:
                         ratio.add_metric([name, engine, kind], value)
         yield from (ok, took, ratio)
 
+    def attach_npu(self, monitor: NpuMonitor) -> None:
+        """Export the node's NPU health (read at scrape time from the monitor's last poll)."""
+        self.registry.register(_NpuCollector(monitor))
+
     def generate(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -277,4 +337,4 @@ class AgentMetrics:
             self._session = None
 
 
-__all__ = ["CONTENT_TYPE", "AgentMetrics", "tree_usage", "vllm_metrics_urls"]
+__all__ = ["CONTENT_TYPE", "AgentMetrics", "npu_families", "tree_usage", "vllm_metrics_urls"]

@@ -38,6 +38,13 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
 
 ROLES = ("startup", "liveness", "readiness")
 
+HOST_PROBES: dict[str, dict[str, Any]] = {
+    # The node's NPUs and RoCE links (node.npu_health), watched whatever runs: a vLLM start is held while a
+    # fault holds. One `npu-smi info` and one `hccn_tool -link` per device each period; ECC and net health
+    # every 6th poll (a minute).
+    "npu": {"kind": "npu", "period_s": 10, "timeout_s": 30, "failure_threshold": 1, "detail_every": 6},
+}
+
 
 def default_probes(kind: str) -> dict[str, list[dict[str, Any]]]:
     return copy.deepcopy(DEFAULT_PROBES.get(kind, {role: [] for role in ROLES}))

@@ -72,7 +72,8 @@ class ProbeTracker:
             "failures_total": self.failures_total,
             "last": None
             if last is None
-            else {"ok": last.ok, "detail": last.detail, "latency_s": round(last.latency_s, 6), "at": last.at},
+            else {"ok": last.ok, "detail": last.detail, "latency_s": round(last.latency_s, 6), "at": last.at,
+                  **({"skipped": True} if last.skipped else {})},
         }
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -40,12 +40,14 @@ from nodeagent.config_model import (
     HttpGetProbe,
     HttpProbe,
     LivenessFileProbe,
+    NpuProbe,
     ProbeBase,
     ProcessComponent,
     TcpProbe,
     VllmComponent,
 )
 from nodeagent.errors import ConfigError
+from nodeagent.npu import NpuTools
 from nodeagent.probe_defaults import ROLES
 from nodeagent.render import datasystem_etcd_address, datasystem_for
 
@@ -53,6 +55,9 @@ LIVENESS_OK = "liveness check success"
 EMPTY_READ_RETRY_S = 0.02
 """The worker rewrites its liveness file by truncate+write every ~100 ms: an empty read is retried once."""
 DETAIL_MAX = 200
+
+if TYPE_CHECKING:
+    from nodeagent.npu_monitor import NpuMonitor
 
 AnyComponent = EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent
 
@@ -65,6 +70,8 @@ class ProbeResult:
     kind: str
     at: float
     """Wall-clock time (time.time()) the probe started."""
+    skipped: bool = False
+    """Nothing could be checked here (no npu-smi): counts as a success, shown as SKIP."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class ResolvedProbe:
     cwd: Path | None = None
     python: str | None = None
     client_log_dir: Path | None = None
+    expected_npus: int = 0
 
     @property
     def timeout_s(self) -> float:
@@ -242,6 +250,10 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
             spec, spec.kind, address, host=host.strip("[]"), port=int(port_s), key=_kv_key(config.node.name),
             python=_probe_python(ds, spec), client_log_dir=log_dir,
         )  # fmt: skip
+    if isinstance(spec, NpuProbe):
+        from nodeagent.npu_monitor import expected_npus
+
+        return ResolvedProbe(spec, spec.kind, "npu-smi/hccn_tool", expected_npus=expected_npus(config))
     raise ConfigError(f"unknown probe kind {spec.kind!r}")  # type: ignore[attr-defined]
 
 
@@ -528,10 +540,12 @@ async def check_datasystem_kv(
 
 
 class ProbeContext:
-    """What probes share: one aiohttp session (created on first use, closed by `close()`)."""
+    """What probes share: one aiohttp session (created on first use, closed by `close()`), and the node's
+    `NpuMonitor` (`npu`), which the agent sets; an `npu` probe without one creates it from its own spec."""
 
-    def __init__(self) -> None:
+    def __init__(self, npu: NpuMonitor | None = None) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self.npu = npu
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -547,7 +561,19 @@ class ProbeContext:
             await self._session.close()
             self._session = None
 
-    async def _check(self, probe: ResolvedProbe) -> tuple[bool, str]:
+    def npu_monitor(self, probe: ResolvedProbe) -> NpuMonitor:
+        if self.npu is None:
+            from nodeagent.npu_health import policy_from
+            from nodeagent.npu_monitor import NpuMonitor
+
+            spec = probe.spec
+            assert isinstance(spec, NpuProbe)
+            self.npu = NpuMonitor(NpuTools.locate(spec.npu_smi, spec.hccn_tool, timeout_s=spec.timeout_s),
+                                  policy_from(spec, probe.expected_npus), spec.period_s, spec.detail_every,
+                                  spec.roce)  # fmt: skip
+        return self.npu
+
+    async def _check(self, probe: ResolvedProbe) -> tuple[bool, str] | tuple[bool, str, bool]:
         kind = probe.kind
         if kind == "liveness_file":
             assert probe.path is not None
@@ -572,15 +598,19 @@ class ProbeContext:
                 probe.host, probe.port, probe.key or _kv_key("unnamed"), probe.python, probe.client_log_dir,
                 probe.timeout_s,
             )  # fmt: skip
+        if kind == "npu":
+            return await self.npu_monitor(probe).check()
         return False, f"unknown probe kind {kind!r}"
 
     async def run(self, probe: ResolvedProbe) -> ProbeResult:
         """One check under `timeout_s`; overrunning is a failure `timed out after Xs`, never an exception."""
         at = time.time()
         start = time.monotonic()
+        skipped = False
         try:
             async with asyncio.timeout(probe.timeout_s) as scope:
-                ok, detail = await self._check(probe)
+                ok, detail, *rest = await self._check(probe)
+                skipped = bool(rest and rest[0])
         except TimeoutError as exc:
             if scope.expired():
                 ok, detail = False, f"timed out after {probe.timeout_s:g}s"
@@ -589,4 +619,4 @@ class ProbeContext:
         except Exception as exc:  # a probe reports; a bug in one must not kill the prober
             logger.opt(exception=exc).warning("{} probe of {} raised", probe.kind, probe.target)
             ok, detail = False, f"{type(exc).__name__}: {_short(str(exc), 150)}"
-        return ProbeResult(ok, detail, time.monotonic() - start, probe.kind, at)
+        return ProbeResult(ok, detail, time.monotonic() - start, probe.kind, at, skipped)
