@@ -610,6 +610,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return run_probe(probe_targets(config), role, args.timeout)
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from nodeagent.preflight import run_preflight
+
+    report = run_preflight(_load(args.config))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return EXIT_FAILED if report.failed else 0
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     from nodeagent.launcher import base_environment
     from nodeagent.render import render_component
@@ -709,6 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe = add("probe", "the guide's vllm_probe_yr.py checks (exit 0/1)", cmd_probe)
     probe.add_argument("role", nargs="?", choices=["master", "slave"], help="default: from node.role")
     probe.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S")
+    preflight = add("preflight", "check this host against the guide's requirements (exit 1 on any FAIL)", cmd_preflight)
+    preflight.add_argument("--json", action="store_true", help="every check as JSON")
     render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")

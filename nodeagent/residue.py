@@ -348,24 +348,34 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def port_holders(ports: Iterable[int]) -> str:
-    """Who listens on these ports: `8080 held by pid 123 'python3 -m http.server' (user alice)`."""
+def listeners(ports: Iterable[int]) -> dict[int, set[int]]:
+    """port → PIDs listening on it (an empty set: a socket the agent cannot attribute, e.g. another user's)."""
     wanted = set(ports)
-    holders = []
-    try:
+    found: dict[int, set[int]] = {}
+    with contextlib.suppress(psutil.Error):
         for conn in psutil.net_connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port in wanted:
-                who = "an unknown process (not visible to the agent)"
+                found.setdefault(conn.laddr.port, set())
                 if conn.pid:
-                    try:
-                        proc = psutil.Process(conn.pid)
-                        who = f"pid {conn.pid} {' '.join(proc.cmdline())[:80]!r} (user {proc.username()})"
-                    except psutil.Error:
-                        who = f"pid {conn.pid}"
-                holders.append(f"{conn.laddr.port} held by {who}")
+                    found[conn.laddr.port].add(conn.pid)
+    return found
+
+
+def describe_pid(pid: int) -> str:
+    try:
+        proc = psutil.Process(pid)
+        return f"pid {pid} {' '.join(proc.cmdline())[:80]!r} (user {proc.username()})"
     except psutil.Error:
-        pass
-    return "; ".join(dict.fromkeys(holders))
+        return f"pid {pid}"
+
+
+def port_holders(ports: Iterable[int]) -> str:
+    """Who listens on these ports: `8080 held by pid 123 'python3 -m http.server' (user alice)`."""
+    holders = []
+    for port, pids in listeners(ports).items():
+        who = ", ".join(describe_pid(pid) for pid in sorted(pids)) or "an unknown process (not visible to the agent)"
+        holders.append(f"{port} held by {who}")
+    return "; ".join(holders)
 
 
 def busy_ports_description(ports: Iterable[int]) -> str | None:
