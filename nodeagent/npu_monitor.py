@@ -73,6 +73,8 @@ class NpuMonitor:
         self.appeared_total: Counter[tuple[str, str]] = Counter()
         """(what, level) → faults that appeared since the agent started (metrics)."""
         self._inflight: asyncio.Task[NpuSnapshot | None] | None = None
+        self.on_change: list[Callable[[], None]] = []
+        """Called after a poll or an override changed the faults (e.g. `Supervisor.poke`, to re-check gates)."""
 
     @classmethod
     def from_config(cls, config: Config, spec: NpuProbe | None = None, ours: OursFn | None = None,
@@ -122,6 +124,8 @@ class NpuMonitor:
         self.last, self.last_polled_at = snap, now
         for change in changes:
             self._announce(change)
+        if changes:
+            self._notify()
         if snap.tool_errors:
             logger.debug("npu poll: {}", "; ".join(snap.tool_errors))
         return snap
@@ -143,6 +147,13 @@ class NpuMonitor:
             except Exception:  # a bug must not end the monitoring silently
                 logger.exception("npu monitor poll failed")
             await asyncio.sleep(self.period_s)
+
+    def _notify(self) -> None:
+        for callback in self.on_change:
+            try:
+                callback()
+            except Exception:
+                logger.exception("npu monitor on_change callback failed")
 
     def _announce(self, change: Change) -> None:
         fault = change.fault
@@ -182,7 +193,17 @@ class NpuMonitor:
         if done and self.events is not None:
             self.events.emit("npu_override", f"{by} overrode: " + "; ".join(f.message for f in done), None,
                              "warning", npu=npu, faults=[f.to_dict() for f in done])  # fmt: skip
+        if done:
+            self._notify()
         return done
+
+    def start_gate(self, component: Any, operator: bool = False) -> str | None:
+        """A `Supervisor.gates` entry: holds vLLM starts (operator starts too: only `override` lets one
+        through) while a fault holds; other kinds never wait on NPUs."""
+        if getattr(component, "kind", None) != "vllm":
+            return None
+        decision = self.decision()
+        return None if decision.allowed else "hardware: " + "; ".join(decision.reasons)
 
     async def check(self) -> tuple[bool, str, bool]:
         """The `npu` probe kind: (ok, one-line detail, skipped). Not ok only when a fault holds vLLM starts."""

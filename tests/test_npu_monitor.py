@@ -72,8 +72,17 @@ async def test_override_lets_the_start_through_and_says_so(tmp_path: Path) -> No
         clock.now += 10
     held = mon.decision()
     assert not held.allowed and held.reasons == ("npu 5 RoCE link down for 30s",)
+    pokes: list[int] = []
+    mon.on_change.append(lambda: pokes.append(1))
+
+    class Comp:
+        kind = "vllm"
+
+    assert mon.start_gate(Comp(), operator=True) == "hardware: npu 5 RoCE link down for 30s"
+    Comp.kind = "datasystem"
+    assert mon.start_gate(Comp()) is None, "only vLLM waits on NPUs"
     (fault,) = mon.override(by="nodeagentctl")
-    assert fault.npu == 5 and mon.decision().allowed
+    assert fault.npu == 5 and mon.decision().allowed and pokes == [1]
     assert bus.recent[-1].event == "npu_override" and "nodeagentctl overrode: npu 5 RoCE link" in bus.recent[-1].message
 
 
