@@ -211,9 +211,27 @@ class NpuProbe(ProbeBase):
     ecc_quiet_s: float = Field(default=300.0, ge=0)
 
 
+class VllmProgressProbe(ProbeBase):
+    """Load-safe vLLM liveness (`nodeagent.vllm_progress`): engine progress from /metrics under load, the
+    guide's canary chat when idle, /health 503 at once.
+
+    `timeout_s` bounds each request (health + metrics scrape, then the canary); `failure_threshold` counts
+    failed canaries or scrapes in a row. A stall (requests in flight, nothing moved for `stall_after_s`) and
+    an errored engine fail at once: the probe has already waited, so the role's hysteresis does not add more."""
+
+    kind: Literal["vllm_progress"] = "vllm_progress"
+    url: str | None = None
+    """Base URL (scheme, host, port); default: the component's own address."""
+    stall_after_s: float = Field(default=60.0, gt=0)
+    body: dict[str, Any] | None = None
+    """The canary request; default for vllm: the guide's probe request with the served model name."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    expect_nonempty: str | None = "choices.0.message.content"
+
+
 ProbeSpec = Annotated[
     LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe
-    | NpuProbe,
+    | NpuProbe | VllmProgressProbe,
     Field(discriminator="kind"),
 ]
 
@@ -242,6 +260,13 @@ class ProbeSet(Strict):
     startup: list[ProbeSpec] = Field(default_factory=list)
     liveness: list[ProbeSpec] = Field(default_factory=list)
     readiness: list[ProbeSpec] = Field(default_factory=list)
+
+    @field_validator("startup")
+    @classmethod
+    def _no_progress_startup(cls, value: list[Any]) -> list[Any]:
+        if any(isinstance(p, VllmProgressProbe) for p in value):
+            raise ValueError("a vllm_progress probe judges a running engine; for startup use http_get /health")
+        return value
 
 
 class RestartSpec(Strict):
@@ -402,6 +427,17 @@ class VllmComponent(ComponentBase):
         if value.startswith(("./", "../")):
             return str(_resolve_path(Path(value), info))
         return value
+
+
+    @model_validator(mode="after")
+    def _progress_needs_stats(self) -> VllmComponent:
+        probes = [*self.probes.liveness, *self.probes.readiness]
+        if "--disable-log-stats" in self.extra_args and any(isinstance(p, VllmProgressProbe) for p in probes):
+            raise ValueError(
+                "extra_args has --disable-log-stats, which removes the vllm:* metrics the vllm_progress probe "
+                "reads; drop the flag, or set probes.liveness.kind: http (the guide's chat probe)"
+            )
+        return self
 
 
 class ProcessComponent(ComponentBase):

@@ -29,8 +29,14 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
         "startup": [
             {"kind": "http_get", "path": "/health", "period_s": 5, "timeout_s": 5, "failure_threshold": 720}
         ],
-        # /health does not see a hung engine: liveness is a real 2-token chat completion (the guide's probe).
-        "liveness": [{"kind": "http", "period_s": 30, "timeout_s": 60, "failure_threshold": 3}],
+        # /health does not see a hung engine, and a chat probe queues behind the work it checks: liveness
+        # reads engine progress from /metrics under load and sends the guide's 2-token canary only when idle.
+        # A scrape every 6 s: a hang under load fails once 60 s pass without progress (<= 66 s after the
+        # hang); an idle hang after 3 canaries of 10 s, 12 s apart (a 10 s canary just misses the next 6 s
+        # tick), so <= 40 s. See docs/performance.md (bench/liveness.py).
+        "liveness": [
+            {"kind": "vllm_progress", "period_s": 6, "timeout_s": 10, "failure_threshold": 3, "stall_after_s": 60}
+        ],
         "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
     },
     "process": {"startup": [], "liveness": [], "readiness": []},

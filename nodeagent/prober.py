@@ -2,10 +2,15 @@
 
 `ProbeTracker` turns a probe's results into a status with hysteresis: `failure` only after
 `failure_threshold` consecutive failures, `success` only after `success_threshold` consecutive successes,
-otherwise the previous status stands. `ComponentProber` runs one worker task per probe: startup probes
-first (each stops once it succeeds); when every startup probe has succeeded, liveness and readiness probes
-run, each at its own period. It only reports, through `on_change(role, status, result)`: the supervisor
-decides (startup or liveness `failure` → restart; readiness → ready or not).
+otherwise the previous status stands. One departure from Kubernetes: a result marked `definite` fails at
+once. The `vllm_progress` probe debounces over time itself (it reports a stall only once nothing moved for
+`stall_after_s`; an errored engine cannot heal), so the threshold would only add periods to a verdict that
+is already certain; its failed canaries and scrapes still count against `failure_threshold`.
+
+`ComponentProber` runs one worker task per probe: startup probes first (each stops once it succeeds); when
+every startup probe has succeeded, liveness and readiness probes run, each at its own period. It only
+reports, through `on_change(role, status, result)`: the supervisor decides (startup or liveness `failure`
+→ restart; readiness → ready or not).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from loguru import logger
 
 from nodeagent.config_model import ProbeBase
 from nodeagent.probe_defaults import ROLES
-from nodeagent.probes import ProbeContext, ProbeResult, ResolvedProbe
+from nodeagent.probes import ProbeContext, ProbeResult, ResolvedProbe, probe_state
 
 Status = Literal["unknown", "success", "failure"]
 Phase = Literal["stopped", "startup", "running"]
@@ -53,7 +58,7 @@ class ProbeTracker:
             self.failures_total += 1
             self.consecutive_failures += 1
             self.consecutive_successes = 0
-            if self.consecutive_failures >= self.spec.failure_threshold:
+            if result.definite or self.consecutive_failures >= self.spec.failure_threshold:
                 self.status = "failure"
         return self.status
 
@@ -119,6 +124,7 @@ class ComponentProber:
 
     def _fresh(self) -> None:
         self.trackers = {role: [ProbeTracker(p.spec) for p in self.probes[role]] for role in ROLES}
+        self.states = {role: [probe_state(p) for p in self.probes[role]] for role in ROLES}
         self.role_status: dict[str, Status] = dict.fromkeys(ROLES, "unknown")
         self.startup_succeeded_at = None
 
@@ -285,7 +291,7 @@ class ComponentProber:
         next_at = loop.time()
         while gen == self._gen:
             try:
-                result = await self.context.run(probe)
+                result = await self.context.run(probe, self.states[role][index])
                 if gen != self._gen:
                     return
                 self._observe(gen, role, index, result)

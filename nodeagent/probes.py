@@ -45,11 +45,13 @@ from nodeagent.config_model import (
     ProcessComponent,
     TcpProbe,
     VllmComponent,
+    VllmProgressProbe,
 )
 from nodeagent.errors import ConfigError
 from nodeagent.npu import NpuTools
 from nodeagent.probe_defaults import ROLES
 from nodeagent.render import datasystem_etcd_address, datasystem_for
+from nodeagent.vllm_progress import ProgressMetricsError, ProgressMonitor, Verdict, parse_progress
 
 LIVENESS_OK = "liveness check success"
 EMPTY_READ_RETRY_S = 0.02
@@ -72,6 +74,8 @@ class ProbeResult:
     """Wall-clock time (time.time()) the probe started."""
     skipped: bool = False
     """Nothing could be checked here (no npu-smi): counts as a success, shown as SKIP."""
+    definite: bool = False
+    """A failure that fails the role at once, whatever its failure_threshold (see `vllm_progress`)."""
 
 
 @dataclass(frozen=True)
@@ -101,19 +105,26 @@ class ResolvedProbe:
     python: str | None = None
     client_log_dir: Path | None = None
     expected_npus: int = 0
+    stall_after_s: float = 0.0
 
     @property
     def timeout_s(self) -> float:
+        """The whole run's bound. A progress probe makes two requests one after the other (the scrape, then
+        the canary), each bounded by the spec's timeout_s: this outer bound is only a safety net."""
+        if self.kind == "vllm_progress":
+            return 2 * self.spec.timeout_s + 1.0
         return self.spec.timeout_s
 
 
 # ---------------------------------------------------------------------------------------------- resolution
 
 
-def vllm_probe_body(served_model_name: str) -> dict[str, Any]:
-    """The deployment guide's probe request: 2 tokens, thinking off, so a hung engine cannot answer it."""
-    return {
-        "model": served_model_name,
+def vllm_probe_body(served_model_name: str | None) -> dict[str, Any]:
+    """The deployment guide's probe request: 2 tokens, thinking off, so a hung engine cannot answer it.
+
+    Without a model name vLLM serves its first model."""
+    body: dict[str, Any] = {} if served_model_name is None else {"model": served_model_name}
+    return body | {
         "messages": [{"role": "user", "content": "hello"}],
         "stream": False,
         "max_tokens": 2,
@@ -219,6 +230,16 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
             spec, spec.kind, f"{spec.method} {url}", url=url, method=spec.method, body=body,
             headers=dict(spec.headers), expect_status=spec.expect_status,
             expect_nonempty=spec.expect_nonempty,
+        )  # fmt: skip
+    if isinstance(spec, VllmProgressProbe):
+        base = _http_url(spec.url, "/", component, config, what).rstrip("/")
+        body = spec.body
+        if body is None:
+            model = component.served_model_name if isinstance(component, VllmComponent) else None
+            body = vllm_probe_body(model)
+        return ResolvedProbe(
+            spec, spec.kind, base, url=base, method="POST", body=body, headers=dict(spec.headers),
+            expect_nonempty=spec.expect_nonempty, stall_after_s=spec.stall_after_s,
         )  # fmt: skip
     if isinstance(spec, HttpGetProbe):
         url = _http_url(spec.url, spec.path, component, config, what)
@@ -473,6 +494,71 @@ async def check_exec(argv: tuple[str, ...] | list[str], cwd: Path | None = None)
     return False, f"{_exit_text(code)}: {last}" if last else _exit_text(code)
 
 
+CANARY_PATH = "/v1/chat/completions"
+
+
+async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int | None, str]:
+    """(status, body), or (None, why it failed) — never more than `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.get(url) as resp:
+                return resp.status, await resp.text(errors="replace")
+    except TimeoutError:
+        return None, f"no answer from {url} within {timeout_s:g}s"
+    except aiohttp.ClientConnectorError as exc:
+        return None, _connect_error(exc, url)
+    except aiohttp.ClientError as exc:
+        return None, f"{type(exc).__name__} from {url}: {_short(str(exc), 120)}"
+
+
+async def check_vllm_progress(
+    session: aiohttp.ClientSession, probe: ResolvedProbe, monitor: ProgressMonitor
+) -> tuple[bool, str, bool]:
+    """(ok, detail, definite): /health and /metrics at once; under load the monitor judges progress, and
+    only an idle engine gets the canary (under load it would queue behind the work it checks)."""
+    base, timeout_s = probe.url or "", probe.spec.timeout_s
+    at = time.monotonic()
+    (health, health_text), (status, text) = await asyncio.gather(
+        _get(session, base + "/health", timeout_s), _get(session, base + "/metrics", timeout_s)
+    )
+    if health == 503:
+        return False, f"engine errored: {base}/health answers 503 (vLLM reports its engine dead)", True
+    if health is None:
+        return False, health_text, False
+    if health != 200:
+        return False, f"HTTP {health} from {base}/health (want 200)", False
+    if status is None:
+        return False, text, False
+    if status != 200:
+        return False, f"HTTP {status} from {base}/metrics (want 200)", False
+    try:
+        verdict: Verdict = monitor.observe(at, parse_progress(text))
+    except ProgressMetricsError as exc:
+        return False, f"{base}/metrics: {exc}", False
+    if not verdict.canary:
+        return verdict.ok, verdict.detail, verdict.definite
+    try:
+        async with asyncio.timeout(timeout_s):
+            ok, detail = await check_http(
+                session, base + CANARY_PATH, "POST", probe.body, probe.headers, 200, probe.expect_nonempty
+            )
+    except TimeoutError:
+        ok, detail = False, f"no answer within {timeout_s:g}s"
+    failures = monitor.canary_result(ok)
+    if ok:
+        return True, f"{verdict.detail}; canary answered: {detail}", False
+    return False, f"{verdict.detail}, but the canary chat failed ({_plural_row(failures)}): {detail}", False
+
+
+def _plural_row(n: int) -> str:
+    return "1st in a row" if n == 1 else {2: "2nd", 3: "3rd"}.get(n, f"{n}th") + " in a row"
+
+
+def probe_state(probe: ResolvedProbe) -> ProgressMonitor | None:
+    """What a probe remembers between runs on one process (only `vllm_progress` remembers anything)."""
+    return ProgressMonitor(probe.stall_after_s) if probe.kind == "vllm_progress" else None
+
+
 # Runs in the datasystem's interpreter. os._exit skips the client library's teardown (~0.6 s per probe);
 # the cost is that the client's own log loses its last buffered lines, while our one-line answer is flushed.
 _KV_SCRIPT = r"""
@@ -602,15 +688,21 @@ class ProbeContext:
             return await self.npu_monitor(probe).check()
         return False, f"unknown probe kind {kind!r}"
 
-    async def run(self, probe: ResolvedProbe) -> ProbeResult:
-        """One check under `timeout_s`; overrunning is a failure `timed out after Xs`, never an exception."""
+    async def run(self, probe: ResolvedProbe, state: ProgressMonitor | None = None) -> ProbeResult:
+        """One check under `timeout_s`; overrunning is a failure `timed out after Xs`, never an exception.
+
+        `state` is what `probe_state` made for this probe; without it a stateful probe judges one look."""
         at = time.time()
         start = time.monotonic()
-        skipped = False
+        skipped = definite = False
         try:
             async with asyncio.timeout(probe.timeout_s) as scope:
-                ok, detail, *rest = await self._check(probe)
-                skipped = bool(rest and rest[0])
+                if probe.kind == "vllm_progress":
+                    monitor = state if state is not None else ProgressMonitor(probe.stall_after_s)
+                    ok, detail, definite = await check_vllm_progress(self.session(), probe, monitor)
+                else:
+                    ok, detail, *rest = await self._check(probe)
+                    skipped = bool(rest and rest[0])
         except TimeoutError as exc:
             if scope.expired():
                 ok, detail = False, f"timed out after {probe.timeout_s:g}s"
@@ -619,4 +711,4 @@ class ProbeContext:
         except Exception as exc:  # a probe reports; a bug in one must not kill the prober
             logger.opt(exception=exc).warning("{} probe of {} raised", probe.kind, probe.target)
             ok, detail = False, f"{type(exc).__name__}: {_short(str(exc), 150)}"
-        return ProbeResult(ok, detail, time.monotonic() - start, probe.kind, at, skipped)
+        return ProbeResult(ok, detail, time.monotonic() - start, probe.kind, at, skipped, definite and not ok)

@@ -95,7 +95,7 @@ def test_resolve_defaults_of_the_guide_stack() -> None:
     vllm = resolve_probe_set(cfg.components["vllm"], cfg)
     assert vllm["startup"][0].url == "http://127.0.0.1:8080/health"
     live = vllm["liveness"][0]
-    assert live.url == "http://127.0.0.1:8080/v1/chat/completions" and live.method == "POST"
+    assert live.kind == "vllm_progress" and live.url == "http://127.0.0.1:8080" and live.stall_after_s == 60
     assert live.body == vllm_probe_body("dsv4x")
     assert live.body["max_tokens"] == 2 and live.body["chat_template_kwargs"] == {"enable_thinking": False}
     assert live.expect_nonempty == "choices.0.message.content"
@@ -132,13 +132,13 @@ def test_resolve_hosts_and_endpoints() -> None:
     assert ds[1].key is not None and re.fullmatch(r"[A-Za-z0-9_-]+", ds[1].key)
     assert (ds[2].host, ds[2].port) == ("10.0.0.5", 18500)
     v1 = resolve_probe_set(cfg.components["v1"], cfg)
-    assert v1["liveness"][0].url == "http://10.1.1.1:9000/v1/chat/completions"
+    assert v1["liveness"][0].url == "http://10.1.1.1:9000"
     assert v1["readiness"][0].target == "10.0.0.5:18500"  # the only datasystem's worker
     assert (v1["readiness"][1].host, v1["readiness"][1].port) == ("10.1.1.1", 9000)
     assert resolve_probe_set(cfg.components["v2"], cfg)["startup"][0].url == "http://127.0.0.1:9001/health"
     v3 = resolve_probe_set(cfg.components["v3"], cfg)
     assert v3["startup"][0].url == "http://127.0.0.1:9002/health"
-    assert v3["liveness"][0].url == "http://10.2.2.2:9002/v1/chat/completions"  # path appended to a bare URL
+    assert v3["liveness"][0].url == "http://10.2.2.2:9002"  # the progress probe's base URL
     proxy = resolve_probe_set(cfg.components["proxy"], cfg)["liveness"]
     assert (proxy[0].host, proxy[0].port) == ("127.0.0.1", 7000)
     assert proxy[1].url == "http://127.0.0.1:7000/health"

@@ -781,3 +781,85 @@ def test_port_in_use_fails_and_stops_the_engine(launcher: Launcher) -> None:
     assert any(title(p) == "VLLM::EngineCore" for p in tree) or "EngineCore shut down cleanly" in standin.output()
     wait_until("the engine to be stopped", lambda: not any(alive(p) for p in tree), 2.0)
     assert "Address already in use" in standin.output()
+
+
+async def _long_chat(base: str, content: str, max_tokens: int = 100000) -> None:
+    body = {"model": "dsv4", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True}  # fmt: skip
+    async with aiohttp.ClientSession() as session, session.post(f"{base}/v1/chat/completions", json=body) as r:
+        await r.read()
+
+
+async def test_counters_move_per_step_and_freeze_in_a_hang_under_load(launcher: Launcher) -> None:
+    env = {"VLLM_STANDIN_STEP_S": "0.05", "VLLM_STANDIN_TOKENS_PER_STEP": "1"}
+    argv = ["serve", MODEL_PATH, "--served-model-name", "dsv4", "--port", str(port := free_port()),
+            "--max-num-seqs", "2"]  # fmt: skip
+    standin = launcher.start(argv, env=env, port=port)
+    base = standin.url
+    prompt = len(tokenize(render_chat([{"role": "user", "content": "tell a long story"}])))
+    tasks = [asyncio.create_task(_long_chat(base, "tell a long story")) for _ in range(3)]
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def values() -> dict[str, float]:
+                samples = await scrape(session, base)
+                return {name: metric(samples, f"vllm:{name}") for name in (
+                    "num_requests_running", "num_requests_waiting", "generation_tokens_total",
+                    "prompt_tokens_total", "iteration_tokens_total_count")}  # fmt: skip
+
+            async def settled() -> dict[str, float]:
+                for _ in range(100):
+                    now = await values()
+                    if now["num_requests_running"] == 2 and now["generation_tokens_total"] > 0:
+                        return now
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"never saw 2 running: {now}")
+
+            first = await settled()
+            assert first["num_requests_waiting"] == 1  # --max-num-seqs 2: the third request waits
+            assert first["prompt_tokens_total"] == 2 * prompt  # counted once each, when its prefill completed
+            await asyncio.sleep(0.5)
+            later = await values()
+            steps = later["iteration_tokens_total_count"] - first["iteration_tokens_total_count"]
+            tokens = later["generation_tokens_total"] - first["generation_tokens_total"]
+            assert steps >= 4 and tokens == 2 * steps  # one token per running request per step
+            assert later["prompt_tokens_total"] == first["prompt_tokens_total"]
+
+            assert post_json(f"{base}/standin/fault", {"mode": "hang"}) == 200
+            await asyncio.sleep(0.2)
+            frozen = await values()
+            await asyncio.sleep(0.5)
+            assert await values() == frozen and frozen["num_requests_running"] == 2
+            async with session.get(f"{base}/health") as response:
+                assert response.status == 200, "a hung engine still says healthy"
+
+            assert post_json(f"{base}/standin/fault", {"mode": "none"}) == 200
+            await asyncio.sleep(0.3)
+            assert (await values())["generation_tokens_total"] > frozen["generation_tokens_total"]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_long_prefill_moves_only_the_kv_cache_gauge(launcher: Launcher) -> None:
+    env = {"VLLM_STANDIN_PREFILL_TOKENS_PER_S": "400", "VLLM_STANDIN_LOCAL_BLOCKS": "4096",
+           "VLLM_STANDIN_EXTERNAL_BLOCKS": "0"}  # fmt: skip
+    standin = launcher.start(env=env)
+    content = " ".join(f"w{i}" for i in range(600))  # ~1.5 s of prefill in chunks
+    task = asyncio.create_task(_long_chat(standin.url, content, max_tokens=4))
+    try:
+        async with aiohttp.ClientSession() as session:
+            usage: list[float] = []
+            for _ in range(5):
+                await asyncio.sleep(0.2)
+                samples = await scrape(session, standin.url)
+                assert metric(samples, "vllm:num_requests_running") == 1
+                assert metric(samples, "vllm:generation_tokens_total") == 0
+                assert metric(samples, "vllm:iteration_tokens_total_count") == 0
+                usage.append(metric(samples, "vllm:kv_cache_usage_perc"))
+        assert usage == sorted(usage) and len(set(usage)) == len(usage), usage
+        await asyncio.wait_for(task, 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

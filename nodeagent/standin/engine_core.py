@@ -30,50 +30,11 @@ TOKENS_PER_STEP = 4
 LINE_LIMIT = 1 << 26
 ENGINE_FAULTS = ("none", "hang", "empty", "crash_after")
 VOCAB = (
-    "the",
-    "model",
-    "answers",
-    "with",
-    "a",
-    "short",
-    "reply",
-    "about",
-    "prefix",
-    "caching",
-    "on",
-    "Ascend",
-    "nodes",
-    "and",
-    "keeps",
-    "tokens",
-    "flowing",
-    "while",
-    "scheduler",
-    "batches",
-    "requests",
-    "so",
-    "first",
-    "token",
-    "latency",
-    "drops",
-    "when",
-    "shared",
-    "is",
-    "reused",
-    "across",
-    "turns",
-    "of",
-    "conversation",
-    "external",
-    "store",
-    "holds",
-    "what",
-    "local",
-    "memory",
-    "had",
-    "to",
-    "evict",
-)
+    "the", "model", "answers", "with", "a", "short", "reply", "about", "prefix", "caching", "on", "Ascend",
+    "nodes", "and", "keeps", "tokens", "flowing", "while", "scheduler", "batches", "requests", "so", "first",
+    "token", "latency", "drops", "when", "shared", "is", "reused", "across", "turns", "of", "conversation",
+    "external", "store", "holds", "what", "local", "memory", "had", "to", "evict",
+)  # fmt: skip
 
 
 class FatalEngineError(Exception):
@@ -96,6 +57,7 @@ class EngineConfig:
     external_blocks: int = 16384
     step_s: float = 0.02
     prefill_tokens_per_s: float = 50000.0
+    tokens_per_step: int = TOKENS_PER_STEP
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
@@ -112,6 +74,7 @@ class EngineConfig:
             external_blocks=max(0, env_int("VLLM_STANDIN_EXTERNAL_BLOCKS", 16384)),
             step_s=max(0.001, env_float("VLLM_STANDIN_STEP_S", 0.02) or 0.02),
             prefill_tokens_per_s=max(1.0, env_float("VLLM_STANDIN_PREFILL_TOKENS_PER_S", 50000.0) or 1.0),
+            tokens_per_step=max(1, env_int("VLLM_STANDIN_TOKENS_PER_STEP", TOKENS_PER_STEP)),
         )
 
 
@@ -173,6 +136,16 @@ class _Request:
     rng: random.Random
     generated: list[str] = field(default_factory=list)
     ready_at: float = 0.0
+    """When its prefill is complete (it emits its first token at the next step after that)."""
+    prefill_from: float = 0.0
+    cached_tokens: int = 0
+
+    def kv_tokens(self, now: float) -> int:
+        """Tokens holding KV blocks: a prefilling request grows chunk by chunk, as with chunked prefill."""
+        if now >= self.ready_at:
+            return len(self.tokens) + len(self.generated)
+        done = (now - self.prefill_from) / max(1e-9, self.ready_at - self.prefill_from)
+        return self.cached_tokens + int((len(self.tokens) - self.cached_tokens) * done)
 
 
 class _Worker:
@@ -354,12 +327,13 @@ class Engine:
             self.wake.clear()
             if self._crash_reason is not None:
                 await self._crash(self._crash_reason)
-            timeout: float | None = None
             if self.fault_mode != "hang":
                 self._admit()
-                now = time.monotonic()
-                ready = [r for r in self.running.values() if r.ready_at <= now]
-                if ready:
+                if self.running:
+                    # One engine step, through every worker: decoding requests emit tokens; prefilling ones
+                    # compute a chunk, which only the KV-cache gauge shows (vLLM streams no partial prefill).
+                    now = time.monotonic()
+                    ready = [r for r in self.running.values() if r.ready_at <= now]
                     try:
                         await asyncio.gather(*(w.step() for w in self.workers))
                     except (FatalEngineError, OSError) as exc:
@@ -369,10 +343,7 @@ class Engine:
                         await asyncio.sleep(self.cfg.step_s)
                     continue
                 self._publish({})
-                if self.running:
-                    timeout = max(0.0, min(r.ready_at for r in self.running.values()) - now)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout)
+            await self.wake.wait()
 
     def _admit(self) -> None:
         """Schedule waiting requests: prefix-cache lookup (local, then connector) and prefill time."""
@@ -390,7 +361,9 @@ class Engine:
                 self._external_stats[2] += found.external_hit_tokens
             compute = found.num_tokens - found.computed_tokens
             transfer = found.external_hit_tokens / 10
-            req.ready_at = time.monotonic() + (compute + transfer) / self.cfg.prefill_tokens_per_s
+            req.prefill_from = time.monotonic()
+            req.cached_tokens = found.computed_tokens
+            req.ready_at = req.prefill_from + (compute + transfer) / self.cfg.prefill_tokens_per_s
             self.running[req.rid] = req
 
     def _advance(self, ready: list[_Request]) -> dict[_Client, list[dict[str, Any]]]:
@@ -403,7 +376,7 @@ class Engine:
             if self.fault_mode == "empty":
                 finish = "stop"
             else:
-                for _ in range(TOKENS_PER_STEP):
+                for _ in range(self.cfg.tokens_per_step):
                     delta.append(req.rng.choice(VOCAB))
                     req.generated.append(delta[-1])
                     if len(req.generated) >= req.max_tokens:
@@ -428,7 +401,8 @@ class Engine:
 
     def _publish(self, outs: dict[_Client, list[dict[str, Any]]]) -> None:
         """Send outputs with the scheduler stats, or the stats alone when they changed."""
-        used = sum(self.cache.blocks_for(len(r.tokens) + len(r.generated)) for r in self.running.values())
+        now = time.monotonic()
+        used = sum(self.cache.blocks_for(r.kv_tokens(now)) for r in self.running.values())
         usage = min(1.0, used / self.cache.local.capacity) if self.cache.local.capacity else 0.0
         gauges = (len(self.running), len(self.waiting), round(usage, 6))
         counted = self._local_stats[0] or self._external_stats[0]

@@ -10,8 +10,14 @@ Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (o
 VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
 VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing for NPU memory),
 VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
-blocks = no KV connector), VLLM_STANDIN_STEP_S / _PREFILL_TOKENS_PER_S (speed), and vLLM's own
-VLLM_LOG_STATS_INTERVAL (10 s). `GET|POST /standin/fault` reads or switches the fault mode.
+blocks = no KV connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each
+running request decodes per step) and _PREFILL_TOKENS_PER_S (50000) for speed, and vLLM's own
+VLLM_LOG_STATS_INTERVAL (10 s). `GET|POST /standin/fault` reads or switches the fault mode. `hang` stops the
+engine stepping: requests in flight freeze with their token counters (a hang under load), an idle engine
+never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine.
+
+Metrics move as vLLM's do: the scheduler gauges with every engine step (a prefill chunk too: the KV-cache
+usage grows), and per batch of outputs the token counters and one `vllm:iteration_tokens_total` observation.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 USAGE = "usage: vllm-standin serve MODEL [--host HOST] [--port PORT] [--served-model-name NAME ...] [vllm flags]"
 
 
@@ -332,6 +339,13 @@ class Metrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels,
+            buckets=ITERATION_BUCKETS,
+            registry=reg,
+        ).labels(*values)
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -363,7 +377,7 @@ class EngineClient:
     def __init__(
         self,
         engine_config: dict[str, Any],
-        on_stats: Callable[[dict[str, Any]], None],
+        on_stats: Callable[[dict[str, Any], tuple[int, int] | None], None],
         on_fault: Callable[[str, int], None],
     ) -> None:
         self.config = engine_config
@@ -376,6 +390,8 @@ class EngineClient:
         self.death_reason = ""
         self._writer: asyncio.StreamWriter | None = None
         self._queues: dict[str, asyncio.Queue[tuple[list[str], str | None] | None]] = {}
+        self._prefilling: dict[str, int] = {}
+        """Prompt length of each request that has not had its first output yet."""
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, stop: asyncio.Event) -> bool:
@@ -422,11 +438,16 @@ class EngineClient:
                 message = json.loads(line)
                 kind = message.get("t")
                 if kind == "step":
-                    for out in message["outs"]:
+                    outs = message["outs"]
+                    # vLLM's frontend makes IterationStats from each batch of outputs: prompt tokens when a
+                    # request's first output arrives, generation tokens as decoded; no batch, no stats.
+                    prompt = sum(self._prefilling.pop(out["id"], 0) for out in outs)
+                    iteration = (prompt, sum(len(out["d"]) for out in outs)) if outs else None
+                    self.on_stats(message["stats"], iteration)
+                    for out in outs:
                         queue = self._queues.get(out["id"])
                         if queue is not None:
                             queue.put_nowait((out["d"], out["f"]))
-                    self.on_stats(message["stats"])
                 elif kind == "fault":
                     self.on_fault(str(message["mode"]), int(message["n"]))
         except (ConnectionError, ValueError):
@@ -454,6 +475,7 @@ class EngineClient:
             raise EngineDeadError(self.death_reason)
         queue: asyncio.Queue[tuple[list[str], str | None] | None] = asyncio.Queue()
         self._queues[rid] = queue
+        self._prefilling[rid] = len(tokens)
         finished = False
         try:
             self.send({"t": "add", "id": rid, "tokens": tokens, "max_tokens": max_tokens, "ignore_eos": ignore_eos})
@@ -465,6 +487,7 @@ class EngineClient:
                 yield item
         finally:
             self._queues.pop(rid, None)
+            self._prefilling.pop(rid, None)
             if not finished:
                 self.send({"t": "abort", "id": rid})
 
@@ -626,8 +649,16 @@ class ApiServer:
         log_plain(PROC, f"INFO:     Finished server process [{os.getpid()}]")
         return code
 
-    def _on_stats(self, stats: dict[str, Any]) -> None:
+    def _on_stats(self, stats: dict[str, Any], iteration: tuple[int, int] | None) -> None:
+        """vLLM's PrometheusStatLogger.record: scheduler gauges every step, token counters per output batch."""
         self.last_stats = stats
+        if iteration is not None:
+            prompt, generation = iteration
+            self.metrics.prompt_tokens.inc(prompt)
+            self.metrics.generation_tokens.inc(generation)
+            self.metrics.iteration_tokens.observe(prompt + generation)
+            self._prompt_tokens_since += prompt
+            self._generation_tokens_since += generation
         self.metrics.running.set(stats["run"])
         self.metrics.waiting.set(stats["wait"])
         self.metrics.kv_usage.set(stats["kv"])
@@ -927,10 +958,6 @@ class ApiServer:
                 if first:
                     first = False
                     self.metrics.ttft.observe(time.monotonic() - arrival)
-                    self.metrics.prompt_tokens.inc(len(tokens))
-                    self._prompt_tokens_since += len(tokens)
-                self.metrics.generation_tokens.inc(len(delta))
-                self._generation_tokens_since += len(delta)
                 yield delta, reason
         finally:
             if finish is not None:

@@ -1,0 +1,114 @@
+"""What holds a start besides the supervisor's own gate: a failed preflight, and broken NPU hardware.
+
+Both are start gates (`Supervisor.gates`), so they hold without counting failures or escalating. Preflight
+runs before the stack first starts and again every minute while it fails (an operator fixing the host sees
+the stack start without restarting the agent); an operator's start of a component passes it, `--force` or
+`agent.preflight: warn|off` turns it off. The NPU monitor holds vLLM starts while a fault of hold level is
+active; only an operator override lets one through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from nodeagent.npu_monitor import NpuMonitor, our_pids
+
+if TYPE_CHECKING:
+    from nodeagent.preflight import PreflightReport
+    from nodeagent.supervisor import Supervisor
+
+PREFLIGHT_RECHECK_S = 60.0
+PER_COMPONENT_CHECKS = frozenset({"ports", "npu_processes", "npu_health"})
+"""Failures the agent already handles per component, with the holder named: a busy port or a foreign NPU
+process holds that component's start (residue), a sick chip holds vLLM (NPU monitor). They do not hold the
+whole stack."""
+
+
+class StartGuards:
+    def __init__(self, supervisor: Supervisor, mode: str = "enforce") -> None:
+        self.sup = supervisor
+        self.mode = mode
+        """enforce: a FAIL holds the stack; warn: reported only; off: not run."""
+        self.report: PreflightReport | None = None
+        self.blocking: list[str] = []
+        self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
+        self.npu.on_change.append(supervisor.poke)
+        supervisor.probe_ctx.npu = self.npu
+        supervisor.gates.append(self.gate)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._announced: tuple[str, ...] = ()
+
+    def _our_pids(self) -> set[int]:
+        return our_pids(c.record for c in self.sup.components.values() if c.record is not None)
+
+    @property
+    def has_vllm(self) -> bool:
+        return any(c.kind == "vllm" for c in self.sup.components.values())
+
+    # ---- the gate -----------------------------------------------------------------------------------------
+    def gate(self, comp: Any, operator: bool) -> str | None:
+        if self.blocking and not operator:
+            return "preflight failed: " + "; ".join(self.blocking) + " (nodeagentctl preflight for the fixes)"
+        return self.npu.start_gate(comp, operator)
+
+    # ---- preflight ----------------------------------------------------------------------------------------
+    async def run_preflight(self) -> None:
+        if self.mode == "off":
+            return
+        from nodeagent.preflight import run_preflight
+
+        self.report = await asyncio.to_thread(run_preflight, self.sup.config)
+        failed = [c for c in self.report.failed if c.name not in PER_COMPONENT_CHECKS]
+        blocking = [f"{c.name}: {c.value}" for c in failed] if self.mode == "enforce" else []
+        if tuple(blocking) != self._announced:
+            if blocking:
+                self.sup.events.emit("preflight_failed", "preflight failed, the stack is held: " + "; ".join(blocking),
+                                     None, "error", checks=[c.name for c in failed])  # fmt: skip
+            elif self._announced:
+                self.sup.events.emit("preflight_passed", "preflight passes now: starting the stack")
+            self._announced = tuple(blocking)
+        for check in self.report.failed if self.mode == "warn" else ():
+            self.sup.events.emit("preflight_warning", f"preflight {check.name}: {check.value}", None, "warning")
+        self.blocking = blocking
+        self.sup.poke()
+
+    async def _recheck_preflight(self) -> None:
+        while True:
+            await asyncio.sleep(PREFLIGHT_RECHECK_S)
+            if self.blocking:
+                await self.run_preflight()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Before the stack starts: preflight once, then keep watching the hardware and a failing preflight."""
+        await self.run_preflight()
+        self._spawn(self._recheck_preflight(), "preflight-recheck")
+        if self.has_vllm and self.npu.skipped is None:
+            self._spawn(self.npu.run(), "npu-monitor")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def override_npu(self, npu: int | None, by: str) -> list[dict[str, Any]]:
+        return [f.to_dict() for f in self.npu.override(npu, by)]
+
+    def status(self) -> dict[str, Any]:
+        report = self.report
+        return {
+            "preflight": None if report is None else {
+                "mode": self.mode, "blocking": self.blocking, "counts": report.counts(),
+                "failed": [c.name for c in report.failed], "warnings": [c.name for c in report.warnings],
+            },
+            "npu": self.npu.status(),
+        }  # fmt: skip

@@ -1,0 +1,139 @@
+"""The vllm kind's default liveness (`vllm_progress`) through a real agent on config/local.yaml: the real etcd,
+the real datasystem worker and the vLLM stand-in. Short `stall_after_s` and periods; nothing here is timed
+beyond generous bounds (the detection times are measured in bench/liveness.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import LocalAgent, derived_config, wait_for
+
+pytestmark = pytest.mark.system
+
+STALL_AFTER_S = 3.0
+FAILURE_THRESHOLD = 5
+"""High on purpose: a stall and an errored engine must fail at once, not after five results."""
+
+CONFIG = {
+    "components": {
+        "vllm": {
+            "env": {"VLLM_STANDIN_STEP_S": "0.1", "VLLM_STANDIN_TOKENS_PER_STEP": "1"},
+            "probes": {
+                "liveness": {"period_s": 0.5, "timeout_s": 1, "failure_threshold": FAILURE_THRESHOLD,
+                             "stall_after_s": STALL_AFTER_S},
+                "readiness": {"period_s": 1, "timeout_s": 2},
+            },
+        }
+    }
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalAgent]:
+    base = tmp_path_factory.mktemp("liveness")
+    home = base / "home"
+    home.mkdir()
+    a = LocalAgent(home, derived_config(base / "config.yaml", CONFIG))
+    a.start()
+    try:
+        a.wait_all_up()
+        yield a
+    finally:
+        a.cleanup()
+
+
+def vllm(agent: LocalAgent, path: str) -> str:
+    return f"http://127.0.0.1:{agent.env['DSV4_VLLM_PORT']}{path}"
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 5) -> int:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        response.read()
+        return response.status
+
+
+def long_completion(url: str) -> threading.Thread:
+    """A completion that runs for hours at one token per 0.1 s step; it ends when its server goes away."""
+    body = {"model": "dsv4", "messages": [{"role": "user", "content": "write a very long story"}],
+            "max_tokens": 150000, "ignore_eos": True}  # fmt: skip
+
+    def run() -> None:
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            post(url, body, timeout=600)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def liveness(agent: LocalAgent) -> dict[str, Any]:
+    """vLLM's liveness probe as the agent's API shows it now (status.json is written on state changes only)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent.env['DSV4_API_PORT']}/status", timeout=5) as r:
+        status = json.loads(r.read())
+    return status["components"]["vllm"]["probes"]["roles"]["liveness"]["probes"][0]
+
+
+def liveness_failures(agent: LocalAgent) -> float:
+    """The agent's own dsv4_probe_failures_total for vLLM's liveness (cumulative across restarts)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent.env['DSV4_API_PORT']}/metrics") as r:
+        text = r.read().decode()
+    pattern = r'^dsv4_probe_failures_total\{[^}]*component="vllm"[^}]*role="liveness"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def replaced(agent: LocalAgent, old_pid: int, timeout: float = 60) -> None:
+    wait_for("vllm replaced", lambda: agent.children().get("vllm", {}).get("pid") not in (None, old_pid), timeout)
+    agent.wait_all_up()
+
+
+def test_busy_engine_is_kept_then_its_hang_under_load_is_caught(agent: LocalAgent) -> None:
+    pid = agent.children()["vllm"]["pid"]
+    threads = [long_completion(vllm(agent, "/v1/chat/completions")) for _ in range(2)]
+    wait_for("liveness to see the two requests", lambda: "2 requests running" in liveness(agent)["last"]["detail"])
+    started = time.monotonic()
+    details = []
+    while time.monotonic() - started < 4 * STALL_AFTER_S:  # four stall windows of steady decoding
+        probe = liveness(agent)
+        details.append(probe["last"]["detail"])
+        assert probe["status"] == "success" and agent.children()["vllm"]["pid"] == pid
+        time.sleep(0.5)
+    assert all(t.is_alive() for t in threads)
+    assert any(re.search(r"2 requests running; \+\d+ tokens", d) for d in details), details
+
+    assert post(vllm(agent, "/standin/fault"), {"mode": "hang"}) == 200
+    with urllib.request.urlopen(vllm(agent, "/health"), timeout=5) as response:
+        assert response.status == 200, "vLLM's /health does not see a hung engine"
+    replaced(agent, pid)
+    log = agent.log()
+    assert re.search(r"\[vllm\] liveness failed: engine stalled: 2 requests running, no token progress for \d", log)
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_idle_hang_is_caught_by_the_canary(agent: LocalAgent) -> None:
+    pid = agent.children()["vllm"]["pid"]
+    wait_for("an idle engine answering the canary", lambda: "canary answered" in liveness(agent)["last"]["detail"])
+    assert post(vllm(agent, "/standin/fault"), {"mode": "hang"}) == 200
+    replaced(agent, pid)
+    assert f"the canary chat failed ({FAILURE_THRESHOLD}th in a row): no answer within 1s" in agent.log()
+
+
+def test_errored_engine_fails_at_once(agent: LocalAgent) -> None:
+    pid = agent.children()["vllm"]["pid"]
+    before = liveness_failures(agent)
+    assert post(vllm(agent, "/standin/fault"), {"mode": "503"}) == 200
+    replaced(agent, pid)
+    assert "liveness failed: engine errored: " in agent.log()
+    # One failed result fails the role; the threshold would have waited for five.
+    assert liveness_failures(agent) - before < FAILURE_THRESHOLD - 2
