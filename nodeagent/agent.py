@@ -41,13 +41,16 @@ def status_line(status: dict) -> str:
 
 
 class Agent:
-    def __init__(self, config: Config, config_path: Path) -> None:
+    def __init__(self, config: Config, config_path: Path, force: bool = False) -> None:
+        from nodeagent.guards import StartGuards
         from nodeagent.sdnotify import Notifier
         from nodeagent.supervisor import Supervisor
 
         self.config = config
         self.config_path = config_path
         self.supervisor = Supervisor(config)
+        mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
+        self.guards = StartGuards(self.supervisor, mode)
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
         self.detach = False
@@ -164,6 +167,7 @@ class Agent:
                                         f"({self.config.node.role}), config {self.config_path}")
             # READY=1 once the API answers, not when vLLM is ready: loading the model takes 30-60 min.
             self.notifier.ready()
+            await self.guards.start()
             await self.supervisor.start()
             heartbeat = asyncio.create_task(self._heartbeat())
             await self.stop_requested.wait()
@@ -171,6 +175,7 @@ class Agent:
             heartbeat.cancel()
             self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
             # The API keeps answering (status, events) while the stack drains.
+            await self.guards.close()
             await self.supervisor.shutdown(detach=self.detach)
         finally:
             await api.close()
@@ -183,6 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-format", choices=["auto", "text", "json", "journal"], default="auto")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument("--force", action="store_true",
+                        help="start the stack even if preflight fails (its failures become warnings)")
     parser.add_argument("--version", action="version", version=f"dsv4-agent {__version__}")
     return parser.parse_args(argv)
 
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(config.node.name, args.log_format, args.log_level)
     try:
-        return asyncio.run(Agent(config, Path(args.config)).run())
+        return asyncio.run(Agent(config, Path(args.config), force=args.force).run())
     except KeyboardInterrupt:
         return 130
 

@@ -33,6 +33,7 @@ from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
+    from nodeagent.guards import StartGuards
     from nodeagent.supervisor import Supervisor
 
 MAX_BODY = 64 * 1024
@@ -51,6 +52,7 @@ class Controller(Protocol):
     supervisor: Supervisor
     config: Config
     started_at: float
+    guards: StartGuards
 
     @property
     def stopping(self) -> bool: ...
@@ -161,6 +163,8 @@ ROUTES = (
     Route("POST", "/resume", "resume", True),
     Route("POST", "/detach", "detach", True),
     Route("POST", "/reload", "reload", True),
+    Route("GET", "/preflight", "preflight"),
+    Route("POST", "/npu/override", "npu_override", True),
 )
 
 
@@ -302,7 +306,24 @@ class Api:
             "config": str(self.sup.config.source or ""), "log_dir": str(self.sup.config.agent.log_dir),
             "journal": self.journal,
         }  # fmt: skip
+        data.update(self.ctl.guards.status())
         return json_response(data)
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        """The agent's last preflight report (nodeagentctl preflight runs the checks afresh)."""
+        report = self.ctl.guards.report
+        if report is None:
+            raise ApiError(404, "no preflight has run (agent.preflight: off, or the agent is starting)")
+        return json_response({**report.to_dict(), "blocking": self.ctl.guards.blocking})
+
+    async def npu_override(self, request: web.Request) -> web.Response:
+        who = self.mutation(request)
+        data = await self.body(request, ("npu",))
+        npu = data.get("npu")
+        if npu is not None and (not isinstance(npu, int) or isinstance(npu, bool) or npu < 0):
+            raise ApiError(400, f"npu must be a non-negative whole number, got {npu!r}")
+        done = self.ctl.guards.override_npu(npu, who)
+        return json_response({"ok": True, "action": "npu_override", "npu": npu, "overridden": done})
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.agent_metrics.refresh_vllm()
@@ -370,13 +391,16 @@ class Api:
     # ---- actions ---------------------------------------------------------------------------------------------
     async def component_action(self, request: web.Request) -> web.Response:
         action, name = request.match_info["action"], request.match_info["name"]
-        self.mutation(request)
+        who = self.mutation(request)
         if action not in COMPONENT_ACTIONS:
             raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
-        await self.body(request)
+        data = await self.body(request, ("drain",))
+        drain = data.get("drain", True)
+        if not isinstance(drain, bool):
+            raise ApiError(400, f"drain must be true or false, got {drain!r}")
         self.component(name)
-        self.sup.command(name, action)
-        return json_response({"accepted": True, "action": action, "component": name}, 202)
+        message = self.sup.command(name, action, drain=drain, by=f"operator ({who})")
+        return json_response({"accepted": True, "action": action, "component": name, "message": message}, 202)
 
     async def redeploy(self, request: web.Request) -> web.Response:
         who = self.mutation(request)

@@ -420,9 +420,11 @@ def cmd_component(args: argparse.Namespace) -> int:
             raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(comps)})",
                            EXIT_UNKNOWN)  # fmt: skip
         before = comps[args.component]
-    client.post(f"/components/{args.component}/{args.action}")
+    body = {"drain": False} if getattr(args, "no_drain", False) else None
+    answer = client.post(f"/components/{args.component}/{args.action}", body)
+    message = answer.get("message") if isinstance(answer, dict) else None
     if before is None:
-        print(f"{args.action} {args.component}: accepted")
+        print(f"{args.action} {args.component}: accepted" + (f" — {message}" if message else ""))
         return 0
     began = time.monotonic()
     result = _wait(client, f"{args.component} to {args.action}", _component_waiter(args.component, args.action, before),
@@ -472,6 +474,35 @@ def cmd_simple(args: argparse.Namespace) -> int:
         print(f"reset: restart counters cleared ({args.component or 'all components and the node state'})")
     else:
         print(f"{action}: done")
+    return 0
+
+
+def cmd_npu(args: argparse.Namespace) -> int:
+    """NPU health as the agent sees it, or an override of the faults holding vLLM."""
+    client = _client(args)
+    if args.npu_command == "override":
+        answer = client.post("/npu/override", {} if args.npu is None else {"npu": args.npu})
+        done = answer.get("overridden") or []
+        if not done:
+            print("npu override: no fault was holding vLLM" + (f" on npu {args.npu}" if args.npu is not None else ""))
+        for fault in done:
+            print(f"npu override: {fault.get('message')}")
+        return 0
+    npu = client.get("/status").get("npu") or {}
+    if args.json:
+        print(json.dumps(npu, indent=2))
+        return 0
+    if not npu.get("checked"):
+        print(f"NPU health not checked: {npu.get('skipped')}")
+        return 0
+    start = npu.get("start") or {}
+    print("vLLM may start" if start.get("allowed") else "vLLM start HELD: " + "; ".join(start.get("reasons") or []))
+    for chip in npu.get("npus") or []:
+        print(f"npu {chip['npu']} chip {chip['chip']} {chip['name']}: health {chip['health']}, HBM "
+              f"{chip['hbm_used_mb']}/{chip['hbm_total_mb']} MB, link {chip.get('link') or '-'}")
+    for fault in npu.get("faults") or []:
+        flag = ", overridden" if fault.get("overridden") else ""
+        print(f"fault: {fault.get('message')} ({fault.get('level')}{flag})")
     return 0
 
 
@@ -691,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(action=action)
         p.add_argument("component")
         p.add_argument("--wait", action="store_true", help="until done: up (new pid for restart) or stopped")
+        if action != "start":
+            p.add_argument("--no-drain", action="store_true",
+                           help="do not wait for vLLM's in-flight requests (readiness off, then stop at once)")
         p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_WAIT_S, metavar="S",
                        help=f"with --wait (default {DEFAULT_WAIT_S:g})")  # fmt: skip
     redeploy = add("redeploy", "the guide's recovery: stop all, clean residue, start all in order", cmd_redeploy)
@@ -704,6 +738,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("resume", "end the maintenance pause", cmd_simple)
     add("detach", "the agent exits, leaving the stack running for the next agent to adopt", cmd_simple)
     add("reload", "re-read the config; restart only components whose command or environment changed", cmd_simple)
+    npu = add("npu", "NPU/RoCE health as the agent sees it; `npu override [N]` starts vLLM despite a fault",
+              cmd_npu)  # fmt: skip
+    npu.add_argument("npu_command", nargs="?", choices=["status", "override"], default="status")
+    npu.add_argument("npu", nargs="?", type=_count, help="with override: only this NPU's faults")
+    npu.add_argument("--json", action="store_true")
     logs = add("logs", "a component's output (journald under systemd, else log_dir/COMPONENT.log)", cmd_logs)
     logs.add_argument("component")
     logs.add_argument("-f", "--follow", action="store_true")

@@ -29,6 +29,7 @@ from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 __all__ = ["COMMANDS", "Component", "Signal", "State"]
 
 HOLD_RECHECK_S = 2.0
+DRAIN_POLL_S = 1.0
 
 
 class Component:
@@ -38,7 +39,9 @@ class Component:
         self.kind: str = spec.kind
         self.host = host
         self.state = State.STOPPED
-        self.ready = False
+        self.probe_ready = False
+        self.ready_blockers: dict[str, str] = {}
+        """Reasons besides its probes why it must not be reported ready (draining, no healthy backend...)."""
         self.up = asyncio.Event()
         self.signals: asyncio.Queue[Signal] = asyncio.Queue()
         self.gen = 0
@@ -57,6 +60,28 @@ class Component:
         self.prober: Any = None
         self.extra_status: dict[str, Any] = {}
         """What the host adds to this component's status (draining, gang generation...)."""
+
+    @property
+    def ready(self) -> bool:
+        return self.probe_ready and not self.ready_blockers
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self.probe_ready = value
+
+    def block_ready(self, key: str, reason: str | None) -> None:
+        """Set (or with None, clear) a reason for not being ready; the state follows."""
+        if reason is None:
+            if self.ready_blockers.pop(key, None) is None:
+                return
+        elif self.ready_blockers.get(key) == reason:
+            return
+        else:
+            self.ready_blockers[key] = reason
+        if self.state in (State.RUNNING, State.READY):
+            self._set(State.READY if self.ready else State.RUNNING)
+        else:
+            self.host.on_state(self)
 
     @property
     def record(self) -> ProcessRecord | None:
@@ -89,7 +114,9 @@ class Component:
             adopt = None
             if not launched:
                 continue
-            outcome, detail, failure = await self._supervise()
+            outcome, detail, failure, drain = await self._supervise()
+            if drain and failure is None:
+                await self._drain(detail)
             await self.stop_process(detail)
             if failure is not None:
                 await self._after_failure(failure)
@@ -196,7 +223,7 @@ class Component:
                 return
             self._hold(still)
 
-    async def _supervise(self) -> tuple[str, str, Failure | None]:
+    async def _supervise(self) -> tuple[str, str, Failure | None, bool]:
         while True:
             sig = await self._next()
             if sig.kind == "startup_ok":
@@ -212,16 +239,69 @@ class Component:
                 text = exit_text(code)
                 failure = Failure("exit", f"process {text}", code, self._uptime(), self._tail())
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": code}
-                return "failure", f"process {text} unexpectedly", failure
+                return "failure", f"process {text} unexpectedly", failure, False
             elif sig.kind in ("startup_failed", "liveness_failed"):
                 what, text = sig.kind.split("_")[0], f"{sig.kind.replace('_', ' ')}: {sig.detail}"
                 self._set(State.UNHEALTHY, text, "warning")
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": None}
-                return "failure", f"{sig.kind}: {sig.detail}", Failure(what, text, uptime_s=self._uptime())
+                return "failure", f"{sig.kind}: {sig.detail}", Failure(what, text, uptime_s=self._uptime()), False
             elif sig.kind == "stop":
-                return "stop", "stop requested", None
+                return "stop", sig.detail or "stop requested", None, sig.drain and sig.operator
             elif sig.kind in ("restart", "dep_restart"):
-                return "restart", sig.detail or "restart requested", None
+                planned = sig.drain and sig.operator and sig.kind == "restart"
+                return "restart", sig.detail or "restart requested", None, planned
+
+    async def _drain(self, why: str) -> None:
+        """A planned restart or stop of a serving component: readiness off first (so the proxy or load
+        balancer stops sending), then wait until no request is running or waiting, or the drain timeout."""
+        timeout = self.host.drain_timeout(self)
+        if timeout is None or self.proc is None or not self.up.is_set():
+            return
+        started = self.host.clock.time()
+        self.ready_blockers["draining"] = f"draining before: {why}"
+        self._set(State.DRAINING, f"draining (readiness off) before {why}; up to {timeout:g}s", timeout_s=timeout)
+        unknown = 0
+        try:
+            while True:
+                left = await self.host.inflight(self)
+                waited = self.host.clock.time() - started
+                if left is None:
+                    unknown += 1
+                else:
+                    unknown = 0
+                    running, waiting = left
+                    self.extra_status["draining"] = {"running": running, "waiting": waiting,
+                                                     "remaining_s": round(max(0.0, timeout - waited), 1)}
+                    self.host.on_state(self)
+                    if running == 0 and waiting == 0:
+                        self.host.events.emit("drained", f"drained in {waited:.1f}s", self.name)
+                        return
+                if unknown >= 3:
+                    self.host.events.emit("drain_unknown", "cannot read in-flight requests; stopping now",
+                                          self.name, "warning")
+                    return
+                if waited >= timeout:
+                    self.host.events.emit("drain_timeout", f"drain timed out after {timeout:g}s with "
+                                          f"{left[0] if left else '?'} running, {left[1] if left else '?'} waiting; "
+                                          "stopping anyway", self.name, "warning")  # fmt: skip
+                    return
+                getter = asyncio.ensure_future(self._next())
+                try:
+                    done, _ = await asyncio.wait({getter}, timeout=DRAIN_POLL_S)
+                finally:
+                    getter.cancel()
+                if getter in done and not getter.cancelled():
+                    sig = getter.result()
+                    if sig.kind == "exited":
+                        return
+                    if sig.kind in ("stop", "restart") and not sig.drain:
+                        self.host.events.emit("drain_skipped", "drain cut short by a --no-drain command", self.name)
+                        return
+                    if sig.kind in ("ready", "not_ready"):
+                        self.ready = sig.kind == "ready"
+        finally:
+            self.ready_blockers.pop("draining", None)
+            self.extra_status.pop("draining", None)
 
     def _uptime(self) -> float | None:
         return None if self.started_at is None else round(self.host.clock.time() - self.started_at, 3)
@@ -325,6 +405,7 @@ class Component:
             "state": str(self.state),
             "pid": self.record.pid if self.record else None,
             "ready": self.ready,
+            "ready_blockers": dict(self.ready_blockers),
             "up": self.up.is_set(),
             "restarts": self.restarts,
             "started_at": self.started_at if self.record else None,

@@ -100,6 +100,9 @@ class ApiConfig(Strict):
 
 
 class AgentSettings(Strict):
+    preflight: Literal["enforce", "warn", "off"] = "enforce"
+    """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
+    operator start still works; `dsv4-agent --force` = warn), warn = events only, off = not run."""
     state_dir: ConfigPath = Path("/var/lib/dsv4-agent")
     log_dir: ConfigPath = Path("/var/log/dsv4-agent")
     api: ApiConfig = ApiConfig()
@@ -420,6 +423,9 @@ class VllmComponent(ComponentBase):
     """Which datasystem component's worker_port gives DS_WORKER_ADDR; default the only one."""
     stop_grace_s: float = Field(default=60.0, gt=0)
     """vLLM drains in-flight requests on SIGTERM."""
+    drain_timeout_s: float = Field(default=120.0, ge=0)
+    """Before a planned restart or stop (operator, reload, planned gang restart): readiness off, then wait up to
+    this long for running and waiting requests to finish. 0: no drain. A failure restart never drains."""
 
     @field_validator("model")
     @classmethod

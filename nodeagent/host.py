@@ -89,6 +89,12 @@ class ComponentHost(Protocol):
     def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
         """The last lines it printed (for a failure's reason)."""
 
+    def drain_timeout(self, comp: Component) -> float | None:
+        """How long a planned stop may wait for in-flight requests; None: this kind is not drained."""
+
+    async def inflight(self, comp: Component) -> tuple[int, int] | None:
+        """(running, waiting) requests right now; None when they cannot be read."""
+
     # ---- decide
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
         """What a failure leads to; None: no automatic action (paused, held)."""

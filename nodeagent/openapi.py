@@ -66,7 +66,7 @@ def openapi_document() -> dict[str, Any]:
             "properties": {
                 "kind": {"type": "string"},
                 "state": {"type": "string", "enum": ["stopped", "starting", "running", "ready", "unhealthy",
-                                                     "stopping", "backoff", "failed"]},
+                                                     "draining", "stopping", "backoff", "failed"]},
                 "desired": {"type": "string", "enum": ["running", "stopped"]},
                 "pid": {"type": "integer", "nullable": True},
                 "ready": {"type": "boolean"}, "up": {"type": "boolean"},
@@ -75,6 +75,10 @@ def openapi_document() -> dict[str, Any]:
                 "last_exit": {"type": "object", "nullable": True},
                 "backoff_remaining_s": {"type": "number", "nullable": True},
                 "held": {"type": "string", "nullable": True},
+                "failure": {"type": "object", "nullable": True,
+                            "description": "When failed: what, detail, permanent reason, the last output lines"},
+                "ready_blockers": {"type": "object", "description": "Reasons besides its probes it is not ready"},
+                "draining": {"type": "object", "description": "While draining: requests running/waiting, time left"},
                 "probes": {"type": "object", "description": "Per role: status and each probe's last result"},
                 "policy": {"type": "object", "description": "Restart policy counters (crash loop, backoff)"},
             },
@@ -123,10 +127,19 @@ def openapi_document() -> dict[str, Any]:
         "/openapi.json": _get("This document", {"200": _json({"type": "object"}, "OpenAPI 3 document")},
                               operation_id="openapi"),
         "/components/{name}/{action}": _post(
-            "Start, stop or restart a component (sets its desired state); concurrent restarts coalesce",
+            "Start, stop or restart a component (sets its desired state); concurrent restarts coalesce; a vLLM "
+            "restart or stop drains in-flight requests first unless drain is false",
             "component_action", {"202": _ACCEPTED, "404": _ERROR},
+            body={"type": "object", "additionalProperties": False, "properties": {"drain": {"type": "boolean"}}},
             parameters=[_COMPONENT_NAME, {"name": "action", "in": "path", "required": True,
                                           "schema": {"type": "string", "enum": ["start", "stop", "restart"]}}],
+        ),
+        "/preflight": _get("The agent's last preflight report and what it holds",
+                           {"200": _json({"type": "object"}, "Report"), "404": _ERROR}, operation_id="preflight"),
+        "/npu/override": _post(
+            "Start vLLM despite the NPU faults holding it now (of one NPU, or all)", "npu_override", {"200": _OK},
+            body={"type": "object", "additionalProperties": False,
+                  "properties": {"npu": {"type": "integer", "minimum": 0}}},
         ),
         "/redeploy": _post(
             "The guide's node recovery: stop all in reverse order, clean residue, start all in order",

@@ -16,25 +16,33 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
+
 from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component
 from nodeagent.config_model import Config
-from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
+from nodeagent.errors import AgentError, LaunchError, MissingPrerequisite, UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.failure import Failure
 from nodeagent.graph import start_order
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
+from nodeagent.metrics import vllm_metrics_urls
 from nodeagent.output_tail import read_tail
-from nodeagent.policy import RestartDecision, hold_for_dependency, may_act, restarts_with
+from nodeagent.policy import Intent, RestartDecision, hold_for_dependency, may_act, restarts_with
 from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, render_component
 from nodeagent.statefile import StateStore, write_json_atomic
+from nodeagent.vllm_progress import parse_progress
 
 StartGate = Callable[[Component, bool], "str | None"]
+Decider = Callable[[Component, Failure], "RestartDecision | str | None"]
+"""A layer's say on a failure: a decision, a message (handled there: no local action), or None (not mine)."""
+CommandHook = Callable[[Component, str, bool, str], "str | None"]
+"""(component, action, drain, by) → a message when the layer carries the command out itself (a gang restart)."""
 STABILITY_TICK_S = 30.0
 
 
@@ -51,6 +59,10 @@ class Supervisor:
         self.gates: list[StartGate] = []
         """Extra start gates of the layers above (cluster barrier, preflight, hardware): a reason blocks."""
         self._gate_poked = asyncio.Event()
+        self.deciders: list[Decider] = []
+        self.command_hooks: list[CommandHook] = []
+        self.cluster_pause: dict[str, Any] | None = None
+        """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
         self.intent_store = NodeIntent(self.store, {n: active[n].restart for n in self.order})
@@ -85,7 +97,25 @@ class Supervisor:
 
     @property
     def paused(self) -> bool:
-        return self.intent_store.paused
+        return self.intent_store.paused or self.cluster_pause is not None
+
+    def pause_info(self) -> dict[str, Any] | None:
+        """Who paused and when: the cluster's pause first (it is wider), then this node's."""
+        if self.cluster_pause is not None:
+            return {**self.cluster_pause, "scope": "cluster"}
+        info = self.intent_store.pause_info()
+        return {**info, "scope": "node"} if info else None
+
+    def set_cluster_pause(self, info: dict[str, Any] | None) -> None:
+        if info == self.cluster_pause:
+            return
+        self.cluster_pause = info
+        if info is None:
+            self.events.emit("resume", "cluster maintenance pause off")
+        else:
+            self.events.emit("pause", f"cluster maintenance pause on ({info.get('by', '?')})")
+        self.intent_store.notify()
+        self.on_state(None)
 
     def set_desired(self, name: str, desired: str) -> None:
         self.intent_store.set_desired(name, desired)
@@ -96,7 +126,7 @@ class Supervisor:
                          + f" ({by})")  # fmt: skip
 
     def intent(self, name: str) -> Any:
-        return self.intent_store.intent(name)
+        return Intent(desired=self.desired(name), paused=self.paused)  # type: ignore[arg-type]
 
     def _save_intent(self, durable: bool = True) -> None:
         self.intent_store.save(durable)
@@ -105,6 +135,10 @@ class Supervisor:
         """Something an extra gate reads changed: every waiting component re-checks its gate now."""
         self._gate_poked.set()
         self._gate_poked = asyncio.Event()
+        self.deciders: list[Decider] = []
+        self.command_hooks: list[CommandHook] = []
+        self.cluster_pause: dict[str, Any] | None = None
+        """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
 
     def deps(self, comp: Component) -> list[str]:
         return [d for d in comp.cfg.depends_on if d in self.components]
@@ -141,8 +175,9 @@ class Supervisor:
         if self.desired(comp.name) != "running":
             return "desired state is stopped"
         if self.paused and not operator:
-            info = self.intent_store.pause_info() or {}
-            return f"paused by {info.get('by', '?')}: no automatic start (an operator start/restart still works)"
+            info = self.pause_info() or {}
+            scope = "cluster paused" if info.get("scope") == "cluster" else "paused"
+            return f"{scope} by {info.get('by', '?')}: no automatic start (an operator start/restart still works)"
         hold = self.dependency_hold(comp)
         if hold:
             return hold
@@ -221,6 +256,28 @@ class Supervisor:
 
     async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
         return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
+
+    def drain_timeout(self, comp: Component) -> float | None:
+        timeout = getattr(comp.cfg, "drain_timeout_s", None)
+        return timeout if timeout else None
+
+    async def inflight(self, comp: Component) -> tuple[int, int] | None:
+        url = vllm_metrics_urls({comp.name: comp.cfg}).get(comp.name)
+        if url is None:
+            return None
+        try:
+            async with asyncio.timeout(5):
+                async with self.probe_ctx.session().get(url) as response:
+                    if response.status != 200:
+                        return None
+                    text = await response.text(errors="replace")
+        except (OSError, TimeoutError, aiohttp.ClientError):
+            return None
+        try:
+            engines = parse_progress(text)
+        except AgentError:
+            return None
+        return (round(sum(e.running for e in engines.values())), round(sum(e.waiting for e in engines.values())))
 
     def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
         return read_tail(logsink.log_path(self.config.agent.log_dir, comp.name), proc.extra.get("log_offset"),
@@ -352,6 +409,15 @@ class Supervisor:
         if not ok:
             self.events.emit("no_action", f"{failure.detail}; not restarting: {why}", comp.name, "warning")
             return None
+        for decider in self.deciders:
+            verdict = decider(comp, failure)
+            if isinstance(verdict, str):
+                self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",
+                                 action="delegated", permanent=failure.permanent is not None,
+                                 output_tail=list(failure.output_tail))  # fmt: skip
+                return None
+            if verdict is not None:
+                return verdict
         now = self.clock.time()
         tracker = self.trackers[comp.name]
         if failure.permanent:
@@ -420,9 +486,14 @@ class Supervisor:
             known = ", ".join(self.components)
             raise UnknownComponentError(f"unknown component {name!r} (this node runs: {known})") from None
 
-    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> None:
-        """An operator's start/stop/restart: always honoured, paused or not."""
+    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
+        """An operator's start/stop/restart: always honoured, paused or not. Returns what will happen."""
         comp = self.get(name)
+        for hook in self.command_hooks:
+            message = hook(comp, action, drain, by)
+            if message:
+                self.events.emit("command", f"{by}: {action}: {message}", name)
+                return message
         if action == "stop":
             self.set_desired(name, "stopped")
             comp.signal("stop", operator=True, drain=drain)
@@ -433,6 +504,7 @@ class Supervisor:
             self.set_desired(name, "running")
             comp.signal("restart", None, "operator restart", operator=True, drain=drain)
         self.events.emit("command", f"{by}: {action}", name)
+        return f"{action} {name}" + ("" if drain or action == "start" else " (no drain)")
 
     def request_redeploy(self, reason: str) -> bool:
         if self.redeploying is not None and not self.redeploying.done():
@@ -526,7 +598,7 @@ class Supervisor:
             "node": {"name": self.config.node.name, "ip": self.config.node.ip, "role": self.config.node.role,
                      "cluster": self.config.cluster.name},
             "paused": self.paused,
-            "pause": self.intent_store.pause_info(),
+            "pause": self.pause_info(),
             "redeploying": self.redeploying is not None and not self.redeploying.done(),
             "node_policy": {"failed": self.redeploys.failed, "failed_reason": self.redeploys.failed_reason,
                             "redeploys_total": self.redeploys.redeploys_total},

@@ -199,7 +199,7 @@ async def test_stop_start_restart_a_component(stack: InProcess) -> None:
     sup = stack.agent.supervisor
     old = stack.pids()
     status, body = await stack.post("/components/b/stop")
-    assert (status, body) == (202, {"accepted": True, "action": "stop", "component": "b"})
+    assert (status, body) == (202, {"accepted": True, "action": "stop", "component": "b", "message": "stop b"})
     await stack.wait_states({"b": {"stopped"}})
     assert sup.desired("b") == "stopped" and stack.pids()["a"] == old["a"]
     status, body = await stack.get("/readyz")

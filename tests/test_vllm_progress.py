@@ -25,6 +25,8 @@ from nodeagent.prober import ProbeTracker
 from nodeagent.probes import ProbeContext, ProbeResult, ResolvedProbe, probe_state, vllm_probe_body
 from nodeagent.vllm_progress import EngineProgress, ProgressMetricsError, ProgressMonitor, parse_progress
 
+STANDIN_MODEL = str(Path(__file__).resolve().parents[1] / "config" / "standin-model")
+
 # A vLLM-shaped page: HELP/TYPE lines, `_created` samples, histogram buckets, two DP engines.
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -186,7 +188,7 @@ def test_a_definite_failure_beats_the_failure_threshold() -> None:
     tracker = ProbeTracker(ProbeBase(failure_threshold=3))
 
     def res(ok: bool, definite: bool = False) -> ProbeResult:
-        return ProbeResult(ok, "x", 0.0, "vllm_progress", time.time(), definite)
+        return ProbeResult(ok, "x", 0.0, "vllm_progress", time.time(), definite=definite)
 
     assert tracker.observe(res(True)) == "success"
     assert tracker.observe(res(False)) == "success"  # a failed canary: 1 of 3
@@ -244,7 +246,7 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("standin")
     env = {**os.environ, "TMPDIR": str(tmp), "VLLM_STANDIN_STARTUP_DELAY_S": "0.2", "VLLM_STANDIN_STEP_S": "0.05",
            "VLLM_STANDIN_TOKENS_PER_STEP": "1", "VLLM_STANDIN_ORPHAN_EXIT_S": "20"}  # fmt: skip
-    argv = [sys.executable, "-m", "nodeagent.standin.vllm", "serve", "/m", "--served-model-name", "dsv4",
+    argv = [sys.executable, "-m", "nodeagent.standin.vllm", "serve", STANDIN_MODEL, "--served-model-name", "dsv4",
             "--port", str(port), "--max-num-seqs", "2"]  # fmt: skip
     with open(tmp / "standin.log", "wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,96 @@
+"""The cluster's rules as pure functions: generations, barriers, the group's policy, pause, redeploy duties."""
+
+from __future__ import annotations
+
+from nodeagent.cluster_rules import (
+    GangRecord,
+    GangView,
+    RedeployRecord,
+    barrier_state,
+    bump,
+    command_error,
+    effective_pause,
+    may_wipe,
+    must_restart_for,
+    redeploy_duty,
+    settle,
+)
+from nodeagent.config_model import RestartSpec
+
+SPEC = RestartSpec(backoff_initial_s=10, backoff_max_s=300, redeploy_after_failures=5, stable_after_s=600)
+NOW = 1_800_000_000.0
+
+
+def test_concurrent_failures_make_one_generation() -> None:
+    """Two members both saw generation 5 fail: the first CAS wins with 6; the second re-reads 6 and follows."""
+    current = GangRecord(generation=5, epoch="e1")
+    first = bump(current, 5, node="a2-4", reason="vllm exited", now=NOW, epoch="e1", spec=SPEC)
+    assert first is not None
+    record, decision = first
+    assert record.generation == 6 and record.by == "a2-4" and decision.delay_s == 0
+    assert bump(record, 5, node="a2-5", reason="vllm exited", now=NOW, epoch="e1", spec=SPEC) is None
+
+
+def test_a_crash_looping_group_backs_off_as_one() -> None:
+    record = GangRecord(generation=1, epoch="e1")
+    delays = []
+    for n in range(4):
+        out = bump(record, record.generation, node=f"a2-{n}", reason="hang", now=NOW + n, epoch="e1", spec=SPEC)
+        assert out is not None
+        record, decision = out
+        delays.append(decision.delay_s)
+        assert record.not_before == NOW + n + decision.delay_s
+    assert delays == [0, 10, 20, 40]  # whoever saw the failure, the counters are the group's
+    assert bump(record, record.generation, node="x", reason="op", now=NOW, epoch="e1", spec=SPEC,
+                planned=True)[1].delay_s == 0  # type: ignore[index]
+
+
+def test_a_stable_group_settles_once() -> None:
+    record = GangRecord(generation=3, epoch="e1")
+    for _ in range(2):
+        record = bump(record, record.generation, node="a", reason="x", now=NOW, epoch="e1", spec=SPEC)[0]  # type: ignore[index]
+    assert settle(record, NOW + 100, SPEC, healthy_since=NOW) is None  # not stable yet
+    settled = settle(record, NOW + 700, SPEC, healthy_since=NOW)
+    assert settled is not None and settled.policy["consecutive_failures"] == 0
+    assert settle(settled, NOW + 800, SPEC, healthy_since=NOW) is None  # nothing left to write
+
+
+def test_act_once_per_generation_and_never_on_a_new_store() -> None:
+    rec = GangRecord(generation=7, epoch="e1")
+    assert must_restart_for(GangView(rec, acted=6, acted_epoch="e1"), "e1") == 7
+    assert must_restart_for(GangView(rec, acted=7, acted_epoch="e1"), "e1") is None
+    # etcd wiped: generations start again; not a restart
+    fresh = GangRecord(generation=1, epoch="e2")
+    assert must_restart_for(GangView(fresh, acted=7, acted_epoch="e1"), "e2") is None
+    assert must_restart_for(GangView(None, acted=7, acted_epoch="e1"), "e2") is None
+    # a bump in a stale epoch is ignored; a bump in a new one starts from its own generation
+    out = bump(GangRecord(generation=9, epoch="e1"), 1, node="a", reason="x", now=NOW, epoch="e2", spec=SPEC)
+    assert out is not None and out[0].generation == 2 and out[0].epoch == "e2"
+
+
+def test_barrier_releases_only_when_all_arrived_and_names_the_late() -> None:
+    expected = ("a2-4", "a2-5", "a2-6", "a2-7")
+    waiting = barrier_state(expected, {"a2-4", "a2-6", "a2-1"}, waited_s=30, timeout_s=300)
+    assert not waiting.released and waiting.missing == ("a2-5", "a2-7") and not waiting.overdue
+    late = barrier_state(expected, {"a2-4"}, waited_s=301, timeout_s=300)
+    assert late.overdue and "a2-5, a2-6, a2-7" in late.describe("decode0", 3, 301)
+    assert barrier_state(expected, set(expected), 0, 300).released
+
+
+def test_pause_and_redeploy_duties() -> None:
+    assert effective_pause(None, None) is None
+    p = effective_pause({"by": "alice", "at": 1}, {"by": "bob", "at": 2})
+    assert p is not None and p.by == "bob" and p.scope == "cluster"
+    rec = RedeployRecord("r1", "key not found", "a2-0", NOW)
+    assert redeploy_duty(rec, set()) == "stop"
+    assert redeploy_duty(RedeployRecord("r1", "", "", NOW, phase="done"), set()) == "start"
+    assert redeploy_duty(rec, {"r1"}) is None
+    assert may_wipe({"a", "b"}, {"a", "b"}, 1, 60) and not may_wipe({"a"}, {"a", "b"}, 1, 60)
+    assert may_wipe({"a"}, {"a", "b"}, 61, 60)
+    assert RedeployRecord.from_dict(rec.to_dict()) == rec
+
+
+def test_command_errors_name_what_is_wrong() -> None:
+    assert command_error({"action": "restart", "component": "vllm"}, ["vllm"]) is None
+    assert "unknown action 'kill'" in (command_error({"action": "kill", "component": "vllm"}, ["vllm"]) or "")
+    assert "unknown component 'x'" in (command_error({"action": "stop", "component": "x"}, ["vllm"]) or "")
