@@ -137,3 +137,50 @@ def test_errored_engine_fails_at_once(agent: LocalAgent) -> None:
     assert "liveness failed: engine errored: " in agent.log()
     # One failed result fails the role; the threshold would have waited for five.
     assert liveness_failures(agent) - before < FAILURE_THRESHOLD - 2
+
+
+def api(agent: LocalAgent, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    token = (agent.home / "token").read_text().strip()
+    request = urllib.request.Request(f"http://127.0.0.1:{agent.env['DSV4_API_PORT']}{path}",
+                                     json.dumps(body).encode() if body is not None else None,
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+                                     method=method)  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_planned_restart_under_load_drains_first(agent: LocalAgent) -> None:
+    agent.wait_all_up()
+    pid = agent.children()["vllm"]["pid"]
+    finished: list[int] = []
+    body = {"model": "dsv4", "messages": [{"role": "user", "content": "a short story"}], "max_tokens": 40,
+            "ignore_eos": True}  # ~4 s at one token per 0.1 s step
+
+    thread = threading.Thread(target=lambda: finished.append(post(vllm(agent, "/v1/chat/completions"), body, 60)))
+    thread.start()
+    wait_for("the request running", lambda: "1 request running" in liveness(agent)["last"]["detail"], 30)
+    assert api(agent, "POST", "/components/vllm/restart")[0] == 202
+    wait_for("draining", lambda: api(agent, "GET", "/status")[1]["components"]["vllm"]["state"] == "draining", 10)
+    status = api(agent, "GET", "/status")[1]["components"]["vllm"]
+    assert status["draining"]["running"] + status["draining"]["waiting"] == 1, status.get("draining")
+    assert api(agent, "GET", "/readyz")[0] == 503, "readiness goes false first: the balancer stops sending"
+    assert agent.children()["vllm"]["pid"] == pid
+    thread.join(60)
+    assert finished == [200], "the in-flight request completed before the stop"
+    replaced(agent, pid)
+    assert "[vllm] drained in" in agent.log()
+
+
+def test_no_drain_restarts_at_once_under_load(agent: LocalAgent) -> None:
+    agent.wait_all_up()
+    pid = agent.children()["vllm"]["pid"]
+    long_completion(vllm(agent, "/v1/chat/completions"))
+    wait_for("the request running", lambda: "1 request running" in liveness(agent)["last"]["detail"], 30)
+    began, mark = time.monotonic(), len(agent.log())
+    assert api(agent, "POST", "/components/vllm/restart", {"drain": False})[0] == 202
+    replaced(agent, pid)
+    assert time.monotonic() - began < 30
+    assert "draining (readiness off)" not in agent.log()[mark:]
