@@ -423,6 +423,10 @@ class VllmComponent(ComponentBase):
     """Which datasystem component's worker_port gives DS_WORKER_ADDR; default the only one."""
     stop_grace_s: float = Field(default=60.0, gt=0)
     """vLLM drains in-flight requests on SIGTERM."""
+    clean_slate_timeout_s: float = Field(default=90.0, gt=0)
+    """Before every start: how long to wait for no process on the NPUs and their HBM back to idle (device
+    memory takes ~50 s to come back after an engine exits). A timeout fails the start, never a duplicate."""
+    hbm_idle_tolerance_mb: int = Field(default=512, ge=0)
     drain_timeout_s: float = Field(default=120.0, ge=0)
     """Before a planned restart or stop (operator, reload, planned gang restart): readiness off, then wait up to
     this long for running and waiting requests to finish. 0: no drain. A failure restart never drains."""

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import errno
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -54,6 +55,8 @@ from nodeagent.residue_plan import (  # the plan's names are this module's API t
     WaitDevicesFree,
     WaitPortsFree,
     _joined,
+    hbm_dirty,
+    lower_baseline,
     match_reason,
 )
 
@@ -69,13 +72,15 @@ async def execute(plan: ResiduePlan) -> list[ActionOutcome]:
     outcomes = []
     for action in plan.actions:
         started = time.monotonic()
+        held = False
         try:
-            ok, detail = await _run(action, plan.roots)
+            ok, detail, *rest = await _run(action, plan.roots)
+            held = bool(rest and rest[0])
         except UnsafePathError as exc:
             ok, detail = False, str(exc)
         except Exception as exc:  # cleanup reports; the supervisor decides what a failure means
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        outcome = ActionOutcome(action, ok, detail, time.monotonic() - started)
+        outcome = ActionOutcome(action, ok, detail, time.monotonic() - started, held)
         outcomes.append(outcome)
         bound = log.bind(action=type(action).__name__, ok=ok, duration_s=round(outcome.duration_s, 3))
         line = f"{plan.scope} cleanup: {action.describe()}: {detail} ({outcome.duration_s:.2f}s)"
@@ -86,7 +91,7 @@ async def execute(plan: ResiduePlan) -> list[ActionOutcome]:
     return outcomes
 
 
-async def _run(action: ResidueAction, roots: Sequence[Path]) -> tuple[bool, str]:
+async def _run(action: ResidueAction, roots: Sequence[Path]) -> tuple[Any, ...]:
     if isinstance(action, RemoveFile):
         return _remove_file(action.path, roots)
     if isinstance(action, RemoveTree):
@@ -401,25 +406,52 @@ async def _wait_ports_free(action: WaitPortsFree) -> tuple[bool, str]:
         await asyncio.sleep(0.1)
 
 
-async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str]:
+async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
+    """(ok, detail, held): held = a process is still on an NPU after the timeout (not provably ours)."""
     tools = NpuTools.locate()
     if tools.missing is not None:
-        return True, f"skipped: {tools.missing}"
+        return True, f"skipped: {tools.missing}", False
+    baseline = _read_baseline(action.baseline_file)
     deadline = time.monotonic() + action.timeout_s
     while True:
         try:
-            processes = (await tools.info()).processes
+            info = await tools.info()
             failure = None
         except NpuToolError as exc:
-            processes, failure = (), str(exc)
-        if failure is None and not processes:
-            return True, "no process holds NPU memory"
+            info, failure = None, str(exc)
+        dirty: list[str] = []
+        if info is not None and not info.processes:
+            used = {c.npu: c.hbm_used_mb for c in info.chips if c.hbm_used_mb is not None}
+            dirty = hbm_dirty(used, baseline, action.tolerance_mb)
+            if not dirty:
+                _write_baseline(action.baseline_file, lower_baseline(used, baseline))
+                return True, "clean slate: no process on the NPUs, HBM at idle", False
         if time.monotonic() >= deadline:
             if failure is not None:
-                return False, failure
-            held = ", ".join(describe_process(p) for p in processes)
-            return False, f"still held after {action.timeout_s:g}s: {held}"
+                return False, failure, False
+            if info is not None and info.processes:
+                held = ", ".join(describe_process(p) for p in info.processes)
+                return False, f"still held after {action.timeout_s:g}s: {held}", True
+            return False, f"HBM not back to idle after {action.timeout_s:g}s: {'; '.join(dirty)}", False
         await asyncio.sleep(2.0)
+
+
+def _read_baseline(path: Path | None) -> dict[int, int]:
+    if path is None:
+        return {}
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return {int(k): int(v) for k, v in json.loads(path.read_text()).items()}
+    return {}
+
+
+def _write_baseline(path: Path | None, baseline: dict[int, int]) -> None:
+    if path is None or baseline == _read_baseline(path):
+        return
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({str(k): v for k, v in sorted(baseline.items())}))
+        os.replace(tmp, path)
 
 
 def _paths_in_use(folder: Path) -> set[str]:

@@ -153,12 +153,17 @@ class WaitPortsFree:
 
 @dataclass(frozen=True)
 class WaitDevicesFree:
-    """Wait until `npu-smi info` lists no process on any NPU; skipped where npu-smi does not exist."""
+    """The clean slate before a vLLM start: no process on any NPU, and each NPU's HBM usage back to its idle
+    baseline (within `tolerance_mb`), waited for up to `timeout_s` (device memory can take ~50 s to come back
+    after an engine exits). The baseline is the lowest usage seen with no process on the chip, kept in
+    `baseline_file`. Skipped where npu-smi does not exist."""
 
     timeout_s: float = DEVICE_TIMEOUT_S
+    baseline_file: Path | None = None
+    tolerance_mb: int = 512
 
     def describe(self) -> str:
-        return "wait for NPU memory to be free"
+        return "wait for a clean slate on the NPUs (no process, HBM back to idle)"
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,8 @@ class ActionOutcome:
     ok: bool
     detail: str
     duration_s: float
+    held: bool = False
+    """Not ok because of something that is not ours (a foreign process): hold the start, never kill."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -225,6 +232,20 @@ def archive_dir(name: str, config: Config) -> Path:
 def client_log_dir(comp: DatasystemComponent) -> Path:
     """DATASYSTEM_CLIENT_LOG_DIR, or the client library's default `~/.datasystem`."""
     return comp.client_log_dir if comp.client_log_dir is not None else Path.home() / ".datasystem"
+
+
+def hbm_dirty(used: Mapping[int, int], baseline: Mapping[int, int], tolerance_mb: int) -> list[str]:
+    """Chips whose HBM usage is not back to their idle baseline: `npu 3 HBM 41200 MB (idle 3162 + 512)`."""
+    return [f"npu {npu} HBM {mb} MB (idle {baseline[npu]} + {tolerance_mb})"
+            for npu, mb in sorted(used.items()) if npu in baseline and mb > baseline[npu] + tolerance_mb]
+
+
+def lower_baseline(used: Mapping[int, int], baseline: Mapping[int, int]) -> dict[int, int]:
+    """The idle baseline after seeing `used` with no process on the chips: the lowest usage yet."""
+    merged = dict(baseline)
+    for npu, mb in used.items():
+        merged[npu] = min(mb, merged.get(npu, mb))
+    return merged
 
 
 def own_log_files(name: str, comp: Any, config: Config) -> list[Path]:
@@ -317,7 +338,9 @@ def plan_start_cleanup(
             ]
     elif isinstance(component, VllmComponent):
         # Killed runs leave 160-250 MB psm_* segments each, and device memory frees only slowly.
-        actions += [WaitDevicesFree(), RemoveShmSegments()]
+        baseline = config.agent.state_dir / "npu-hbm-baseline.json"
+        actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb),
+                    RemoveShmSegments()]  # fmt: skip
     elif isinstance(component, EtcdComponent) and scope == "redeploy":
         if not wipe_etcd:
             notes.append(f"etcd data dir {component.data_dir} kept (no cluster-level wipe requested)")

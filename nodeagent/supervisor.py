@@ -226,7 +226,9 @@ class Supervisor:
                 raise StartHeld(f"{why} — not ours, never signalled; starting once it is free",
                                 functools.partial(residue.busy_ports_description, ports))  # fmt: skip
             if isinstance(action, residue_plan.WaitDevicesFree):
-                raise StartHeld(f"NPUs not free: {outcome.detail}")
+                if outcome.held:
+                    raise StartHeld(f"NPUs not free: {outcome.detail} — not ours, never signalled")
+                raise LaunchError(f"no clean slate on the NPUs: {outcome.detail}")
             self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
 
     async def prepare(self, comp: Component) -> None:

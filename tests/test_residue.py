@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -148,7 +149,7 @@ def test_vllm_plan_kills_orphans_and_cleans_devices_and_shm(tmp_path: Path) -> N
     assert ("DSV4_AGENT_COMPONENT", "vllm") in kill.match.env
     assert plan.actions[1:] == (
         WaitPortsFree((8080,)),
-        WaitDevicesFree(),
+        WaitDevicesFree(90.0, config.agent.state_dir / "npu-hbm-baseline.json", 512),
         RemoveShmSegments(("psm_*", "sem.mp-*"), Path("/dev/shm")),
         RemoveTree(component_dir(config, "vllm") / "tmp"),
     )
@@ -677,9 +678,30 @@ def test_wait_devices_free_reads_npu_smi(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     (busy,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0)))
     assert busy.ok is False and "pid 123456 VLLM::Worker_TP0 60012 MB" in busy.detail
+    assert busy.held, "a process left on an NPU after our cleanup is not ours: the start is held"
     (tmp_path / "info.txt").write_text(NPU_SMI_INFO.replace("| 0       0                 | 123456", "|"))
     (free,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0)))
     assert free.ok, free.detail
+
+
+def test_clean_slate_waits_for_hbm_back_to_its_idle_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine is gone but device memory comes back slowly: wait until each NPU is at its idle baseline."""
+    from ascend_fake import FAKE_BIN, FakeAscend
+
+    fake = FakeAscend(tmp_path / "ascend", {"npus": 2, "hbm_used_mb": 3162, "chips": {"1": {"hbm_used_mb": [
+        3100, 41000, 41000, 20000, 3300]}}})  # fmt: skip
+    for key, value in fake.env.items():
+        if key.startswith("ASCEND_FAKE"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", f"{FAKE_BIN}:{os.environ['PATH']}")
+    baseline = tmp_path / "state" / "npu-hbm-baseline.json"
+    (first,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=5, baseline_file=baseline)))
+    assert first.ok and json.loads(baseline.read_text()) == {"0": 3162, "1": 3100}
+    (late,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0, baseline_file=baseline)))
+    assert not late.ok and not late.held and "npu 1 HBM 41000 MB (idle 3100 + 512)" in late.detail
+    (later,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=10, baseline_file=baseline)))
+    assert later.ok, later.detail  # 41000 → 20000 → 3300: within the tolerance of its idle 3100
+    assert json.loads(baseline.read_text()) == {"0": 3162, "1": 3100}
 
 
 MAPPER = (
