@@ -423,6 +423,8 @@ def cmd_component(args: argparse.Namespace) -> int:
     body = {"drain": False} if getattr(args, "no_drain", False) else None
     answer = client.post(f"/components/{args.component}/{args.action}", body)
     message = answer.get("message") if isinstance(answer, dict) else None
+    if message == f"{args.action} {args.component}":
+        message = None
     if before is None:
         print(f"{args.action} {args.component}: accepted" + (f" — {message}" if message else ""))
         return 0
@@ -503,6 +505,45 @@ def cmd_npu(args: argparse.Namespace) -> int:
     for fault in npu.get("faults") or []:
         flag = ", overridden" if fault.get("overridden") else ""
         print(f"fault: {fault.get('message')} ({fault.get('level')}{flag})")
+    return 0
+
+
+def cmd_postmortem(args: argparse.Namespace) -> int:
+    """The failure bundles under state_dir/postmortem (read from disk: works while the agent is down)."""
+    from nodeagent.postmortem import list_bundles, read_bundle
+
+    root = read_light_config(args.config).state_dir / "postmortem"
+    if args.pm_command == "show":
+        if not args.bundle:
+            raise CliError("postmortem show needs a bundle id (nodeagentctl postmortem list)", EXIT_USAGE)
+        try:
+            manifest, output = read_bundle(root, args.bundle)
+        except KeyError as exc:
+            raise CliError(str(exc.args[0]), EXIT_UNKNOWN) from None
+        if args.json:
+            print(json.dumps({**manifest, "output": output}, indent=2, default=str))
+            return 0
+        failure = manifest.get("failure") or {}
+        print(f"{manifest['component']} ({manifest['kind']}) failed {time.ctime(manifest['at'])}: "
+              f"{failure.get('permanent') or failure.get('detail')}")
+        print(f"next: {manifest.get('decision')}")
+        print(f"command: {' '.join((manifest.get('command') or {}).get('argv') or [])[:300]}")
+        for proc in manifest.get("tree") or []:
+            print(f"  pid {proc.get('pid')} ({proc.get('status', '?')}): {proc.get('cmdline', '')[:120]}")
+        for name, size in (manifest.get("cores") or {}).items():
+            print(f"core dump: {name} ({size} bytes)")
+        print(f"files: {', '.join(manifest.get('files') or [])}")
+        print("--- last output ---")
+        print("\n".join(output.splitlines()[-args.lines:]))
+        return 0
+    bundles = list_bundles(root)
+    if args.json:
+        print(json.dumps(bundles, indent=2))
+        return 0
+    if not bundles:
+        print(f"no post-mortems in {root}")
+    for b in bundles:
+        print(f"{b['id']}  {b['component']:<12} {b['bytes'] / 1024:8.1f} KiB  {b['path']}")
     return 0
 
 
@@ -738,6 +779,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("resume", "end the maintenance pause", cmd_simple)
     add("detach", "the agent exits, leaving the stack running for the next agent to adopt", cmd_simple)
     add("reload", "re-read the config; restart only components whose command or environment changed", cmd_simple)
+    pm = add("postmortem", "failure bundles: list, or show ID (log tail, process tree, command, probes, cores)",
+             cmd_postmortem)  # fmt: skip
+    pm.add_argument("pm_command", nargs="?", choices=["list", "show"], default="list")
+    pm.add_argument("bundle", nargs="?", help="with show: a bundle id (or a unique prefix)")
+    pm.add_argument("-n", "--lines", type=_count, default=40, help="with show: last N lines of output (40)")
+    pm.add_argument("--json", action="store_true")
     npu = add("npu", "NPU/RoCE health as the agent sees it; `npu override [N]` starts vLLM despite a fault",
               cmd_npu)  # fmt: skip
     npu.add_argument("npu_command", nargs="?", choices=["status", "override"], default="status")

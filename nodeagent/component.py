@@ -117,9 +117,10 @@ class Component:
             outcome, detail, failure, drain = await self._supervise()
             if drain and failure is None:
                 await self._drain(detail)
-            await self.stop_process(detail)
+            evidence = self.host.capture(self, failure) if failure is not None else None
+            stopped = await self.stop_process(detail)
             if failure is not None:
-                await self._after_failure(failure)
+                await self._after_failure(failure, evidence, stopped.get("tree"))
             elif outcome == "restart":
                 self.restarts += 1
                 self._drain_queue({"restart"})
@@ -185,7 +186,8 @@ class Component:
                 self.last_exit = {"at": self.host.clock.time(), "reason": f"launch failed: {exc}", "code": None}
                 self.host.events.emit("launch_failed", str(exc), self.name, "error")
                 detail = str(exc) if what == "precheck" else f"launch failed: {exc}"
-                await self._after_failure(Failure(what, detail, output_tail=(str(exc),)))
+                failure = Failure(what, detail, output_tail=(str(exc),))
+                await self._after_failure(failure, self.host.capture(self, failure))
                 return False
             self.held = None
             self.started_at = self.proc.record.create_time
@@ -313,8 +315,9 @@ class Component:
             return self.host.output_tail(self, self.proc)
         return ()
 
-    async def stop_process(self, why: str) -> None:
-        """Stop this component's whole tree (if any) and forget it; dependents follow per their edges."""
+    async def stop_process(self, why: str) -> dict[str, Any]:
+        """Stop this component's whole tree (if any) and forget it; dependents follow per their edges.
+        Returns what the stop did, with the tree as it was (for a post-mortem)."""
         self.up.clear()
         self.ready = False
         self.host.on_going_down(self)
@@ -324,15 +327,18 @@ class Component:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
             result = await self.host.terminate(self, proc, why)
+            tree = result.pop("tree", [])
             self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
+            result["tree"] = tree
             self.host.on_process(self)
         self._set(State.STOPPED)
+        return result if proc is not None else {}
 
-    async def _after_failure(self, failure: Failure) -> None:
+    async def _after_failure(self, failure: Failure, evidence: Any = None, tree: Any = None) -> None:
         failure = classify(failure, self.failure, self.cfg.restart.quick_exit_s)
         self.failure = failure
-        await self.host.archive(self, failure)
         decision = self.host.decide(self, failure)
+        self.host.archive(self, failure, evidence, tree, decision)  # written off the crash path
         if decision is None:
             return
         self.restarts += 1

@@ -36,6 +36,7 @@ class StartGuards:
         self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
         self.npu.on_change.append(supervisor.poke)
         supervisor.probe_ctx.npu = self.npu
+        supervisor.npu_status = self.npu.status
         supervisor.gates.append(self.gate)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()

@@ -99,8 +99,12 @@ class ComponentHost(Protocol):
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
         """What a failure leads to; None: no automatic action (paused, held)."""
 
-    async def archive(self, comp: Component, failure: Failure) -> None:
-        """Keep the evidence of a failed run before anything cleans it up."""
+    def capture(self, comp: Component, failure: Failure) -> Any:
+        """What explains a failure, taken before anything is stopped or cleaned (fast: no file reads)."""
+
+    def archive(self, comp: Component, failure: Failure, evidence: Any, tree: Any,
+                decision: RestartDecision | None) -> None:  # fmt: skip
+        """Write the failure's post-mortem bundle in the background (off the crash path)."""
 
     def request_redeploy(self, reason: str) -> bool: ...
 

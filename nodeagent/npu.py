@@ -372,8 +372,11 @@ class NpuTools:
             raise NpuToolError(f"{name} not found")
         return tool
 
+    async def info_text(self) -> str:
+        return await self._run([self._need(self.npu_smi, "npu-smi"), "info"])
+
     async def info(self) -> NpuInfo:
-        return parse_npu_smi_info(await self._run([self._need(self.npu_smi, "npu-smi"), "info"]))
+        return parse_npu_smi_info(await self.info_text())
 
     async def health(self, npu: int, chip: int = 0) -> HealthDetail:
         argv = [self._need(self.npu_smi, "npu-smi"), "info", "-t", "health", "-i", str(npu), "-c", str(chip)]
@@ -452,3 +455,14 @@ def foreign_processes(processes: Iterable[NpuProcess], ours: set[int]) -> list[N
 
 def describe_process(proc: NpuProcess) -> str:
     return f"npu {proc.npu} pid {proc.pid} {proc.name} {proc.memory_mb} MB"
+
+
+async def npu_info_text() -> str | None:
+    """The raw `npu-smi info` page for a post-mortem; None where npu-smi is absent or fails."""
+    tools = NpuTools.locate()
+    if tools.missing is not None:
+        return None
+    try:
+        return await tools.info_text()
+    except NpuToolError as exc:
+        return f"npu-smi info failed: {exc}"

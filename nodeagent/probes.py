@@ -531,6 +531,7 @@ async def check_vllm_progress(
         return False, text, False
     if status != 200:
         return False, f"HTTP {status} from {base}/metrics (want 200)", False
+    monitor.last_metrics = (time.time(), text)
     try:
         verdict: Verdict = monitor.observe(at, parse_progress(text))
     except ProgressMetricsError as exc:

@@ -187,7 +187,8 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> di
     started = time.monotonic()
     tree = tree_of(record)
     if not tree:
-        return {"signalled": 0, "killed": 0, "elapsed_s": 0.0}
+        return {"signalled": 0, "killed": 0, "elapsed_s": 0.0, "tree": []}
+    seen = [_describe(p) for p in tree]
     main = [p for p in tree if p.pid == record.pid]
     rest = [p for p in tree if p.pid != record.pid]
     deadline = started + grace_s
@@ -212,7 +213,17 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> di
         )
         _signal(killed, signal.SIGKILL)
         await _wait_gone(killed, time.monotonic() + 10)
-    return {"signalled": len(tree), "killed": len(killed), "elapsed_s": round(time.monotonic() - started, 3)}
+    return {"signalled": len(tree), "killed": len(killed), "elapsed_s": round(time.monotonic() - started, 3),
+            "tree": seen}
+
+
+def _describe(proc: psutil.Process) -> dict[str, object]:
+    """A process as it was before the stop (for a failure's post-mortem)."""
+    info: dict[str, object] = {"pid": proc.pid}
+    with contextlib.suppress(psutil.Error), proc.oneshot():
+        info.update(ppid=proc.ppid(), status=proc.status(), cmdline=" ".join(proc.cmdline())[:300],
+                    rss_bytes=proc.memory_info().rss)  # fmt: skip
+    return info
 
 
 _DSCLI_PID = re.compile(r"Starting worker service with PID: (\d+)|success, PID: (\d+)")

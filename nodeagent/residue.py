@@ -41,7 +41,6 @@ from nodeagent.pathsafety import (
 from nodeagent.residue_plan import (  # the plan's names are this module's API too
     KILL_CONFIRM_S,
     ActionOutcome,
-    ArchiveEvidence,
     ArchiveThenRemove,
     KillProcesses,
     ProcessMatch,
@@ -98,8 +97,6 @@ async def _run(action: ResidueAction, roots: Sequence[Path]) -> tuple[Any, ...]:
         return await asyncio.to_thread(_remove_tree, action.path, roots)
     if isinstance(action, ArchiveThenRemove):
         return await asyncio.to_thread(_archive_then_remove, action, roots)
-    if isinstance(action, ArchiveEvidence):
-        return await asyncio.to_thread(_archive_evidence, action)
     if isinstance(action, KillProcesses):
         return await asyncio.to_thread(_kill_processes, action)
     if isinstance(action, WaitPortsFree):
@@ -191,18 +188,6 @@ def _walk_files(src: Path) -> list[Path]:
     if src.is_symlink() or src.is_file():
         return [src]
     return [Path(d) / n for d, _, names in os.walk(src) for n in sorted(names)]
-
-
-def _archive_evidence(action: ArchiveEvidence) -> tuple[bool, str]:
-    files = [f for src in action.paths if os.path.lexists(src) for f in _walk_files(src)]
-    if not files:
-        return True, "nothing to archive"
-    try:
-        archive, count = _write_archive(action.archive_dir, action.reason, files, Path("/"))
-    except OSError as exc:
-        return False, f"archive failed: {exc}"
-    pruned = _prune_archives(action.archive_dir, action.keep)
-    return True, f"archived {count} files to {archive}" + (f", pruned {len(pruned)} old" if pruned else "")
 
 
 def _write_archive(archive_dir: Path, reason: str, files: list[Path], base: Path) -> tuple[Path, int]:

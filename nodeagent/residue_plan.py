@@ -1,7 +1,7 @@
 """What a dead run leaves behind, as a pure plan (DESIGN §5, §10): config in, typed actions out.
 
 `plan_start_cleanup` lists what to remove, kill and wait for before a (re)start or a node redeploy;
-`plan_failure_evidence` what to archive after a failure. `residue.execute` carries a plan out.
+`residue.execute` carries a plan out. (A failure's evidence is a post-mortem bundle: postmortem.py.)
 """
 
 from __future__ import annotations
@@ -121,19 +121,6 @@ class ArchiveThenRemove:
 
 
 @dataclass(frozen=True)
-class ArchiveEvidence:
-    """Archive the logs of a failed run, leaving them in place (a failure's evidence is not residue)."""
-
-    paths: tuple[Path, ...]
-    archive_dir: Path
-    keep: int = 10
-    reason: str = "failure"
-
-    def describe(self) -> str:
-        return f"archive {', '.join(str(p) for p in self.paths)} to {self.archive_dir}"
-
-
-@dataclass(frozen=True)
 class KillProcesses:
     match: ProcessMatch
     grace_s: float = 10.0
@@ -182,7 +169,6 @@ ResidueAction = (
     RemoveFile
     | RemoveTree
     | ArchiveThenRemove
-    | ArchiveEvidence
     | KillProcesses
     | WaitPortsFree
     | WaitDevicesFree
@@ -352,18 +338,6 @@ def plan_start_cleanup(
         notes.append("wipe_etcd ignored: only a redeploy wipes etcd")
     actions.append(RemoveTree(component_tmpdir(name, config)))
     return ResiduePlan(name, scope, tuple(actions), tuple(residue_roots(config)), tuple(notes))
-
-
-def plan_failure_evidence(name: str, component: Any, config: Config, reason: str) -> ResiduePlan:
-    """After a failure, before cleanup: archive what explains it — the component's log file (journald keeps
-    its own copy under systemd) and, for the datasystem worker, its own logs folder."""
-    from nodeagent.logsink import log_path
-
-    paths = [log_path(config.agent.log_dir, name)]
-    if isinstance(component, DatasystemComponent):
-        paths.append(component_workdir(name, component, config) / "datasystem" / "logs")
-    action = ArchiveEvidence(tuple(paths), archive_dir(name, config), config.agent.archive_keep, reason)
-    return ResiduePlan(name, "failure", (action,), tuple(residue_roots(config)), ())
 
 
 def residue_roots(config: Config) -> list[Path]:

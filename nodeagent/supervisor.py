@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,8 +29,10 @@ from nodeagent.graph import start_order
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
 from nodeagent.metrics import vllm_metrics_urls
+from nodeagent.npu import npu_info_text
 from nodeagent.output_tail import read_tail
 from nodeagent.policy import Intent, RestartDecision, hold_for_dependency, may_act, restarts_with
+from nodeagent.postmortem import Evidence, write_bundle
 from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
@@ -61,6 +64,8 @@ class Supervisor:
         self._gate_poked = asyncio.Event()
         self.deciders: list[Decider] = []
         self.command_hooks: list[CommandHook] = []
+        self.npu_status: Callable[[], dict[str, Any]] | None = None
+        """The NPU monitor's view, for post-mortems (set by the start guards)."""
         self.cluster_pause: dict[str, Any] | None = None
         """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
         active = config.active_components()
@@ -137,6 +142,8 @@ class Supervisor:
         self._gate_poked = asyncio.Event()
         self.deciders: list[Decider] = []
         self.command_hooks: list[CommandHook] = []
+        self.npu_status: Callable[[], dict[str, Any]] | None = None
+        """The NPU monitor's view, for post-mortems (set by the start guards)."""
         self.cluster_pause: dict[str, Any] | None = None
         """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
 
@@ -397,10 +404,58 @@ class Supervisor:
                 if comp.up.is_set() and not comp.cfg.probes.liveness:
                     self.policy_healthy(comp)
 
-    async def archive(self, comp: Component, failure: Failure) -> None:
-        detail = failure.detail
-        reason = detail.split(":", 1)[0].split("(", 1)[0].strip().replace(" ", "-") or "failure"
-        await residue.execute(residue_plan.plan_failure_evidence(comp.name, comp.cfg, self.config, reason))
+    def capture(self, comp: Component, failure: Failure) -> Evidence:
+        """The in-memory part of the post-mortem, before anything is stopped or cleaned."""
+        command: dict[str, Any] = {}
+        with contextlib.suppress(TypeError, ValueError):
+            command = json.loads(comp.fingerprint or "{}")
+        log_file = logsink.log_path(self.config.agent.log_dir, comp.name)
+        log_range = None
+        start = comp.proc.extra.get("log_offset") if comp.proc is not None else None
+        if start is not None:
+            with contextlib.suppress(OSError):
+                log_range = (int(start), log_file.stat().st_size)
+        metrics = None
+        if comp.prober is not None:
+            for states in comp.prober.states.values():
+                for state in states:
+                    metrics = getattr(state, "last_metrics", None) or metrics
+        events = [e.to_dict() for e in self.events.recent if e.component == comp.name][-40:]
+        own = residue_plan.own_log_files(comp.name, comp.cfg, self.config)
+        return Evidence(
+            component=comp.name, kind=comp.kind, at=self.clock.time(), failure=failure.to_dict(),
+            probes=comp.prober.snapshot() if comp.prober is not None else {}, events=events, command=command,
+            log_file=str(log_file), log_range=log_range, output_tail=list(self._tail_now(comp)), metrics=metrics,
+            npu=self.npu_status() if self.npu_status is not None else None,
+            core_dirs=[command["cwd"]] if command.get("cwd") else [],
+            extra_files=[str(own[0].parent)] if own else [],
+        )  # fmt: skip
+
+    def _tail_now(self, comp: Component) -> tuple[str, ...]:
+        with contextlib.suppress(Exception):
+            if comp.proc is not None:
+                return self.output_tail(comp, comp.proc)
+        return ()
+
+    def archive(self, comp: Component, failure: Failure, evidence: Evidence | None, tree: Any,
+                decision: RestartDecision | None) -> None:  # fmt: skip
+        if evidence is None:
+            return
+        evidence.failure = failure.to_dict()
+        evidence.tree = list(tree or [])
+        evidence.decision = "no automatic action" if decision is None else (
+            f"{decision.action} in {decision.delay_s:.0f}s: {decision.reason}")  # fmt: skip
+        self._keep(asyncio.create_task(self._write_postmortem(comp.name, evidence), name=f"postmortem:{comp.name}"))
+
+    async def _write_postmortem(self, name: str, evidence: Evidence) -> None:
+        try:
+            npu_text = await npu_info_text()
+            path = await write_bundle(evidence, self.config.agent.state_dir / "postmortem" / name,
+                                      self.config.agent.archive_keep, npu_text)  # fmt: skip
+        except Exception as exc:  # evidence is best effort: it must never take the agent down
+            self.events.emit("postmortem_failed", f"cannot write the post-mortem: {exc}", name, "warning")
+            return
+        self.events.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written", name, path=str(path))
 
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
         hold = self.dependency_hold(comp)

@@ -153,6 +153,8 @@ class ProgressMonitor:
         self._last_at: float | None = None
         self.canary_failures = 0
         """Failed canaries in a row, for the detail (the prober's tracker does the counting that acts)."""
+        self.last_metrics: tuple[float, str] | None = None
+        """(wall time, text) of the last /metrics page read: a failure's post-mortem includes it."""
 
     def canary_result(self, ok: bool) -> int:
         """Record the canary's outcome; returns the failures in a row."""

@@ -51,7 +51,7 @@ class FakeProbes:
         self.ok = True
         self.runs = 0
 
-    async def run(self, probe: Any) -> ProbeResult:
+    async def run(self, probe: Any, state: Any = None) -> ProbeResult:
         self.runs += 1
         await asyncio.sleep(0.001)
         return ProbeResult(self.ok, "fake ok" if self.ok else "fake failure", 0.0, probe.kind, time.time())
@@ -70,6 +70,7 @@ class Rig:
         self.live: dict[str, Process] = {}
         self.missing: str | None = None
         self.redeploys: list[tuple[str, float]] = []
+        self.evidence: list[tuple[str, Any, Any]] = []
         sup.prepare = self.prepare  # type: ignore[method-assign]
         sup.launch = self.launch  # type: ignore[method-assign]
         sup.terminate = self.terminate  # type: ignore[method-assign]
@@ -95,8 +96,8 @@ class Rig:
             proc.exited.set_result(-15)
         return {"signalled": 1, "killed": 0, "elapsed_s": 0.0}
 
-    async def archive(self, comp: Any, failure: Any) -> None:
-        pass
+    def archive(self, comp: Any, failure: Any, evidence: Any, tree: Any, decision: Any) -> None:
+        self.evidence.append((comp.name, evidence, decision))
 
     def request_redeploy(self, reason: str) -> bool:
         self.redeploys.append((reason, self.clock.now))

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -69,7 +70,21 @@ def replaced(agent: LocalAgent, name: str, old_pid: int, timeout: float = 60) ->
 
 
 def archives(agent: LocalAgent, name: str) -> list[Path]:
+    """What residue cleanup archived before removing (a redeploy's worker folder)."""
     return sorted((agent.state_dir / "archive" / name).glob("*.tar.gz"))
+
+
+def postmortems(agent: LocalAgent, name: str) -> list[Path]:
+    """The failure bundles, written in the background once the replacement started."""
+    return sorted((agent.state_dir / "postmortem" / name).glob("*.tar.gz"))
+
+
+def bundle(agent: LocalAgent, name: str) -> dict[str, Any]:
+    path = wait_for(f"{name} post-mortem", lambda: postmortems(agent, name), 60)[-1]
+    with tarfile.open(path) as tar:
+        names = tar.getnames()
+        manifest = json.load(tar.extractfile(next(n for n in names if n.endswith("manifest.json"))))  # type: ignore[arg-type]
+    return {"names": names, "manifest": manifest}
 
 
 def single_instance(agent: LocalAgent) -> None:
@@ -106,11 +121,10 @@ def test_sigstop_worker_goes_stale_and_is_replaced_while_vllm_keeps_serving(agen
     log = agent.log()[mark:]
     assert "liveness file" in log and "[datasystem] liveness failed" in log
     assert "dependency datasystem restarts" not in log
-    evidence = archives(agent, "datasystem")
-    assert evidence, "the failed run's logs must be archived"
-    with tarfile.open(evidence[-1]) as tar:
-        names = tar.getnames()
-    assert any("datasystem/logs" in n for n in names), names
+    pm = bundle(agent, "datasystem")
+    assert any("/logs/datasystem_worker" in n for n in pm["names"]), pm["names"]
+    assert pm["manifest"]["failure"]["what"] == "liveness"
+    assert any(p["status"] == "stopped" for p in pm["manifest"]["tree"]), "the tree as it was: SIGSTOPped"
     single_instance(agent)
 
 
@@ -120,7 +134,12 @@ def test_hung_vllm_is_caught_although_health_says_200(agent: LocalAgent) -> None
     assert http(vllm_url(agent, "/health"))[0] == 200, "vLLM's /health does not see a hung engine"
     replaced(agent, "vllm", old)
     assert "[vllm] liveness failed" in agent.log()
-    assert archives(agent, "vllm")
+    pm = bundle(agent, "vllm")
+    manifest = pm["manifest"]
+    assert manifest["command"]["argv"][1] == "serve" and "PYTHONHASHSEED" in manifest["command"]["env"]
+    assert any(n.endswith("/metrics.txt") for n in pm["names"]), "the last /metrics scrape"
+    assert any("VLLM::EngineCore" in p.get("cmdline", "") for p in manifest["tree"]), manifest["tree"]
+    assert manifest["probes"]["roles"]["liveness"]["status"] == "failure"
 
 
 def test_sigstop_vllm_api_server_is_replaced_and_its_tree_stopped(agent: LocalAgent) -> None:
