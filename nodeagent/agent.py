@@ -146,7 +146,7 @@ class Agent:
         self.mqtt = MqttPublisher(self.config, self.supervisor, started_at=self.started_at)
         self.mqtt.start()
         if api is not None and api.api is not None:
-            api.api.agent_metrics.registry.register(self.mqtt)  # type: ignore[arg-type]
+            api.api.agent_metrics.attach_mqtt(self.mqtt)
 
     async def stop_mqtt(self) -> None:
         if self.mqtt is not None:

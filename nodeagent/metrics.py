@@ -350,6 +350,10 @@ class AgentMetrics:
         """Export the node's NPU health (read at scrape time from the monitor's last poll)."""
         self.registry.register(_NpuCollector(monitor))
 
+    def attach_mqtt(self, publisher: Any) -> None:
+        """Export the MQTT link's counters (`nodeagent.mqtt.MqttPublisher.collect`, read at scrape time)."""
+        self.registry.register(publisher)
+
     def generate(self) -> bytes:
         return generate_latest(self.registry)
 
