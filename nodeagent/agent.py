@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
@@ -22,6 +23,10 @@ from nodeagent.config import load_config
 from nodeagent.config_model import Config
 from nodeagent.errors import AgentError, ConfigError
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
+
+if TYPE_CHECKING:
+    from nodeagent.api import ApiServer
+    from nodeagent.mqtt import MqttPublisher
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 LOCK_HANDOVER_S = 30.0
@@ -42,15 +47,18 @@ def status_line(status: dict) -> str:
 
 class Agent:
     def __init__(self, config: Config, config_path: Path, force: bool = False) -> None:
+        from nodeagent.events import EventBus
         from nodeagent.guards import StartGuards
         from nodeagent.sdnotify import Notifier
         from nodeagent.supervisor import Supervisor
 
         self.config = config
         self.config_path = config_path
-        self.supervisor = Supervisor(config)
+        # The event number carries on across agent restarts: a subscriber that sees a gap missed events.
+        self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"))
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
         self.guards = StartGuards(self.supervisor, mode)
+        self.mqtt: MqttPublisher | None = None
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
         self.detach = False
@@ -94,8 +102,9 @@ class Agent:
                 raise
             finally:
                 self.notifier.ready()
-            if config.agent.api != self.config.agent.api:
-                logger.warning("agent.api changed: the API keeps its address and token until the agent restarts")
+            for key in ("api", "mqtt"):
+                if getattr(config.agent, key) != getattr(self.config.agent, key):
+                    logger.warning(f"agent.{key} changed: it takes effect when the agent restarts")
             self.config = config
             logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}")
             return dict(result)
@@ -127,6 +136,21 @@ class Agent:
             self.notifier.watchdog()
             self._publish_status()
             await asyncio.sleep(period)
+
+    def start_mqtt(self, api: ApiServer | None = None) -> None:
+        """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""
+        if self.config.agent.mqtt is None or self.mqtt is not None:
+            return
+        from nodeagent.mqtt import MqttPublisher
+
+        self.mqtt = MqttPublisher(self.config, self.supervisor, started_at=self.started_at)
+        self.mqtt.start()
+        if api is not None and api.api is not None:
+            api.api.agent_metrics.attach_mqtt(self.mqtt)
+
+    async def stop_mqtt(self) -> None:
+        if self.mqtt is not None:
+            await self.mqtt.close("detached" if self.detach else "stopped")
 
     async def run(self) -> int:
         # The lock first: a second agent on this state dir must touch nothing (not even the API's token file).
@@ -162,6 +186,7 @@ class Agent:
         assert self.lock is not None
         self.lock.update({"phase": "running"})
         try:
+            self.start_mqtt(api)
             self.supervisor.on_state_change.append(self._publish_status)
             self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "
                                         f"({self.config.node.role}), config {self.config_path}")
@@ -172,13 +197,17 @@ class Agent:
             heartbeat = asyncio.create_task(self._heartbeat())
             await self.stop_requested.wait()
             self.notifier.stopping()
+            if self.mqtt is not None:
+                self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
             self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
             # The API keeps answering (status, events) while the stack drains.
             await self.guards.close()
             await self.supervisor.shutdown(detach=self.detach)
+            await self.stop_mqtt()
         finally:
             await api.close()
+            self.supervisor.events.close()
         return 0
 
 

@@ -34,6 +34,7 @@ from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
     from nodeagent.guards import StartGuards
+    from nodeagent.mqtt import MqttPublisher
     from nodeagent.supervisor import Supervisor
 
 MAX_BODY = 64 * 1024
@@ -53,6 +54,7 @@ class Controller(Protocol):
     config: Config
     started_at: float
     guards: StartGuards
+    mqtt: MqttPublisher | None
 
     @property
     def stopping(self) -> bool: ...
@@ -307,6 +309,8 @@ class Api:
             "journal": self.journal,
         }  # fmt: skip
         data.update(self.ctl.guards.status())
+        if self.ctl.mqtt is not None:
+            data["mqtt"] = self.ctl.mqtt.view()
         return json_response(data)
 
     async def preflight(self, request: web.Request) -> web.Response:

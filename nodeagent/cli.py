@@ -330,6 +330,16 @@ def _note(comp: dict[str, Any]) -> str:
     return "; ".join(notes)
 
 
+def format_mqtt(mqtt: dict[str, Any], now: float) -> str:
+    """`mqtt: connected to mqtt://h:1883 · queued 0 · dropped 0` or `mqtt: DISCONNECTED from ...: <error> · ...`."""
+    if mqtt.get("connected"):
+        since = mqtt.get("connected_since")
+        link = f"connected to {mqtt.get('broker')}" + (f" for {human_duration(now - since)}" if since else "")
+    else:
+        link = f"DISCONNECTED from {mqtt.get('broker')}: {mqtt.get('last_error') or 'connecting'}"
+    return f"mqtt: {link} · queued {mqtt.get('queued', 0)} · dropped {mqtt.get('dropped', 0)}"
+
+
 def format_status(data: dict[str, Any], now: float | None = None) -> str:
     now = time.time() if now is None else now
     node, agent = data.get("node", {}), data.get("agent", {})
@@ -345,6 +355,8 @@ def format_status(data: dict[str, Any], now: float | None = None) -> str:
         flags.append(f"NODE FAILED: {policy.get('failed_reason')}")
     if agent.get("stopping"):
         flags.append("AGENT STOPPING")
+    if data.get("mqtt"):
+        flags.append(format_mqtt(data["mqtt"], now))
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",

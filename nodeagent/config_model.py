@@ -12,6 +12,7 @@ import os
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -73,8 +74,22 @@ def default_node_ip() -> str:
     return "127.0.0.1"
 
 
+def _topic_safe_name(value: str) -> str:
+    """Cluster and node names are one level of etcd keys and MQTT topics: no `/`, no MQTT wildcards."""
+    if not value:
+        raise ValueError("must not be empty")
+    bad = sorted({c for c in value if c in "/+#\0"})
+    if bad:
+        raise ValueError(f"must not contain {' '.join(repr(c) for c in bad)}: it is one level of etcd keys and "
+                         "MQTT topics")
+    return value
+
+
+TopicSafeName = Annotated[str, AfterValidator(_topic_safe_name)]
+
+
 class ClusterConfig(Strict):
-    name: str = "local"
+    name: TopicSafeName = "local"
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
 
 
@@ -99,6 +114,92 @@ class ApiConfig(Strict):
         return split_listen(self.listen)[1]
 
 
+MQTT_SCHEMES = {"mqtt": 1883, "mqtts": 8883}
+
+
+def _parse_mqtt_url(value: str) -> str:
+    try:
+        url = urlsplit(value)
+        port = url.port
+    except ValueError as exc:
+        raise ValueError(f"not a broker URL ({exc}): {value!r}") from None
+    if url.scheme not in MQTT_SCHEMES or not url.hostname:
+        raise ValueError(f"must be mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
+    if url.username is not None or url.password is not None:
+        raise ValueError("no credentials in the URL: use username and password_file")
+    if url.path not in ("", "/") or url.query or url.fragment:
+        raise ValueError(f"nothing may follow HOST:PORT in the broker URL, got {value!r}")
+    if port == 0:
+        raise ValueError(f"port must be 1-65535, got {value!r}")
+    return value
+
+
+def _topic_prefix(value: str) -> str:
+    levels = value.split("/")
+    if not value or any(not level for level in levels) or any(c in value for c in "+#\0"):
+        raise ValueError(f"must be topic levels like 'dsv4' or 'site/dsv4' (no empty level, no '+' or '#'), "
+                         f"got {value!r}")
+    return value
+
+
+class MqttConfig(Strict):
+    """Publish status, events and cache hit rates to the monitoring system's broker. Absent: no MQTT at all.
+
+    Topics: `<topic_prefix>/<cluster.name>/<node.name>/{status,events,cache}` (see nodeagent/mqtt.py)."""
+
+    url: Annotated[str, AfterValidator(_parse_mqtt_url)]
+    """mqtt://HOST[:1883] or mqtts://HOST[:8883] (TLS, verified against ca_file or the system CAs)."""
+    username: str | None = None
+    password_file: ConfigPath | None = None
+    """Read at every connection attempt, so it may be root-only (0600) and rotated without a restart."""
+    client_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """Default: dsv4-agent-<cluster>-<node>."""
+    topic_prefix: Annotated[str, AfterValidator(_topic_prefix)] = "dsv4"
+    qos: Literal[0, 1, 2] = 1
+    """For status and events; cache rates go out with QoS 0 (the next scrape replaces them)."""
+    ca_file: ConfigPath | None = None
+    keepalive_s: int = Field(default=15, ge=2, le=65535)
+    """A broker that stops answering is noticed within about twice this."""
+    timeout_s: float = Field(default=5.0, gt=0, le=300)
+    """How long a connection attempt or one acknowledgement may take before the connection counts as lost."""
+    buffer: int = Field(default=10000, ge=10, le=10_000_000)
+    """Events kept for the broker while it is unreachable; past it the oldest are dropped (and counted)."""
+    status_interval_s: float = Field(default=30.0, gt=0)
+    """The retained status is republished at least this often (and on every change)."""
+    cache_interval_s: float = Field(default=15.0, gt=0)
+    """How often vLLM's /metrics is scraped for the `cache` topic."""
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    """Reconnect backoff: 1 s, doubling, capped here."""
+
+    @field_validator("password_file")
+    @classmethod
+    def _password_needs_user(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and not info.data.get("username"):
+            raise ValueError("a password needs a username (set agent.mqtt.username)")
+        return value
+
+    @field_validator("ca_file")
+    @classmethod
+    def _ca_needs_tls(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        url = info.data.get("url")
+        if value is not None and url is not None and not url.startswith("mqtts://"):
+            raise ValueError("a CA file is for TLS: use an mqtts:// url")
+        return value
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("mqtts://")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        url = urlsplit(self.url)
+        return url.port or MQTT_SCHEMES[url.scheme]
+
+
 class AgentSettings(Strict):
     preflight: Literal["enforce", "warn", "off"] = "enforce"
     """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
@@ -117,6 +218,7 @@ class AgentSettings(Strict):
     it. auto = when systemd is PID 1 and systemd-run exists."""
     residue_roots: list[ConfigPath] = Field(default_factory=list)
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
+    mqtt: MqttConfig | None = None
 
 
 class ProbeBase(Strict):
@@ -240,7 +342,7 @@ ProbeSpec = Annotated[
 
 
 class NodeConfig(Strict):
-    name: str = Field(default_factory=_default_node_name)
+    name: TopicSafeName = Field(default_factory=_default_node_name)
     ip: str = Field(default_factory=default_node_ip)
     role: Literal["master", "worker"] = "master"
     nic_name: str | None = None

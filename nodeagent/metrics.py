@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 
 from nodeagent import __version__
-from nodeagent.cachehit import CacheCounters, CacheMetricsError, compute_table, parse_cache_counters
+from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.states import State
 
 if TYPE_CHECKING:
@@ -216,27 +216,23 @@ class _NpuCollector:
         yield from npu_families(self.monitor)
 
 
-class AgentMetrics:
-    """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
+class VllmCacheScraper:
+    """Scrapes each up vLLM's /metrics and keeps its hit rates over the window since this scraper's last scrape.
 
-    def __init__(self, supervisor: Supervisor, started_at: float | None = None,
-                 vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+    Each consumer (Prometheus' /metrics, the MQTT `cache` topic) has its own, so one's windows never shorten
+    the other's.
+    """
+
+    def __init__(self, supervisor: Supervisor, vllm_urls: dict[str, str] | None = None) -> None:
         self.supervisor = supervisor
-        self.started_at = started_at if started_at is not None else time.time()
         self._fixed_urls = vllm_urls
-        self.registry = CollectorRegistry()
-        labels = ["component", "role", "kind"]
-        self.probe_duration = Histogram("dsv4_probe_duration_seconds", "How long each probe took.", labels,
-                                        buckets=PROBE_BUCKETS, registry=self.registry)  # fmt: skip
-        self.probe_failures = Counter("dsv4_probe_failures", "Probe runs that failed.", labels, registry=self.registry)
-        ProcessCollector(namespace="dsv4_agent", registry=self.registry)
-        self.registry.register(_StackCollector(self))
-        supervisor.on_probe_result.append(self.observe_probe)
         self._session: aiohttp.ClientSession | None = None
         self._prev: dict[str, dict[str, CacheCounters]] = {}
-        self._rows: dict[str, list[Any]] = {}
-        self._scrape_ok: dict[str, bool] = {}
-        self._scrape_s: dict[str, float] = {}
+        self.rows: dict[str, list[CacheRates]] = {}
+        """Component → one row per engine plus the `all` row, from the latest successful scrape."""
+        self.scrape_ok: dict[str, bool] = {}
+        self.scrape_s: dict[str, float] = {}
+        """URL → how long its latest scrape took."""
 
     @property
     def vllm_urls(self) -> dict[str, str]:
@@ -245,17 +241,10 @@ class AgentMetrics:
             return self._fixed_urls
         return vllm_metrics_urls({name: comp.cfg for name, comp in self.supervisor.components.items()})
 
-    def observe_probe(self, component: str, role: str, result: Any) -> None:
-        """Supervisor.on_probe_result callback: cheap, synchronous."""
-        labels = (component, role, result.kind)
-        self.probe_duration.labels(*labels).observe(max(0.0, result.latency_s))
-        if not result.ok:
-            self.probe_failures.labels(*labels).inc()
-
-    async def refresh_vllm(self) -> None:
+    async def refresh(self) -> None:
         """Scrape each up vLLM's /metrics (short timeout) and compute hit rates over the window since last time.
 
-        A vLLM that is not up yet (loading for half an hour) is not asked; its ratio series disappear.
+        A vLLM that is not up yet (loading for half an hour) is not asked; its rows disappear.
         """
         jobs, urls = {}, self.vllm_urls
         for name, url in urls.items():
@@ -263,8 +252,8 @@ class AgentMetrics:
             if comp is not None and comp.up.is_set():
                 jobs[name] = self._scrape(url)
             else:
-                self._rows.pop(name, None)
-                self._scrape_ok.pop(name, None)
+                self.rows.pop(name, None)
+                self.scrape_ok.pop(name, None)
         if not jobs:
             return
         results = await asyncio.gather(*jobs.values(), return_exceptions=True)
@@ -272,15 +261,15 @@ class AgentMetrics:
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception):
                     raise result
-                self._scrape_ok[name] = False
-                self._rows.pop(name, None)
+                self.scrape_ok[name] = False
+                self.rows.pop(name, None)
                 logger.debug(f"[{name}] metrics scrape failed: {result}")
                 continue
-            self._scrape_ok[name] = True
+            self.scrape_ok[name] = True
             if not result:
-                self._rows.pop(name, None)
+                self.rows.pop(name, None)
                 continue
-            self._rows[name] = compute_table(self._prev.get(name), result)
+            self.rows[name] = compute_table(self._prev.get(name), result)
             self._prev[name] = result
 
     async def _scrape(self, url: str) -> dict[str, CacheCounters]:
@@ -295,27 +284,60 @@ class AgentMetrics:
                     raise CacheMetricsError(f"{url}: HTTP {response.status}")
                 text = await response.text(errors="replace")
         finally:
-            self._scrape_s[url] = time.monotonic() - began
+            self.scrape_s[url] = time.monotonic() - began
         return parse_cache_counters(text)
 
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class AgentMetrics:
+    """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
+
+    def __init__(self, supervisor: Supervisor, started_at: float | None = None,
+                 vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.supervisor = supervisor
+        self.started_at = started_at if started_at is not None else time.time()
+        self.registry = CollectorRegistry()
+        labels = ["component", "role", "kind"]
+        self.probe_duration = Histogram("dsv4_probe_duration_seconds", "How long each probe took.", labels,
+                                        buckets=PROBE_BUCKETS, registry=self.registry)  # fmt: skip
+        self.probe_failures = Counter("dsv4_probe_failures", "Probe runs that failed.", labels, registry=self.registry)
+        ProcessCollector(namespace="dsv4_agent", registry=self.registry)
+        self.registry.register(_StackCollector(self))
+        supervisor.on_probe_result.append(self.observe_probe)
+        self.cache = VllmCacheScraper(supervisor, vllm_urls)
+
+    def observe_probe(self, component: str, role: str, result: Any) -> None:
+        """Supervisor.on_probe_result callback: cheap, synchronous."""
+        labels = (component, role, result.kind)
+        self.probe_duration.labels(*labels).observe(max(0.0, result.latency_s))
+        if not result.ok:
+            self.probe_failures.labels(*labels).inc()
+
+    async def refresh_vllm(self) -> None:
+        await self.cache.refresh()
+
     def vllm_families(self) -> Iterator[Metric]:
-        urls = self.vllm_urls
+        urls = self.cache.vllm_urls
         if not urls:
             return
         ok = GaugeMetricFamily("dsv4_vllm_metrics_scrape_ok", "1 if the last scrape of vLLM's /metrics worked.",
                                labels=["component"])  # fmt: skip
         took = GaugeMetricFamily("dsv4_vllm_metrics_scrape_duration_seconds", "How long that scrape took.",
                                  labels=["component"])  # fmt: skip
-        for name, good in self._scrape_ok.items():
+        for name, good in self.cache.scrape_ok.items():
             ok.add_metric([name], float(good))
-            took.add_metric([name], self._scrape_s.get(urls.get(name, ""), 0.0))
+            took.add_metric([name], self.cache.scrape_s.get(urls.get(name, ""), 0.0))
         ratio = GaugeMetricFamily(
             "dsv4_vllm_cache_hit_ratio",
             "vLLM prefix-cache hit ratio (0..1) like watch_cache_hit_rate.sh: local/ext _total since vLLM started, "
             "_win since the agent's previous scrape, eff_total = (local+ext hits)/local queries.",
             labels=["component", "engine", "kind"],
         )
-        for name, rows in self._rows.items():
+        for name, rows in self.cache.rows.items():
             for rates in rows:
                 engine = rates.counters.engine
                 for kind in RATIO_KINDS:
@@ -328,13 +350,15 @@ class AgentMetrics:
         """Export the node's NPU health (read at scrape time from the monitor's last poll)."""
         self.registry.register(_NpuCollector(monitor))
 
+    def attach_mqtt(self, publisher: Any) -> None:
+        """Export the MQTT link's counters (`nodeagent.mqtt.MqttPublisher.collect`, read at scrape time)."""
+        self.registry.register(publisher)
+
     def generate(self) -> bytes:
         return generate_latest(self.registry)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.cache.close()
 
 
-__all__ = ["CONTENT_TYPE", "AgentMetrics", "npu_families", "tree_usage", "vllm_metrics_urls"]
+__all__ = ["CONTENT_TYPE", "AgentMetrics", "VllmCacheScraper", "npu_families", "tree_usage", "vllm_metrics_urls"]

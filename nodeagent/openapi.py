@@ -90,6 +90,8 @@ def openapi_document() -> dict[str, Any]:
                 "node_policy": {"type": "object"}, "agent": {"type": "object"},
                 "components": {"type": "object",
                                "additionalProperties": {"$ref": "#/components/schemas/ComponentStatus"}},
+                "mqtt": {"type": "object", "description": "Only with agent.mqtt: connected, broker, last_error, "
+                         "queued, dropped, published, topics"},
             },
         },
     }  # fmt: skip

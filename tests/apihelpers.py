@@ -23,15 +23,17 @@ SLEEPER = ["python3", "-c", "import time; print('a up', flush=True); time.sleep(
 TALKER = ["python3", "-c", "import time\nfor i in range(1, 6): print(f'b line {i}', flush=True)\ntime.sleep(3600)"]
 
 
-async def wait_until(what: str, check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
-    """The asyncio twin of conftest.wait_for: poll `check` until it returns something truthy."""
+async def wait_until(what: str, check: Any, timeout: float = 20.0, interval: float = 0.05,
+                     detail: Any = None) -> Any:
+    """The asyncio twin of conftest.wait_for: poll `check` until it returns something truthy; `detail()`, if
+    given, is added to the failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = check()
         if result:
             return result
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"; {detail()}" if detail else ""))
 
 
 def tiny_config(home: Path, socket_path: Path | None = None, **extra: Any) -> dict[str, Any]:
@@ -100,6 +102,8 @@ class InProcess:
             self.agent.request_stop()
         await self.server.close()
         await self.agent.supervisor.shutdown()
+        await self.agent.stop_mqtt()
+        self.agent.supervisor.events.close()
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
@@ -119,6 +123,7 @@ async def start_in_process(home: Path, data: dict[str, Any] | None = None) -> In
     stack = InProcess(agent, server, aiohttp.ClientSession(), f"http://{config.agent.api.listen}", token, path,
                       socket_dir)  # fmt: skip
     try:
+        agent.start_mqtt(server)  # as Agent.run does: before the first event
         await agent.supervisor.start()
         await stack.wait_states({name: {"running", "ready"} for name in config.active_components()})
     except BaseException:
