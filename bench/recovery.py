@@ -393,6 +393,11 @@ class AgentRun:
     """Size of the component's log at the end: the agent archives it (tar.gz) on every failure."""
 
 
+AGENT_KIND = "process"
+"""The agent component's kind: `process` (the command as given) or `vllm` (the vllm kind's whole path: the
+rendered `vllm serve` argv, its residue — leftover VLLM:: engines, NPU clean slate, /dev/shm — and evidence)."""
+
+
 def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, Any], dict[str, float]]:
     liveness = {
         "kind": "http_get",
@@ -440,6 +445,12 @@ def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, A
             }
         },
     }
+    if AGENT_KIND == "vllm":
+        if program.name != "standin":
+            raise SystemExit("--kind vllm needs --program standin")
+        app = config["components"]["app"]
+        app.update(kind="vllm", command=[str(BIN / "vllm-standin")], model="m", port=program.port,
+                   tensor_parallel_size=1, ld_preload=[])  # fmt: skip
     budget = {
         "period_s": liveness["period_s"],
         "timeout_s": liveness["timeout_s"],
@@ -634,22 +645,24 @@ def bench_supervisord(program: Program, runs: int, keep: bool = False) -> tuple[
 # where the callers look them up, so `from x import f` users get the wrapper too.
 PROFILE_TARGETS: tuple[tuple[str, str, str], ...] = (
     ("nodeagent.process", "ExitWatch._finish", "ExitWatch._finish (pidfd readable → reap)"),
-    ("nodeagent.component", "Component._stop_process", "Component._stop_process"),
-    ("nodeagent.component", "stop_tree", "stop_tree"),
+    ("nodeagent.component", "Component.stop_process", "Component.stop_process"),
+    ("nodeagent.supervisor", "stop_tree", "stop_tree"),
     ("nodeagent.process", "tree_of", "  tree_of"),
     ("nodeagent.process", "session_members", "    session_members (process_iter + getsid)"),
     ("nodeagent.process", "_wait_gone", "  _wait_gone (20 ms polls)"),
-    ("nodeagent.supervisor", "Supervisor.archive_failure", "Supervisor.archive_failure (log archive)"),
-    ("nodeagent.residue", "_archive_evidence", "  residue ArchiveEvidence (tar.gz of the log)"),
+    ("nodeagent.supervisor", "Supervisor.capture", "Supervisor.capture (post-mortem evidence)"),
     ("nodeagent.component", "Component._after_failure", "Component._after_failure"),
-    ("nodeagent.supervisor", "Supervisor.policy_failure", "  Supervisor.policy_failure"),
+    ("nodeagent.supervisor", "Supervisor.decide", "  Supervisor.decide"),
+    ("nodeagent.supervisor", "Supervisor.archive", "  Supervisor.archive (schedules the bundle)"),
     ("nodeagent.component", "Component._start", "Component._start"),
-    ("nodeagent.supervisor", "Supervisor.before_start", "  Supervisor.before_start (residue)"),
+    ("nodeagent.supervisor", "Supervisor.prepare", "  Supervisor.prepare (precheck + residue)"),
+    ("nodeagent.supervisor", "missing_prerequisite", "    precheck"),
     ("nodeagent.residue", "plan_start_cleanup", "    residue.plan_start_cleanup"),
     ("nodeagent.residue", "_kill_processes", "    residue KillProcesses"),
     ("nodeagent.residue", "find_leftovers", "      find_leftovers (process_iter cmdline+environ)"),
-    ("nodeagent.residue", "_listening_ports", "      _listening_ports (net_connections)"),
     ("nodeagent.residue", "_wait_ports_free", "    residue WaitPortsFree"),
+    ("nodeagent.residue", "_wait_devices_free", "    residue WaitDevicesFree (clean slate)"),
+    ("nodeagent.residue", "_remove_shm_segments", "    residue RemoveShmSegments"),
     ("nodeagent.residue", "_remove_tree", "    residue RemoveTree"),
     ("nodeagent.supervisor", "Supervisor.launch", "  Supervisor.launch"),
     ("nodeagent.supervisor", "render_component", "    render_component"),
@@ -772,12 +785,12 @@ def _first_marks(rows: list[tuple[str, float, float, str]], result: FaultResult)
     """Offsets from the fault of the first start/end of each top-level step, per window."""
     steps = (
         "ExitWatch._finish",
-        "Component._stop_process",
+        "Component.stop_process",
         "stop_tree",
-        "Supervisor.archive_failure",
+        "Supervisor.capture",
         "Component._after_failure",
         "Component._start",
-        "Supervisor.before_start",
+        "Supervisor.prepare",
         "Supervisor.launch",
         "spawn",
     )
@@ -819,16 +832,14 @@ def micro_benchmarks(reps: int = 30) -> dict[str, float]:
         lambda: residue.find_leftovers(residue.ProcessMatch(env=env)),
     )
     timed(
-        "find_leftovers + ports (kind: process with ports)",
-        lambda: residue.find_leftovers(residue.ProcessMatch(env=env, ports=(port,))),
+        "find_leftovers + a recorded pid (any kind after an agent restart)",
+        lambda: residue.find_leftovers(residue.ProcessMatch(env=env, records=((1, 0.0),))),
     )
     timed(
-        "find_leftovers, vllm kind (env, title+cwd, port)",
-        lambda: residue.find_leftovers(
-            residue.ProcessMatch(env=env, title_prefixes=("VLLM::",), cwd="/nonexistent", ports=(port,))
-        ),
+        "find_leftovers, vllm kind (env, title+cwd)",
+        lambda: residue.find_leftovers(residue.ProcessMatch(env=env, title_prefixes=("VLLM::",), cwd="/nonexistent")),
     )
-    timed("_listening_ports (psutil.net_connections)", residue._listening_ports)
+    timed("port_holders (psutil.net_connections)", lambda: residue.port_holders((port,)))
     timed("port_in_use (bind test)", lambda: residue.port_in_use(port))
     if Path("/dev/shm").is_dir():
         timed(
@@ -983,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         default="standin",
         help="the supervised program (default: the vLLM stand-in)",
     )
+    parser.add_argument("--kind", choices=["process", "vllm"], default="process",
+                        help="the agent component's kind (default process; vllm: the vllm kind's whole crash path)")
     parser.add_argument("--startup-delay", type=float, default=0.2, help="VLLM_STANDIN_STARTUP_DELAY_S (0.2)")
     parser.add_argument(
         "--stop-grace",
@@ -1001,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be >= 1")
+    global AGENT_KIND
+    AGENT_KIND = args.kind
 
     started = time.monotonic()
     facts_before = machine_facts()

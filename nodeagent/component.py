@@ -58,6 +58,9 @@ class Component:
         """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
         self.prober: Any = None
+        self.stopped_cleanly = False
+        """The last process was stopped by us, whole, and nothing of it survived: the next start may skip the
+        scan of every process for leftovers."""
         self.extra_status: dict[str, Any] = {}
         """What the host adds to this component's status (draining, gang generation...)."""
 
@@ -176,6 +179,7 @@ class Component:
             self._set(State.STARTING)
             try:
                 await self.host.prepare(self)
+                self.stopped_cleanly = False
                 self.proc = await self.host.launch(self)
             except StartHeld as held:
                 await self._wait_out(held)
@@ -327,6 +331,7 @@ class Component:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
             result = await self.host.terminate(self, proc, why)
+            self.stopped_cleanly = result.get("survivors", 1) == 0
             tree = result.pop("tree", [])
             self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
             result["tree"] = tree

@@ -70,11 +70,12 @@ class NodeIntent:
         return True
 
     # ---- persistence --------------------------------------------------------------------------------------
-    def save(self, durable: bool = True) -> None:
+    def save(self, durable: bool = True, notify: bool = True) -> None:
         self.data["trackers"] = {n: t.to_dict() for n, t in self.trackers.items()}
         self.data["redeploys"] = self.redeploys.to_dict()
         self.store.save_intent(self.data, durable)
-        self.notify()
+        if notify:
+            self.notify()
 
     def notify(self) -> None:
         """Wake everything waiting on the start gate."""

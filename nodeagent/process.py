@@ -187,7 +187,7 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> di
     started = time.monotonic()
     tree = tree_of(record)
     if not tree:
-        return {"signalled": 0, "killed": 0, "elapsed_s": 0.0, "tree": []}
+        return {"signalled": 0, "killed": 0, "survivors": 0, "elapsed_s": 0.0, "tree": []}
     seen = [_describe(p) for p in tree]
     main = [p for p in tree if p.pid == record.pid]
     rest = [p for p in tree if p.pid != record.pid]
@@ -212,9 +212,11 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> di
             + ", ".join(f"{p.pid}" for p in killed)
         )
         _signal(killed, signal.SIGKILL)
-        await _wait_gone(killed, time.monotonic() + 10)
-    return {"signalled": len(tree), "killed": len(killed), "elapsed_s": round(time.monotonic() - started, 3),
-            "tree": seen}
+        survivors = len(await _wait_gone(killed, time.monotonic() + 10))
+    else:
+        survivors = 0
+    return {"signalled": len(tree), "killed": len(killed), "survivors": survivors,
+            "elapsed_s": round(time.monotonic() - started, 3), "tree": seen}
 
 
 def _describe(proc: psutil.Process) -> dict[str, object]:

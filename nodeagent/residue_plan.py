@@ -290,6 +290,7 @@ def plan_start_cleanup(
     wipe_etcd: bool = False,
     reason: str | None = None,
     records: Sequence[tuple[int, float]] = (),
+    scan: bool = True,
 ) -> ResiduePlan:
     """Residue to remove before (re)starting `name`. `redeploy` adds the node recovery's deeper cleanup.
 
@@ -299,10 +300,14 @@ def plan_start_cleanup(
     if scope not in ("start", "redeploy"):
         raise ValueError(f"scope must be 'start' or 'redeploy', got {scope!r}")
     reason = reason or scope
-    actions: list[ResidueAction] = [
-        KillProcesses(process_match(name, component, config, records), component.stop_grace_s)
-    ]
+    actions: list[ResidueAction] = []
     notes: list[str] = []
+    if scan:
+        actions.append(KillProcesses(process_match(name, component, config, records), component.stop_grace_s))
+    else:
+        # The previous run was this agent's, stopped whole (session + descendants) and confirmed gone: the scan
+        # of every process would find nothing; it runs on every other start (the first, after adoption, ...).
+        notes.append("leftover scan skipped: the previous tree was stopped by this agent and confirmed gone")
     ports = component_ports(component)
     if ports:
         actions.append(WaitPortsFree(ports))

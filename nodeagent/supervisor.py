@@ -47,6 +47,7 @@ Decider = Callable[[Component, Failure], "RestartDecision | str | None"]
 CommandHook = Callable[[Component, str, bool, str], "str | None"]
 """(component, action, drain, by) → a message when the layer carries the command out itself (a gang restart)."""
 STABILITY_TICK_S = 30.0
+STATE_FLUSH_S = 0.02
 
 
 class Supervisor:
@@ -80,6 +81,8 @@ class Supervisor:
         self.redeploying: asyncio.Task[None] | None = None
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._history_dirty = False
 
     @staticmethod
     def _restore_history(comp: Component, saved: dict[str, Any]) -> None:
@@ -218,8 +221,10 @@ class Supervisor:
         """Clean residue. A leftover of ours that would not die fails the start (a duplicate start must never
         happen: a second `dscli start` deletes the live worker's ready file); a port or an NPU held by a process
         we cannot prove is ours holds it, never a kill."""
+        scan = scope != "start" or not comp.stopped_cleanly
         plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
-                                               reason=reason, records=self._last_records(comp.name))  # fmt: skip
+                                               reason=reason, records=self._last_records(comp.name),
+                                               scan=scan)  # fmt: skip
         outcomes = await residue.execute(plan)
         for outcome in outcomes:
             if outcome.ok:
@@ -294,17 +299,27 @@ class Supervisor:
 
     # ---- host: observe ----------------------------------------------------------------------------------------
     def on_state(self, comp: Component | None = None) -> None:
-        """Persist status.json (readable when the API is not) and history; tell listeners (sd_notify STATUS=)."""
+        """Tell listeners (sd_notify STATUS=); persist status.json (readable when the API is not) and the
+        history soon after — coalesced, so a burst of state changes on the crash path costs one write later."""
         if comp is not None and self.intent_store.record_history(comp.name, {
             "restarts": comp.restarts, "last_exit": comp.last_exit,
             "failure": comp.failure.to_dict() if comp.failure is not None else None,
         }):  # fmt: skip
-            with contextlib.suppress(OSError):
-                self._save_intent(durable=False)
-        with contextlib.suppress(OSError):
-            write_json_atomic(self.config.agent.state_dir / "status.json", self.status(), durable=False)
+            self._history_dirty = True
+        if self._flush_handle is None:
+            with contextlib.suppress(RuntimeError):
+                self._flush_handle = asyncio.get_running_loop().call_later(STATE_FLUSH_S, self.flush_state)
         for callback in self.on_state_change:
             callback()
+
+    def flush_state(self) -> None:
+        self._flush_handle = None
+        if self._history_dirty:
+            self._history_dirty = False
+            with contextlib.suppress(OSError):
+                self.intent_store.save(durable=False, notify=False)
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.config.agent.state_dir / "status.json", self.status(), durable=False)
 
     def state_changed(self) -> None:
         self.on_state(None)
@@ -619,6 +634,9 @@ class Supervisor:
             self.events.emit("detached", "agent exits leaving the stack running for adoption")
         else:
             await self._stop_all_processes("agent stopping")
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        self.flush_state()
         await self.probe_ctx.close()
 
     def reload(self, config: Config) -> dict[str, list[str]]:

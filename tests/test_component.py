@@ -31,12 +31,17 @@ class FakeClock(Clock):
     def __init__(self) -> None:
         self.now = 1_800_000_000.0
         self.slept: list[float] = []
+        self.hold_at: float | None = None
+        """Sleeps this long or longer wait for `released` (a test looks at the state meanwhile)."""
+        self.released = asyncio.Event()
 
     def time(self) -> float:
         return self.now
 
     async def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
+        if self.hold_at is not None and seconds >= self.hold_at:
+            await self.released.wait()
         self.now += max(0.0, seconds)
         await asyncio.sleep(0)
 
@@ -240,6 +245,7 @@ async def test_a_missing_prerequisite_fails_permanently_without_redeploy(tmp_pat
 
 async def test_the_same_quick_error_twice_is_permanent_with_its_output(tmp_path: Path) -> None:
     r = await rig(tmp_path, "redeploy_after_failures: 2")
+    r.clock.hold_at = 300
     try:
         b = r.sup.components["b"]
         r.crash("b")  # exit 1 within seconds, first time: transient, restarted at once
@@ -251,6 +257,7 @@ async def test_the_same_quick_error_twice_is_permanent_with_its_output(tmp_path:
         assert status["failure"]["permanent"].startswith("exits within 30s with the same error each time")
         assert status["failure"]["output_tail"] == ["Traceback", "ValueError: boom"]
         assert status["last_exit"]["reason"] == "exited with code 1"
+        r.clock.released.set()
     finally:
         await stop(r)
 
