@@ -17,6 +17,7 @@ from nodeagent.config_model import (
     DatasystemComponent,
     EtcdComponent,
     ProcessComponent,
+    ProxyComponent,
     VllmComponent,
 )
 from nodeagent.errors import AgentError
@@ -249,8 +250,14 @@ def component_ports(comp: Any) -> tuple[int, ...]:
     if isinstance(comp, DatasystemComponent):
         return (comp.worker_port,)
     if isinstance(comp, VllmComponent):
+        if comp.headless:  # no API server; the head owns the group's rpc port
+            return ()
         rpc = comp.data_parallel_rpc_port
-        return (comp.port,) if rpc is None or comp.headless else (comp.port, rpc)
+        # External launch: only rank 0 binds the rpc port; the other ranks of its node connect to it.
+        owns_rpc = rpc is not None and not comp.data_parallel_rank
+        return (comp.port, rpc) if owns_rpc else (comp.port,)
+    if isinstance(comp, ProxyComponent):
+        return (comp.port,)
     if isinstance(comp, ProcessComponent):
         return tuple(dict.fromkeys(comp.ports))
     return ()
@@ -274,6 +281,8 @@ def process_match(name: str, comp: Any, config: Config,
     if isinstance(comp, ProcessComponent):
         prefixes = tuple(p for p in comp.process_match if p.strip())
         return ProcessMatch(env=env, cmdline_prefixes=prefixes, records=recorded)
+    if isinstance(comp, ProxyComponent):
+        return ProcessMatch(env=env, records=recorded)
     raise TypeError(f"unknown component type {type(comp).__name__}")
 
 
