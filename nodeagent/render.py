@@ -292,6 +292,9 @@ def render_process(name: str, comp: ProcessComponent, config: Config) -> LaunchS
     )  # fmt: skip
 
 
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
 def proxy_listen_host(config: Config, comp: ProxyComponent) -> str:
     return comp.host or config.node.ip
 
@@ -300,11 +303,12 @@ def render_proxy(name: str, comp: ProxyComponent, config: Config) -> LaunchSpec:
     """vllm-ascend's load_balance_proxy_server_example.py with every prefill and decode endpoint of the file."""
     hosts = {"prefiller": [e.rpartition(":") for e in comp.prefillers],
              "decoder": [e.rpartition(":") for e in comp.decoders]}  # fmt: skip
-    argv = [*comp.command, str(comp.script), "--host", proxy_listen_host(config, comp), "--port", str(comp.port)]
+    argv = [*comp.command, str(comp.script), "--port", str(comp.port), "--host", proxy_listen_host(config, comp)]
     for role, parts in hosts.items():
         argv += [f"--{role}-hosts", *(h.strip("[]") for h, _, _ in parts)]
         argv += [f"--{role}-ports", *(p for _, _, p in parts)]
-    env, unset = _component_env(name, comp, config)
+    # proxy.sh unsets the HTTP proxies: httpx would send the backend requests through one.
+    env, unset = _component_env(name, comp, config, unset=list(PROXY_VARIABLES))
     return LaunchSpec(
         component=name, kind="proxy", argv=(*argv, *comp.extra_args), env=env, unset=unset,
         cwd=comp.workdir or component_dir(config, name), ports=(comp.port,),
