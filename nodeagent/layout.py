@@ -381,7 +381,7 @@ def _check_addresses(b: _Builder, groups: list[Group], proxies: list[ProxyPlan])
         if address in owners and owners[address] != what:
             i, _ = b.entries[node]
             problems.append((("cluster", "nodes", i), f"{address} is used by both {owners[address]} and {what}; "
-                             "give one its own port in its node entry (components: {NAME: {port key: N}})"))
+                             "give one its own port in its node entry, e.g. components: {vllm: {port: 18021}}"))
         owners.setdefault(address, what)
 
     for g in groups:
