@@ -237,4 +237,5 @@ def identify_node(cluster: ClusterConfig, node_raw: Mapping[str, Any], node: Nod
                              f"{name!r} ({key}: {wanted!r}); remove node.{key}"))
     if problems:
         raise ClusterFileError(problems)
-    return NodeConfig(name=name, ip=entry.ip, role=entry.role, nic_name=entry.nic_name or node.nic_name)
+    return node.model_copy(update={"name": name, "ip": entry.ip, "role": entry.role,
+                                   "nic_name": entry.nic_name or node.nic_name})

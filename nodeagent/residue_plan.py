@@ -149,9 +149,12 @@ class WaitDevicesFree:
     timeout_s: float = DEVICE_TIMEOUT_S
     baseline_file: Path | None = None
     tolerance_mb: int = 512
+    devices: tuple[int, ...] | None = None
+    """Only these NPUs (a DP rank's `visible_devices`: its neighbours run on the others); None: every NPU."""
 
     def describe(self) -> str:
-        return "wait for a clean slate on the NPUs (no process, HBM back to idle)"
+        which = f" {','.join(map(str, self.devices))}" if self.devices is not None else "s"
+        return f"wait for a clean slate on the NPU{which} (no process, HBM back to idle)"
 
 
 @dataclass(frozen=True)
@@ -334,8 +337,9 @@ def plan_start_cleanup(
     elif isinstance(component, VllmComponent):
         # Killed runs leave 160-250 MB psm_* segments each, and device memory frees only slowly.
         baseline = config.agent.state_dir / "npu-hbm-baseline.json"
-        actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb),
-                    RemoveShmSegments()]  # fmt: skip
+        devices = tuple(component.visible_devices) if component.visible_devices is not None else None
+        actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb,
+                                    devices), RemoveShmSegments()]  # fmt: skip
     elif isinstance(component, EtcdComponent) and scope == "redeploy":
         if not wipe_etcd:
             notes.append(f"etcd data dir {component.data_dir} kept (no cluster-level wipe requested)")

@@ -112,7 +112,7 @@ def test_internal_group_head_and_headless_nodes() -> None:
     assert (head.headless, head.data_parallel_start_rank, head.data_parallel_size_local) == (False, None, 2)
     assert (headless.headless, headless.data_parallel_start_rank) == (True, 2)
     assert headless.probes.startup == headless.probes.liveness == headless.probes.readiness == []
-    assert head.probes.liveness and head.probes.liveness[0].kind == "http"
+    assert head.probes.liveness and head.probes.startup[0].kind == "http_get"  # the head keeps its HTTP probes
     assert component_ports(head) == (18031, 13400) and component_ports(headless) == ()
     argv = render_component("vllm", n2, {}).argv
     assert "--headless" in argv and "--port" not in argv
