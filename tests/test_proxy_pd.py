@@ -49,7 +49,7 @@ components:
   vllm:
     kind: vllm
     command: {BIN}/vllm-standin
-    model: /models/dsv4
+    model: {tmp}/model
     tensor_parallel_size: 1
     data_parallel_rpc_port: {ports['rpc']}
     ld_preload: []
@@ -138,6 +138,8 @@ def generation_tokens(port: int) -> float:
 
 def test_real_proxy_routes_through_prefill_then_decode(tmp_path: Path, launched: Launched) -> None:
     ports = {k: free_port() for k in ("p", "d", "rpc", "proxy")}
+    (tmp_path / "model").mkdir()  # like vLLM, the stand-in wants a local model folder with config.json
+    (tmp_path / "model" / "config.json").write_text("{}")
     text = cluster_text(tmp_path, ports)
     master = parse_config(text, str(tmp_path / "pd.yaml"), base_dir=tmp_path, node="p")
     decode = parse_config(text, str(tmp_path / "pd.yaml"), base_dir=tmp_path, node="d")
