@@ -223,11 +223,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_checked(path: str) -> Config:
+def load_checked(path: str, node: str | None = None) -> Config:
     """The config, with residue paths vetted too: a path unsafe to delete is a config error."""
     from nodeagent.pathsafety import validate_residue_paths
 
-    config = load_config(path)
+    config = load_config(path, node=node)
     problems = validate_residue_paths(config)
     if problems:
         raise ConfigError("\n".join(f"{path}: {p}" for p in problems))

@@ -45,12 +45,12 @@ class CliError(Exception):
         self.code = code
 
 
-def _load(path: str):  # type: ignore[no-untyped-def]
+def _load(path: str, node: str | None = None):  # type: ignore[no-untyped-def]
     from nodeagent.config import load_config
     from nodeagent.errors import ConfigError
 
     try:
-        return load_config(path)
+        return load_config(path, node=node)
     except ConfigError as exc:
         raise CliError(f"config error:\n{exc}", EXIT_CONFIG) from None
 
@@ -144,6 +144,8 @@ def _read_light(path: Path) -> LightConfig:
     if data is None:
         data = {}
     base = path.resolve().parent
+    if _section(data, "cluster").get("nodes"):
+        raise _Unreadable("a cluster file: what this member runs needs the full loader")
     agent = _section(data, "agent")
     api = _section(agent, "api")
     listen = str(_interpolate(api.get("listen", DEFAULT_LISTEN)))
@@ -706,16 +708,19 @@ def cmd_render(args: argparse.Namespace) -> int:
     from nodeagent.launcher import base_environment
     from nodeagent.render import render_component
 
-    config = _load(args.config)
+    config = _load(args.config, args.node)
     names = [args.component] if args.component else list(config.active_components())
     if args.component and args.component not in config.components:
         known = ", ".join(config.components)
-        raise CliError(f"unknown component {args.component!r} (config has: {known})", EXIT_UNKNOWN)
+        where = f"node {config.node.name} has" if config.cluster.nodes else "config has"
+        raise CliError(f"unknown component {args.component!r} ({where}: {known})", EXIT_UNKNOWN)
     base = base_environment(os.environ)
     specs = [render_component(name, config, base) for name in names]
     if args.json:
         out = [{"component": s.component, "kind": s.kind, "argv": list(s.argv), "env": s.env,
-                "unset": list(s.unset), "cwd": str(s.cwd), "daemonizes": s.daemonizes} for s in specs]
+                "unset": list(s.unset), "cwd": str(s.cwd), "daemonizes": s.daemonizes,
+                "node": config.node.name, "group": getattr(config.components[s.component], "group", None),
+                "ports": list(s.ports)} for s in specs]
         print(json.dumps(out if not args.component else out[0], indent=2))
         return 0
     for spec in specs:
@@ -730,11 +735,20 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     from nodeagent.errors import ConfigError
 
     try:
-        config = load_checked(args.file)
+        config = load_checked(args.file, args.node)
     except ConfigError as exc:
         raise CliError(f"config error:\n{exc}", EXIT_CONFIG) from None
     active = ", ".join(config.active_components())
     print(f"{args.file}: OK — node {config.node.name} ({config.node.role}) runs: {active}")
+    if config.cluster.nodes:
+        from nodeagent.config_cluster import cluster_file_hash
+        from nodeagent.layout import cluster_layout
+
+        layout = cluster_layout(config)
+        groups = "; ".join(f"{g.name} ({g.kind}, {g.dp_launch}, DP{g.dp_size} TP{g.tensor_parallel_size}: "
+                           f"{', '.join(g.nodes)})" for g in layout.groups)  # fmt: skip
+        print(f"cluster {layout.cluster}: {len(layout.members)} members, groups {groups or 'none'}; "
+              f"shared sections {cluster_file_hash(config)[:12]}")
     return 0
 
 
@@ -820,10 +834,12 @@ def build_parser() -> argparse.ArgumentParser:
     render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")
+    render.add_argument("--node", metavar="NAME", help="render this member of a cluster file (default: node.name)")
     config = sub.add_parser("config", help="config tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     validate = config_sub.add_parser("validate", help="validate a config file")
     validate.add_argument("file")
+    validate.add_argument("--node", metavar="NAME", help="validate as this member of a cluster file")
     validate.set_defaults(func=cmd_config_validate)
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _args: print(f"nodeagentctl {__version__}") or 0)

@@ -16,8 +16,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from nodeagent.config_model import Component, Config, ProbeSpec
+from nodeagent.cluster_file import (
+    ClusterFileError,
+    check_cluster,
+    identify_node,
+    member_components,
+    vllm_template,
+)
+from nodeagent.config_cluster import SharedSections
+from nodeagent.config_model import Component, Config, ProbeSpec, ProxyComponent, VllmComponent
 from nodeagent.errors import ConfigError
+from nodeagent.layout import build_layout
 
 Path_ = tuple[str | int, ...]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
@@ -168,8 +177,57 @@ def _explain(filename: str, tree: _Tree, data: Any, exc: ValidationError) -> Con
     return ConfigError("\n".join(messages))
 
 
+def _line(tree: _Tree, path: typing.Sequence[str | int]) -> int | str:
+    path = tuple(path)
+    return next((tree.lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in tree.lines), "?")
+
+
+def _cluster_error(filename: str, tree: _Tree, exc: ClusterFileError) -> ConfigError:
+    return ConfigError("\n".join(f"{filename}:{_line(tree, p)}: {_dotted(p)}: {m}" for p, m in exc.problems))
+
+
+def _single_node(config: Config, data: dict[str, Any]) -> Config:
+    """Today's single node, rendered exactly as before; each vLLM component is its own group."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    if config.cluster.vllm_groups is not None:
+        problems.append((("cluster", "vllm_groups"), "vllm_groups need cluster.nodes (the members)"))
+    comps = dict(config.components)
+    for name, comp in config.components.items():
+        if isinstance(comp, ProxyComponent):
+            problems.append((("components", name), "the proxy's backends come from cluster.vllm_groups: it needs "
+                             "cluster.nodes"))
+        elif isinstance(comp, VllmComponent):
+            if "group" in data["components"][name]:
+                problems.append((("components", name, "group"), "group is derived; remove it"))
+            comps[name] = comp.model_copy(update={"group": name})
+    if problems:
+        raise ClusterFileError(problems)
+    return config.model_copy(update={"components": comps})
+
+
+def resolve_member(config: Config, data: dict[str, Any], node: str | None = None) -> Config:
+    """A cluster file → this member's config: its node (from its entry) and exactly the components it runs."""
+    cluster, shared = config.cluster, config.shared
+    assert shared is not None
+    problems = check_cluster(cluster, shared.components)
+    if problems:
+        raise ClusterFileError(problems)
+    me = identify_node(cluster, data.get("node") or {}, config.node, node)
+    layout = build_layout(cluster, member_components(cluster, shared), vllm_template(shared.components))
+    if layout.etcd_address is not None:
+        listed = [e.removeprefix("http://").rstrip("/") for e in cluster.etcd_endpoints]
+        if "etcd_endpoints" not in cluster.model_fields_set:
+            cluster = cluster.model_copy(update={"etcd_endpoints": [layout.etcd_address]})
+        elif layout.etcd_address not in listed:
+            raise ClusterFileError([(("cluster", "etcd_endpoints"), f"the master runs etcd at "
+                                     f"{layout.etcd_address}, which is not listed ({', '.join(listed)})")])
+    return config.model_copy(update={"node": me, "cluster": cluster,
+                                     "components": layout.node_components(me.name)})
+
+
 def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = None,
-                 env: typing.Mapping[str, str] | None = None) -> Config:
+                 env: typing.Mapping[str, str] | None = None, node: str | None = None) -> Config:
+    """`node`: render this member of a cluster file (default: `node.name`, else the host name)."""
     tree = _Tree(filename, os.environ if env is None else env)
     data = tree.build(text)
     if data is None:
@@ -181,10 +239,21 @@ def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = 
         config = Config.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
         raise _explain(filename, tree, data, exc) from None
-    return config.model_copy(update={"source": Path(filename) if base_dir else None})
+    shared = SharedSections(cluster=data.get("cluster") or {}, components=data.get("components") or {},
+                            base_dir=base_dir, source=filename)
+    config = config.model_copy(update={"source": Path(filename) if base_dir else None, "shared": shared})
+    try:
+        if config.cluster.nodes:
+            return resolve_member(config, data, node)
+        if node is not None and node != config.node.name:
+            raise ClusterFileError([(("node", "name"), f"--node {node!r}: this config has no cluster.nodes; it "
+                                     f"describes node {config.node.name!r} only")])
+        return _single_node(config, data)
+    except ClusterFileError as exc:
+        raise _cluster_error(filename, tree, exc) from None
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, node: str | None = None) -> Config:
     path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8")
@@ -192,4 +261,4 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: no such config file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
-    return parse_config(text, str(path), base_dir=path.resolve().parent)
+    return parse_config(text, str(path), base_dir=path.resolve().parent, node=node)

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -24,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
 from nodeagent.parsing import split_listen
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
 
@@ -55,10 +55,6 @@ def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:
 Command = Annotated[str | list[str], AfterValidator(_resolve_command)]
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 def _default_node_name() -> str:
     return socket.gethostname()
 
@@ -72,25 +68,6 @@ def default_node_ip() -> str:
             if addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return addr.address
     return "127.0.0.1"
-
-
-def _topic_safe_name(value: str) -> str:
-    """Cluster and node names are one level of etcd keys and MQTT topics: no `/`, no MQTT wildcards."""
-    if not value:
-        raise ValueError("must not be empty")
-    bad = sorted({c for c in value if c in "/+#\0"})
-    if bad:
-        raise ValueError(f"must not contain {' '.join(repr(c) for c in bad)}: it is one level of etcd keys and "
-                         "MQTT topics")
-    return value
-
-
-TopicSafeName = Annotated[str, AfterValidator(_topic_safe_name)]
-
-
-class ClusterConfig(Strict):
-    name: TopicSafeName = "local"
-    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
 
 
 def _parse_listen(value: str) -> str:
@@ -395,6 +372,9 @@ class DependencyEdge(Strict):
 
 
 class ComponentBase(Strict):
+    # Defaults pass the validators too: a default `command: "etcd"` must become ["etcd"], not e,t,c,d.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
     command: Command
     depends_on: dict[str, DependencyEdge] = Field(default_factory=dict)
     env: dict[str, str | None] = Field(default_factory=dict)
@@ -476,8 +456,14 @@ class VllmComponent(ComponentBase):
     data_parallel_size_local: int | None = None
     data_parallel_start_rank: int | None = None
     data_parallel_address: str | None = None
+    data_parallel_rank: int | None = Field(default=None, ge=0)
+    """External load balancing: this process is one DP rank with its own API server."""
     data_parallel_rpc_port: int | None = None
     headless: bool = False
+    visible_devices: list[int] | None = None
+    """ASCEND_RT_VISIBLE_DEVICES; in an external group each rank gets its slice of these (default 0..)."""
+    seed: int | None = None
+    enforce_eager: bool = False
     enable_expert_parallel: bool = True
     tokenizer_mode: str | None = "deepseek_v4"
     tool_call_parser: str | None = "deepseek_v4"
@@ -541,6 +527,17 @@ class VllmComponent(ComponentBase):
         return value
 
 
+    group: str | None = None
+    """Derived, never written: the data-parallel group this process belongs to (`nodeagent.layout`)."""
+
+    @model_validator(mode="after")
+    def _no_accidental_hybrid_lb(self) -> VllmComponent:
+        # vLLM silently switches a node with a start rank but without --headless to hybrid load balancing.
+        if self.data_parallel_start_rank and not self.headless:
+            raise ValueError("data_parallel_start_rank without headless: vLLM would silently switch to hybrid "
+                             "load balancing; set headless: true on the non-head node")
+        return self
+
     @model_validator(mode="after")
     def _progress_needs_stats(self) -> VllmComponent:
         probes = [*self.probes.liveness, *self.probes.readiness]
@@ -562,11 +559,36 @@ class ProcessComponent(ComponentBase):
     """cmdline prefixes that identify leftover processes of this component."""
 
 
+PROXY_SCRIPT = Path("/vllm-workspace/vllm-ascend/examples/disaggregated_prefill_v1")
+PROXY_SCRIPT /= "load_balance_proxy_server_example.py"
+
+
+class ProxyComponent(ComponentBase):
+    """vllm-ascend's PD load-balancing proxy, on the master; its backends come from `cluster.vllm_groups`."""
+
+    kind: Literal["proxy"]
+    command: Command = "python3"
+    script: ConfigPath = PROXY_SCRIPT
+    """Default: where the vllm-ascend image has it."""
+    host: str | None = None
+    """Default: the node's IP."""
+    port: int = Field(default=18020, gt=0, lt=65536)
+    prefillers: list[str] = Field(default_factory=list)
+    """Derived, never written: HOST:PORT of every API endpoint of the prefill groups."""
+    decoders: list[str] = Field(default_factory=list)
+    """Derived, never written: HOST:PORT of every API endpoint of the decode groups."""
+    served_model_name: str | None = None
+    """Derived: the model name the default probe request asks for."""
+    stop_grace_s: float = Field(default=15.0, gt=0)
+
+
 Component = Annotated[
-    EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent, Field(discriminator="kind")
+    EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent | ProxyComponent,
+    Field(discriminator="kind"),
 ]
 
-KIND_ORDER = ("etcd", "datasystem", "vllm", "process")
+KIND_ORDER = ("etcd", "datasystem", "vllm", "process", "proxy")
+MASTER_ONLY_KINDS = ("etcd", "proxy")
 
 
 class Config(Strict):
@@ -574,7 +596,10 @@ class Config(Strict):
     node: NodeConfig = NodeConfig()
     agent: AgentSettings = AgentSettings()
     components: dict[str, Component] = Field(default_factory=dict)
+    """In a cluster file: what this member runs (vllm expanded per group, see `nodeagent.layout`)."""
     source: Path | None = Field(default=None, exclude=True)
+    shared: SharedSections | None = Field(default=None, exclude=True)
+    """The shared sections as written, for the cluster-wide layout and the file hash."""
 
     @model_validator(mode="after")
     def _check_graph(self) -> Config:
@@ -591,9 +616,9 @@ class Config(Strict):
         return self
 
     def active_components(self) -> dict[str, Any]:
-        """The components this node runs: etcd only on the master, disabled ones never."""
+        """The components this node runs: etcd and the proxy only on the master, disabled ones never."""
         return {
             name: comp
             for name, comp in self.components.items()
-            if comp.enabled and not (comp.kind == "etcd" and self.node.role != "master")
+            if comp.enabled and not (comp.kind in MASTER_ONLY_KINDS and self.node.role != "master")
         }

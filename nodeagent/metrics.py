@@ -49,7 +49,7 @@ def vllm_metrics_urls(components: Mapping[str, Any]) -> dict[str, str]:
     """Each vLLM component's /metrics (config name → URL): loopback, or its bind address if it binds one."""
     urls = {}
     for name, cfg in components.items():
-        if cfg.kind == "vllm":
+        if cfg.kind == "vllm" and not cfg.headless:  # a headless node serves no HTTP
             host = cfg.host if cfg.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
             host = f"[{host}]" if ":" in host else host
             urls[name] = f"http://{host}:{cfg.port}/metrics"

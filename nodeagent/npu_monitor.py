@@ -44,6 +44,8 @@ def expected_npus(config: Config) -> int:
         if comp.kind == "vllm" and not is_standin(comp):
             local = comp.data_parallel_size_local or comp.data_parallel_size
             need = max(need, comp.tensor_parallel_size * local)
+            if comp.visible_devices:  # one DP rank of several on this node: the NPUs up to its slice
+                need = max(need, max(comp.visible_devices) + 1)
     return need
 
 

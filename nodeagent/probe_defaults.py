@@ -40,7 +40,24 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
         "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
     },
     "process": {"startup": [], "liveness": [], "readiness": []},
+    "proxy": {
+        "startup": [
+            {"kind": "http_get", "path": "/healthcheck", "period_s": 1, "timeout_s": 2, "failure_threshold": 120}
+        ],
+        # /healthcheck answers without looking at the backends: it only shows the proxy's own loop is alive, and
+        # restarting the proxy cannot heal a backend, so liveness stays there. Readiness is a real request through
+        # the proxy to a prefill and a decode instance: the cluster serves.
+        "liveness": [
+            {"kind": "http_get", "path": "/healthcheck", "period_s": 10, "timeout_s": 5, "failure_threshold": 3}
+        ],
+        "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
+    },
 }
+
+HEADLESS_VLLM_PROBES: dict[str, list[dict[str, Any]]] = {"startup": [], "liveness": [], "readiness": []}
+"""A headless vLLM node (internal DP launch, not the group's head) serves no HTTP: its defaults are "process
+alive" only. Engine progress of the whole group — these ranks included — comes from the head's probes (its
+chat completion runs on the engines of the whole group) and the gang restart (a rank's death breaks the group)."""
 
 ROLES = ("startup", "liveness", "readiness")
 

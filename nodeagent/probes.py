@@ -43,6 +43,7 @@ from nodeagent.config_model import (
     NpuProbe,
     ProbeBase,
     ProcessComponent,
+    ProxyComponent,
     TcpProbe,
     VllmComponent,
     VllmProgressProbe,
@@ -61,7 +62,7 @@ DETAIL_MAX = 200
 if TYPE_CHECKING:
     from nodeagent.npu_monitor import NpuMonitor
 
-AnyComponent = EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent
+AnyComponent = EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent | ProxyComponent
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ def _listen_address(comp: AnyComponent, config: Config) -> tuple[str, int | None
         return config.node.ip, comp.worker_port
     if isinstance(comp, VllmComponent):
         return ("127.0.0.1" if _is_wildcard(comp.host) else str(comp.host)), comp.port
+    if isinstance(comp, ProxyComponent):
+        host = comp.host or config.node.ip
+        return ("127.0.0.1" if _is_wildcard(host) else host), comp.port
     return "127.0.0.1", (comp.ports[0] if comp.ports else None)
 
 
@@ -224,8 +228,9 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
     if isinstance(spec, HttpProbe):
         url = _http_url(spec.url, spec.path, component, config, what)
         body = spec.body
-        if body is None and isinstance(component, VllmComponent) and spec.method == "POST":
-            body = vllm_probe_body(component.served_model_name)
+        served = component.served_model_name if isinstance(component, VllmComponent | ProxyComponent) else None
+        if body is None and served and spec.method == "POST":
+            body = vllm_probe_body(served)  # through the proxy: a prefill and a decode instance answer it
         return ResolvedProbe(
             spec, spec.kind, f"{spec.method} {url}", url=url, method=spec.method, body=body,
             headers=dict(spec.headers), expect_status=spec.expect_status,

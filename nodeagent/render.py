@@ -20,6 +20,7 @@ from nodeagent.config_model import (
     DatasystemComponent,
     EtcdComponent,
     ProcessComponent,
+    ProxyComponent,
     VllmComponent,
 )
 
@@ -185,6 +186,9 @@ def _flag(argv: list[str], name: str, value: Any) -> None:
 
 
 def render_vllm_argv(comp: VllmComponent) -> list[str]:
+    if comp.data_parallel_start_rank and not comp.headless:
+        raise ValueError("a data-parallel start rank without --headless: vLLM would silently switch to hybrid "
+                         "load balancing")
     argv = [*comp.command, "serve", comp.model]
     _flag(argv, "--max_model_len", comp.max_model_len)
     _flag(argv, "--max-num-batched-tokens", comp.max_num_batched_tokens)
@@ -194,23 +198,28 @@ def render_vllm_argv(comp: VllmComponent) -> list[str]:
     _flag(argv, "--data-parallel-size", comp.data_parallel_size)
     _flag(argv, "--data-parallel-size-local", comp.data_parallel_size_local)
     _flag(argv, "--data-parallel-start-rank", comp.data_parallel_start_rank)
+    _flag(argv, "--data-parallel-rank", comp.data_parallel_rank)
     _flag(argv, "--data-parallel-address", comp.data_parallel_address)
     _flag(argv, "--data-parallel-rpc-port", comp.data_parallel_rpc_port)
     _flag(argv, "--headless", comp.headless)
     _flag(argv, "--tensor-parallel-size", comp.tensor_parallel_size)
     _flag(argv, "--enable-expert-parallel", comp.enable_expert_parallel)
+    _flag(argv, "--seed", comp.seed)
     _flag(argv, "--tokenizer-mode", comp.tokenizer_mode)
     _flag(argv, "--tool-call-parser", comp.tool_call_parser)
     _flag(argv, "--enable-auto-tool-choice", comp.enable_auto_tool_choice)
     _flag(argv, "--reasoning-parser", comp.reasoning_parser)
     _flag(argv, "--safetensors-load-strategy", comp.safetensors_load_strategy)
-    _flag(argv, "--enable-prefix-caching", comp.enable_prefix_caching)
+    # vLLM v1 caches prefixes by default: off must be said (the guide's decode nodes).
+    argv.append("--enable-prefix-caching" if comp.enable_prefix_caching else "--no-enable-prefix-caching")
     if comp.model_loader_extra_config is not None:
         argv.append(f"--model-loader-extra-config={_json(comp.model_loader_extra_config)}")
     _flag(argv, "--quantization", comp.quantization)
     _flag(argv, "--trust-remote-code", comp.trust_remote_code)
-    _flag(argv, "--host", comp.host)
-    _flag(argv, "--port", comp.port)
+    _flag(argv, "--enforce-eager", comp.enforce_eager)
+    if not comp.headless:  # a headless node runs no API server
+        _flag(argv, "--host", comp.host)
+        _flag(argv, "--port", comp.port)
     _flag(argv, "--block-size", comp.block_size)
     if comp.hybrid_kv_cache_manager is not None:
         prefix = "--no-" if comp.hybrid_kv_cache_manager else "--"
@@ -247,8 +256,10 @@ def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mappin
     preload = [*comp.ld_preload, *filter(None, base_env.get("LD_PRELOAD", "").split(":"))]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
+    env["HCCL_BUFFSIZE"] = "1024"
+    if comp.visible_devices is not None:
+        env["ASCEND_RT_VISIBLE_DEVICES"] = ",".join(str(d) for d in comp.visible_devices)
     env.update(
-        HCCL_BUFFSIZE="1024",
         VLLM_ASCEND_APPLY_DSV4_PATCH="1",
         TASK_QUEUE_ENABLE="1",
         HCCL_OP_EXPANSION_MODE="AIV",
@@ -269,7 +280,7 @@ def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mappin
     env, unset = _component_env(name, comp, config, env, ["GOOGLE_LOGTOSTDERR", "GOOGLE_ALSOLOGTOSTDERR"])
     return LaunchSpec(
         component=name, kind="vllm", argv=tuple(render_vllm_argv(comp)), env=env, unset=unset,
-        cwd=comp.workdir or component_dir(config, name), files=files, ports=(comp.port,),
+        cwd=comp.workdir or component_dir(config, name), files=files, ports=() if comp.headless else (comp.port,),
     )  # fmt: skip
 
 
@@ -281,8 +292,33 @@ def render_process(name: str, comp: ProcessComponent, config: Config) -> LaunchS
     )  # fmt: skip
 
 
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+
+
+def proxy_listen_host(config: Config, comp: ProxyComponent) -> str:
+    return comp.host or config.node.ip
+
+
+def render_proxy(name: str, comp: ProxyComponent, config: Config) -> LaunchSpec:
+    """vllm-ascend's load_balance_proxy_server_example.py with every prefill and decode endpoint of the file."""
+    hosts = {"prefiller": [e.rpartition(":") for e in comp.prefillers],
+             "decoder": [e.rpartition(":") for e in comp.decoders]}  # fmt: skip
+    argv = [*comp.command, str(comp.script), "--port", str(comp.port), "--host", proxy_listen_host(config, comp)]
+    for role, parts in hosts.items():
+        argv += [f"--{role}-hosts", *(h.strip("[]") for h, _, _ in parts)]
+        argv += [f"--{role}-ports", *(p for _, _, p in parts)]
+    # proxy.sh unsets the HTTP proxies: httpx would send the backend requests through one.
+    env, unset = _component_env(name, comp, config, unset=list(PROXY_VARIABLES))
+    return LaunchSpec(
+        component=name, kind="proxy", argv=(*argv, *comp.extra_args), env=env, unset=unset,
+        cwd=comp.workdir or component_dir(config, name), ports=(comp.port,),
+    )  # fmt: skip
+
+
 def render_component(name: str, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
     comp = config.components[name]
+    if isinstance(comp, ProxyComponent):
+        return render_proxy(name, comp, config)
     if isinstance(comp, EtcdComponent):
         return render_etcd(name, comp, config)
     if isinstance(comp, DatasystemComponent):

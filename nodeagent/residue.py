@@ -391,6 +391,10 @@ async def _wait_ports_free(action: WaitPortsFree) -> tuple[bool, str]:
         await asyncio.sleep(0.1)
 
 
+def _ours(action: WaitDevicesFree, npu: int) -> bool:
+    return action.devices is None or npu in action.devices
+
+
 async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
     """(ok, detail, held): held = a process is still on an NPU after the timeout (not provably ours)."""
     tools = NpuTools.locate()
@@ -405,8 +409,9 @@ async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
         except NpuToolError as exc:
             info, failure = None, str(exc)
         dirty: list[str] = []
-        if info is not None and not info.processes:
-            used = {c.npu: c.hbm_used_mb for c in info.chips if c.hbm_used_mb is not None}
+        processes = [] if info is None else [p for p in info.processes if _ours(action, p.npu)]
+        if info is not None and not processes:
+            used = {c.npu: c.hbm_used_mb for c in info.chips if c.hbm_used_mb is not None and _ours(action, c.npu)}
             dirty = hbm_dirty(used, baseline, action.tolerance_mb)
             if not dirty:
                 _write_baseline(action.baseline_file, lower_baseline(used, baseline))
@@ -414,8 +419,8 @@ async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
         if time.monotonic() >= deadline:
             if failure is not None:
                 return False, failure, False
-            if info is not None and info.processes:
-                held = ", ".join(describe_process(p) for p in info.processes)
+            if processes:
+                held = ", ".join(describe_process(p) for p in processes)
                 return False, f"still held after {action.timeout_s:g}s: {held}", True
             return False, f"HBM not back to idle after {action.timeout_s:g}s: {'; '.join(dirty)}", False
         await asyncio.sleep(2.0)

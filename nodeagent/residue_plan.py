@@ -17,6 +17,7 @@ from nodeagent.config_model import (
     DatasystemComponent,
     EtcdComponent,
     ProcessComponent,
+    ProxyComponent,
     VllmComponent,
 )
 from nodeagent.errors import AgentError
@@ -148,9 +149,12 @@ class WaitDevicesFree:
     timeout_s: float = DEVICE_TIMEOUT_S
     baseline_file: Path | None = None
     tolerance_mb: int = 512
+    devices: tuple[int, ...] | None = None
+    """Only these NPUs (a DP rank's `visible_devices`: its neighbours run on the others); None: every NPU."""
 
     def describe(self) -> str:
-        return "wait for a clean slate on the NPUs (no process, HBM back to idle)"
+        which = f" {','.join(map(str, self.devices))}" if self.devices is not None else "s"
+        return f"wait for a clean slate on the NPU{which} (no process, HBM back to idle)"
 
 
 @dataclass(frozen=True)
@@ -249,8 +253,14 @@ def component_ports(comp: Any) -> tuple[int, ...]:
     if isinstance(comp, DatasystemComponent):
         return (comp.worker_port,)
     if isinstance(comp, VllmComponent):
+        if comp.headless:  # no API server; the head owns the group's rpc port
+            return ()
         rpc = comp.data_parallel_rpc_port
-        return (comp.port,) if rpc is None or comp.headless else (comp.port, rpc)
+        # External launch: only rank 0 binds the rpc port; the other ranks of its node connect to it.
+        owns_rpc = rpc is not None and not comp.data_parallel_rank
+        return (comp.port, rpc) if owns_rpc else (comp.port,)
+    if isinstance(comp, ProxyComponent):
+        return (comp.port,)
     if isinstance(comp, ProcessComponent):
         return tuple(dict.fromkeys(comp.ports))
     return ()
@@ -274,6 +284,8 @@ def process_match(name: str, comp: Any, config: Config,
     if isinstance(comp, ProcessComponent):
         prefixes = tuple(p for p in comp.process_match if p.strip())
         return ProcessMatch(env=env, cmdline_prefixes=prefixes, records=recorded)
+    if isinstance(comp, ProxyComponent):
+        return ProcessMatch(env=env, records=recorded)
     raise TypeError(f"unknown component type {type(comp).__name__}")
 
 
@@ -330,8 +342,9 @@ def plan_start_cleanup(
     elif isinstance(component, VllmComponent):
         # Killed runs leave 160-250 MB psm_* segments each, and device memory frees only slowly.
         baseline = config.agent.state_dir / "npu-hbm-baseline.json"
-        actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb),
-                    RemoveShmSegments()]  # fmt: skip
+        devices = tuple(component.visible_devices) if component.visible_devices is not None else None
+        actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb,
+                                    devices), RemoveShmSegments()]  # fmt: skip
     elif isinstance(component, EtcdComponent) and scope == "redeploy":
         if not wipe_etcd:
             notes.append(f"etcd data dir {component.data_dir} kept (no cluster-level wipe requested)")

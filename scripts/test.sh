@@ -27,5 +27,8 @@ if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   rm -rf "$tmp"
 fi
 EXTRAS=test scripts/install-dev.sh
+# vllm-ascend's PD proxy and DP launcher (examples/ of its PyPI sdist) for the PD and 8-node tests.
+.venv/bin/python scripts/fetch_vllm_ascend_examples.py >/dev/null \
+  || echo "test.sh: could not fetch vllm-ascend's examples; the proxy and launcher tests will be skipped" >&2
 .venv/bin/ruff check nodeagent tests bench scripts
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"

@@ -177,6 +177,8 @@ async def test_local_yaml_probe_reports_skip(tmp_path: Path, monkeypatch: pytest
     cfg = load_config(ROOT / "config" / "local.yaml")
     assert expected_npus(cfg) == 0, "the stand-in needs no NPU"
     assert expected_npus(load_config(ROOT / "config" / "dsv4-flash-a2.yaml")) == 8
+    eight = ROOT / "config" / "dsv4-flash-a2-8node.yaml"  # 2 ranks × TP4, 8 ranks × TP1: every NPU
+    assert expected_npus(load_config(eight, node="a2-0")) == expected_npus(load_config(eight, node="a2-5")) == 8
     result = await ProbeContext().run(resolve_probe(cfg.node.npu_health, cfg.components["vllm"], cfg))
     if NpuTools.locate().missing is not None:
         assert result.ok and result.skipped and result.detail.startswith("skipped: npu-smi not found")

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from nodeagent import residue
+from nodeagent.config import parse_config
 from nodeagent.config_model import Config
 from nodeagent.npu import parse_npu_smi_info
 from nodeagent.pathsafety import (
@@ -682,6 +683,27 @@ def test_wait_devices_free_reads_npu_smi(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "info.txt").write_text(NPU_SMI_INFO.replace("| 0       0                 | 123456", "|"))
     (free,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0)))
     assert free.ok, free.detail
+
+
+def test_clean_slate_of_a_dp_rank_looks_at_its_own_npus_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """External DP launch: rank 1 of a node starts while rank 0 runs on NPU 0; it waits for NPU 1 only."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "npu-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{NPU_SMI_INFO}EOF\n")
+    (bin_dir / "npu-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (mine,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0, devices=(1,))))
+    assert mine.ok, mine.detail
+    (neighbour,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0, devices=(0,))))
+    assert not neighbour.ok and neighbour.held
+    config = parse_config(
+        "cluster:\n  nodes: [{name: n, ip: 127.0.0.1, role: master}]\n"
+        "  vllm_groups: [{name: g, nodes: [n], dp_launch: external, data_parallel_size_local: 2}]\n"
+        f"node: {{name: n}}\nagent: {{state_dir: {tmp_path}/state}}\n"
+        "components: {vllm: {kind: vllm, model: /m, tensor_parallel_size: 4}}\n", "c.yaml", base_dir=tmp_path)
+    plan = plan_start_cleanup("vllm-dp1", config.components["vllm-dp1"], config)
+    (wait,) = [a for a in plan.actions if isinstance(a, WaitDevicesFree)]
+    assert wait.devices == (4, 5, 6, 7)
 
 
 def test_clean_slate_waits_for_hbm_back_to_its_idle_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

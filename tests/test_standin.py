@@ -374,7 +374,8 @@ def test_parse_full_rendered_command_line() -> None:
     assert (args.port, args.host, args.max_num_seqs, args.tensor_parallel_size) == (8080, "127.0.0.1", 8, 8)
     assert args.max_model_len == 204800
     assert args.enable_prefix_caching
-    assert any(flag.startswith("--kv-transfer-config=") for flag in args.ignored)
+    assert args.kv_transfer_config is not None and args.kv_transfer_config["kv_role"] == "kv_both"
+    assert args.block_size == 128
     assert "--async-scheduling" in args.ignored and "--headless" not in args.ignored
 
 

@@ -3,7 +3,10 @@
 It behaves like `vllm serve` wherever the supervisor can see it: the same command line (unknown
 flags are accepted and ignored), the same process tree (`VLLM::EngineCore` with `VLLM::Worker_TPn`
 children that survive a SIGKILL of this process), the port bound only after "loading weights",
-vLLM-shaped log lines, OpenAI endpoints, and vLLM's Prometheus metric names.
+vLLM-shaped log lines, OpenAI endpoints, and vLLM's Prometheus metric names. For prefill-decode
+disaggregation (`--kv-transfer-config` with kv_role kv_producer / kv_consumer) it answers the PD proxy like
+vLLM's Mooncake connector: a producer's request with `kv_transfer_params.do_remote_decode` that stopped at
+max_tokens returns where its KV can be pulled from; a consumer logs the remote prefill it is handed.
 
 Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
 --tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `crash_after:N`),
@@ -116,6 +119,9 @@ class ServeArgs:
     tensor_parallel_size: int = 1
     max_model_len: int = 204800
     enable_prefix_caching: bool = True
+    block_size: int = 16
+    kv_transfer_config: dict[str, Any] | None = None
+    """--kv-transfer-config: its kv_role decides the PD part of a request (see `Server._kv_transfer`)."""
     access_log: bool = True
     log_stats: bool = True
     ignored: list[str] = field(default_factory=list)
@@ -184,6 +190,8 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
             "--tensor-parallel-size",
             "--max-model-len",
             "--model",
+            "--block-size",
+            "--kv-transfer-config",
         ):
             if value is None:
                 raise UsageError(f"argument {name}: expected one argument")
@@ -205,6 +213,16 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         args.max_num_seqs = max(1, _parse_int("--max-num-seqs", options["--max-num-seqs"]))
     if "--tensor-parallel-size" in options:
         args.tensor_parallel_size = max(1, _parse_int("--tensor-parallel-size", options["--tensor-parallel-size"]))
+    if "--block-size" in options:
+        args.block_size = max(1, _parse_int("--block-size", options["--block-size"]))
+    if "--kv-transfer-config" in options:
+        try:
+            kv = json.loads(options["--kv-transfer-config"])
+        except ValueError:
+            kv = None
+        if not isinstance(kv, dict):
+            raise UsageError(f"argument --kv-transfer-config: invalid loads value: {options['--kv-transfer-config']!r}")
+        args.kv_transfer_config = kv
     if "--max-model-len" in options:
         args.max_model_len = max(1, _parse_int("--max-model-len", options["--max-model-len"], allow_suffix=True))
     args.enable_prefix_caching = "--no-enable-prefix-caching" not in flags_seen
@@ -848,15 +866,51 @@ class ApiServer:
             prompt_tokens=len(tokens),
             chat=chat,
         )
+        params = body.get("kv_transfer_params")
+        params = params if isinstance(params, dict) else {}
+        if params.get("do_remote_prefill") and self._kv_role() in ("kv_consumer", "kv_both"):
+            log(PROC, "mooncake_connector.py:1203", f"Request {job.rid}: pulling KV of {len(tokens)} prompt "
+                f"tokens from engine {params.get('remote_engine_id')} at "
+                f"{params.get('remote_host')}:{params.get('remote_port')}")
         results = self._generate(job.rid, tokens, max_tokens, bool(body.get("ignore_eos")))
         async with contextlib.aclosing(results):
             if body.get("stream") is not True:
-                return await self._full_response(job, results)
+                return await self._full_response(job, results, params)
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             return await self._stream_response(request, job, results, include_usage)
 
-    async def _full_response(self, job: _Job, results: AsyncIterator[tuple[list[str], str | None]]) -> web.Response:
+    def _kv_role(self) -> str | None:
+        kv = self.args.kv_transfer_config
+        return str(kv.get("kv_role")) if kv else None
+
+    def _kv_transfer(self, job: _Job, params: dict[str, Any], finish: str | None) -> dict[str, Any] | None:
+        """Like vLLM's Mooncake connector: a producer's request that asked for remote decode and stopped at
+        max_tokens hands its KV over; the response says where the decode instance can pull it from."""
+        kv = self.args.kv_transfer_config
+        if not kv or self._kv_role() not in ("kv_producer", "kv_both"):
+            return None
+        if not params.get("do_remote_decode") or finish != "length":
+            return None
+        p2p = kv
+        if kv.get("kv_connector") == "MultiConnector":
+            connectors = (kv.get("kv_connector_extra_config") or {}).get("connectors") or []
+            p2p = next((c for c in connectors if isinstance(c, dict) and "kv_port" in c), kv)
+        blocks = -(-job.prompt_tokens // self.args.block_size)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(range(blocks))],
+            "remote_engine_id": str(p2p.get("engine_id", kv.get("engine_id", "0"))),
+            "remote_request_id": job.rid,
+            "remote_host": self.args.host,
+            "remote_port": int(p2p.get("kv_port", 30000)),
+            "num_prompt_blocks": blocks,
+            "remote_block_size": self.args.block_size,
+        }
+
+    async def _full_response(self, job: _Job, results: AsyncIterator[tuple[list[str], str | None]],
+                             params: dict[str, Any]) -> web.Response:
         words: list[str] = []
         finish: str | None = None
         async for delta, reason in results:
@@ -889,7 +943,7 @@ class ApiServer:
                 "system_fingerprint": None,
                 "usage": _usage(job.prompt_tokens, len(words)),
                 "prompt_logprobs": None,
-                "kv_transfer_params": None,
+                "kv_transfer_params": self._kv_transfer(job, params, finish),
             }
         )
 

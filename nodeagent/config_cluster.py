@@ -1,0 +1,135 @@
+"""The `cluster:` section of the one file every member shares, and the hash peers compare.
+
+A config with `cluster.nodes` describes the whole cluster: each agent finds itself by `node.name`, and every
+per-node value (IP, role, NIC, per-member ports) lives in that node's entry, so a per-node file can differ only
+in `node.name` and the `agent` section. `nodeagent.cluster_file` resolves one member from it; `nodeagent.layout`
+answers for all of them. Keys (see docs/architecture.md, "The cluster file"):
+
+    cluster.nodes[]:       name, ip, role (master|worker, default worker), nic_name,
+                           components: {COMPONENT: {key: value}}  (this member's overrides, e.g. ports)
+    cluster.vllm_groups[]: name, kind (prefill|decode|mixed), nodes, dp_launch (internal|external),
+                           any vLLM component key (overrides the component's for the group)
+    cluster.pd:            p2p_connector, kv_port_base, kv_port_step, use_ascend_direct
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+GroupKind = Literal["prefill", "decode", "mixed"]
+DpLaunch = Literal["internal", "external"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _topic_safe_name(value: str) -> str:
+    """Cluster and node names are one level of etcd keys and MQTT topics: no `/`, no MQTT wildcards."""
+    if not value:
+        raise ValueError("must not be empty")
+    bad = sorted({c for c in value if c in "/+#\0"})
+    if bad:
+        raise ValueError(f"must not contain {' '.join(repr(c) for c in bad)}: it is one level of etcd keys and "
+                         "MQTT topics")
+    return value
+
+
+TopicSafeName = Annotated[str, AfterValidator(_topic_safe_name)]
+
+
+class ClusterNode(Strict):
+    """One member of the cluster, as its entry in `cluster.nodes` writes it."""
+
+    name: TopicSafeName
+    ip: str = Field(min_length=1)
+    role: Literal["master", "worker"] = "worker"
+    nic_name: str | None = None
+    components: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """This member's own values for component keys (ports, folders): several members may share an IP."""
+
+
+class VllmGroup(BaseModel):
+    """One data-parallel group of vLLM; every other key is a vLLM component setting for the whole group."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1)
+    kind: GroupKind = "mixed"
+    nodes: list[str] = Field(min_length=1)
+    dp_launch: DpLaunch = "internal"
+    """internal: one `vllm serve` per node, vLLM balances (headless non-head nodes); external: one per DP rank."""
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class PdConfig(Strict):
+    """The KV transfer between prefill and decode groups (the Mooncake P2P half of the MultiConnector)."""
+
+    p2p_connector: str = "MooncakeHybridConnector"
+    """vllm-ascend's DeepSeek-V4 tutorial and openYuanrong's 8-node guide use the hybrid connector."""
+    kv_port_base: int = Field(default=30000, gt=0, lt=65536)
+    kv_port_step: int = Field(default=100, gt=0)
+    """Group i of the prefill/decode groups (file order) gets kv_port base + i·step and engine_id i."""
+    use_ascend_direct: bool = True
+
+
+class ClusterConfig(Strict):
+    name: TopicSafeName = "local"
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
+    """In a cluster file without this key: the master's etcd."""
+    nodes: list[ClusterNode] = Field(default_factory=list)
+    vllm_groups: list[VllmGroup] | None = None
+    """Default (cluster file): one group of all nodes, kind mixed, dp_launch internal."""
+    pd: PdConfig = PdConfig()
+
+    @field_validator("vllm_groups")
+    @classmethod
+    def _not_empty(cls, value: list[VllmGroup] | None) -> list[VllmGroup] | None:
+        if value is not None and not value:
+            raise ValueError("list at least one group, or leave vllm_groups out for one group of all nodes")
+        return value
+
+    @property
+    def is_cluster_file(self) -> bool:
+        return bool(self.nodes)
+
+
+class SharedSections(Strict):
+    """What every member of a cluster shares, as the file wrote it (after `${VAR}` interpolation)."""
+
+    cluster: dict[str, Any] = Field(default_factory=dict)
+    components: dict[str, Any] = Field(default_factory=dict)
+    base_dir: Path | None = None
+    """Relative paths in `components` resolve against the file's folder."""
+    source: str = "<config>"
+
+    def digest(self) -> str:
+        return _digest({"cluster": self.cluster, "components": self.components})
+
+
+def _digest(sections: dict[str, Any]) -> str:
+    text = json.dumps(sections, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cluster_file_hash(config: Any) -> str:
+    """sha256 of the shared sections (`cluster` + `components`, not `node`/`agent`) as the file wrote them.
+
+    Members publish it so peers detect differing files. It hashes the data, not the text (comments and key
+    order do not count) and not the validated model (so folders and agent versions do not either).
+    """
+    shared = getattr(config, "shared", None)
+    if shared is not None:
+        return str(shared.digest())
+    return _digest({
+        "cluster": config.cluster.model_dump(mode="json", exclude_unset=True),
+        "components": {n: c.model_dump(mode="json", exclude_unset=True) for n, c in config.components.items()},
+    })  # fmt: skip
