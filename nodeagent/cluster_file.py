@@ -84,9 +84,27 @@ def check_cluster(cluster: ClusterConfig, components: Mapping[str, Any]) -> list
     for i in masters[1:]:
         problems.append((("cluster", "nodes", i, "role"), f"two masters: {cluster.nodes[masters[0]].name!r} "
                          f"and {cluster.nodes[i].name!r}; exactly one node runs etcd"))
+    problems += _check_etcd_members(cluster, seen, masters)
     template = vllm_template(components)
     problems += _check_groups(cluster, template, seen)
     problems += _check_derived(cluster, components, template)
+    return problems
+
+
+def _check_etcd_members(cluster: ClusterConfig, members: Mapping[str, int],
+                        masters: list[int]) -> list[tuple[KeyPath, str]]:  # fmt: skip
+    problems: list[tuple[KeyPath, str]] = []
+    names = cluster.etcd_members
+    for i, name in enumerate(names):
+        if name not in members:
+            problems.append((("cluster", "etcd_members", i), f"unknown node {name!r} (nodes: {', '.join(members)})"))
+        elif name in names[:i]:
+            problems.append((("cluster", "etcd_members", i), f"{name!r} is listed twice"))
+    if names and masters and cluster.nodes[masters[0]].name not in names:
+        problems.append((("cluster", "etcd_members"), f"the master {cluster.nodes[masters[0]].name!r} must be an "
+                         "etcd member: its agent starts etcd before it coordinates"))
+    if len(names) == 2:
+        problems.append((("cluster", "etcd_members"), "2 etcd members tolerate no failure: use 1, 3 or 5"))
     return problems
 
 

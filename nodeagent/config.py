@@ -216,11 +216,12 @@ def resolve_member(config: Config, data: dict[str, Any], node: str | None = None
     layout = build_layout(cluster, member_components(cluster, shared), vllm_template(shared.components))
     if layout.etcd_address is not None:
         listed = [e.removeprefix("http://").rstrip("/") for e in cluster.etcd_endpoints]
+        ours = layout.etcd_address.split(",")
         if "etcd_endpoints" not in cluster.model_fields_set:
-            cluster = cluster.model_copy(update={"etcd_endpoints": [layout.etcd_address]})
-        elif layout.etcd_address not in listed:
-            raise ClusterFileError([(("cluster", "etcd_endpoints"), f"the master runs etcd at "
-                                     f"{layout.etcd_address}, which is not listed ({', '.join(listed)})")])
+            cluster = cluster.model_copy(update={"etcd_endpoints": ours})
+        elif not set(ours) & set(listed):
+            raise ClusterFileError([(("cluster", "etcd_endpoints"), f"the cluster's etcd runs at "
+                                     f"{layout.etcd_address}, none of which is listed ({', '.join(listed)})")])
     return config.model_copy(update={"node": me, "cluster": cluster,
                                      "components": layout.node_components(me.name)})
 

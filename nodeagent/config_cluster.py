@@ -84,7 +84,10 @@ class PdConfig(Strict):
 class ClusterConfig(Strict):
     name: TopicSafeName = "local"
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
-    """In a cluster file without this key: the master's etcd."""
+    """In a cluster file without this key: the master's etcd (or every member of `etcd_members`)."""
+    etcd_members: list[str] = Field(default_factory=list)
+    """Nodes that each run a member of one etcd cluster (3 or 5, the master among them; the guide's production
+    advice). Empty: the guide's single etcd on the master."""
     nodes: list[ClusterNode] = Field(default_factory=list)
     vllm_groups: list[VllmGroup] | None = None
     """Default (cluster file): one group of all nodes, kind mixed, dp_launch internal."""

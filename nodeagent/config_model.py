@@ -411,6 +411,12 @@ class EtcdComponent(ComponentBase):
     data_dir: ConfigPath = Path("/tmp/etcd-data")
     listen_ip: str | None = None
     """The guide's `<IP_ADDRESS>` in --listen-*-urls; default node.ip."""
+    initial_cluster: dict[str, str] | None = None
+    """Member name → peer URL of a multi-member etcd (filled from `cluster.etcd_members`; not written by hand
+    in a cluster file). None: the guide's single member."""
+    cluster_token: str | None = None
+    member: bool = False
+    """This node is one of `cluster.etcd_members` (so it runs etcd although it is not the master)."""
 
 
 class DatasystemComponent(ComponentBase):
@@ -620,5 +626,6 @@ class Config(Strict):
         return {
             name: comp
             for name, comp in self.components.items()
-            if comp.enabled and not (comp.kind in MASTER_ONLY_KINDS and self.node.role != "master")
+            if comp.enabled and not (comp.kind in MASTER_ONLY_KINDS and self.node.role != "master"
+                                     and not getattr(comp, "member", False))
         }

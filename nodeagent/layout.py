@@ -292,15 +292,29 @@ def build_layout(cluster: ClusterConfig, settings: Mapping[str, Mapping[str, Any
         raise ClusterFileError(b.problems)
     pd_sizes = _pd_sizes(groups, cluster, template) if template else {}
     master = next(m for m in b.members.values() if m.role == "master")
-    etcd = [c for c in settings[master.name].values() if isinstance(c, EtcdComponent) and c.enabled]
-    etcd_address = _host(master.ip, etcd[0].client_port) if etcd else None
+    etcd_nodes = list(cluster.etcd_members) or [master.name]
+    etcd = {n: c for n in etcd_nodes for c in settings[n].values() if isinstance(c, EtcdComponent) and c.enabled}
+    etcd_address = ",".join(_host(b.members[n].ip, c.client_port) for n, c in etcd.items()) if etcd else None
+    peers = {n: f"http://{_host(b.members[n].ip, c.peer_port)}" for n, c in etcd.items()}
     proxies = _proxies(cluster, settings, groups, master, template)
     served = next((settings[g.head][template].served_model_name for g in groups), None) if template else None
     for node in b.members:
         b.expanded[node] = _node_components(b, node, groups, pd_sizes, proxies, etcd_address, served)
+        if len(peers) > 1:
+            b.expanded[node] = _etcd_member(b.expanded[node], node, peers, cluster.name)
     _check_addresses(b, groups, proxies)
     return ClusterLayout(cluster.name, tuple(b.members.values()), tuple(groups), tuple(proxies), etcd_address,
                          b.expanded)
+
+
+def _etcd_member(components: dict[str, Any], node: str, peers: Mapping[str, str], token: str) -> dict[str, Any]:
+    """One member of a multi-member etcd: named after its node, every member's peer URL in --initial-cluster."""
+    out = dict(components)
+    for name, comp in components.items():
+        if isinstance(comp, EtcdComponent):
+            out[name] = comp.model_copy(update={"name": node, "initial_cluster": dict(peers), "cluster_token": token,
+                                                "member": node in peers, "enabled": node in peers})  # fmt: skip
+    return out
 
 
 def _proxies(cluster: ClusterConfig, settings: Mapping[str, Mapping[str, Any]], groups: list[Group],

@@ -122,8 +122,11 @@ def render_etcd(name: str, comp: EtcdComponent, config: Config) -> LaunchSpec:
         "--listen-peer-urls", f"http://{listen}:{comp.peer_port}",
         "--initial-advertise-peer-urls", peer_url,
         "--initial-cluster", f"{comp.name}={peer_url}",
-        *comp.extra_args,
     ]  # fmt: skip
+    if comp.initial_cluster:
+        argv[-1] = ",".join(f"{n}={u}" for n, u in comp.initial_cluster.items())
+        argv += ["--initial-cluster-state", "new", "--initial-cluster-token", comp.cluster_token or "dsv4-agent"]
+    argv += comp.extra_args
     env, unset = _component_env(name, comp, config)
     return LaunchSpec(
         component=name, kind="etcd", argv=tuple(argv), env=env, unset=unset,
