@@ -230,7 +230,7 @@ def test_more_errors() -> None:
     single = "components:\n  vllm: {kind: vllm, model: /m, data_parallel_start_rank: 2}\n"
     assert "c.yaml:2: components.vllm: data_parallel_start_rank without headless" in config_error(single)
     assert "vllm_groups need cluster.nodes" in config_error("cluster:\n  vllm_groups: [{name: g, nodes: [a]}]\n")
-    assert "c.yaml:2: cluster.etcd_endpoints: the master runs etcd at 10.0.0.1:2379" in \
+    assert "c.yaml:2: cluster.etcd_endpoints: the cluster's etcd runs at 10.0.0.1:2379" in \
         config_error("cluster:\n  etcd_endpoints: ['10.0.0.7:2379']\n" + BASE.removeprefix("cluster:\n"))
 
 
