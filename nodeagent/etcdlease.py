@@ -75,6 +75,9 @@ class KeptLease:
                 self.last_error = None
             except StoreError as exc:
                 self.last_error = str(exc)
+            except Exception as exc:  # the keepalive task must outlive any bug, or the key expires
+                logger.exception("etcd lease keepalive failed")
+                self.last_error = str(exc) or type(exc).__name__
             if self._id is None and self.last_error is None:
                 continue  # lost in this round: grant again at once
             self._wake.clear()

@@ -47,6 +47,12 @@ T = TypeVar("T")
 WATCH_RETRY_MAX_S = 2.0
 
 
+def _cancelled_by_grpc() -> bool:
+    """A CancelledError that nobody asked our task for: gRPC cancels the calls of a channel being closed."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 class EtcdStore:
     """`nodeagent.store.Store` on etcd. Create it inside the event loop; `close()` it when done."""
 
@@ -110,7 +116,16 @@ class EtcdStore:
         self._set_state(False, error)
 
     def _discard(self, client: Client) -> None:
-        task = asyncio.ensure_future(self._close_quietly(client))
+        """Close a dropped client once the calls still running on it have had their timeout: gRPC cancels the
+        calls of a closed channel, which would hit callers that did nothing wrong."""
+
+        async def later() -> None:
+            try:
+                await asyncio.sleep(self.timeout + 0.5)
+            finally:  # close() cancels the wait: then at once
+                await self._close_quietly(client)
+
+        task = asyncio.ensure_future(later())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -171,6 +186,13 @@ class EtcdStore:
                 continue
             except aexc.ClientError as exc:
                 raise StoreError(f"etcd {what}: {error_text(exc)}") from None
+            except asyncio.CancelledError:
+                if not _cancelled_by_grpc():
+                    raise
+                self._failed(client, ConnectionError("channel closed during the call"))
+                last = f"{client._endpoint}: channel closed during the call"
+                attempt += 1
+                continue
             self._set_state(True, None)
             return result
         raise StoreUnavailable(f"etcd {what}: {last}")
@@ -344,6 +366,10 @@ class EtcdStore:
         except (*UNREACHABLE, aexc.ClientError) as exc:
             self._failed(client, exc)
             raise StoreUnavailable(f"etcd watch {prefix}: {error_text(exc)}") from None
+        except asyncio.CancelledError:
+            if not _cancelled_by_grpc():
+                raise
+            raise StoreUnavailable(f"etcd watch {prefix}: channel closed") from None
         self._set_state(True, None)
         self._watches.add(watch)
         try:
@@ -359,6 +385,10 @@ class EtcdStore:
         except (*UNREACHABLE, aexc.ClientError) as exc:
             self._failed(client, exc)
             raise StoreUnavailable(f"etcd watch {prefix}: {error_text(exc)}") from None
+        except asyncio.CancelledError:
+            if not _cancelled_by_grpc():
+                raise
+            raise StoreUnavailable(f"etcd watch {prefix}: channel closed") from None
         finally:
             self._watches.discard(watch)
             with contextlib.suppress(Exception):
@@ -405,6 +435,8 @@ class EtcdStore:
         if self._client is not None:
             await self._close_quietly(self._client)
             self._client = None
+        for task in list(self._closing):
+            task.cancel()
         for task in list(self._closing):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await task

@@ -133,15 +133,17 @@ class ClusterHarness:
         return {m["name"] for m in self.cluster(name)["members"] if m.get("present")}
 
     def wait_members(self, name: str, expected: set[str], timeout: float = 60.0) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
         def check() -> dict[str, Any] | None:
-            view = self.cluster(name)
+            view = last["view"] = self.cluster(name)
             seen = {m["name"] for m in view["members"] if m.get("present")}
             return view if seen == expected else None
 
         try:
             return wait_for(f"{name} to see members {sorted(expected)}", check, timeout, interval=0.3)  # type: ignore[no-any-return]
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.log_tails()}") from None
+            raise AssertionError(f"{exc}\nlast view: {last.get('view')}\n{self.log_tails()}") from None
 
     def wait_states(self, name: str, want: dict[str, set[str]], timeout: float = 120.0) -> dict[str, Any]:
         return self.agents[name].wait_states(want, timeout)

@@ -310,3 +310,39 @@ async def test_tls_with_client_certificate_and_password(tmp_path: Path) -> None:
             await plain.close()
     finally:
         server.kill()
+
+
+async def test_concurrent_calls_through_an_outage_all_recover(own_etcd: EtcdServer, unique_name: str) -> None:
+    """Calls that fail over drop their client; calls still running on it must not be cancelled with it (gRPC
+    cancels the calls of a closed channel) — or a lease's keepalive task, say, would die silently."""
+    p = f"/{unique_name}/"
+    await asyncio.to_thread(own_etcd.stop)
+    store = store_for(own_etcd.endpoint, timeout=1.0)
+    watches = [Collector(store, p) for _ in range(3)]
+    leases = [store.lease(3) for _ in range(3)]
+    stop = asyncio.Event()
+
+    async def hammer() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(StoreUnavailable):
+                await store.get(p + "x")
+            await asyncio.sleep(0.01)
+
+    workers = [asyncio.create_task(hammer()) for _ in range(4)]
+    try:
+        await asyncio.sleep(2.5)
+        await asyncio.to_thread(own_etcd.start)
+        for lease in leases:
+            assert await lease.wait_granted(10), "every lease is granted once etcd answers"
+        await store.put(p + "after", "1", lease=leases[0])
+        for watch in watches:
+            await wait_until("every watch alive", lambda w=watch: w.view.get(p + "after") == b"1")
+            assert not watch.task.done()
+        assert all(not w.done() for w in workers)
+    finally:
+        stop.set()
+        for task in workers:
+            task.cancel()
+        for watch in watches:
+            await watch.close()
+        await store.close()
