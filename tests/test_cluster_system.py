@@ -106,8 +106,8 @@ def test_the_master_runs_etcd_itself_and_nobody_waits_for_it(tmp_path: Path) -> 
         harness.start("n0")
         harness.wait_members("n0", {"n0"}, timeout=60)
         log = harness.agents["n0"].log()
-        assert log.index("etcd unreachable") < log.index("[etcd] up after") < log.index("etcd lease"), (
-            "membership runs before etcd is up and joins once it answers")  # fmt: skip
+        # membership ran before etcd answered, and joined once it did (maybe before etcd's own probe passed)
+        assert log.index("etcd unreachable") < min(log.index("[etcd] up after"), log.index("etcd lease"))
         # (a worker's datasystem started before the master's etcd answers hangs in dscli until its -t: not ours)
         harness.start("n1")
         harness.wait_members("n1", {"n0", "n1"}, timeout=60)
