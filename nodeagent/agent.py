@@ -26,6 +26,7 @@ from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
 if TYPE_CHECKING:
     from nodeagent.api import ApiServer
+    from nodeagent.membership import Membership
     from nodeagent.mqtt import MqttPublisher
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
@@ -67,6 +68,8 @@ class Agent:
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[object]] = set()
         self.lock: InstanceLock | None = None
+        self.membership: Membership | None = None
+        """This node as a cluster member (etcd); only with cluster.nodes — without it nothing imports aetcd."""
 
     @property
     def stopping(self) -> bool:
@@ -106,6 +109,8 @@ class Agent:
                 if getattr(config.agent, key) != getattr(self.config.agent, key):
                     logger.warning(f"agent.{key} changed: it takes effect when the agent restarts")
             self.config = config
+            if self.membership is not None:
+                self.membership.update_config(config)
             logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}")
             return dict(result)
 
@@ -136,6 +141,16 @@ class Agent:
             self.notifier.watchdog()
             self._publish_status()
             await asyncio.sleep(period)
+
+    def _start_membership(self) -> None:
+        """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
+        if not self.config.cluster.nodes:
+            return
+        from nodeagent.membership import Membership
+
+        self.membership = Membership(self.config, self.supervisor)
+        self.supervisor.on_state_change.append(self.membership.changed)
+        self.membership.start()
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:
         """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""
@@ -194,12 +209,16 @@ class Agent:
             self.notifier.ready()
             await self.guards.start()
             await self.supervisor.start()
+            self._start_membership()
             heartbeat = asyncio.create_task(self._heartbeat())
             await self.stop_requested.wait()
             self.notifier.stopping()
             if self.mqtt is not None:
                 self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
+            if self.membership is not None:
+                # Leaving: the key goes now. Detaching: it stays until its TTL, or the next agent takes it over.
+                await self.membership.stop(leave=not self.detach)
             self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
             # The API keeps answering (status, events) while the stack drains.
             await self.guards.close()

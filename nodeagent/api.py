@@ -34,6 +34,7 @@ from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
     from nodeagent.guards import StartGuards
+    from nodeagent.membership import Membership
     from nodeagent.mqtt import MqttPublisher
     from nodeagent.supervisor import Supervisor
 
@@ -55,6 +56,7 @@ class Controller(Protocol):
     started_at: float
     guards: StartGuards
     mqtt: MqttPublisher | None
+    membership: Membership | None
 
     @property
     def stopping(self) -> bool: ...
@@ -156,6 +158,7 @@ ROUTES = (
     Route("GET", "/readyz", "readyz"),
     Route("GET", "/status", "status"),
     Route("GET", "/metrics", "metrics"),
+    Route("GET", "/cluster", "cluster"),
     Route("GET", "/events", "events"),
     Route("GET", "/openapi.json", "openapi"),
     Route("POST", "/components/{name}/{action}", "component_action", True),
@@ -311,6 +314,8 @@ class Api:
         data.update(self.ctl.guards.status())
         if self.ctl.mqtt is not None:
             data["mqtt"] = self.ctl.mqtt.view()
+        if self.ctl.membership is not None:
+            data["cluster"] = self.ctl.membership.status_section()
         return json_response(data)
 
     async def preflight(self, request: web.Request) -> web.Response:
@@ -328,6 +333,11 @@ class Api:
             raise ApiError(400, f"npu must be a non-negative whole number, got {npu!r}")
         done = self.ctl.guards.override_npu(npu, who)
         return json_response({"ok": True, "action": "npu_override", "npu": npu, "overridden": done})
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        if self.ctl.membership is None:
+            raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
+        return json_response(self.ctl.membership.view())
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.agent_metrics.refresh_vllm()

@@ -37,6 +37,8 @@ DEFAULT_UNIT = "dsv4-agent"
 DEFAULT_WAIT_S = 1800.0
 """`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
 UP_STATES = ("running", "ready")
+NODE_COMMANDS = ("status", "render", "config")
+"""Commands that take --node NAME (another member of the cluster)."""
 
 
 class CliError(Exception):
@@ -371,8 +373,47 @@ def format_status(data: dict[str, Any], now: float | None = None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    data = _client(args).get("/status")
+    client = _client(args)
+    node = getattr(args, "node", None)
+    data = client.get("/status")
+    if node and node != (data.get("node") or {}).get("name"):
+        return _remote_status(client, node, args.json)
     print(json.dumps(data, indent=2) if args.json else format_status(data))
+    return 0
+
+
+def _cluster_view(client: Client) -> dict[str, Any]:
+    status, data = client.request("GET", "/cluster")
+    if status == 404:
+        raise CliError(f"{_error_text(data, status)}: --node and cluster need cluster.nodes", EXIT_USAGE)
+    if status != 200:
+        raise CliError(f"GET /cluster: {_error_text(data, status)}")
+    return data  # type: ignore[no-any-return]
+
+
+def _remote_status(client: Client, node: str, as_json: bool) -> int:
+    """Another member's status: from its own API when it answers, else what its member key says (and why)."""
+    from nodeagent.clustercmd import format_member_status, remote_status
+
+    try:
+        source, data, reason = remote_status(_cluster_view(client), node)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0]), EXIT_UNKNOWN) from None
+    if as_json:
+        print(json.dumps({"source": source, "reason": reason, **({"status": data} if source == "api" else
+                                                                 {"member": data})}, indent=2))  # fmt: skip
+    elif source == "api":
+        print(format_status(data))
+    else:
+        print(format_member_status(data, reason or ""))
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from nodeagent.clustercmd import format_cluster
+
+    view = _cluster_view(_client(args))
+    print(json.dumps(view, indent=2) if args.json else format_cluster(view))
     return 0
 
 
@@ -770,6 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "4 unknown component, 5 unauthorised, 78 bad config")  # fmt: skip
     parser.add_argument("--config", "-c", default=os.environ.get("DSV4_AGENT_CONFIG", DEFAULT_CONFIG),
                         help=f"agent config (default {DEFAULT_CONFIG}; env DSV4_AGENT_CONFIG)")
+    parser.add_argument("--node", metavar="NAME", help="act on another member of the cluster (status, render, "
+                        "config validate)")
     # --config is accepted after the subcommand too (`nodeagentctl status --config FILE`).
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", "-c", default=argparse.SUPPRESS, help="agent config")
@@ -782,6 +825,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = add("status", "components: state, pid, ready, restarts, uptime, last exit", cmd_status)
     status.add_argument("--json", action="store_true", help="the agent's full /status JSON")
+    status.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME", help="another member's status")
+    cluster = add("cluster", "every member as seen through etcd: state, versions, key age, consistency warnings",
+                  cmd_cluster)  # fmt: skip
+    cluster.add_argument("--json", action="store_true", help="the agent's full /cluster JSON")
     for action, text in (("start", "start a component (desired: running)"),
                          ("stop", "stop a component (desired: stopped; stays stopped)"),
                          ("restart", "restart a component; concurrent restarts coalesce")):  # fmt: skip
@@ -834,12 +881,14 @@ def build_parser() -> argparse.ArgumentParser:
     render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")
-    render.add_argument("--node", metavar="NAME", help="render this member of a cluster file (default: node.name)")
+    render.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
+                        help="render this member of a cluster file (default: node.name)")
     config = sub.add_parser("config", help="config tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     validate = config_sub.add_parser("validate", help="validate a config file")
     validate.add_argument("file")
-    validate.add_argument("--node", metavar="NAME", help="validate as this member of a cluster file")
+    validate.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
+                          help="validate as this member of a cluster file")
     validate.set_defaults(func=cmd_config_validate)
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _args: print(f"nodeagentctl {__version__}") or 0)
@@ -847,7 +896,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "node", None) and args.command not in NODE_COMMANDS:
+        parser.error(f"--node works with: {', '.join(NODE_COMMANDS)} (not {args.command})")
     try:
         return int(args.func(args))
     except CliError as exc:

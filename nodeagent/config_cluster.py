@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from nodeagent.config_paths import ReadableFile
 
 GroupKind = Literal["prefill", "decode", "mixed"]
 DpLaunch = Literal["internal", "external"]
@@ -81,10 +83,54 @@ class PdConfig(Strict):
     use_ascend_direct: bool = True
 
 
+def _check_endpoint(value: str) -> str:
+    from nodeagent.store import parse_endpoint
+
+    parse_endpoint(value)
+    return value
+
+
+class EtcdTls(Strict):
+    """TLS to etcd (the endpoints then default to https)."""
+
+    ca_file: ReadableFile | None = None
+    """CA bundle that signed etcd's server certificate; default: the system's roots."""
+    cert_file: ReadableFile | None = None
+    key_file: ReadableFile | None = None
+    """Client certificate and key, for etcd's --client-cert-auth; give both or neither."""
+    server_name: str | None = None
+    """Name to check the server certificate against (default: the endpoint's host)."""
+
+    @model_validator(mode="after")
+    def _pair(self) -> EtcdTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
+class EtcdAuth(Strict):
+    username: str = Field(min_length=1)
+    password_file: ReadableFile
+    """The password, alone in a file (0600): never in the config itself."""
+
+
 class ClusterConfig(Strict):
     name: TopicSafeName = "local"
-    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1)
-    """In a cluster file without this key: the master's etcd (or every member of `etcd_members`)."""
+    etcd_endpoints: list[Annotated[str, AfterValidator(_check_endpoint)]] = Field(
+        default_factory=lambda: ["127.0.0.1:2379"], min_length=1
+    )
+    """Every endpoint of the etcd cluster (the agent fails over between them). In a cluster file without this
+    key: the master's etcd (or every member of `etcd_members`)."""
+    etcd_tls: EtcdTls | None = None
+    etcd_auth: EtcdAuth | None = None
+    etcd_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    """Every etcd request answers within this or counts as etcd unreachable."""
+    member_ttl_s: float = Field(default=10.0, ge=2, le=300)
+    """TTL of the lease the node's member key lives on: a dead agent's key is gone after at most this long."""
+    member_heartbeat_s: float = Field(default=15.0, gt=0, le=3600)
+    """The member key is written on every change, and at least this often (fresh clock-skew samples)."""
+    clock_skew_max_s: float = Field(default=1.0, gt=0)
+    """Members whose clocks differ from the cluster's by more than this are flagged."""
     etcd_members: list[str] = Field(default_factory=list)
     """Nodes that each run a member of one etcd cluster (3 or 5, the master among them; the guide's production
     advice). Empty: the guide's single etcd on the master."""

@@ -24,19 +24,10 @@ from pydantic import (
 )
 
 from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
+from nodeagent.config_paths import ConfigPath
+from nodeagent.config_paths import resolve_path as _resolve_path
 from nodeagent.parsing import split_listen
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
-
-
-def _resolve_path(value: Path, info: ValidationInfo) -> Path:
-    value = value.expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not value.is_absolute() and base is not None:
-        value = Path(base) / value
-    return Path(os.path.normpath(value))
-
-
-ConfigPath = Annotated[Path, AfterValidator(_resolve_path)]
 
 
 def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:

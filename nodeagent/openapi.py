@@ -109,6 +109,12 @@ def openapi_document() -> dict[str, Any]:
         ),
         "/status": _get("Node, agent and per-component state, PIDs, restarts, probes, desired state",
                         {"200": _json({"$ref": "#/components/schemas/Status"}, "Status")}, operation_id="status"),
+        "/cluster": _get(
+            "The cluster as this node sees it through etcd: every member of the cluster file (present or not) and "
+            "any unknown one, each with its record and key age; etcd's connection state; consistency warnings",
+            {"200": _json({"type": "object"}, "Cluster view"), "404": _ERROR},
+            operation_id="cluster",
+        ),
         "/metrics": _get(
             "Prometheus metrics: components, probes, process usage, vLLM prefix-cache hit ratios",
             {"200": _text("text/plain", "Prometheus text format 0.0.4")},

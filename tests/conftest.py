@@ -160,3 +160,39 @@ def local_agent(tmp_path: Path) -> Iterator[LocalAgent]:
         yield agent
     finally:
         agent.cleanup()
+
+
+# ---- etcd for cluster tests ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real etcd shared by every cluster test of the session: give each test its own key prefix or cluster
+    name (`unique_name`). Tests that stop, restart or wipe etcd use `own_etcd`."""
+    from etcdserver import EtcdServer
+
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-shared")).start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[Any]:
+    """A real etcd of this test alone (started), to stop, kill, restart or wipe."""
+    from etcdserver import EtcdServer
+
+    server = EtcdServer(tmp_path / "etcd").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def unique_name() -> str:
+    """A cluster name / key prefix no other test uses on the shared etcd."""
+    import uuid
+
+    return f"t{uuid.uuid4().hex[:10]}"

@@ -1,0 +1,133 @@
+"""`nodeagentctl cluster` and `nodeagentctl --node NAME status`: the cluster as the local agent sees it through
+etcd, and another member's status. Standard library only (the CLI stays fast); no etcd client here — the local
+agent's `GET /cluster` holds every member key, and each key names its agent's API URL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from typing import Any
+
+REMOTE_TIMEOUT_S = 3.0
+
+
+def _ranks(ranks: Any) -> str:
+    if not isinstance(ranks, dict) or not ranks.get("count"):
+        return "-"
+    start, count = int(ranks.get("start", 0)), int(ranks["count"])
+    return str(start) if count == 1 else f"{start}-{start + count - 1}"
+
+
+def _components(comps: Any) -> str:
+    if not isinstance(comps, dict) or not comps:
+        return "-"
+    return " ".join(f"{name}:{(c or {}).get('state', '?')}" for name, c in comps.items())
+
+
+def _age(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def etcd_line(etcd: dict[str, Any], now: float) -> str:
+    state = etcd.get("state", "?")
+    text = f"etcd {state} ({etcd.get('endpoint')}"
+    since = etcd.get("since")
+    if isinstance(since, int | float) and state != "unknown":
+        text += f", for {_age(now - since)}"
+    text += ")"
+    if state != "reachable" and etcd.get("last_error"):
+        text += f": {etcd['last_error']}"
+    return text
+
+
+def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    warnings = view.get("warnings") or []
+    codes: dict[str, list[str]] = {}
+    for w in warnings:
+        codes.setdefault(w.get("node", "?"), []).append(w.get("code", "?"))
+    head = f"cluster {view.get('cluster')} · seen from {view.get('self')} · {etcd_line(view.get('etcd') or {}, now)}"
+    lines = [head]
+    if not view.get("view_complete"):
+        lines.append("(etcd not read yet: the member list may be incomplete)")
+    rows = [("NAME", "IP", "ROLE", "GROUP", "RANKS", "VERSION", "COMPONENTS", "AGE", "WARNINGS")]
+    for m in view.get("members") or []:
+        name = str(m.get("name"))
+        if not m.get("present"):
+            comps, age, version = "(no member key)", "-", "-"
+        else:
+            comps, age, version = _components(m.get("components")), _age(m.get("age_s")), str(m.get("version"))
+        if not m.get("listed", True):
+            name += " (not in file)"
+        rows.append((name, str(m.get("ip") or "-"), str(m.get("role") or "-"), str(m.get("group") or "-"),
+                     _ranks(m.get("ranks")), version, comps, age, ",".join(codes.get(str(m.get("name")), [])) or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if warnings:
+        lines += ["", f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}:"]
+        lines += [f"  {w.get('node')}: {w.get('code')}: {w.get('message')}" for w in warnings]
+    return "\n".join(lines)
+
+
+def find_member(view: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((m for m in view.get("members") or [] if m.get("name") == name), None)
+
+
+def fetch_status(api_url: str, timeout: float = REMOTE_TIMEOUT_S) -> dict[str, Any]:
+    """GET API_URL/status; OSError / ValueError / http.client.HTTPException when it does not answer properly."""
+    url = urllib.parse.urlsplit(api_url)
+    if url.scheme != "http" or not url.hostname:
+        raise ValueError(f"unsupported API URL {api_url!r}")
+    conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", "/status", headers={"Accept": "application/json"})
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise ValueError(f"HTTP {response.status}")
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("not a status object")
+    return data
+
+
+def remote_status(view: dict[str, Any], name: str) -> tuple[str, dict[str, Any], str | None]:
+    """("api", its /status, None) when its agent answered, else ("member_key", its member record, why not).
+
+    A KeyError names the members when `name` has no member key."""
+    member = find_member(view, name)
+    if member is None or not member.get("present"):
+        listed = member is not None
+        known = ", ".join(str(m.get("name")) for m in view.get("members") or [] if m.get("present"))
+        why = "has no member key (its agent is down or cannot reach etcd)" if listed else "is not a member"
+        raise KeyError(f"node {name!r} {why} (members with a key: {known or 'none'})")
+    url = member.get("api_url")
+    if not url:
+        return "member_key", member, "its API listens on loopback only (agent.api.listen), unreachable from here"
+    try:
+        data = fetch_status(url)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        return "member_key", member, f"its API at {url} did not answer: {getattr(exc, 'strerror', None) or exc}"
+    if (data.get("node") or {}).get("name") != name:
+        got = (data.get("node") or {}).get("name")
+        return "member_key", member, f"the agent at {url} is {got!r}, not {name!r}"
+    return "api", data, None
+
+
+def format_member_status(member: dict[str, Any], reason: str) -> str:
+    lines = [f"node {member.get('name')} ({member.get('role')}) · {member.get('ip')} · agent {member.get('version')}",
+             f"from its member key in etcd, written {_age(member.get('age_s'))} ago — {reason}", ""]
+    rows = [("COMPONENT", "STATE", "PID", "READY")]
+    for name, c in (member.get("components") or {}).items():
+        c = c or {}
+        rows.append((name, str(c.get("state")), str(c.get("pid") or "-"), "yes" if c.get("ready") else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)

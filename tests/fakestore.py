@@ -1,0 +1,279 @@
+"""An in-memory `nodeagent.store.Store` with etcd's semantics, for pure tests of the cluster's rules.
+
+One global revision bumped by every write; create/mod revisions per key; compare-and-swap on mod_revision
+(0 = absent); leases with a TTL on a settable clock (`advance`); watches from a revision, with compaction,
+an outage (`set_reachable(False)`: calls raise StoreUnavailable, watches deliver what they missed afterwards,
+marked not live) and a wipe (`wipe()`: history gone, watches get Resync("reset")).
+
+Leases are kept alive by the fake itself while reachable (the real store's keepalive task); `abandon()` stops
+that, as an agent's death does, and the lease then expires `ttl` seconds of fake time later. A kept lease that
+expired during an outage is granted anew once reachable again and its keys are written again if still absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+from nodeagent.store import (
+    KV,
+    CasResult,
+    Change,
+    ConnectionState,
+    Resync,
+    Snapshot,
+    StoreUnavailable,
+    WatchItem,
+    encode,
+)
+
+
+class FakeLease:
+    def __init__(self, store: FakeStore, ttl: float) -> None:
+        self.store = store
+        self.ttl = ttl
+        self.on_regrant: list[Callable[[int], Any]] = []
+        self.on_lost: list[Callable[[str, KV | None], Any]] = []
+        self.attached: dict[str, bytes] = {}
+        self.kept = True
+        self.grants = 0
+        self._id: int | None = None
+        self._granted = asyncio.Event()
+        store._lease_objects.add(self)
+        if store.reachable:
+            store._grant(self)
+
+    @property
+    def id(self) -> int | None:
+        return self._id
+
+    async def wait_granted(self, timeout: float) -> bool:
+        return self._granted.is_set()
+
+    def forget(self, key: str) -> None:
+        self.attached.pop(key, None)
+
+    def abandon(self) -> None:
+        """Stop the keepalives (the agent died): the lease expires ttl seconds of fake time later."""
+        self.kept = False
+
+    async def revoke(self) -> None:
+        self.kept = False
+        self.attached.clear()
+        if self._id is not None and self.store.reachable:
+            self.store._expire(self._id)
+        self._id = None
+        self._granted.clear()
+
+
+class FakeStore:
+    def __init__(self, now: float = 1_000_000.0, endpoint: str = "http://fake:2379") -> None:
+        self.now = now
+        self.endpoint = endpoint
+        self.on_state_change: list[Callable[[ConnectionState], Any]] = []
+        self.revision = 0
+        self.compacted = 0
+        self.data: dict[str, KV] = {}
+        self.history: list[Change] = []
+        self.leases: dict[int, tuple[FakeLease, float]] = {}
+        """lease id → (lease, deadline on the fake clock)"""
+        self.reachable = True
+        self._state = ConnectionState(True, endpoint, None, now)
+        self._ids = itertools.count(0x1000)
+        self._epoch = 0
+        self._wakeups: set[asyncio.Event] = set()
+        self._lease_objects: set[FakeLease] = set()
+        self.requests = 0
+
+    # ---- the test's controls -----------------------------------------------------------------------------------
+    def clock(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for lease_id, (lease, deadline) in list(self.leases.items()):
+            if lease.kept and self.reachable:
+                self.leases[lease_id] = (lease, self.now + lease.ttl)
+            elif deadline <= self.now:
+                self._expire(lease_id)
+
+    def set_reachable(self, reachable: bool, error: str = "connection refused") -> None:
+        self.reachable = reachable
+        self._state = ConnectionState(reachable, self.endpoint, None if reachable else error, self.now)
+        for callback in self.on_state_change:
+            callback(self._state)
+        if reachable:
+            for lease in self._all_leases():
+                if lease.kept and lease.id not in self.leases:
+                    self._grant(lease)
+        self._wake()
+
+    def compact(self, revision: int) -> None:
+        self.compacted = max(self.compacted, revision)
+        self.history = [c for c in self.history if c.revision >= revision]
+
+    def wipe(self) -> None:
+        """An empty store in its place: data, history and leases gone, revisions start again."""
+        self.data.clear()
+        self.history.clear()
+        self.revision = self.compacted = 0
+        self.leases.clear()
+        self._epoch += 1
+        if self.reachable:
+            for lease in self._all_leases():
+                if lease.kept:
+                    self._grant(lease)
+        self._wake()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _all_leases(self) -> list[FakeLease]:
+        return list(self._lease_objects)
+
+    def _wake(self) -> None:
+        for event in self._wakeups:
+            event.set()
+
+    def _check(self) -> None:
+        self.requests += 1
+        if not self.reachable:
+            raise StoreUnavailable(f"etcd {self.endpoint}: {self._state.last_error}")
+
+    def _write(self, key: str, value: bytes | None, lease_id: int = 0) -> int:
+        self.revision += 1
+        if value is None:
+            self.data.pop(key, None)
+            self.history.append(Change("delete", key, self.revision))
+        else:
+            old = self.data.get(key)
+            kv = KV(key, value, old.create_revision if old else self.revision, self.revision,
+                    (old.version + 1) if old else 1, lease_id)  # fmt: skip
+            self.data[key] = kv
+            self.history.append(Change("put", key, self.revision, kv))
+        self._wake()
+        return self.revision
+
+    def _grant(self, lease: FakeLease) -> None:
+        lease_id = next(self._ids)
+        self.leases[lease_id] = (lease, self.now + lease.ttl)
+        regrant = lease.grants > 0
+        lease._id = lease_id
+        lease.grants += 1
+        lease._granted.set()
+        for key, value in list(lease.attached.items()):
+            if key in self.data:
+                lease.forget(key)
+                for cb in lease.on_lost:
+                    cb(key, self.data[key])
+            else:
+                self._write(key, value, lease_id)
+        if regrant:
+            for cb in lease.on_regrant:
+                cb(lease_id)
+
+    def _expire(self, lease_id: int) -> None:
+        lease, _ = self.leases.pop(lease_id)
+        for key in [k for k, kv in self.data.items() if kv.lease == lease_id]:
+            self._write(key, None)
+        if lease.id == lease_id:
+            lease._id = None
+            lease._granted.clear()
+
+    def _lease_id(self, lease: Any) -> int:
+        if lease is None:
+            return 0
+        if lease.id is None or lease.id not in self.leases:
+            raise StoreUnavailable("etcd lease not granted yet")
+        return lease.id
+
+    # ---- the Store interface -------------------------------------------------------------------------------------
+    @property
+    def state(self) -> ConnectionState:
+        return self._state
+
+    async def get(self, key: str) -> KV | None:
+        self._check()
+        return self.data.get(key)
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        self._check()
+        return Snapshot(self.revision, {k: v for k, v in self.data.items() if k.startswith(prefix)})
+
+    async def put(self, key: str, value: bytes | str, lease: Any = None) -> int:
+        self._check()
+        lease_id = self._lease_id(lease)
+        revision = self._write(key, encode(value), lease_id)
+        if lease is not None:
+            lease.attached[key] = encode(value)
+        return revision
+
+    async def delete(self, key: str) -> bool:
+        self._check()
+        for lease in self._all_leases():
+            lease.forget(key)
+        if key not in self.data:
+            return False
+        self._write(key, None)
+        return True
+
+    async def compare_and_swap(self, key: str, mod_revision: int, value: bytes | str | None,
+                               lease: Any = None) -> CasResult:  # fmt: skip
+        self._check()
+        current = self.data.get(key)
+        if (current.mod_revision if current else 0) != mod_revision:
+            return CasResult(False, self.revision, current)
+        if value is None:
+            return CasResult(True, self._write(key, None) if current else self.revision)
+        revision = self._write(key, encode(value), self._lease_id(lease))
+        if lease is not None:
+            lease.attached[key] = encode(value)
+        return CasResult(True, revision)
+
+    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:
+        wake = asyncio.Event()
+        self._wakeups.add(wake)
+        epoch = self._epoch
+        try:
+            while not self.reachable:
+                wake.clear()
+                await wake.wait()
+            next_rev = from_revision
+            if next_rev is None:
+                snapshot = await self.get_prefix(prefix)
+                yield Resync("initial", snapshot)
+                next_rev = snapshot.revision + 1
+            live_after = self.revision
+            while True:
+                if self.reachable and epoch != self._epoch:
+                    epoch = self._epoch
+                    snapshot = await self.get_prefix(prefix)
+                    yield Resync("reset", snapshot)
+                    next_rev, live_after = snapshot.revision + 1, self.revision
+                    continue
+                if self.reachable and next_rev < self.compacted:
+                    snapshot = await self.get_prefix(prefix)
+                    yield Resync("compacted", snapshot)
+                    next_rev, live_after = snapshot.revision + 1, self.revision
+                    continue
+                pending = [c for c in self.history if c.revision >= next_rev and c.key.startswith(prefix)]
+                if self.reachable and pending:
+                    change = pending[0]
+                    next_rev = change.revision + 1
+                    yield replace(change, live=change.revision > live_after)
+                    continue
+                if not self.reachable:
+                    live_after = self.revision + 10**12  # what arrives after an outage is replayed
+                elif live_after > self.revision:
+                    live_after = self.revision
+                wake.clear()
+                await wake.wait()
+        finally:
+            self._wakeups.discard(wake)
+
+    def lease(self, ttl: float) -> FakeLease:
+        return FakeLease(self, ttl)
+
+    async def close(self) -> None:
+        self._wake()

@@ -1,0 +1,348 @@
+"""The etcd store against real etcd: key-value calls, compare-and-swap, leases, failover, TLS and auth, and the
+watch across an etcd restart, a network partition longer than the lease, a compaction, and a wiped etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import free_port
+from etcdserver import EtcdServer
+from tcpproxy import TcpProxy
+
+from nodeagent.etcdclient import EtcdSettings
+from nodeagent.etcdstore import EtcdStore
+from nodeagent.store import Change, Resync, StoreUnavailable, WatchItem, parse_endpoint
+
+pytestmark = pytest.mark.system
+
+
+def store_for(*endpoints: str, timeout: float = 2.0, **tls_auth: Any) -> EtcdStore:
+    tls = bool(tls_auth.get("ca_file"))
+    return EtcdStore(EtcdSettings(tuple(parse_endpoint(e, tls) for e in endpoints), timeout, **tls_auth))
+
+
+async def wait_until(what: str, check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StoreUnavailable):
+            last = check()
+            if asyncio.iscoroutine(last):
+                last = await last
+            if last:
+                return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Collector:
+    """Runs a watch in the background and keeps what it delivered, plus its own mirror of the prefix."""
+
+    def __init__(self, store: EtcdStore, prefix: str, from_revision: int | None = None) -> None:
+        self.items: list[WatchItem] = []
+        self.view: dict[str, bytes] = {}
+        self._iter: AsyncIterator[WatchItem] = store.watch_prefix(prefix, from_revision)
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for item in self._iter:
+            self.items.append(item)
+            if isinstance(item, Resync):
+                self.view = {k: kv.value for k, kv in item.snapshot.items.items()}
+            elif item.kind == "put" and item.kv is not None:
+                self.view[item.key] = item.kv.value
+            else:
+                self.view.pop(item.key, None)
+
+    def resyncs(self) -> list[str]:
+        return [i.reason for i in self.items if isinstance(i, Resync)]
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self._iter.aclose()  # type: ignore[attr-defined]
+
+
+async def test_key_value_and_compare_and_swap(etcd: EtcdServer, unique_name: str) -> None:
+    store = store_for(etcd.endpoint)
+    p = f"/{unique_name}/"
+    try:
+        assert await store.get(p + "a") is None
+        rev = await store.put(p + "a", "1")
+        kv = await store.get(p + "a")
+        assert kv is not None and kv.value == b"1" and kv.mod_revision == rev == kv.create_revision
+        assert store.state.reachable is True and store.state.endpoint == f"http://{etcd.endpoint}"
+
+        # 0 = only if absent
+        taken = await store.compare_and_swap(p + "a", 0, "2")
+        assert not taken.succeeded and taken.current is not None and taken.current.value == b"1"
+        swapped = await store.compare_and_swap(p + "a", rev, "2")
+        assert swapped.succeeded and (await store.get(p + "a")).mod_revision == swapped.revision  # type: ignore[union-attr]
+        stale = await store.compare_and_swap(p + "a", rev, "3")
+        assert not stale.succeeded and stale.current.value == b"2"  # type: ignore[union-attr]
+        created = await store.compare_and_swap(p + "b", 0, '{"x": 1}')
+        assert created.succeeded
+        snap = await store.get_prefix(p)
+        assert set(snap.items) == {p + "a", p + "b"} and snap.revision >= created.revision
+        assert snap.items[p + "b"].json() == {"x": 1}
+        gone = await store.compare_and_swap(p + "b", created.revision, None)
+        assert gone.succeeded and await store.get(p + "b") is None
+        assert await store.delete(p + "a") and not await store.delete(p + "a")
+    finally:
+        await store.close()
+
+
+async def test_lease_keeps_its_key_alive_and_revoke_removes_it(etcd: EtcdServer, unique_name: str) -> None:
+    store = store_for(etcd.endpoint)
+    key = f"/{unique_name}/leased"
+    try:
+        lease = store.lease(2)
+        assert await lease.wait_granted(5)
+        await store.put(key, "here", lease=lease)
+        kv = await store.get(key)
+        assert kv is not None and kv.lease == lease.id
+        await asyncio.sleep(4.5)  # > 2 TTLs: only the keepalive task keeps it
+        assert await store.get(key) is not None, "the lease must be kept alive by its own task"
+        await lease.revoke()
+        assert await store.get(key) is None
+    finally:
+        await store.close()
+
+
+async def test_unreachable_etcd_answers_within_the_timeout_and_says_so() -> None:
+    store = store_for(f"127.0.0.1:{free_port()}", timeout=1.0)
+    try:
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=r"Connection refused|failed to connect"):
+            await store.get("/x")
+        assert time.monotonic() - began < 1.5
+        state = store.state.to_dict()
+        assert state["state"] == "unreachable" and "127.0.0.1" in state["last_error"]
+        lease = store.lease(10)
+        with pytest.raises(StoreUnavailable, match="lease not granted"):
+            await store.put("/x", "1", lease=lease)
+        assert not await lease.wait_granted(0.5)
+    finally:
+        await store.close()
+
+
+async def test_fails_over_to_the_next_endpoint(etcd: EtcdServer, unique_name: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    store = store_for(dead, etcd.endpoint)
+    try:
+        await store.put(f"/{unique_name}/k", "v")
+        assert store.state.reachable and store.state.endpoint == f"http://{etcd.endpoint}"
+    finally:
+        await store.close()
+
+
+async def test_watch_resumes_after_an_etcd_restart_without_rereading(own_etcd: EtcdServer, unique_name: str) -> None:
+    store = store_for(own_etcd.endpoint)
+    p = f"/{unique_name}/"
+    watch = Collector(store, p)
+    try:
+        lease = store.lease(10)
+        assert await lease.wait_granted(5)
+        await store.put(p + "member", "1", lease=lease)
+        await wait_until("the put seen", lambda: watch.view.get(p + "member") == b"1")
+        lease_id = lease.id
+
+        await asyncio.to_thread(own_etcd.kill)
+        await wait_until("unreachable", lambda: store.state.reachable is False)
+        await asyncio.to_thread(own_etcd.start)
+        writer = store_for(own_etcd.endpoint)
+        await writer.put(p + "after", "2")
+        await wait_until("the put after the restart seen", lambda: watch.view.get(p + "after") == b"2")
+        assert watch.resyncs() == ["initial"], "a restart loses nothing: the watch resumes, no re-read"
+        assert store.state.reachable
+        assert lease.id == lease_id and (await store.get(p + "member")) is not None
+        await writer.close()
+    finally:
+        await watch.close()
+        await store.close()
+
+
+async def test_partition_longer_than_the_lease_then_compaction(own_etcd: EtcdServer, unique_name: str) -> None:
+    """Cut off from a live etcd: the lease expires there and history is compacted meanwhile. Back, the watch
+    re-reads (compacted) and the lease is granted anew with its key written again."""
+    proxy = await TcpProxy(own_etcd.client_port).start()
+    store = store_for(proxy.endpoint, timeout=1.0)
+    direct = store_for(own_etcd.endpoint)
+    p = f"/{unique_name}/"
+    watch = Collector(store, p)
+    try:
+        lease = store.lease(2)
+        assert await lease.wait_granted(5)
+        await store.put(p + "me", "alive", lease=lease)
+        await wait_until("own key seen", lambda: p + "me" in watch.view)
+        old_lease = lease.id
+
+        await proxy.cut()
+        await wait_until("unreachable", lambda: store.state.reachable is False)
+        await wait_until("the lease expired in etcd", lambda: _absent(direct, p + "me"), timeout=10)
+        rev = await direct.put(p + "other", "x")
+        await direct.put(p + "other", "y")
+        await direct.compact(rev + 1)
+
+        await proxy.restore()
+        await wait_until("the watch re-read after the compaction", lambda: "compacted" in watch.resyncs())
+        await wait_until("the view is the truth", lambda: watch.view.get(p + "other") == b"y")
+        await wait_until("a new lease", lambda: lease.id not in (None, old_lease))
+        await wait_until("own key written again", lambda: watch.view.get(p + "me") == b"alive")
+        kv = await direct.get(p + "me")
+        assert kv is not None and kv.lease == lease.id
+    finally:
+        await watch.close()
+        await store.close()
+        await direct.close()
+        await proxy.close()
+
+
+async def _absent(store: EtcdStore, key: str) -> bool:
+    return await store.get(key) is None
+
+
+async def test_watch_from_a_compacted_revision_rereads(etcd: EtcdServer, unique_name: str) -> None:
+    store = store_for(etcd.endpoint)
+    p = f"/{unique_name}/"
+    try:
+        first = await store.put(p + "a", "1")
+        last = await store.put(p + "a", "2")
+        await store.compact(last)
+        watch = Collector(store, p, from_revision=first)
+        await wait_until("a compacted resync", lambda: watch.resyncs() == ["compacted"])
+        assert watch.view == {p + "a": b"2"}
+        await store.put(p + "b", "3")
+        await wait_until("live again", lambda: watch.view.get(p + "b") == b"3")
+        assert isinstance(watch.items[-1], Change) and watch.items[-1].live
+        await watch.close()
+    finally:
+        await store.close()
+
+
+async def test_wiped_etcd_resets_the_watch_and_regrants_the_lease(own_etcd: EtcdServer, unique_name: str) -> None:
+    store = store_for(own_etcd.endpoint)
+    p = f"/{unique_name}/"
+    watch = Collector(store, p)
+    try:
+        for i in range(20):  # history the wiped etcd will not have
+            await store.put(p + "noise", str(i))
+        lease = store.lease(10)
+        assert await lease.wait_granted(5)
+        await store.put(p + "me", "alive", lease=lease)
+        await wait_until("seen", lambda: p + "me" in watch.view and watch.view.get(p + "noise") == b"19")
+
+        await asyncio.to_thread(own_etcd.wipe)
+        await asyncio.to_thread(own_etcd.start)
+        await wait_until("the consumer is told everything reset", lambda: "reset" in watch.resyncs())
+        await wait_until("own key back on a new lease", lambda: watch.view.get(p + "me") == b"alive")
+        assert p + "noise" not in watch.view, "after a reset the view holds only what the new etcd has"
+        kv = await store.get(p + "me")
+        assert kv is not None and kv.lease == lease.id
+    finally:
+        await watch.close()
+        await store.close()
+
+
+# ---- TLS and user/password ---------------------------------------------------------------------------------------
+
+
+def make_certs(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=test-ca")  # fmt: skip
+    ext = folder / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "2", "-extfile", str(ext))  # fmt: skip
+    return {n: folder / f for n, f in (("ca", "ca.pem"), ("cert", "server.pem"), ("key", "server.key"),
+                                       ("client_cert", "client.pem"), ("client_key", "client.key"))}  # fmt: skip
+
+
+async def test_tls_with_client_certificate_and_password(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "pki")
+    server = EtcdServer(tmp_path / "etcd", tls=certs).start()
+    try:
+        server.ctl("user", "add", "root:rootpw")
+        server.ctl("user", "add", "agent:s3cret")
+        server.ctl("role", "add", "agent")
+        server.ctl("role", "grant-permission", "agent", "--prefix=true", "readwrite", "/dsv4-agent/")
+        server.ctl("user", "grant-role", "agent", "agent")
+        server.ctl("auth", "enable")
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret\n")
+        tls = {"ca_file": certs["ca"], "cert_file": certs["client_cert"], "key_file": certs["client_key"]}
+        store = store_for(server.endpoint, **tls, username="agent", password_file=pw)
+        try:
+            await store.put("/dsv4-agent/tls/k", "v")
+            assert (await store.get("/dsv4-agent/tls/k")).value == b"v"  # type: ignore[union-attr]
+            assert store.state.endpoint == f"https://{server.endpoint}"
+        finally:
+            await store.close()
+        pw.write_text("wrong\n")
+        bad = store_for(server.endpoint, **tls, username="agent", password_file=pw)
+        try:
+            with pytest.raises(StoreUnavailable, match="authentication failed"):
+                await bad.get("/dsv4-agent/tls/k")
+            assert "authentication failed" in (bad.state.last_error or "")
+        finally:
+            await bad.close()
+        plain = store_for(server.endpoint, timeout=1.0)  # no TLS against a TLS etcd: unreachable, not a hang
+        try:
+            with pytest.raises(StoreUnavailable):
+                await plain.get("/dsv4-agent/tls/k")
+        finally:
+            await plain.close()
+    finally:
+        server.kill()
+
+
+async def test_concurrent_calls_through_an_outage_all_recover(own_etcd: EtcdServer, unique_name: str) -> None:
+    """Calls that fail over drop their client; calls still running on it must not be cancelled with it (gRPC
+    cancels the calls of a closed channel) — or a lease's keepalive task, say, would die silently."""
+    p = f"/{unique_name}/"
+    await asyncio.to_thread(own_etcd.stop)
+    store = store_for(own_etcd.endpoint, timeout=1.0)
+    watches = [Collector(store, p) for _ in range(3)]
+    leases = [store.lease(3) for _ in range(3)]
+    stop = asyncio.Event()
+
+    async def hammer() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(StoreUnavailable):
+                await store.get(p + "x")
+            await asyncio.sleep(0.01)
+
+    workers = [asyncio.create_task(hammer()) for _ in range(4)]
+    try:
+        await asyncio.sleep(2.5)
+        await asyncio.to_thread(own_etcd.start)
+        for lease in leases:
+            assert await lease.wait_granted(10), "every lease is granted once etcd answers"
+        await store.put(p + "after", "1", lease=leases[0])
+        for watch in watches:
+            await wait_until("every watch alive", lambda w=watch: w.view.get(p + "after") == b"1")
+            assert not watch.task.done()
+        assert all(not w.done() for w in workers)
+    finally:
+        stop.set()
+        for task in workers:
+            task.cancel()
+        for watch in watches:
+            await watch.close()
+        await store.close()

@@ -1,0 +1,230 @@
+"""Membership on the in-memory store: records, the view, consistency findings and their events, a dead agent's
+key expiring, a duplicate name, our own previous incarnation, an outage, and clock skew."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_harness import ClusterHarness
+from fakestore import FakeStore
+
+from nodeagent.config import load_config
+from nodeagent.events import EventBus
+from nodeagent.membership import Identity, Membership, member_key
+
+
+class Host:
+    """The two things membership reads from the agent: its status and its event bus."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.events = EventBus()
+        self.base_env: dict[str, str] = {}
+        self.components = {"datasystem": {"state": "ready", "pid": 11}, "vllm": {"state": "starting", "pid": 12}}
+
+    def status(self) -> dict[str, Any]:
+        return {"node": {"name": self.name}, "paused": False, "components": self.components}
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events.recent if e.event == kind]
+
+
+async def until(what: str, check: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, names: list[str], edit: Callable[[ClusterHarness], None] | None = None) -> None:
+        self.harness = ClusterHarness(tmp_path, "127.0.0.1:2379", names, ttl_s=10, heartbeat_s=3600)
+        if edit is not None:
+            edit(self.harness)
+        self.store = FakeStore()
+        self.members: dict[str, Membership] = {}
+        self.hosts: dict[str, Host] = {}
+
+    def join(self, name: str, clock: Callable[[], float] | None = None, state_dir: str | None = None) -> Membership:
+        config = load_config(self.harness.write(name))
+        host = Host(name)
+        m = Membership(config, host, self.store, clock=clock or self.store.clock)  # type: ignore[arg-type]
+        if state_dir is not None:
+            m.identity = Identity(m.identity.host, state_dir)
+        m.start()
+        self.members[name], self.hosts[name] = m, host
+        return m
+
+    async def close(self) -> None:
+        for m in self.members.values():
+            await m.stop(leave=False)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> Any:
+    made: list[Cluster] = []
+
+    def make(names: list[str], edit: Callable[[ClusterHarness], None] | None = None) -> Cluster:
+        made.append(Cluster(tmp_path, names, edit))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+def present(m: Membership) -> set[str]:
+    return {r["name"] for r in m.view()["members"] if r["present"]}
+
+
+async def test_members_see_each_other_with_their_records(cluster: Any) -> None:
+    c = cluster(["n0", "n1", "n2"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both see both", lambda: present(n0) == present(n1) == {"n0", "n1"})
+    view = n0.view()
+    rows = {r["name"]: r for r in view["members"]}
+    assert rows["n2"] == {"name": "n2", "ip": "127.0.0.1", "role": "worker", "group": "g-n2",
+                          "ranks": {"start": 0, "count": 1}, "present": False, "listed": True}  # fmt: skip
+    record = rows["n1"]
+    assert record["role"] == "worker" and record["group"] == "g-n1" and record["pythonhashseed"] == {"vllm": "0"}
+    assert record["components"]["vllm"] == {"state": "starting", "pid": 12, "ready": None}
+    assert record["api_url"] == f"http://127.0.0.1:{c.harness.api_ports['n1']}"
+    assert record["cluster_hash"] == rows["n0"]["cluster_hash"] and len(record["cluster_hash"]) == 64
+    assert view["missing"] == ["n2"] and view["warnings"] == [], "no 'missing' during the first TTL"
+    kv = await c.store.get(member_key(c.harness.cluster_name, "n1"))
+    assert kv is not None and kv.lease == n1._lease.id
+
+    # a state change is published (coalesced) and seen by the others
+    c.hosts["n1"].components["vllm"] = {"state": "ready", "pid": 12}
+    n1.changed()
+    await until("the change seen", lambda: {r["name"]: r for r in n0.view()["members"]}["n1"]["components"]["vllm"]
+                ["state"] == "ready", timeout=3)  # fmt: skip
+
+    n0.view_since -= 60  # past the start-up grace
+    n0._recheck()
+    assert [(w["code"], w["node"]) for w in n0.view()["warnings"]] == [("missing", "n2")]
+    assert c.hosts["n0"].events_of("cluster_warning")[-1]["data"] == {"code": "missing", "node": "n2"}
+
+
+async def test_a_dead_agent_leaves_with_its_lease_and_is_flagged_missing(cluster: Any) -> None:
+    c = cluster(["n0", "n1"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == {"n0", "n1"})
+    n0.view_since -= 60
+    for task in n1._tasks:  # kill -9: no revoke, no more keepalives
+        task.cancel()
+    n1._lease.abandon()
+    c.store.advance(9)
+    await asyncio.sleep(0.05)
+    assert present(n0) == {"n0", "n1"}
+    c.store.advance(2)
+    await until("n1 gone", lambda: present(n0) == {"n0"})
+    assert ("missing", "n1") in {(w["code"], w["node"]) for w in n0.view()["warnings"]}
+    n1b = c.join("n1")
+    await until("n1 back", lambda: present(n0) == {"n0", "n1"})
+    assert n0.view()["warnings"] == [] and c.hosts["n0"].events_of("cluster_warning_cleared")
+    assert n1b.view()["conflict"] is None
+
+
+async def test_hash_seed_of_one_node_is_flagged_everywhere(cluster: Any) -> None:
+    def seed(h: ClusterHarness) -> None:
+        h.node("n1")["components"]["vllm"]["env"] = {"PYTHONHASHSEED": "1"}
+
+    c = cluster(["n0", "n1"], seed)
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == present(n1) == {"n0", "n1"})
+    for m in (n0, n1):
+        await until("finding", lambda m=m: [(w["code"], w["node"]) for w in m.view()["warnings"]] == [
+            ("pythonhashseed", "n1")])  # fmt: skip
+    assert n0.status_section()["warnings"][0]["code"] == "pythonhashseed"
+
+
+async def test_a_duplicate_name_is_not_overwritten_and_takes_over_once_free(cluster: Any) -> None:
+    c = cluster(["n0", "n1"])
+    n0, first = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == {"n0", "n1"})
+    holder = (await c.store.get(first.key)).mod_revision  # type: ignore[union-attr]
+    imposter = Membership(load_config(c.harness.config_path("n1")), Host("n1"), c.store, clock=c.store.clock)
+    imposter.identity = Identity("another-host", "/elsewhere")
+    imposter.start()
+    await until("the duplicate reported", lambda: ("duplicate_name", "n1") in {
+        (w["code"], w["node"]) for w in n0.view()["warnings"]})  # fmt: skip
+    kv = await c.store.get(first.key)
+    assert kv is not None and kv.lease == first._lease.id and kv.json()["agent"]["host"] != "another-host"
+    assert kv.mod_revision >= holder and imposter.view()["conflict"]["agent"]["instance"] == first.identity.instance
+    await first.stop(leave=True)  # the holder leaves: the imposter claims the name on its next write
+    imposter.changed()
+    await until("claimed", lambda: (c.store.data.get(first.key) is not None
+                                   and c.store.data[first.key].lease == imposter._lease.id))  # fmt: skip
+    await until("cleared", lambda: n0.view()["warnings"] == [])
+    await imposter.stop()
+
+
+async def test_own_previous_incarnation_is_taken_over_at_once(cluster: Any) -> None:
+    c = cluster(["n0"])
+    old = c.join("n0")
+    await until("written", lambda: old.writes >= 1)
+    for task in old._tasks:
+        task.cancel()
+    old._lease.abandon()  # killed; its key lives on until the TTL
+    new = c.join("n0", state_dir=old.identity.state_dir)
+    await until("taken over", lambda: c.store.data[new.key].lease == new._lease.id)
+    assert new.conflict is None and new.view()["warnings"] == []
+
+
+async def test_an_outage_neither_raises_nor_blocks_and_is_shown(cluster: Any) -> None:
+    c = cluster(["n0", "n1"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == {"n0", "n1"})
+    c.store.set_reachable(False, "connection refused")
+    c.hosts["n1"].components["vllm"] = {"state": "ready", "pid": 12}
+    n1.changed()
+    await asyncio.sleep(0.1)
+    state = n0.view()["etcd"]
+    assert state["state"] == "unreachable" and state["last_error"] == "connection refused"
+    assert present(n0) == {"n0", "n1"}, "the view keeps what it last knew"
+    c.store.set_reachable(True)
+    await until("the deferred write lands", lambda: {r["name"]: r for r in n0.view()["members"]}["n1"]
+                ["components"]["vllm"]["state"] == "ready", timeout=5)  # fmt: skip
+
+
+async def test_clock_skew_is_measured_on_live_writes(cluster: Any) -> None:
+    c = cluster(["n0", "n1", "n2"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    n2 = c.join("n2", clock=lambda: c.store.clock() + 5.0)
+    await until("all", lambda: present(n0) == {"n0", "n1", "n2"})
+    n2.changed()  # a fresh write
+    await until("skew flagged", lambda: ("clock_skew", "n2") in {(w["code"], w["node"]) for w in n0.view()["warnings"]})
+    rows = {r["name"]: r for r in n0.view()["members"]}
+    assert rows["n2"]["clock_offset_s"] == 5.0 and rows["n0"]["clock_offset_s"] == 0.0
+    # n2 sees the others 5 s behind (once they write again: snapshot reads carry no clock sample); with the
+    # median as reference it still names itself
+    n0.changed()
+    n1.changed()
+    await until("n2 agrees", lambda: [(w["code"], w["node"]) for w in n2.view()["warnings"]] == [
+        ("clock_skew", "n2")])  # fmt: skip
+
+
+def test_etcd_keys_are_validated_with_file_line_and_key(tmp_path: Path) -> None:
+    from nodeagent.config import parse_config
+    from nodeagent.errors import ConfigError
+
+    text = ("cluster:\n  name: c\n  etcd_endpoints: ['127.0.0.1:2379', 'no-port']\n"
+            "  etcd_tls: {ca_file: missing.pem, cert_file: " + str(tmp_path) + "}\n"
+            "  etcd_auth: {username: agent}\n  member_ttl_s: 1\n")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "c.yaml", base_dir=tmp_path)
+    message = str(err.value)
+    assert "c.yaml:3: cluster.etcd_endpoints.1: etcd endpoint 'no-port' is not HOST:PORT" in message
+    assert f"c.yaml:4: cluster.etcd_tls.ca_file: no such file: {tmp_path / 'missing.pem'}" in message
+    assert f"cluster.etcd_tls.cert_file: no such file: {tmp_path}" in message
+    assert "c.yaml:5: cluster.etcd_auth.password_file: Field required" in message
+    assert "c.yaml:6: cluster.member_ttl_s: Input should be greater than or equal to 2" in message
