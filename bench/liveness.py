@@ -48,7 +48,10 @@ from typing import Any
 import psutil
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+STANDIN_MODEL = ROOT / "config" / "standin-model"
+"""A model folder without weights: the stand-in, like vLLM, wants its model to exist."""
 TARGET_LOAD_S = 90.0
 TARGET_IDLE_S = 45.0
 OLD_PROBE = {"kind": "http", "period_s": 30, "timeout_s": 60, "failure_threshold": 3}
@@ -92,7 +95,7 @@ class Agent:
         self.api = f"http://127.0.0.1:{free_port()}"
         self.vllm = f"http://127.0.0.1:{free_port()}"
         vllm: dict[str, Any] = {
-            "kind": "vllm", "command": "vllm-standin", "model": "/models/dsv4", "served_model_name": "dsv4",
+            "kind": "vllm", "command": "vllm-standin", "model": str(STANDIN_MODEL), "served_model_name": "dsv4",
             "port": int(self.vllm.rsplit(":", 1)[1]), "tensor_parallel_size": 1, "max_num_seqs": 2,
             "ld_preload": [], "stop_grace_s": 15,
             "env": {"VLLM_STANDIN_STARTUP_DELAY_S": "1", "VLLM_STANDIN_STEP_S": "0.1",
