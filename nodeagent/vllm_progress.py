@@ -41,6 +41,11 @@ GAUGES = {
 _WANTED = {**COUNTERS, **GAUGES}
 _PREFIXES = tuple(_WANTED)
 _ENGINE_RE = re.compile(r'(?:^|,)\s*engine="((?:[^"\\]|\\.)*)"')
+STALL_SLACK = 0.02
+STALL_SLACK_MAX_S = 0.5
+"""Scrapes run on the prober's period grid, a few milliseconds late or early: without slack, a stall_after_s
+that is a multiple of the period (the default 60 s = 10 x 6 s) would cost a whole extra period half the time.
+The slack is 2 % of stall_after_s, at most 0.5 s."""
 UNLABELLED = "0"
 """The engine a sample without an `engine` label belongs to (a single-engine server)."""
 
@@ -187,7 +192,7 @@ class ProgressMonitor:
         stalled = [(e, at - self._tracks[e.engine].since) for e in busy]
         worst, still_for = max(stalled, key=lambda item: item[1])
         label = f"engine {worst.engine}" if many else "engine"
-        if still_for >= self.stall_after_s:
+        if still_for >= self.stall_after_s - min(STALL_SLACK_MAX_S, STALL_SLACK * self.stall_after_s):
             return Verdict(
                 False, f"{label} stalled: {_work(worst)}, no token progress for {_seconds(still_for)}", definite=True
             )

@@ -157,8 +157,8 @@ def test_empty_content_is_a_liveness_failure(agent: LocalAgent) -> None:
     assert http(vllm_url(agent, "/standin/fault"), {"mode": "empty"})[0] == 200
     mark = len(agent.log())
     replaced(agent, "vllm", old)
-    assert "[vllm] liveness failed: HTTP 200 from" in agent.log()[mark:]
-    assert "but choices.0.message.content is empty" in agent.log()[mark:]
+    assert "[vllm] liveness failed: engine idle, but the canary chat failed" in agent.log()[mark:]
+    assert "HTTP 200 from" in agent.log()[mark:] and "but choices.0.message.content is empty" in agent.log()[mark:]
 
 
 def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:

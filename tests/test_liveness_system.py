@@ -163,8 +163,13 @@ def test_a_planned_restart_under_load_drains_first(agent: LocalAgent) -> None:
     thread.start()
     wait_for("the request running", lambda: "1 request running" in liveness(agent)["last"]["detail"], 30)
     assert api(agent, "POST", "/components/vllm/restart")[0] == 202
-    wait_for("draining", lambda: api(agent, "GET", "/status")[1]["components"]["vllm"]["state"] == "draining", 10)
-    status = api(agent, "GET", "/status")[1]["components"]["vllm"]
+
+    def draining() -> dict[str, Any] | None:
+        # The state turns `draining` before the first look at vLLM's in-flight count fills `draining`.
+        status = api(agent, "GET", "/status")[1]["components"]["vllm"]
+        return status if status["state"] == "draining" and "draining" in status else None
+
+    status = wait_for("draining with the requests left", draining, 10)
     assert status["draining"]["running"] + status["draining"]["waiting"] == 1, status.get("draining")
     assert api(agent, "GET", "/readyz")[0] == 503, "readiness goes false first: the balancer stops sending"
     assert agent.children()["vllm"]["pid"] == pid

@@ -115,6 +115,7 @@ def test_a_hang_under_load_fails_definitely_after_stall_after_s() -> None:
         verdict = monitor.observe(t, busy(gen=20))
         assert verdict.ok and not verdict.definite
     assert verdict.detail == "2 requests running; engine without progress for 54 s (stalled at 60 s)"
+    assert monitor.observe(65.4, busy(gen=20)).ok  # 59.4 s: not yet
     stalled = monitor.observe(67, busy(gen=20))
     assert not stalled.ok and stalled.definite
     assert stalled.detail == "engine stalled: 2 requests running, no token progress for 61 s"
@@ -153,6 +154,9 @@ def test_an_idle_engine_is_never_stalled_however_long_it_rests() -> None:
     assert monitor.observe(3606, busy(gen=5)).ok
     assert monitor.observe(3660, busy(gen=5)).ok
     assert monitor.observe(3666, busy(gen=5)).definite
+    jitter = ProgressMonitor(stall_after_s=60)
+    jitter.observe(0.003, busy(gen=1))
+    assert jitter.observe(59.998, busy(gen=1)).definite  # ten 6 s periods, scraped 5 ms early: a stall
 
 
 def test_counter_reset_is_neither_progress_nor_stall() -> None:
