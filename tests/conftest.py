@@ -21,10 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now and never handed out before in this test run (the kernel may offer the same one
+    twice in a row once its socket is closed; two components of one config must never share one)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 from aiohttp import web
+from conftest import free_port
 
 from nodeagent.config_model import (
     Config,
@@ -46,10 +46,6 @@ ETCD = shutil.which("etcd", path=str(VENV_BIN)) or shutil.which("etcd")
 DSCLI = shutil.which("dscli", path=str(VENV_BIN)) or shutil.which("dscli")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_config(components: dict[str, Any], **top: Any) -> Config:

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from conftest import free_port
 
 from nodeagent.standin.cache_sim import PrefixCacheSim, block_hashes, tokenize
 from nodeagent.standin.vllm import (
@@ -64,10 +65,6 @@ def rendered_argv(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:

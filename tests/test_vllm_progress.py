@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import free_port
 
 from nodeagent.config import load_config
 from nodeagent.config_model import ProbeBase, VllmProgressProbe
@@ -237,10 +237,6 @@ def test_config_errors_name_the_problem(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------- the probe on the stand-in
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
