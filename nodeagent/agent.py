@@ -26,6 +26,7 @@ from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
 if TYPE_CHECKING:
     from nodeagent.api import ApiServer
+    from nodeagent.cluster import Coordinator
     from nodeagent.membership import Membership
     from nodeagent.mqtt import MqttPublisher
 
@@ -69,6 +70,7 @@ class Agent:
         self._background: set[asyncio.Task[object]] = set()
         self.lock: InstanceLock | None = None
         self.membership: Membership | None = None
+        self.coordinator: Coordinator | None = None
         """This node as a cluster member (etcd); only with cluster.nodes — without it nothing imports aetcd."""
 
     @property
@@ -146,11 +148,16 @@ class Agent:
         """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
         if not self.config.cluster.nodes:
             return
+        from nodeagent.cluster import Coordinator
+        from nodeagent.cluster_ops import ClusterOps
         from nodeagent.membership import Membership
 
         self.membership = Membership(self.config, self.supervisor)
         self.supervisor.on_state_change.append(self.membership.changed)
+        self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
+        self.coordinator.ops = ClusterOps(self.coordinator)
         self.membership.start()
+        self.coordinator.start()
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:
         """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""
@@ -208,14 +215,16 @@ class Agent:
             # READY=1 once the API answers, not when vLLM is ready: loading the model takes 30-60 min.
             self.notifier.ready()
             await self.guards.start()
+            self._start_membership()  # before the stack: the cluster's start gates (barriers) must be in place
             await self.supervisor.start()
-            self._start_membership()
             heartbeat = asyncio.create_task(self._heartbeat())
             await self.stop_requested.wait()
             self.notifier.stopping()
             if self.mqtt is not None:
                 self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
+            if self.coordinator is not None:
+                await self.coordinator.stop()
             if self.membership is not None:
                 # Leaving: the key goes now. Detaching: it stays until its TTL, or the next agent takes it over.
                 await self.membership.stop(leave=not self.detach)

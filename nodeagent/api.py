@@ -28,7 +28,8 @@ from aiohttp import web
 from loguru import logger
 
 from nodeagent import __version__
-from nodeagent.errors import AgentError, ConfigError, UnknownComponentError
+from nodeagent.api_cluster import CLUSTER_ROUTES, ClusterRoutes
+from nodeagent.errors import AgentError, ConfigError, CoordinationUnavailable, UnknownComponentError
 from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
 
 if TYPE_CHECKING:
@@ -170,6 +171,7 @@ ROUTES = (
     Route("POST", "/reload", "reload", True),
     Route("GET", "/preflight", "preflight"),
     Route("POST", "/npu/override", "npu_override", True),
+    *(Route(method, path, name, True) for method, path, name in CLUSTER_ROUTES),
 )
 
 
@@ -198,7 +200,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(500, "internal error (logged by the agent)")
 
 
-class Api:
+class Api(ClusterRoutes):
     """Request handlers over a Controller; `build_app` wires them with the middleware and limits."""
 
     def __init__(self, ctl: Controller, token: str, metrics: AgentMetrics | None = None) -> None:
@@ -315,7 +317,7 @@ class Api:
         if self.ctl.mqtt is not None:
             data["mqtt"] = self.ctl.mqtt.view()
         if self.ctl.membership is not None:
-            data["cluster"] = self.ctl.membership.status_section()
+            data["cluster"] = {**(data.get("cluster") or {}), **self.ctl.membership.status_section()}
         return json_response(data)
 
     async def preflight(self, request: web.Request) -> web.Response:
@@ -337,7 +339,11 @@ class Api:
     async def cluster(self, request: web.Request) -> web.Response:
         if self.ctl.membership is None:
             raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
-        return json_response(self.ctl.membership.view())
+        view = self.ctl.membership.view()
+        coordinator = getattr(self.ctl, "coordinator", None)
+        if coordinator is not None:
+            view["coordination"] = coordinator.status()
+        return json_response(view)
 
     async def metrics(self, request: web.Request) -> web.Response:
         await self.agent_metrics.refresh_vllm()
@@ -413,7 +419,12 @@ class Api:
         if not isinstance(drain, bool):
             raise ApiError(400, f"drain must be true or false, got {drain!r}")
         self.component(name)
-        message = self.sup.command(name, action, drain=drain, by=f"operator ({who})")
+        try:
+            message = self.sup.command(name, action, drain=drain, by=f"operator ({who})")
+        except CoordinationUnavailable as exc:
+            raise ApiError(503, str(exc)) from None
+        except AgentError as exc:
+            raise ApiError(409, str(exc)) from None
         return json_response({"accepted": True, "action": action, "component": name, "message": message}, 202)
 
     async def redeploy(self, request: web.Request) -> web.Response:

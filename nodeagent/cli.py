@@ -37,7 +37,7 @@ DEFAULT_UNIT = "dsv4-agent"
 DEFAULT_WAIT_S = 1800.0
 """`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
 UP_STATES = ("running", "ready")
-NODE_COMMANDS = ("status", "render", "config")
+NODE_COMMANDS = ("status", "render", "config", "start", "stop", "restart")
 """Commands that take --node NAME (another member of the cluster)."""
 
 
@@ -412,7 +412,35 @@ def _remote_status(client: Client, node: str, as_json: bool) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from nodeagent.clustercmd import format_cluster
 
-    view = _cluster_view(_client(args))
+    client = _client(args)
+    action = args.cluster_action
+    if action in ("pause", "resume", "redeploy", "restart"):
+        body: dict[str, Any] = {}
+        if action in ("pause", "redeploy") and args.reason:
+            body["reason"] = args.reason
+        if action == "restart":
+            body["component"] = args.target or "vllm"
+            if args.group:
+                body["group"] = args.group
+            if args.no_drain:
+                body["drain"] = False
+        status, data = client.request("POST", f"/cluster/{action}", body)
+        if status == 404:
+            raise CliError(_error_text(data, status), EXIT_UNKNOWN if action == "restart" else EXIT_USAGE)
+        if status == 503:
+            raise CliError(_error_text(data, status), EXIT_UNREACHABLE)
+        if status not in (200, 202):
+            raise CliError(_error_text(data, status), EXIT_USAGE if status == 400 else EXIT_FAILED)
+        if action == "restart":
+            for group, what in (data.get("groups") or {}).items():
+                print(f"group {group}: {what} — every rank restarts once")
+        elif action == "redeploy":
+            print(f"cluster redeploy {data.get('id')}: " + ("already in progress" if data.get("already_in_progress")
+                                                             else "asked; every node takes part"))  # fmt: skip
+        else:
+            print(f"cluster {action}: done" + (" (no agent takes automatic actions now)" if action == "pause" else ""))
+        return 0
+    view = _cluster_view(client)
     print(json.dumps(view, indent=2) if args.json else format_cluster(view))
     return 0
 
@@ -466,8 +494,28 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
     return done
 
 
+def _remote_component(client: Client, args: argparse.Namespace) -> int:
+    """Another node's start/stop/restart, carried through etcd by the local agent; its agent's answer."""
+    body = {"drain": False} if getattr(args, "no_drain", False) else {}
+    status, data = client.request("POST", f"/cluster/nodes/{args.node}/components/{args.component}/{args.action}",
+                                  body)  # fmt: skip
+    if status == 401:
+        raise CliError(f"unauthorised: {_error_text(data, status)}", EXIT_UNAUTHORISED)
+    if status == 404:
+        raise CliError(_error_text(data, status), EXIT_UNKNOWN)
+    if status == 503:
+        raise CliError(_error_text(data, status), EXIT_UNREACHABLE)
+    if not isinstance(data, dict) or "message" not in data:
+        raise CliError(_error_text(data, status))
+    code = int(data.get("code", 0 if status == 200 else EXIT_FAILED))
+    print(data["message"], file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
 def cmd_component(args: argparse.Namespace) -> int:
     client = _client(args)
+    if getattr(args, "node", None):
+        return _remote_component(client, args)
     before = None
     if args.wait:
         comps = _components(client)
@@ -828,12 +876,22 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME", help="another member's status")
     cluster = add("cluster", "every member as seen through etcd: state, versions, key age, consistency warnings",
                   cmd_cluster)  # fmt: skip
+    cluster.add_argument("cluster_action", nargs="?", default="list",
+                         choices=["list", "pause", "resume", "redeploy", "restart"],
+                         help="list (default); pause|resume every agent's automatic actions; redeploy the whole "
+                              "cluster; restart vllm [--group G]: a new generation of vLLM groups")
+    cluster.add_argument("target", nargs="?", help="with restart: the component (vllm)")
+    cluster.add_argument("--group", help="with restart: only this group")
+    cluster.add_argument("--reason", help="with pause or redeploy: recorded for the others")
+    cluster.add_argument("--no-drain", action="store_true", help="with restart: do not drain in-flight requests")
     cluster.add_argument("--json", action="store_true", help="the agent's full /cluster JSON")
     for action, text in (("start", "start a component (desired: running)"),
                          ("stop", "stop a component (desired: stopped; stays stopped)"),
                          ("restart", "restart a component; concurrent restarts coalesce")):  # fmt: skip
         p = add(action, text, cmd_component)
         p.set_defaults(action=action)
+        p.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
+                       help="on another member (through etcd; a rank's restart restarts its group)")
         p.add_argument("component")
         p.add_argument("--wait", action="store_true", help="until done: up (new pid for restart) or stopped")
         if action != "start":

@@ -25,3 +25,7 @@ class UnknownComponentError(AgentError):
 
 class MissingPrerequisite(LaunchError):
     """The command, the model or a configured file is missing: no launch can succeed (a permanent failure)."""
+
+
+class CoordinationUnavailable(AgentError):
+    """A cluster action needs etcd, which does not answer now (the local stack is not disturbed)."""

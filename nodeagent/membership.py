@@ -127,7 +127,7 @@ def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity
     comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready")}
              for n, c in status.get("components", {}).items()}  # fmt: skip
     return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
-            "agent": identity.to_dict()}  # fmt: skip
+            "gangs": status.get("gangs") or {}, "agent": identity.to_dict()}  # fmt: skip
 
 
 # ---- the view of the others -----------------------------------------------------------------------------------
@@ -170,6 +170,11 @@ class Membership:
         self._last_write = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: Any = None
+
+    @property
+    def lease(self) -> Any:
+        """The node's lease (its member key and its barrier arrivals live on it)."""
+        return self._lease
 
     @property
     def store(self) -> Store:

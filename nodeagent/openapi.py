@@ -142,6 +142,35 @@ def openapi_document() -> dict[str, Any]:
             parameters=[_COMPONENT_NAME, {"name": "action", "in": "path", "required": True,
                                           "schema": {"type": "string", "enum": ["start", "stop", "restart"]}}],
         ),
+        "/cluster/pause": _post(
+            "Maintenance pause for every agent of the cluster (no automatic restart, gang restart or redeploy)",
+            "cluster_pause", {"200": _OK, "404": _ERROR},
+            body={"type": "object", "additionalProperties": False, "properties": {"reason": {"type": "string"}}},
+        ),
+        "/cluster/resume": _post("End the cluster-wide pause", "cluster_resume", {"200": _OK, "404": _ERROR}),
+        "/cluster/redeploy": _post(
+            "Redeploy the whole cluster: every node stops vLLM then its worker, etcd's data is archived and wiped, "
+            "everything starts in order through the barriers (once, however many ask)",
+            "cluster_redeploy", {"202": _ACCEPTED, "404": _ERROR},
+            body={"type": "object", "additionalProperties": False,
+                  "properties": {"reason": {"type": "string", "maxLength": 500}}},
+        ),
+        "/cluster/restart": _post(
+            "A new generation of vLLM groups (one with `group`, else all): every rank restarts once, drained",
+            "cluster_restart", {"202": _ACCEPTED, "404": _ERROR},
+            body={"type": "object", "additionalProperties": False,
+                  "properties": {"component": {"type": "string", "enum": ["vllm"]}, "group": {"type": "string"},
+                                 "drain": {"type": "boolean"}}},
+        ),
+        "/cluster/nodes/{node}/components/{name}/{action}": _post(
+            "Start, stop or restart a component of another node, through etcd; its agent's answer",
+            "cluster_node_action", {"200": _json({"type": "object"}, "The target's answer"), "404": _ERROR,
+                                    "409": _ERROR},
+            body={"type": "object", "additionalProperties": False, "properties": {"drain": {"type": "boolean"}}},
+            parameters=[{"name": "node", "in": "path", "required": True, "schema": {"type": "string"}},
+                        _COMPONENT_NAME, {"name": "action", "in": "path", "required": True,
+                                          "schema": {"type": "string", "enum": ["start", "stop", "restart"]}}],
+        ),
         "/preflight": _get("The agent's last preflight report and what it holds",
                            {"200": _json({"type": "object"}, "Report"), "404": _ERROR}, operation_id="preflight"),
         "/npu/override": _post(

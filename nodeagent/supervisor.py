@@ -62,6 +62,8 @@ class Supervisor:
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.gates: list[StartGate] = []
         """Extra start gates of the layers above (cluster barrier, preflight, hardware): a reason blocks."""
+        self.status_extras: dict[str, Callable[[], Any]] = {}
+        """Sections the layers above add to /status (the cluster's gangs, barriers, redeploy)."""
         self._gate_poked = asyncio.Event()
         self.deciders: list[Decider] = []
         self.command_hooks: list[CommandHook] = []
@@ -143,12 +145,6 @@ class Supervisor:
         """Something an extra gate reads changed: every waiting component re-checks its gate now."""
         self._gate_poked.set()
         self._gate_poked = asyncio.Event()
-        self.deciders: list[Decider] = []
-        self.command_hooks: list[CommandHook] = []
-        self.npu_status: Callable[[], dict[str, Any]] | None = None
-        """The NPU monitor's view, for post-mortems (set by the start guards)."""
-        self.cluster_pause: dict[str, Any] | None = None
-        """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
 
     def deps(self, comp: Component) -> list[str]:
         return [d for d in comp.cfg.depends_on if d in self.components]
@@ -217,14 +213,15 @@ class Supervisor:
             return [(int(rec["pid"]), float(rec["create_time"]))] if rec else []
         return []
 
-    async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None) -> None:
+    async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
+                      wipe_etcd: bool = False) -> None:  # fmt: skip
         """Clean residue. A leftover of ours that would not die fails the start (a duplicate start must never
         happen: a second `dscli start` deletes the live worker's ready file); a port or an NPU held by a process
         we cannot prove is ours holds it, never a kill."""
         scan = scope != "start" or not comp.stopped_cleanly
         plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
                                                reason=reason, records=self._last_records(comp.name),
-                                               scan=scan)  # fmt: skip
+                                               scan=scan, wipe_etcd=wipe_etcd)  # fmt: skip
         outcomes = await residue.execute(plan)
         for outcome in outcomes:
             if outcome.ok:
@@ -678,5 +675,6 @@ class Supervisor:
             "node_policy": {"failed": self.redeploys.failed, "failed_reason": self.redeploys.failed_reason,
                             "redeploys_total": self.redeploys.redeploys_total},
             "components": components,
+            **{key: extra() for key, extra in self.status_extras.items()},
         }  # fmt: skip
 

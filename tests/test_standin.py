@@ -861,3 +861,30 @@ async def test_a_long_prefill_moves_only_the_kv_cache_gauge(launcher: Launcher) 
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_multi_node_dp_group_is_one_unit(launcher: Launcher) -> None:
+    """The head serves only once the headless node's engines joined; losing either ends the other."""
+    rpc = free_port()
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+          "--data-parallel-rpc-port", str(rpc)]
+    head_port = free_port()
+    head = launcher.start(["serve", MODEL_PATH, "--port", str(head_port), *dp], wait=False, port=head_port)
+    time.sleep(1.0)
+    assert not port_open(head_port), "the head serves only once every rank joined"
+    headless = launcher.start(["serve", MODEL_PATH, "--headless", "--data-parallel-start-rank", "1", *dp],
+                              wait=False)
+    wait_until("the head to serve", lambda: port_open(head_port), 20.0)
+    assert headless.proc.poll() is None
+    headless.proc.kill()
+    wait_until("the head to exit", lambda: head.proc.poll() is not None, 20.0)
+    assert head.proc.returncode == 1 and "the DP group lost an engine" in head.output()
+
+    head2_port = free_port()
+    head2 = launcher.start(["serve", MODEL_PATH, "--port", str(head2_port), *dp], wait=False, port=head2_port)
+    headless2 = launcher.start(["serve", MODEL_PATH, "--headless", "--data-parallel-start-rank", "1", *dp],
+                               wait=False)
+    wait_until("the second head to serve", lambda: port_open(head2_port), 20.0)
+    head2.proc.kill()
+    wait_until("the headless node to exit", lambda: headless2.proc.poll() is not None, 20.0)
+    assert headless2.proc.returncode == 1 and "head is gone" in headless2.output()

@@ -58,6 +58,7 @@ from prometheus_client import (
 
 from nodeagent.standin.cache_sim import tokenize
 from nodeagent.standin.common import MAX_WORKERS, VERSION, env_float, log, log_plain, package_pythonpath
+from nodeagent.standin.dp_group import DpPlan, Head, run_headless
 from nodeagent.standin.engine_core import LINE_LIMIT, wait_process
 
 PROC = "APIServer"
@@ -124,6 +125,8 @@ class ServeArgs:
     """--kv-transfer-config: its kv_role decides the PD part of a request (see `Server._kv_transfer`)."""
     access_log: bool = True
     log_stats: bool = True
+    dp: DpPlan | None = None
+    """A multi-node data-parallel group (--data-parallel-size > --data-parallel-size-local with an address)."""
     ignored: list[str] = field(default_factory=list)
 
     @property
@@ -192,6 +195,11 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
             "--model",
             "--block-size",
             "--kv-transfer-config",
+            "--data-parallel-size",
+            "--data-parallel-size-local",
+            "--data-parallel-start-rank",
+            "--data-parallel-address",
+            "--data-parallel-rpc-port",
         ):
             if value is None:
                 raise UsageError(f"argument {name}: expected one argument")
@@ -225,6 +233,15 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         args.kv_transfer_config = kv
     if "--max-model-len" in options:
         args.max_model_len = max(1, _parse_int("--max-model-len", options["--max-model-len"], allow_suffix=True))
+    if "--data-parallel-size" in options and "--data-parallel-address" in options:
+        size = _parse_int("--data-parallel-size", options["--data-parallel-size"])
+        local = _parse_int("--data-parallel-size-local", options.get("--data-parallel-size-local", str(size)))
+        plan = DpPlan(size, local, _parse_int("--data-parallel-start-rank", options.get("--data-parallel-start-rank",
+                                                                                        "0")),
+                      options["--data-parallel-address"],
+                      _parse_int("--data-parallel-rpc-port", options.get("--data-parallel-rpc-port", "29550")),
+                      "--headless" in flags_seen)  # fmt: skip
+        args.dp = plan if plan.multi_node else None
     args.enable_prefix_caching = "--no-enable-prefix-caching" not in flags_seen
     args.access_log = "--disable-uvicorn-access-log" not in flags_seen
     args.log_stats = "--disable-log-stats" not in flags_seen
@@ -616,6 +633,28 @@ class ApiServer:
             return 1
         if self.fault_mode != "none":
             self._send_fault()
+        head: Head | None = None
+        if args.dp is not None and args.dp.headless:
+            code = await run_headless(args.dp, stop)
+            await self.engine.shutdown()
+            return code
+        if args.dp is not None:
+            head = Head(args.dp)
+            try:
+                await head.start()
+            except OSError as exc:
+                log(PROC, "coordinator.py:60", f"OSError: cannot bind the DP rpc port: {exc}", "ERROR")
+                await self.engine.shutdown()
+                return 1
+            waiter = asyncio.ensure_future(head.all_joined.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            stopper.cancel()
+            if stop.is_set():
+                await head.close()
+                await self.engine.shutdown()
+                return 0
         runner = web.AppRunner(
             self.app,
             handler_cancellation=True,
@@ -646,9 +685,15 @@ class ApiServer:
             stats_task = asyncio.create_task(self._log_stats_loop(max(0.1, interval)))
         stop_wait = asyncio.create_task(stop.wait())
         dead_wait = asyncio.create_task(self.engine.dead.wait())
-        await asyncio.wait([stop_wait, dead_wait], return_when=asyncio.FIRST_COMPLETED)
+        waits = [stop_wait, dead_wait]
+        if head is not None:
+            waits.append(asyncio.create_task(head.lost.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         code = 0 if stop.is_set() else 1
-        if code:
+        if code and head is not None and head.lost.is_set():
+            log(PROC, "core_client.py:570", f"RuntimeError: the DP group lost an engine ({head.reason}); "
+                "shutting down", level="ERROR")  # fmt: skip
+        elif code:
             log(
                 PROC,
                 "core_client.py:564",
@@ -658,9 +703,11 @@ class ApiServer:
             )
             await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
         log_plain(PROC, "INFO:     Shutting down")
-        for task in (stop_wait, dead_wait, stats_task):
+        for task in (*waits, stats_task):
             if task is not None:
                 task.cancel()
+        if head is not None:
+            await head.close()
         await runner.cleanup()
         await self.engine.shutdown()
         log_plain(PROC, "INFO:     Application shutdown complete.")

@@ -1,0 +1,118 @@
+"""The API's cluster actions (a mixin of `api.Api`): pause/resume, redeploy and group restarts for the whole
+cluster, and a command for another node's agent — each carried through etcd by the cluster layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.store import StoreError
+
+CLUSTER_ROUTES = (
+    ("POST", "/cluster/pause", "cluster_pause"),
+    ("POST", "/cluster/resume", "cluster_resume"),
+    ("POST", "/cluster/redeploy", "cluster_redeploy"),
+    ("POST", "/cluster/restart", "cluster_restart"),
+    ("POST", "/cluster/nodes/{node}/components/{name}/{action}", "cluster_node_action"),
+)
+
+
+class ClusterRoutes:
+    """Needs from the Api: ctl (with .coordinator), mutation(), body(), ApiError/json_response via hooks."""
+
+    ctl: Any
+
+    def _coordinator(self) -> Any:
+        from nodeagent.api import ApiError
+
+        coordinator = getattr(self.ctl, "coordinator", None)
+        if coordinator is None:
+            raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
+        return coordinator
+
+    async def _etcd(self, coro: Any) -> Any:
+        from nodeagent.api import ApiError
+
+        try:
+            return await coro
+        except (StoreError, CoordinationUnavailable) as exc:
+            raise ApiError(503, f"etcd unreachable, nothing changed: {exc}") from None
+
+    async def cluster_pause(self, request: web.Request) -> web.Response:
+        from nodeagent.api import json_response
+
+        who = self.mutation(request)  # type: ignore[attr-defined]
+        data = await self.body(request, ("reason",))  # type: ignore[attr-defined]
+        co = self._coordinator()
+        info = await self._etcd(co.set_pause(True, who, str(data.get("reason", ""))))
+        return json_response({"ok": True, "action": "cluster_pause", "pause": info})
+
+    async def cluster_resume(self, request: web.Request) -> web.Response:
+        from nodeagent.api import json_response
+
+        who = self.mutation(request)  # type: ignore[attr-defined]
+        await self.body(request)  # type: ignore[attr-defined]
+        await self._etcd(self._coordinator().set_pause(False, who))
+        return json_response({"ok": True, "action": "cluster_resume"})
+
+    async def cluster_redeploy(self, request: web.Request) -> web.Response:
+        from nodeagent.api import ApiError, json_response
+
+        who = self.mutation(request)  # type: ignore[attr-defined]
+        data = await self.body(request, ("reason",))  # type: ignore[attr-defined]
+        reason = data.get("reason", f"operator request ({who})")
+        if not isinstance(reason, str) or len(reason) > 500:
+            raise ApiError(400, "reason must be a string of at most 500 characters")
+        co = self._coordinator()
+        answer = await self._etcd(co.ops.ask_redeploy(reason, f"{co.node}: {who}"))
+        return json_response({"accepted": True, "action": "cluster_redeploy", "component": None, **answer}, 202)
+
+    async def cluster_restart(self, request: web.Request) -> web.Response:
+        """A new generation of vLLM groups: one (`group`), or every group running `component`'s kind."""
+        from nodeagent.api import ApiError, json_response
+
+        who = self.mutation(request)  # type: ignore[attr-defined]
+        data = await self.body(request, ("component", "group", "drain"))  # type: ignore[attr-defined]
+        co = self._coordinator()
+        component = data.get("component", "vllm")
+        if component not in ("vllm",):
+            raise ApiError(400, f"cluster restart restarts vLLM groups; got component {component!r}")
+        groups = [g.name for g in co.layout.groups]
+        wanted = [data["group"]] if data.get("group") is not None else groups
+        unknown = [g for g in wanted if g not in groups]
+        if unknown:
+            raise ApiError(404, f"unknown group {unknown[0]!r} (groups: {', '.join(groups)})")
+        drain = data.get("drain", True)
+        if not isinstance(drain, bool):
+            raise ApiError(400, f"drain must be true or false, got {drain!r}")
+        answers = await self._etcd(co.ask_generations(wanted, f"operator cluster restart ({co.node}: {who})", drain))
+        return json_response({"accepted": True, "action": "cluster_restart", "component": component,
+                              "groups": answers}, 202)  # fmt: skip
+
+    async def cluster_node_action(self, request: web.Request) -> web.Response:
+        from nodeagent.api import COMPONENT_ACTIONS, ApiError, json_response
+
+        node, name, action = (request.match_info[k] for k in ("node", "name", "action"))
+        who = self.mutation(request)  # type: ignore[attr-defined]
+        if action not in COMPONENT_ACTIONS:
+            raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
+        data = await self.body(request, ("drain",))  # type: ignore[attr-defined]
+        drain = data.get("drain", True)
+        if not isinstance(drain, bool):
+            raise ApiError(400, f"drain must be true or false, got {drain!r}")
+        co = self._coordinator()
+        if node == co.node:
+            try:
+                message = co.sup.command(name, action, drain=drain, by=f"operator ({who})")
+            except UnknownComponentError as exc:
+                raise ApiError(404, str(exc)) from None
+            except AgentError as exc:
+                raise ApiError(409, str(exc)) from None
+            return json_response({"ok": True, "code": 0, "message": message, "node": node})
+        try:
+            result = await self._etcd(co.ops.remote(node, name, action, drain, who))
+        except UnknownComponentError as exc:
+            raise ApiError(404, str(exc)) from None
+        return json_response({**result, "node": node}, 200 if result.get("ok") else 409)

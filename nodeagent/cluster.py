@@ -1,0 +1,496 @@
+"""The cluster layer's etcd I/O: gang restarts of a data-parallel group, start barriers, the cluster-wide pause.
+
+The rules are `cluster_rules` (pure); this module reads and writes the keys and drives components only
+through what an operator has — a restart signal, a start gate that holds — never by reaching into the
+supervisor's decisions. Losing etcd freezes coordination and never stops a serving stack: a group that needs
+a restart while etcd is down waits (a single-node group restarts locally as before).
+
+Per group this node belongs to: `acted` — the generation its vLLM was (re)started for — is persisted in
+`state_dir/cluster.json` before acting, so each generation is acted on exactly once, across agent restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from nodeagent import cluster_rules as rules
+from nodeagent.errors import CoordinationUnavailable
+from nodeagent.layout import Group, cluster_layout
+from nodeagent.statefile import read_json, write_json_atomic
+from nodeagent.store import KV, Change, Resync, StoreError
+
+if TYPE_CHECKING:
+    from nodeagent.component import Component
+    from nodeagent.config_model import Config
+    from nodeagent.failure import Failure
+    from nodeagent.membership import Membership
+    from nodeagent.supervisor import Supervisor
+
+BARRIER_TIMEOUT_S = 300.0
+"""vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
+SETTLE_EVERY_S = 30.0
+RETRY_S = 1.0
+
+
+@dataclass
+class GangState:
+    """One group this node runs ranks of."""
+
+    group: Group
+    components: tuple[str, ...]
+    record: rules.GangRecord | None = None
+    mod_revision: int = 0
+    acted: int = 0
+    acted_epoch: str = ""
+    pending: tuple[int, str, bool] | None = None
+    """A generation bump this node asks for: (seen generation, reason, planned)."""
+    deferred: int | None = None
+    """A generation seen while paused, acted on at resume."""
+    arrivals: set[str] = field(default_factory=set)
+    arrived_for: int = 0
+    released: int = 0
+    """The generation whose barrier released."""
+    waiting_since: float | None = None
+    last_late_event: float = 0.0
+    up_since: float | None = None
+    fresh: bool = True
+    """Not yet compared with the store since this agent started."""
+    adopting: bool = False
+    """A process of this group was recorded by the previous agent (it is being adopted)."""
+
+    @property
+    def multi(self) -> bool:
+        return len(self.group.nodes) > 1
+
+
+class Coordinator:
+    def __init__(self, config: Config, supervisor: Supervisor, membership: Membership) -> None:
+        self.config = config
+        self.sup = supervisor
+        self.membership = membership
+        self.store = membership.store
+        self.cluster = config.cluster.name
+        self.node = config.node.name
+        self.layout = cluster_layout(config)
+        self.state_path = config.agent.state_dir / "cluster.json"
+        saved = read_json(self.state_path, {})
+        adoptable = set(supervisor.store.load_children())
+        self.epoch: str | None = None
+        self.gangs: dict[str, GangState] = {}
+        for group in self.layout.groups:
+            if self.node not in group.nodes:
+                continue
+            mine = tuple(c for c in group.components(self.node) if c in supervisor.components)
+            if not mine:
+                continue
+            gs = GangState(group, mine)
+            old = (saved.get("gangs") or {}).get(group.name) or {}
+            gs.acted, gs.acted_epoch = int(old.get("acted", 0)), str(old.get("epoch", ""))
+            gs.adopting = any(c in adoptable for c in mine)
+            self.gangs[group.name] = gs
+        self.by_component = {c: gs for gs in self.gangs.values() for c in gs.components}
+        self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
+        self.cluster_pause: dict[str, Any] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._wake = asyncio.Event()
+        self.ops: Any = None
+        """cluster_ops.ClusterOps, attached by the agent (redeploy, remote commands)."""
+        supervisor.gates.append(self.gate)
+        supervisor.deciders.append(self.decide)
+        supervisor.command_hooks.append(self.command)
+        supervisor.status_extras["cluster"] = self.status
+        supervisor.status_extras["gangs"] = self.acks
+
+    # ---- persistence ------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        data = {"gangs": {n: {"acted": g.acted, "epoch": g.acted_epoch} for n, g in self.gangs.items()},
+                "redeploys_done": self.done_redeploys[-20:]}  # fmt: skip
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.state_path, data)
+
+    @property
+    def reachable(self) -> bool:
+        return bool(self.store.state.reachable)
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        p = rules.prefix(self.cluster)
+        self._tasks = [asyncio.create_task(self._watch(p + "gangs/", self._on_gang), name="cluster:gangs"),
+                       asyncio.create_task(self._watch(p + "barriers/", self._on_barrier), name="cluster:barriers"),
+                       asyncio.create_task(self._watch(rules.pause_key(self.cluster), self._on_pause),
+                                           name="cluster:pause"),
+                       asyncio.create_task(self._work(), name="cluster:work")]  # fmt: skip
+        for key, apply in self.ops.watches() if self.ops is not None else ():
+            self._tasks.append(asyncio.create_task(self._watch(key, apply), name=f"cluster:watch:{key}"))
+        self.store.on_state_change.append(lambda _s: self.wake())
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _watch(self, prefix: str, apply: Any) -> None:
+        while True:
+            try:
+                async with contextlib.aclosing(self.store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
+                    async for item in items:
+                        if isinstance(item, Resync):
+                            await self._resync(prefix, item, apply)
+                        else:
+                            assert isinstance(item, Change)
+                            apply(item.key, item.kv)
+                        self.wake()
+            except Exception:  # the store retries outages itself: this is a bug's last resort
+                logger.exception(f"cluster: the watch of {prefix} failed; restarting it")
+                await asyncio.sleep(RETRY_S)
+
+    async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
+        if item.reason == "reset":
+            self.sup.events.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
+                                 "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
+            self.epoch = None
+        if prefix.endswith("/gangs/"):
+            for gs in self.gangs.values():
+                gs.record, gs.mod_revision = None, 0
+        elif prefix.endswith("/barriers/"):
+            for gs in self.gangs.values():
+                gs.arrivals, gs.arrived_for = set(), 0
+        elif not prefix.endswith("/"):  # a single key (pause, redeploy): absent unless the snapshot has it
+            apply(prefix, None)
+        for key, kv in item.snapshot.items.items():
+            apply(key, kv)
+
+    # ---- what the watches see -----------------------------------------------------------------------------------
+    def _on_gang(self, key: str, kv: KV | None) -> None:
+        gs = self.gangs.get(key.rsplit("/", 1)[-1])
+        if gs is None:
+            return
+        gs.record = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
+        gs.mod_revision = kv.mod_revision if kv is not None else 0
+
+    def _on_barrier(self, key: str, kv: KV | None) -> None:
+        parts = key.rsplit("/", 3)
+        if len(parts) != 4:
+            return
+        _, group, gen, node = parts
+        gs = self.gangs.get(group)
+        if gs is None or not gen.isdigit() or int(gen) != gs.acted:
+            return
+        (gs.arrivals.add if kv is not None else gs.arrivals.discard)(node)
+
+    def _on_pause(self, key: str, kv: KV | None) -> None:
+        info = kv.json() if kv is not None else None
+        self.cluster_pause = info if isinstance(info, dict) else None
+        self.sup.set_cluster_pause(self.cluster_pause)
+
+    # ---- the work loop: everything that writes -----------------------------------------------------------
+    async def _work(self) -> None:
+        last_settle = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RETRY_S):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                if self.reachable:
+                    await self._ensure_epoch()
+                    for gs in self.gangs.values():
+                        await self._step(gs)
+                    if time.monotonic() - last_settle >= SETTLE_EVERY_S:
+                        last_settle = time.monotonic()
+                        for gs in self.gangs.values():
+                            await self._settle(gs)
+                    if self.ops is not None:
+                        await self.ops.step()
+                for gs in self.gangs.values():
+                    self._check_barrier(gs)
+            except StoreError as exc:
+                logger.debug(f"cluster: deferred: {exc}")
+            except Exception:
+                logger.exception("cluster: coordination step failed")
+                await asyncio.sleep(RETRY_S)
+
+    async def _ensure_epoch(self) -> None:
+        if self.epoch is not None:
+            return
+        key = rules.epoch_key(self.cluster)
+        result = await self.store.compare_and_swap(key, 0, uuid.uuid4().hex)
+        if result.succeeded:
+            current = await self.store.get(key)
+        else:
+            current = result.current
+        if current is not None:
+            self.epoch = current.text()
+
+    async def _step(self, gs: GangState) -> None:
+        assert self.epoch is not None
+        epoch = self.epoch
+        if gs.pending is not None:
+            await self._bump(gs, epoch)
+        view = rules.GangView(gs.record, gs.acted, gs.acted_epoch)
+        if rules.baseline(view, epoch):
+            await self._adopt_baseline(gs, epoch)
+            return
+        if gs.fresh:
+            gs.fresh = False
+            if gs.adopting:
+                gs.released = gs.acted
+            elif gs.pending is None:
+                # Back without our ranks while the group ran on: a DP group cannot take a rank back; restart it.
+                gs.pending = (gs.acted, f"{self.node} came back without its ranks of the group", False)
+                self.wake()
+                return
+        target = rules.must_restart_for(view, epoch)
+        if target is not None:
+            assert gs.record is not None
+            if self.sup.paused and not gs.record.planned:
+                if gs.deferred != target:
+                    gs.deferred = target
+                    self.sup.events.emit("gang_deferred", f"group {gs.group.name} generation {target} asked by "
+                                         f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
+                return
+            self._act(gs, target)
+        if gs.arrived_for != gs.acted and self._wants_start(gs):
+            await self._arrive(gs)
+
+    async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
+        """First contact with this store: take its generation as ours, or create generation 1."""
+        if gs.record is None or gs.record.epoch != epoch:
+            first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=time.time(),
+                                     epoch=epoch)  # fmt: skip
+            result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
+                                                       json.dumps(first.to_dict()))  # fmt: skip
+            if not result.succeeded:
+                self._on_gang(rules.gang_key(self.cluster, gs.group.name), result.current)
+                return
+            gs.record, gs.mod_revision = first, result.revision
+        gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
+        gs.arrivals, gs.arrived_for = set(), 0
+        gs.released = gs.acted if any(self.sup.components[c].record is not None for c in gs.components) else 0
+        self.save()
+        self.sup.poke()
+
+    def _act(self, gs: GangState, target: int) -> None:
+        """A new generation: persist it, then restart every local rank of the group once."""
+        assert gs.record is not None
+        record = gs.record
+        gs.acted, gs.deferred, gs.arrivals, gs.arrived_for = target, None, set(), 0
+        self.save()
+        planned = record.planned
+        running = [c for c in gs.components if self.sup.components[c].record is not None]
+        self.sup.events.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
+                             f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
+                             None, "warning", group=gs.group.name, generation=target)  # fmt: skip
+        for name in running:
+            self.sup.components[name].signal("restart", None, f"gang {gs.group.name} generation {target}: "
+                                             f"{record.reason}", operator=planned, drain=planned)  # fmt: skip
+        self.sup.poke()
+
+    async def _bump(self, gs: GangState, epoch: str) -> None:
+        assert gs.pending is not None
+        seen, reason, planned = gs.pending
+        spec = self.sup.components[gs.components[0]].cfg.restart
+        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=time.time(), epoch=epoch, spec=spec,
+                         planned=planned)  # fmt: skip
+        if out is None:
+            gs.pending = None  # someone else already moved the group on: we follow theirs
+            return
+        record, decision = out
+        key = rules.gang_key(self.cluster, gs.group.name)
+        result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(record.to_dict()))
+        if not result.succeeded:
+            self._on_gang(key, result.current)  # re-read; the next step decides again
+            self.wake()
+            return
+        gs.pending = None
+        gs.record, gs.mod_revision = record, result.revision
+        when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
+        self.sup.events.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
+                             f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
+                             generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
+        if decision.action == "redeploy" and self.ops is not None:
+            self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
+
+    def _wants_start(self, gs: GangState) -> bool:
+        """Every local rank is waiting to start and its dependencies are up (the worker is ready)."""
+        comps = [self.sup.components[c] for c in gs.components]
+        return all(c.record is None and self.sup.desired(c.name) == "running" for c in comps) and all(
+            self.sup.components[d].up.is_set() for c in comps for d in self.sup.deps(c))
+
+    async def _arrive(self, gs: GangState) -> None:
+        gen = gs.acted
+        key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
+        await self.store.put(key, json.dumps({"at": time.time()}), lease=self.membership.lease)
+        if gs.arrived_for:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
+        gs.arrived_for = gen
+        gs.arrivals.add(self.node)
+        gs.waiting_since = time.monotonic()
+        snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
+        gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
+
+    def _check_barrier(self, gs: GangState) -> None:
+        if gs.released == gs.acted or gs.arrived_for != gs.acted:
+            return
+        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
+        if state.released:
+            gs.released = gs.acted
+            self.sup.events.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
+                                 group=gs.group.name, generation=gs.acted)  # fmt: skip
+            self.sup.poke()
+        elif state.overdue and time.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
+            gs.last_late_event = time.monotonic()
+            self.sup.events.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
+                                 "half a group", None, "error", missing=list(state.missing))  # fmt: skip
+
+    async def _settle(self, gs: GangState) -> None:
+        """The group ran stably: clear its crash loop in etcd (the head writes; only when it changes)."""
+        if gs.record is None or gs.group.head != self.node:
+            return
+        comps = [self.sup.components[c] for c in gs.components]
+        if not all(c.up.is_set() for c in comps):
+            gs.up_since = None
+            return
+        gs.up_since = gs.up_since or time.time()
+        spec = comps[0].cfg.restart
+        settled = rules.settle(gs.record, time.time(), spec, max(gs.up_since, gs.record.at))
+        if settled is not None:
+            key = rules.gang_key(self.cluster, gs.group.name)
+            result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
+            if result.succeeded:
+                gs.record, gs.mod_revision = settled, result.revision
+                self.sup.events.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
+
+    # ---- hooks the supervisor calls --------------------------------------------------------------------------
+    def gate(self, comp: Component, operator: bool) -> str | None:
+        gs = self.by_component.get(comp.name)
+        if gs is None:
+            return None
+        if not gs.multi and not self.reachable:
+            return None  # a one-node group restarts locally while etcd is away
+        name = gs.group.name
+        if self.epoch is None or not self.reachable:
+            return f"group {name}: waiting for etcd to coordinate its start ({self.store.state.endpoint})"
+        if gs.pending is not None:
+            return f"group {name}: asking for the next generation"
+        if gs.deferred is not None:
+            return f"group {name}: generation {gs.deferred} waits for the end of the pause"
+        record = gs.record
+        if record is not None and record.not_before > time.time():
+            left = record.not_before - time.time()
+            return f"group {name}: backing off {left:.0f}s as one (generation {record.generation})"
+        if gs.released == gs.acted:
+            return None
+        self.wake()
+        if gs.arrived_for != gs.acted:
+            return f"group {name} generation {gs.acted}: about to arrive at the start barrier"
+        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        return rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S).describe(
+            name, gs.acted, waited)
+
+    def decide(self, comp: Component, failure: Failure) -> str | None:
+        """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""
+        gs = self.by_component.get(comp.name)
+        if gs is None or failure.permanent:
+            return None  # a permanent failure is this node's: failed, retried at the cap; no group restart helps
+        if not self.reachable:
+            if not gs.multi:
+                return None
+            gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.detail}", False)
+            return (f"group {gs.group.name}: etcd unreachable, the group's restart waits until etcd is back "
+                    "(the other nodes keep serving)")  # fmt: skip
+        if gs.pending is None:
+            gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.permanent or failure.detail}", False)
+        self.wake()
+        return f"group {gs.group.name} restarts as one: generation {gs.acted + 1} on {', '.join(gs.group.nodes)}"
+
+    def command(self, comp: Component, action: str, drain: bool, by: str) -> str | None:
+        """An operator's restart of a rank restarts its group (a planned generation: drained first)."""
+        gs = self.by_component.get(comp.name)
+        if gs is None or action != "restart" or (not gs.multi and not self.reachable):
+            return None
+        if not self.reachable:
+            raise CoordinationUnavailable(f"etcd unreachable: cannot restart group {gs.group.name} as one now "
+                                          "(its other ranks would hang); retry once etcd answers")
+        return self.request_generation(gs.group.name, f"operator restart of {self.node}/{comp.name} ({by})",
+                                       drain)  # fmt: skip
+
+    def request_generation(self, group: str, reason: str, planned: bool = True) -> str:
+        gs = self.gangs.get(group)
+        if gs is None:
+            raise KeyError(group)
+        gs.pending = (gs.acted, reason, planned)
+        self.wake()
+        return (f"restarting group {group} as generation {gs.acted + 1}: every rank on "
+                f"{', '.join(gs.group.nodes)} restarts once")  # fmt: skip
+
+    async def ask_generations(self, groups: list[str], reason: str, planned: bool) -> dict[str, str]:
+        """`nodeagentctl cluster restart`: a new generation of each group, written from here (this node need not
+        be in the group): every member restarts once."""
+        if not self.reachable or self.epoch is None:
+            raise CoordinationUnavailable(f"etcd unreachable ({self.store.state.endpoint})")
+        out = {}
+        for group in groups:
+            spec = next(iter(self.sup.components.values())).cfg.restart
+            for _attempt in range(5):
+                key = rules.gang_key(self.cluster, group)
+                kv = await self.store.get(key)
+                current = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
+                seen = current.generation if current is not None and current.epoch == self.epoch else 0
+                made = rules.bump(current, seen, node=self.node, reason=reason, now=time.time(), epoch=self.epoch,
+                                  spec=spec, planned=planned)  # fmt: skip
+                assert made is not None
+                result = await self.store.compare_and_swap(key, kv.mod_revision if kv else 0,
+                                                           json.dumps(made[0].to_dict()))  # fmt: skip
+                if result.succeeded:
+                    out[group] = f"generation {made[0].generation}"
+                    break
+            else:
+                out[group] = "busy: another node is changing it; try again"
+        self.wake()
+        return out
+
+    async def set_pause(self, paused: bool, by: str, reason: str = "") -> dict[str, Any] | None:
+        key = rules.pause_key(self.cluster)
+        if not paused:
+            await self.store.delete(key)
+            return None
+        info = {"by": f"{self.node}: {by}", "at": time.time(), "reason": reason}
+        await self.store.put(key, json.dumps(info))
+        return info
+
+    # ---- views --------------------------------------------------------------------------------------------------
+    def acks(self) -> dict[str, Any]:
+        """For the member key: the generation each group's ranks here were started for."""
+        return {n: {"generation": g.acted, "released": g.released == g.acted,
+                    "running": [c for c in g.components if self.sup.components[c].record is not None]}
+                for n, g in self.gangs.items()}  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        gangs = {}
+        for name, gs in self.gangs.items():
+            record = gs.record
+            gangs[name] = {"kind": gs.group.kind, "nodes": list(gs.group.nodes), "acted": gs.acted,
+                           "generation": record.generation if record else None,
+                           "reason": record.reason if record else None, "by": record.by if record else None,
+                           "barrier": {"arrived": sorted(gs.arrivals), "released": gs.released == gs.acted},
+                           "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
+                           "pending": gs.pending is not None}  # fmt: skip
+        return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
+                "pause": self.cluster_pause, "gangs": gangs,
+                "redeploy": self.ops.status() if self.ops is not None else None}  # fmt: skip

@@ -1,0 +1,282 @@
+"""Cluster actions carried through etcd: the cluster redeploy, the cluster-wide pause, remote commands.
+
+- **Redeploy** (the guide's "clean the residue and redeploy", for every node): one `redeploy` record at a time,
+  however many nodes ask. Every agent holds and stops its vLLM, then its worker, cleans their residue and acks;
+  the master archives and wipes etcd's data once the live members acked (a multi-member etcd instead deletes
+  the datasystem's keys), then writes `done`; everything starts again in order through the barriers. An agent
+  that was down meanwhile does its part when it comes back.
+- **Remote commands**: `commands/<node>/<id>` carries an operator's start/stop/restart; the target writes the
+  result back into the same key, and the asking agent returns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from nodeagent import cluster_rules as rules
+from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.store import KV, StoreError
+
+if TYPE_CHECKING:
+    from nodeagent.cluster import Coordinator
+    from nodeagent.component import Component
+
+ACK_TIMEOUT_S = 180.0
+"""How long the master waits for live members to ack before it wipes anyway (a dead one joins later)."""
+STOP_TIMEOUT_S = 600.0
+COMMAND_TIMEOUT_S = 60.0
+DATASYSTEM_PREFIXES = ("/datasystem/",)
+
+
+class ClusterOps:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.co = coordinator
+        self.sup = coordinator.sup
+        self.store = coordinator.store
+        self.cluster = coordinator.cluster
+        self.node = coordinator.node
+        self.record: rules.RedeployRecord | None = None
+        self.record_rev = 0
+        self.ack_map: dict[str, set[str]] = {}
+        """redeploy id → nodes that acked (acks may arrive before the record)."""
+        self.phase: str | None = None
+        """This node's part: stopping | acked | wiping | None."""
+        self.stop_began = 0.0
+        self.handled: set[str] = set()
+        self._busy = False
+        self.sup.gates.append(self.gate)
+        self.sup.command_hooks.insert(0, self._refuse_while_redeploying)
+
+    def watches(self) -> list[tuple[str, Any]]:
+        p = rules.prefix(self.cluster)
+        return [(rules.redeploy_key(self.cluster), self._on_record), (p + "redeploy_acks/", self._on_ack),
+                (rules.command_prefix(self.cluster, self.node), self._on_command)]
+
+    # ---- what the watches see ---------------------------------------------------------------------------------
+    def _on_record(self, key: str, kv: KV | None) -> None:
+        if key != rules.redeploy_key(self.cluster):
+            return  # the prefix watch also sees redeploy_acks/
+        self.record = rules.RedeployRecord.from_dict(kv.json()) if kv is not None else None
+        self.record_rev = kv.mod_revision if kv is not None else 0
+
+    def _on_ack(self, key: str, kv: KV | None) -> None:
+        parts = key.rsplit("/", 2)
+        if len(parts) == 3:
+            acked = self.ack_map.setdefault(parts[1], set())
+            (acked.add if kv is not None else acked.discard)(parts[2])
+
+    @property
+    def acks(self) -> set[str]:
+        return self.ack_map.get(self.record.id, set()) if self.record is not None else set()
+
+    def _on_command(self, key: str, kv: KV | None) -> None:
+        if kv is None or key in self.handled:
+            return
+        body = kv.json()
+        if isinstance(body, dict) and body.get("state") == "pending":
+            self.handled.add(key)
+            task = asyncio.ensure_future(self._execute(key, kv, body))
+            self.co._tasks.append(task)  # cancelled with the coordinator
+
+    # ---- redeploy -----------------------------------------------------------------------------------------------
+    @property
+    def is_master(self) -> bool:
+        return self.co.config.node.role == "master"
+
+    def _local(self, kinds: tuple[str, ...] = ("etcd",), exclude: bool = True) -> list[Component]:
+        return [c for c in self.sup.components.values() if (c.kind in kinds) != exclude]
+
+    def gate(self, comp: Component, operator: bool) -> str | None:
+        if self.phase is None:
+            return None
+        if comp.kind != "etcd":
+            rid = self.record.id if self.record else "?"
+            return f"cluster redeploy {rid}: {self.phase} (starts again once it is done)"
+        if self.phase == "wiping":
+            return "cluster redeploy: archiving and wiping etcd's data"
+        return None
+
+    def _refuse_while_redeploying(self, comp: Component, action: str, drain: bool, by: str) -> str | None:
+        if self.phase is not None and action in ("start", "restart") and comp.kind != "etcd":
+            raise AgentError(f"a cluster redeploy is running ({self.phase}): {comp.name} starts with it")
+        return None
+
+    def request_redeploy(self, reason: str, by: str, planned: bool = False) -> None:
+        self._spawn(self._request(reason, by, planned))
+
+    async def ask_redeploy(self, reason: str, by: str, planned: bool = True) -> dict[str, Any]:
+        return await self._request(reason, by, planned)
+
+    async def _request(self, reason: str, by: str, planned: bool) -> dict[str, Any]:
+        key = rules.redeploy_key(self.cluster)
+        current = await self.store.get(key)
+        record = rules.RedeployRecord.from_dict(current.json()) if current is not None else None
+        if record is not None and record.phase != "done":
+            return {"id": record.id, "already_in_progress": True, "phase": record.phase}
+        new = rules.RedeployRecord(uuid.uuid4().hex[:12], reason, by, time.time(), epoch=self.co.epoch or "")
+        body = {**new.to_dict(), "planned": planned}
+        result = await self.store.compare_and_swap(key, current.mod_revision if current else 0, json.dumps(body))
+        if not result.succeeded:
+            return {"id": None, "already_in_progress": True, "phase": "another node asked at the same moment"}
+        self.sup.events.emit("cluster_redeploy", f"cluster redeploy {new.id} asked by {by}: {reason}", None,
+                             "warning")  # fmt: skip
+        self.co.wake()
+        return {"id": new.id, "already_in_progress": False, "phase": "stopping"}
+
+    async def step(self) -> None:
+        """Called by the coordinator's work loop while etcd answers; never blocks on a slow part."""
+        if self._busy:
+            return
+        duty = rules.redeploy_duty(self.record, set(self.co.done_redeploys))
+        if duty is None:
+            if self.phase is not None and self.phase != "wiping":
+                self._finish(self.record.id if self.record else "?")
+            return
+        assert self.record is not None
+        if duty == "stop" and self.phase is None:
+            self._spawn(self._stop_and_ack(self.record))
+        elif duty == "stop" and self.phase == "acked" and self.is_master:
+            live = {n for n, m in self.co.membership.members.items()} | {self.node}
+            if rules.may_wipe(self.acks, live, time.monotonic() - self.stop_began, ACK_TIMEOUT_S):
+                self._spawn(self._wipe(self.record))
+        elif duty == "start":
+            if self.phase is None:  # we were away while it ran: do our part now
+                self._spawn(self._stop_and_ack(self.record, ack=False))
+            elif self.phase == "acked":
+                self._finish(self.record.id)
+
+    def _spawn(self, coro: Any) -> None:
+        async def guarded() -> None:
+            self._busy = True
+            try:
+                await coro
+            except (StoreError, CoordinationUnavailable) as exc:
+                self.sup.events.emit("cluster_redeploy_deferred", f"cluster redeploy waits for etcd: {exc}", None)
+            finally:
+                self._busy = False
+                self.co.wake()
+
+        self.co._tasks.append(asyncio.ensure_future(guarded()))
+
+    async def _stop_and_ack(self, record: rules.RedeployRecord, ack: bool = True) -> None:
+        self.phase, self.stop_began = "stopping", time.monotonic()
+        self.sup.events.emit("cluster_redeploy_stop", f"cluster redeploy {record.id}: stopping vLLM, then the "
+                             "worker", None, "warning")  # fmt: skip
+        planned = bool((await self._raw(rules.redeploy_key(self.cluster))).get("planned"))
+        for comp in sorted(self._local(), key=lambda c: c.kind != "vllm"):  # vLLM first, then the worker
+            if comp.record is not None:
+                comp.signal("restart", None, f"cluster redeploy {record.id}", operator=planned, drain=planned)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while comp.record is not None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        for comp in self._local():
+            with contextlib.suppress(AgentError):
+                await self.sup.cleanup(comp, "redeploy", f"cluster-redeploy-{record.id}")
+        self.phase = "acked"
+        if ack:
+            key = rules.redeploy_ack_prefix(self.cluster, record.id) + self.node
+            await self.store.put(key, json.dumps({"at": time.time()}), lease=self.co.membership.lease)
+            self.ack_map.setdefault(record.id, set()).add(self.node)
+        self.sup.events.emit("cluster_redeploy_stopped", f"cluster redeploy {record.id}: stopped and cleaned "
+                             "here" + ("" if ack else " (late: it is already done elsewhere)"))  # fmt: skip
+
+    async def _raw(self, key: str) -> dict[str, Any]:
+        kv = await self.store.get(key)
+        data = kv.json() if kv is not None else None
+        return data if isinstance(data, dict) else {}
+
+    async def _wipe(self, record: rules.RedeployRecord) -> None:
+        """The master: clear the FAQ's "key not found" residue in etcd, then declare the redeploy done."""
+        local = self._local(("etcd",), exclude=False)
+        members = self.co.config.cluster.etcd_members
+        if local and len(members) <= 1:
+            self.phase = "wiping"
+            etcd = local[0]
+            etcd.signal("restart", None, f"cluster redeploy {record.id}: wiping etcd's data", operator=True)
+            while etcd.record is not None:
+                await asyncio.sleep(0.2)
+            await self.sup.cleanup(etcd, "redeploy", f"cluster-redeploy-{record.id}", wipe_etcd=True)
+            self.phase = "acked"
+            self.sup.poke()
+            while not etcd.up.is_set():
+                await asyncio.sleep(0.2)
+            self.co.epoch = None
+            for _ in range(600):
+                with contextlib.suppress(StoreError):
+                    await self.co._ensure_epoch()
+                    break
+                await asyncio.sleep(0.5)
+        else:
+            for prefix in DATASYSTEM_PREFIXES:
+                snap = await self.store.get_prefix(prefix)
+                for key in snap.items:
+                    await self.store.delete(key)
+        done = rules.RedeployRecord(record.id, record.reason, record.by, record.at, "done", self.co.epoch or "")
+        await self.store.put(rules.redeploy_key(self.cluster), json.dumps(done.to_dict()))
+        self.record = done
+        self._finish(record.id)
+
+    def _finish(self, rid: str) -> None:
+        for gs in self.co.gangs.values():  # every group starts again as a new generation, through its barrier
+            gs.released = 0
+            if gs.pending is None:
+                gs.pending = (gs.acted, f"cluster redeploy {rid}", False)
+        if rid not in self.co.done_redeploys:
+            self.co.done_redeploys.append(rid)
+            self.co.save()
+        self.phase = None
+        self.ack_map.pop(rid, None)
+        self.sup.events.emit("cluster_redeploy_done", f"cluster redeploy {rid} done: starting in order through "
+                             "the barriers")  # fmt: skip
+        self.sup.poke()
+
+    # ---- remote commands ----------------------------------------------------------------------------------------
+    async def remote(self, node: str, component: str, action: str, drain: bool, by: str) -> dict[str, Any]:
+        """Ask `node`'s agent to run the command; its answer, or a clear error. Raises CoordinationUnavailable."""
+        if not self.co.reachable:
+            raise CoordinationUnavailable(f"etcd unreachable: cannot reach node {node!r} ({self.store.state.endpoint})")
+        if node not in self.co.membership.members:
+            known = ", ".join(sorted(self.co.membership.members)) or "none"
+            raise UnknownComponentError(f"node {node!r} has no agent in the cluster now (members: {known})")
+        key = rules.command_prefix(self.cluster, node) + uuid.uuid4().hex[:12]
+        body = {"action": action, "component": component, "drain": drain, "by": f"{by} via {self.node}",
+                "at": time.time(), "state": "pending"}  # fmt: skip
+        await self.store.put(key, json.dumps(body), lease=self.co.membership.lease)
+        try:
+            deadline = time.monotonic() + COMMAND_TIMEOUT_S
+            while time.monotonic() < deadline:
+                answer = await self._raw(key)
+                if answer.get("state") == "done":
+                    return dict(answer.get("result") or {})
+                await asyncio.sleep(0.1)
+            return {"ok": False, "code": 1, "message": f"node {node} did not answer within {COMMAND_TIMEOUT_S:g}s"}
+        finally:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(key)
+
+    async def _execute(self, key: str, kv: KV, body: dict[str, Any]) -> None:
+        error = rules.command_error(body, list(self.sup.components))
+        if error:
+            result = {"ok": False, "code": 4 if "component" in error else 2, "message": error}
+        else:
+            try:
+                message = self.sup.command(body["component"], body["action"], drain=bool(body.get("drain", True)),
+                                           by=f"remote {body.get('by', '?')}")  # fmt: skip
+                result = {"ok": True, "code": 0, "message": f"{self.node}: {message}"}
+            except AgentError as exc:
+                result = {"ok": False, "code": 1, "message": f"{self.node}: {exc}"}
+        answer = {**body, "state": "done", "result": result}
+        with contextlib.suppress(StoreError):
+            await self.store.compare_and_swap(key, kv.mod_revision, json.dumps(answer), self.co.membership.lease)
+
+    def status(self) -> dict[str, Any] | None:
+        record = self.record
+        if record is None:
+            return None
+        return {**record.to_dict(), "here": self.phase or ("done" if record.id in self.co.done_redeploys else None),
+                "acks": sorted(self.acks)}  # fmt: skip
