@@ -24,6 +24,7 @@ from loguru import logger
 from nodeagent import cluster_rules as rules
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.layout import Group, cluster_layout
+from nodeagent.proxy_sync import ProxySync
 from nodeagent.statefile import read_json, write_json_atomic
 from nodeagent.store import KV, Change, Resync, StoreError
 
@@ -99,6 +100,10 @@ class Coordinator:
         self.by_component = {c: gs for gs in self.gangs.values() for c in gs.components}
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.cluster_pause: dict[str, Any] | None = None
+        self.records: dict[str, rules.GangRecord] = {}
+        """Every group's generation record (the proxy follows groups this node is not in)."""
+        self.proxies = [ProxySync(self, plan) for plan in self.layout.proxies
+                        if plan.node == self.node and plan.component in supervisor.components]  # fmt: skip
         self._tasks: list[asyncio.Task[Any]] = []
         self._wake = asyncio.Event()
         self.ops: Any = None
@@ -128,6 +133,8 @@ class Coordinator:
                        asyncio.create_task(self._watch(rules.pause_key(self.cluster), self._on_pause),
                                            name="cluster:pause"),
                        asyncio.create_task(self._work(), name="cluster:work")]  # fmt: skip
+        for proxy in self.proxies:
+            self._tasks.append(asyncio.create_task(proxy.run(), name=f"cluster:proxy:{proxy.plan.component}"))
         for key, apply in self.ops.watches() if self.ops is not None else ():
             self._tasks.append(asyncio.create_task(self._watch(key, apply), name=f"cluster:watch:{key}"))
         self.store.on_state_change.append(lambda _s: self.wake())
@@ -163,6 +170,7 @@ class Coordinator:
                                  "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
             self.epoch = None
         if prefix.endswith("/gangs/"):
+            self.records.clear()
             for gs in self.gangs.values():
                 gs.record, gs.mod_revision = None, 0
         elif prefix.endswith("/barriers/"):
@@ -175,7 +183,12 @@ class Coordinator:
 
     # ---- what the watches see -----------------------------------------------------------------------------------
     def _on_gang(self, key: str, kv: KV | None) -> None:
-        gs = self.gangs.get(key.rsplit("/", 1)[-1])
+        name = key.rsplit("/", 1)[-1]
+        if kv is None:
+            self.records.pop(name, None)
+        else:
+            self.records[name] = rules.GangRecord.from_dict(kv.json())
+        gs = self.gangs.get(name)
         if gs is None:
             return
         gs.record = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
@@ -493,4 +506,5 @@ class Coordinator:
                            "pending": gs.pending is not None}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
                 "pause": self.cluster_pause, "gangs": gangs,
-                "redeploy": self.ops.status() if self.ops is not None else None}  # fmt: skip
+                "redeploy": self.ops.status() if self.ops is not None else None,
+                "proxies": [p.status() for p in self.proxies]}  # fmt: skip

@@ -36,14 +36,22 @@ def free_port() -> int:
             return port
 
 
+class GiveUp(Exception):
+    """Raised by a wait_for check: what it waits for can no longer happen (the agent exited)."""
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
+        try:
             last = check()
             if last:
                 return last
+        except GiveUp:
+            raise
+        except Exception:
+            pass
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
@@ -107,13 +115,15 @@ class LocalAgent:
 
     def wait_states(self, want: dict[str, set[str]], timeout: float = 90.0) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise GiveUp(f"the agent exited with {self.proc.returncode}")
             comps = self.status()["components"]
             ok = all(comps[n]["state"] in allowed for n, allowed in want.items())
             return comps if ok else None
 
         try:
             return wait_for(f"states {want}", check, timeout)
-        except AssertionError as exc:
+        except (AssertionError, GiveUp) as exc:
             with contextlib.suppress(Exception):
                 states = self.states()
             tail = "\n".join(self.log().splitlines()[-40:])

@@ -1,0 +1,230 @@
+"""Act as one cluster, as an operator would see it: four agents on one machine (own ports and folders), the
+master running etcd and vllm-ascend's real PD proxy, real datasystem workers, the vLLM stand-in (whose
+multi-node DP group is one unit, like vLLM's). Groups: p0 (prefill, n0 + n1) and p1 (prefill, n2 + n3), each a
+2-node data-parallel group, and d0 (decode, n4). One cluster for the module; each test leaves it all up."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_harness import ClusterHarness
+from conftest import free_port, wait_for
+
+pytestmark = pytest.mark.system
+
+ROOT = Path(__file__).resolve().parents[1]
+PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+NODES = ["n0", "n1", "n2", "n3", "n4"]
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
+    if not PROXY.is_file():
+        pytest.fail("vllm-ascend's proxy is not fetched: scripts/test.sh fetches it "
+                    "(scripts/fetch_vllm_ascend_examples.py)")
+    home = tmp_path_factory.mktemp("gangs")
+    h = ClusterHarness(home, None, NODES, run_etcd=True, ttl_s=3.0, heartbeat_s=5.0)
+    h.data["cluster"]["vllm_groups"] = [
+        {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": free_port()},
+        {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": free_port()},
+        {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+    ]
+    h.data["cluster"]["pd"] = {"kv_port_base": free_port()}
+    h.data["components"]["proxy"] = {"kind": "proxy", "command": sys.executable, "script": str(PROXY),
+                                     "port": free_port(), "host": "127.0.0.1",
+                                     "probes": {"readiness": {"period_s": 1, "timeout_s": 10}}}  # fmt: skip
+    try:
+        h.start()
+        h.wait_up(timeout=180)
+        wait_for("the proxy ready", lambda: component(h, "n0", "proxy")["ready"], 120)
+        yield h
+    finally:
+        h.cleanup()
+
+
+def status(h: ClusterHarness, node: str) -> dict[str, Any]:
+    out = h.ctl(node, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def component(h: ClusterHarness, node: str, name: str) -> dict[str, Any]:
+    return status(h, node)["components"][name]  # type: ignore[no-any-return]
+
+
+def pids(h: ClusterHarness) -> dict[str, int]:
+    return {n: h.agents[n].children()["vllm"]["pid"] for n in NODES}
+
+
+def gang(h: ClusterHarness, node: str, group: str) -> dict[str, Any]:
+    return status(h, node)["cluster"]["gangs"][group]  # type: ignore[no-any-return]
+
+
+def proxy_url(h: ClusterHarness) -> str:
+    return f"http://127.0.0.1:{h.data['components']['proxy']['port']}/v1/completions"
+
+
+def ask(h: ClusterHarness, timeout: float = 30) -> int:
+    body = json.dumps({"model": "dsv4", "prompt": "hello there", "max_tokens": 4}).encode()
+    request = urllib.request.Request(proxy_url(h), body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def replaced(h: ClusterHarness, before: dict[str, int], nodes: list[str], timeout: float = 120) -> None:
+    def done() -> bool:
+        now = {n: h.agents[n].children().get("vllm", {}).get("pid") for n in nodes}
+        return all(now[n] not in (None, before[n]) for n in nodes)
+
+    wait_for(f"vllm replaced on {nodes}", done, timeout, 0.2)
+    h.wait_up(timeout=timeout)
+
+
+def test_cold_start_went_through_the_barriers(cl: ClusterHarness) -> None:
+    for node in ("n2", "n3"):
+        g = gang(cl, node, "p1")
+        assert g["generation"] == g["acted"] and g["barrier"] == {"arrived": ["n2", "n3"], "released": True}
+    assert "every node arrived (n2, n3)" in cl.agents["n2"].log()
+    assert ask(cl) == 200, "a request through the proxy: prefill on p0 or p1, decode on d0"
+
+
+def test_a_lost_rank_restarts_its_group_once_and_the_proxy_routes_around_it(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    gen = gang(cl, "n2", "p1")["generation"]
+    results: list[int] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            results.append(ask(cl, timeout=20))
+
+    worker = threading.Thread(target=traffic, daemon=True)
+    worker.start()
+    wait_for("traffic flowing", lambda: len(results) >= 3, 30)
+    os.kill(before["n3"], signal.SIGKILL)  # a headless rank: n2's head loses it too (one unit)
+    wait_for("p1 out of the proxy", lambda: "p1 out of the proxy" in cl.agents["n0"].log(), 30)
+    out_at = len(results)
+    replaced(cl, before, ["n2", "n3"])
+    wait_for("p1 back in the proxy", lambda: "p1 back in the proxy" in cl.agents["n0"].log(), 60)
+    during = results[out_at:]
+    time.sleep(1.0)
+    stop.set()
+    worker.join(30)
+    assert during and all(code == 200 for code in during), f"requests while p1 restarted: {during}"
+    now = pids(cl)
+    assert [now[n] for n in ("n0", "n1", "n4")] == [before[n] for n in ("n0", "n1", "n4")], "others untouched"
+    for node in ("n2", "n3"):
+        g = gang(cl, node, "p1")
+        assert g["generation"] == gen + 1, f"one generation however many ranks failed: {g}"
+        assert g["acted"] == gen + 1
+        assert cl.agents[node].log().count(f"group p1 generation {gen + 1} (") == 1, "acted on exactly once"
+
+
+def test_restarting_a_remote_rank_restarts_its_group(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    gen = gang(cl, "n2", "p1")["generation"]
+    out = cl.ctl("n4", "--node", "n2", "restart", "vllm")
+    assert out.returncode == 0, out.stderr
+    assert "restarting group p1 as generation" in out.stdout and "n2, n3" in out.stdout, out.stdout
+    replaced(cl, before, ["n2", "n3"])
+    assert gang(cl, "n3", "p1")["generation"] == gen + 1
+    assert pids(cl)["n4"] == before["n4"]
+    bad = cl.ctl("n4", "--node", "n2", "restart", "nope")
+    assert bad.returncode == 4 and "unknown component 'nope'" in bad.stderr, bad
+    gone = cl.ctl("n4", "--node", "n9", "restart", "vllm")
+    assert gone.returncode == 4 and "node 'n9' has no agent" in gone.stderr, gone
+
+
+def test_a_cluster_pause_holds_every_automatic_action(cl: ClusterHarness) -> None:
+    out = cl.ctl("n1", "cluster", "pause", "--reason", "switch maintenance")
+    assert out.returncode == 0, out.stderr
+    for node in NODES:
+        wait_for(f"{node} paused", lambda node=node: status(cl, node)["paused"], 15)
+        pause = status(cl, node)["pause"]
+        assert pause["scope"] == "cluster" and pause["by"].startswith("n1")
+    before = pids(cl)
+    os.kill(before["n0"], signal.SIGKILL)
+    wait_for("held", lambda: "cluster paused by n1" in (component(cl, "n0", "vllm")["held"] or ""), 30)
+    time.sleep(3)
+    assert cl.agents["n0"].children().get("vllm") is None, "nothing restarts while paused"
+    assert cl.ctl("n0", "cluster", "resume").returncode == 0
+    replaced(cl, before, ["n0", "n1"])  # n0 is a rank of p0: its group restarts as one
+    assert not status(cl, "n2")["paused"]
+
+
+def test_an_agent_killed_during_a_gang_restart_joins_it_when_back(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    gen = gang(cl, "n2", "p1")["generation"]
+    cl.kill("n3")  # the agent alone: its vLLM runs on
+    os.kill(before["n2"], signal.SIGKILL)
+    wait_for("n2 waits at the barrier for n3", lambda: "at the start barrier for n3" in (
+        component(cl, "n2", "vllm")["held"] or ""), 60)  # fmt: skip
+    cl.agents["n3"].start()
+    replaced(cl, before, ["n2", "n3"])
+    assert gang(cl, "n3", "p1")["generation"] == gen + 1
+
+
+def test_etcd_stopped_for_a_while_stops_nothing(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    workers = {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES}
+    assert cl.ctl("n0", "stop", "etcd").returncode == 0
+    wait_for("unreachable", lambda: status(cl, "n1")["cluster"]["etcd"]["state"] == "unreachable", 30)
+    time.sleep(15)
+    assert pids(cl) == before, "losing etcd never stops a serving stack"
+    assert {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES} == workers
+    assert ask(cl) == 200, "the proxy keeps serving"
+    assert cl.ctl("n0", "start", "etcd").returncode == 0
+    for node in NODES:
+        cl.wait_members(node, set(NODES), timeout=60)
+    assert pids(cl) == before
+
+
+def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    epoch = status(cl, "n1")["cluster"]["epoch"]
+    assert cl.ctl("n0", "stop", "etcd").returncode == 0
+    wait_for("etcd stopped", lambda: component(cl, "n0", "etcd")["state"] == "stopped", 30)
+    shutil.rmtree(cl.data["components"]["etcd"]["data_dir"])
+    assert cl.ctl("n0", "start", "etcd").returncode == 0
+    wait_for("a new epoch", lambda: status(cl, "n1")["cluster"]["epoch"] not in (None, epoch), 60)
+    for node in NODES:
+        cl.wait_members(node, set(NODES), timeout=60)
+    assert gang(cl, "n2", "p1")["generation"] == 1
+    assert pids(cl) == before, "an empty etcd is no reason to restart anything"
+
+
+def test_a_cluster_redeploy_runs_once_and_starts_everything_through_the_barriers(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    workers = {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES}
+    first = cl.ctl("n2", "cluster", "redeploy", "--reason", "key not found")
+    second = cl.ctl("n4", "cluster", "redeploy")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+    assert "asked; every node takes part" in first.stdout, first.stdout
+    assert "already in progress" in second.stdout, "it runs once however many nodes ask"
+    replaced(cl, before, NODES, timeout=240)
+    wait_for("workers replaced", lambda: all(cl.agents[n].children().get("datasystem", {}).get("pid")
+                                             not in (None, workers[n]) for n in NODES), 120)  # fmt: skip
+    archives = list((cl.home / "n0" / "state" / "archive").glob("*/*.tar.gz"))
+    assert archives, "the worker's logs (and etcd's data) are archived before they are wiped"
+    done = [n for n in NODES if "cluster redeploy" in cl.agents[n].log() and " done: starting" in cl.agents[n].log()]
+    assert done == NODES
+    wait_for("the proxy ready again", lambda: component(cl, "n0", "proxy")["ready"], 120)
+    assert ask(cl) == 200
