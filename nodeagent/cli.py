@@ -7,7 +7,7 @@ which need the full model, load it — and so does any command when the light re
 config error.
 
 Exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, 4 unknown component, 5 unauthorised,
-78 bad config or none found.
+78 bad config or none found; `bench`: vllm bench's own code, 69 no `vllm` here, 73 --output-dir not writable.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.parsing import positive_seconds, split_listen
+from nodeagent.parsing import fraction, positive_int, positive_number, positive_seconds, split_listen
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT_CONFIG = 1, 2, 3, 4, 5, 78
@@ -806,6 +806,15 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return run_cache(url, watch=args.watch, interval=args.interval, output=args.output, as_json=args.as_json)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from nodeagent.benchcmd import BenchError, run_from_args
+
+    try:
+        return run_from_args(args, lambda: _load(config_path(args)))
+    except BenchError as exc:
+        raise CliError(str(exc), exc.code) from None
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     from nodeagent.probecmd import probe_targets, run_probe
 
@@ -880,12 +889,38 @@ def _count(text: str) -> int:
     return value
 
 
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    """run_vllm_bench.py's arguments (same names and defaults), then where the requests go (`benchcmd`)."""
+    bench.add_argument("--total-len", type=positive_int, required=True, help="prompt tokens per request: prefix "
+                       "+ suffix (the guide's table says input + output; its script makes it the prompt, as here)")
+    bench.add_argument("--repeat-prefix-ratio", type=fraction, required=True,
+                       help="share of the prompt that is a repeated prefix (0.9)")
+    bench.add_argument("--output-len", type=positive_int, required=True, help="output tokens per request")
+    bench.add_argument("--num-prompts", type=positive_int, required=True, help="requests in all")
+    bench.add_argument("--num-prefixes", type=positive_int, required=True, help="distinct prefixes")
+    bench.add_argument("--concurrency", type=positive_int, required=True, help="requests in flight at most")
+    bench.add_argument("--output-dir", default=".", help="where both result JSONs go (default: .)")
+    bench.add_argument("--seed", type=int, default=1000, help="random seed (default: 1000, the script's)")
+    bench.add_argument("--request-rate", type=positive_number, default=None,
+                       help="requests/s (default: unlimited)")
+    bench.add_argument("--host", help="default: the PD proxy's if this node runs one, else this node's vLLM")
+    bench.add_argument("--port", type=positive_int)
+    bench.add_argument("--model", help="served model name (default: the config's served_model_name)")
+    bench.add_argument("--tokenizer", help="default: the vllm component's model path")
+    bench.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                       help="a vLLM /metrics whose prefix-cache counters count (repeatable; default: the target "
+                            "vLLM, or every backend of the proxy)")
+    bench.add_argument("--vllm", metavar="PATH", help="the vllm executable (default: `vllm` on PATH)")
+    bench.add_argument("--json", action="store_true", help="print the saved JSON (vllm's own output to stderr)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nodeagent.cachewatch import add_cache_arguments
 
     parser = argparse.ArgumentParser(prog="nodeagentctl", description="Operate the dsv4-agent on this node.",
                                      epilog="exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, "
-                                     "4 unknown component, 5 unauthorised, 78 bad config")  # fmt: skip
+                                     "4 unknown component, 5 unauthorised, 69 no vllm (bench), "
+                                     "78 bad config")  # fmt: skip
     parser.add_argument("--config", "-c", default=None,
                         help=f"agent config (default: $DSV4_AGENT_CONFIG, then {DEFAULT_CONFIG}, then the agent "
                              "running on this host)")  # fmt: skip
@@ -961,6 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--unit", default=DEFAULT_UNIT, help=f"systemd unit for journalctl (default {DEFAULT_UNIT})")
     cache = add("cache", "vLLM prefix-cache hit rates, like watch_cache_hit_rate.sh", cmd_cache)
     add_cache_arguments(cache)
+    bench = add("bench", "the guide's run_vllm_bench.py, plus the prefix-cache hit rates of that run", cmd_bench)
+    _add_bench_arguments(bench)
     probe = add("probe", "the guide's vllm_probe_yr.py checks (exit 0/1)", cmd_probe)
     probe.add_argument("role", nargs="?", choices=["master", "slave"], help="default: from node.role")
     probe.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S")
