@@ -21,6 +21,7 @@ from loguru import logger
 from nodeagent import __version__
 from nodeagent.config import load_config
 from nodeagent.config_model import Config
+from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
 from nodeagent.errors import AgentError, ConfigError
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
@@ -207,6 +208,7 @@ class Agent:
             return 1
         assert self.lock is not None
         self.lock.update({"phase": "running"})
+        announcement = self._announce()
         try:
             self.start_mqtt(api)
             self.supervisor.on_state_change.append(self._publish_status)
@@ -234,9 +236,27 @@ class Agent:
             await self.supervisor.shutdown(detach=self.detach)
             await self.stop_mqtt()
         finally:
+            if announcement is not None:
+                withdraw(announcement)
             await api.close()
             self.supervisor.events.close()
         return 0
+
+    def _announce(self) -> Path | None:
+        """Tell `nodeagentctl` on this host where this agent is (`nodeagent.discovery`); never fatal."""
+        settings, folder = self.config.agent, runtime_dir()
+        me = this_agent(str(self.config_path), settings.api.listen, _str(settings.api.unix_socket),
+                        str(settings.api.token_file), str(settings.state_dir), str(settings.log_dir),
+                        self.config.node.name)  # fmt: skip
+        try:
+            return announce(folder, me)
+        except OSError as exc:
+            logger.warning(f"cannot announce this agent in {folder}: {exc} (nodeagentctl will need --config)")
+            return None
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -168,6 +168,20 @@ def compute_rates(prev: CacheCounters | None, cur: CacheCounters) -> CacheRates:
     """Rates of one engine for the window ``prev`` → ``cur`` (since vLLM started when ``prev`` is None)."""
     window, reset = _window(prev, cur)
     return _rates(cur, window, reset)
+
+
+def window_rates(prev: Mapping[str, CacheCounters], cur: Mapping[str, CacheCounters]) -> CacheRates:
+    """Every rate over the window ``prev`` → ``cur`` only, summed over engines (keys), ``eff_total`` included:
+    the hit rates of one benchmark's own requests. ``counters`` holds the window's counts; an engine absent
+    from ``prev`` started since, so its whole count is new, as in :func:`compute_table`."""
+    windows: list[CacheCounters] = []
+    any_reset = False
+    for key, counters in cur.items():
+        window, reset = _window(prev.get(key), counters)
+        windows.append(window)
+        any_reset = any_reset or reset
+    total = CacheCounters.total(windows)
+    return _rates(total, total, any_reset)
 
 
 def compute_table(prev: dict[str, CacheCounters] | None, cur: dict[str, CacheCounters]) -> list[CacheRates]:

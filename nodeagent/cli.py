@@ -7,7 +7,7 @@ which need the full model, load it — and so does any command when the light re
 config error.
 
 Exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, 4 unknown component, 5 unauthorised,
-78 bad config.
+78 bad config or none found; `bench`: vllm bench's own code, 69 no `vllm` here, 73 --output-dir not writable.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.parsing import positive_seconds, split_listen
+from nodeagent.parsing import fraction, positive_int, positive_number, positive_seconds, split_listen
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT_CONFIG = 1, 2, 3, 4, 5, 78
@@ -285,8 +285,37 @@ def _error_text(data: Any, status: int) -> str:
     return f"HTTP {status}: {str(data)[:200]}"
 
 
+def config_path(args: argparse.Namespace) -> str:
+    """--config, $DSV4_AGENT_CONFIG, the default file, or the one agent announced on this host
+    (`nodeagent.discovery`); found once per command."""
+    if getattr(args, "located", None) is None:
+        from nodeagent.discovery import LookupFailed, SeveralAgents, locate_config
+
+        try:
+            args.located = locate_config(args.config)
+        except LookupFailed as exc:
+            raise CliError(str(exc), EXIT_USAGE if isinstance(exc, SeveralAgents) else EXIT_CONFIG) from None
+    return str(args.located.path)
+
+
+def light_config(args: argparse.Namespace) -> LightConfig:
+    """The light view; for an announced agent its own answers (API, dirs) win over what this shell's
+    environment makes of `${VAR}`s in its config — and stand alone when this shell cannot read it."""
+    path = config_path(args)
+    agent = args.located.agent
+    if agent is None:
+        return read_light_config(path)
+    try:
+        light = read_light_config(path)
+    except CliError:
+        light = LightConfig(path=Path(path))
+    return replace(light, listen=agent.api, token_file=Path(agent.token_file), log_dir=Path(agent.log_dir),
+                   state_dir=Path(agent.state_dir), unix_socket=Path(agent.unix_socket) if agent.unix_socket
+                   else None)  # fmt: skip
+
+
 def _client(args: argparse.Namespace) -> Client:
-    return Client(read_light_config(args.config))
+    return Client(light_config(args))
 
 
 # ---- status --------------------------------------------------------------------------------------------------
@@ -615,7 +644,7 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
     """The failure bundles under state_dir/postmortem (read from disk: works while the agent is down)."""
     from nodeagent.postmortem import list_bundles, read_bundle
 
-    root = read_light_config(args.config).state_dir / "postmortem"
+    root = light_config(args).state_dir / "postmortem"
     if args.pm_command == "show":
         if not args.bundle:
             raise CliError("postmortem show needs a bundle id (nodeagentctl postmortem list)", EXIT_USAGE)
@@ -734,7 +763,7 @@ def _which(name: str) -> str | None:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    light = read_light_config(args.config)
+    light = light_config(args)
     explicit = args.source in ("journal", "file")
     source, log_dir = (args.source, light.log_dir) if explicit else _log_source(args, light)
     if source == "journal":
@@ -770,17 +799,26 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     url = args.url
     if url is None:
-        light = read_light_config(args.config)
+        light = light_config(args)
         if not light.vllm:
-            raise CliError(f"no vllm component in {args.config}: give the metrics URL with --url", EXIT_USAGE)
+            raise CliError(f"no vllm component in {light.path}: give the metrics URL with --url", EXIT_USAGE)
         url = next(iter(light.vllm.values()))
     return run_cache(url, watch=args.watch, interval=args.interval, output=args.output, as_json=args.as_json)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from nodeagent.benchcmd import BenchError, run_from_args
+
+    try:
+        return run_from_args(args, lambda: _load(config_path(args)))
+    except BenchError as exc:
+        raise CliError(str(exc), exc.code) from None
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from nodeagent.probecmd import probe_targets, run_probe
 
-    config = _load(args.config)
+    config = _load(config_path(args))
     role = args.role or ("master" if config.node.role == "master" else "slave")
     return run_probe(probe_targets(config), role, args.timeout)
 
@@ -788,7 +826,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from nodeagent.preflight import run_preflight
 
-    report = run_preflight(_load(args.config))
+    report = run_preflight(_load(config_path(args)))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return EXIT_FAILED if report.failed else 0
 
@@ -797,7 +835,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from nodeagent.launcher import base_environment
     from nodeagent.render import render_component
 
-    config = _load(args.config, args.node)
+    config = _load(config_path(args), args.node)
     names = [args.component] if args.component else list(config.active_components())
     if args.component and args.component not in config.components:
         known = ", ".join(config.components)
@@ -851,14 +889,41 @@ def _count(text: str) -> int:
     return value
 
 
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    """run_vllm_bench.py's arguments (same names and defaults), then where the requests go (`benchcmd`)."""
+    bench.add_argument("--total-len", type=positive_int, required=True, help="prompt tokens per request: prefix "
+                       "+ suffix (the guide's table says input + output; its script makes it the prompt, as here)")
+    bench.add_argument("--repeat-prefix-ratio", type=fraction, required=True,
+                       help="share of the prompt that is a repeated prefix (0.9)")
+    bench.add_argument("--output-len", type=positive_int, required=True, help="output tokens per request")
+    bench.add_argument("--num-prompts", type=positive_int, required=True, help="requests in all")
+    bench.add_argument("--num-prefixes", type=positive_int, required=True, help="distinct prefixes")
+    bench.add_argument("--concurrency", type=positive_int, required=True, help="requests in flight at most")
+    bench.add_argument("--output-dir", default=".", help="where both result JSONs go (default: .)")
+    bench.add_argument("--seed", type=int, default=1000, help="random seed (default: 1000, the script's)")
+    bench.add_argument("--request-rate", type=positive_number, default=None,
+                       help="requests/s (default: unlimited)")
+    bench.add_argument("--host", help="default: the PD proxy's if this node runs one, else this node's vLLM")
+    bench.add_argument("--port", type=positive_int)
+    bench.add_argument("--model", help="served model name (default: the config's served_model_name)")
+    bench.add_argument("--tokenizer", help="default: the vllm component's model path")
+    bench.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                       help="a vLLM /metrics whose prefix-cache counters count (repeatable; default: the target "
+                            "vLLM, or every backend of the proxy)")
+    bench.add_argument("--vllm", metavar="PATH", help="the vllm executable (default: `vllm` on PATH)")
+    bench.add_argument("--json", action="store_true", help="print the saved JSON (vllm's own output to stderr)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nodeagent.cachewatch import add_cache_arguments
 
     parser = argparse.ArgumentParser(prog="nodeagentctl", description="Operate the dsv4-agent on this node.",
                                      epilog="exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, "
-                                     "4 unknown component, 5 unauthorised, 78 bad config")  # fmt: skip
-    parser.add_argument("--config", "-c", default=os.environ.get("DSV4_AGENT_CONFIG", DEFAULT_CONFIG),
-                        help=f"agent config (default {DEFAULT_CONFIG}; env DSV4_AGENT_CONFIG)")
+                                     "4 unknown component, 5 unauthorised, 69 no vllm (bench), "
+                                     "78 bad config")  # fmt: skip
+    parser.add_argument("--config", "-c", default=None,
+                        help=f"agent config (default: $DSV4_AGENT_CONFIG, then {DEFAULT_CONFIG}, then the agent "
+                             "running on this host)")  # fmt: skip
     parser.add_argument("--node", metavar="NAME", help="act on another member of the cluster (status, render, "
                         "config validate)")
     # --config is accepted after the subcommand too (`nodeagentctl status --config FILE`).
@@ -931,6 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--unit", default=DEFAULT_UNIT, help=f"systemd unit for journalctl (default {DEFAULT_UNIT})")
     cache = add("cache", "vLLM prefix-cache hit rates, like watch_cache_hit_rate.sh", cmd_cache)
     add_cache_arguments(cache)
+    bench = add("bench", "the guide's run_vllm_bench.py, plus the prefix-cache hit rates of that run", cmd_bench)
+    _add_bench_arguments(bench)
     probe = add("probe", "the guide's vllm_probe_yr.py checks (exit 0/1)", cmd_probe)
     probe.add_argument("role", nargs="?", choices=["master", "slave"], help="default: from node.role")
     probe.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S")

@@ -3,17 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+def _number(text: str, kind: type[int] | type[float], what: str, ok: Callable[[float], bool], rule: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
+    return value
 
 
 def positive_seconds(text: str) -> float:
     """argparse type: a positive, finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
+    return _number(text, float, "a number of seconds", lambda v: 0 < v < math.inf, "a positive number of seconds")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    return _number(text, int, "a whole number", lambda v: v > 0, "> 0")
+
+
+def positive_number(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, float, "a number", lambda v: 0 < v < math.inf, "a finite number > 0")
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number from 0 to 1."""
+    return _number(text, float, "a number", lambda v: 0 <= v <= 1, "from 0 to 1")
 
 
 def split_listen(listen: str) -> tuple[str, int]:

@@ -24,6 +24,14 @@ BIN = Path(sys.executable).parent
 _GIVEN: set[int] = set()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_announcements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Agents started by tests announce themselves in a folder of this run, not in /run/dsv4-agent (where the
+    operator's `nodeagentctl` on this shared machine would find them; see nodeagent.discovery)."""
+    os.environ.setdefault("DSV4_AGENT_RUNTIME_DIR", str(tmp_path_factory.mktemp("agents")))
+    yield
+
+
 def free_port() -> int:
     """A port free now and never handed out before in this test run (the kernel may offer the same one
     twice in a row once its socket is closed; two components of one config must never share one)."""

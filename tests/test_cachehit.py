@@ -16,6 +16,7 @@ from nodeagent.cachehit import (
     format_row,
     parse_cache_counters,
     rates_to_json,
+    window_rates,
 )
 
 Counts = tuple[float, float, float | None, float | None]  # queries, hits, external queries, external hits
@@ -217,3 +218,24 @@ def test_json_has_script_columns_with_nulls_and_integer_counts() -> None:
     assert doc["local_win"] is None and doc["ext_q"] is None and doc["ext_total"] is None
     assert doc["local_total"] == pytest.approx(0.5) and doc["reset"] is False
     assert datetime.fromisoformat(doc["timestamp"]).replace(tzinfo=None) == TS
+
+
+def test_window_rates_are_all_over_the_window_only() -> None:
+    """A benchmark's own requests: eff over the window too (compute_rates' eff_total is since start)."""
+    before = {"0": CacheCounters("0", 1000, 900, 100, 100), "1": CacheCounters("1", 10, 0, 10, 0)}
+    after = {"0": CacheCounters("0", 1400, 1000, 400, 200), "1": CacheCounters("1", 110, 50, 60, 40),
+             "2": CacheCounters("2", 100, 10, None, None)}  # fmt: skip
+    rates = window_rates(before, after)
+    q, h, eq, eh = 400 + 100 + 100, 100 + 50 + 10, 300 + 50, 100 + 40
+    assert (rates.counters.queries, rates.counters.hits, rates.counters.ext_queries, rates.counters.ext_hits) == (
+        q, h, eq, eh)  # fmt: skip
+    assert rates.local_total == rates.local_win == pytest.approx(h / q)
+    assert rates.ext_total == pytest.approx(eh / eq) and rates.eff_total == pytest.approx((h + eh) / q)
+    assert not rates.reset
+
+
+def test_window_rates_after_a_restart_and_without_traffic() -> None:
+    restarted = window_rates({"0": CacheCounters("0", 1000, 900)}, {"0": CacheCounters("0", 50, 25)})
+    assert restarted.reset and restarted.local_total == 0.5 and restarted.ext_total is None
+    idle = window_rates({"0": CacheCounters("0", 10, 5, 5, 1)}, {"0": CacheCounters("0", 10, 5, 5, 1)})
+    assert (idle.local_total, idle.ext_total, idle.eff_total) == (None, None, None)

@@ -1,0 +1,219 @@
+"""How `nodeagentctl` finds its agent: --config, $DSV4_AGENT_CONFIG, /etc/dsv4-agent/config.yaml, then an agent
+running on this host that announced itself in a runtime folder.
+
+A running agent writes one small JSON file, `<runtime>/dsv4-agent/agents/<pid>.json` (its config path, API
+address, state and log dirs), once its API listens, and removes it at exit; a file whose pid is dead (or reused
+by another process: the start time is compared) is stale and ignored. So on a dev box `nodeagentctl status`
+works next to `scripts/run-local.sh` without --config. The announcement carries the values the agent resolved,
+so `${VAR}`s in its config that the operator's shell does not set still lead to the right API.
+
+The runtime folder: $DSV4_AGENT_RUNTIME_DIR if set (tests, several private stacks), else
+$XDG_RUNTIME_DIR/dsv4-agent/agents, else /run/dsv4-agent/agents for root, else a per-user folder in /tmp. The CLI
+also looks in /run/dsv4-agent/agents, where a root agent (systemd) announces itself to every operator. Only files
+owned by the caller or root, in folders nobody else can write, are trusted: an announcement decides where the CLI
+sends its token.
+
+Standard library only: the CLI imports it whenever it has to find a config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENV_CONFIG = "DSV4_AGENT_CONFIG"
+ENV_RUNTIME_DIR = "DSV4_AGENT_RUNTIME_DIR"
+DEFAULT_CONFIG = Path("/etc/dsv4-agent/config.yaml")
+ROOT_DIR = Path("/run/dsv4-agent/agents")
+
+
+class LookupFailed(Exception):
+    """No config could be found (the message lists what was tried)."""
+
+
+class SeveralAgents(LookupFailed):
+    """More than one agent runs here and nothing says which one is meant."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a running agent says about itself."""
+
+    pid: int
+    start_ticks: int | None
+    """The process's start time in clock ticks since boot (/proc/PID/stat): a reused pid does not match."""
+    config: str
+    api: str
+    unix_socket: str | None
+    token_file: str
+    state_dir: str
+    log_dir: str
+    node: str
+
+    def describe(self) -> str:
+        return f"pid {self.pid} (node {self.node}, API {self.api}, config {self.config})"
+
+
+@dataclass(frozen=True)
+class Located:
+    path: str
+    source: str
+    """"--config", "$DSV4_AGENT_CONFIG", "default" or "announced"."""
+    agent: Announcement | None = None
+
+
+def runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
+    """Where an agent of this user announces itself."""
+    env = os.environ if env is None else env
+    uid = os.getuid() if uid is None else uid
+    if env.get(ENV_RUNTIME_DIR):
+        return Path(env[ENV_RUNTIME_DIR])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "dsv4-agent" / "agents"
+    if uid == 0:
+        return ROOT_DIR
+    return Path(tempfile.gettempdir()) / f"dsv4-agent-{uid}" / "agents"
+
+
+def search_dirs(env: Mapping[str, str] | None = None, uid: int | None = None) -> list[Path]:
+    """Where the CLI looks: this user's runtime folder, and root's (a systemd agent) unless overridden."""
+    env = os.environ if env is None else env
+    own = runtime_dir(env, uid)
+    if env.get(ENV_RUNTIME_DIR) or own == ROOT_DIR:
+        return [own]
+    return [own, ROOT_DIR]
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat; None where it cannot be read (then only the pid is compared)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def is_running(agent: Announcement) -> bool:
+    ticks = start_ticks(agent.pid)
+    if ticks is not None:
+        return agent.start_ticks is None or ticks == agent.start_ticks
+    try:
+        os.kill(agent.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- the agent's side ----------------------------------------------------------------------------------------
+
+
+def announce(directory: Path, agent: Announcement) -> Path:
+    """Write `<pid>.json` atomically (and drop this user's stale ones); the caller removes it at exit."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+    for stale in _read_dir(directory)[1]:
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    path = directory / f"{agent.pid}.json"
+    tmp = directory / f".{agent.pid}.json.tmp"
+    tmp.write_text(json.dumps(asdict(agent)), encoding="utf-8")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def withdraw(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def this_agent(config: str, api: str, unix_socket: str | None, token_file: str, state_dir: str, log_dir: str,
+               node: str) -> Announcement:  # fmt: skip
+    pid = os.getpid()
+    return Announcement(pid=pid, start_ticks=start_ticks(pid), config=str(Path(config).resolve()), api=api,
+                        unix_socket=unix_socket, token_file=token_file, state_dir=state_dir, log_dir=log_dir,
+                        node=node)  # fmt: skip
+
+
+# ---- the CLI's side ------------------------------------------------------------------------------------------
+
+
+def _trusted(st: os.stat_result, uid: int) -> bool:
+    return st.st_uid in (uid, 0) and not st.st_mode & 0o022
+
+
+def _parse(path: Path) -> Announcement | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return Announcement(**{k: data.get(k) for k in Announcement.__dataclass_fields__})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _read_dir(directory: Path, uid: int | None = None) -> tuple[list[Announcement], list[Path], str]:
+    """(running agents, stale files, a note for the error message)."""
+    uid = os.getuid() if uid is None else uid
+    try:
+        if not _trusted(directory.stat(), uid):
+            return [], [], "ignored: writable by others or owned by another user"
+        entries = sorted(directory.glob("*.json"))
+    except FileNotFoundError:
+        return [], [], "no such folder"
+    except OSError as exc:
+        return [], [], exc.strerror or str(exc)
+    running: list[Announcement] = []
+    stale: list[Path] = []
+    for path in entries:
+        agent = _parse(path)
+        try:
+            trusted = _trusted(path.stat(), uid)
+        except OSError:
+            continue
+        if not trusted or agent is None or not isinstance(agent.pid, int):
+            continue
+        if is_running(agent):
+            running.append(agent)
+        else:
+            stale.append(path)
+    note = f"{len(running)} running" + (f", {len(stale)} stale ignored" if stale else "")
+    return running, stale, note
+
+
+def running_agents(dirs: list[Path]) -> tuple[list[Announcement], list[str]]:
+    """Every live announcement in `dirs` (one per pid) and, per folder, what was found there."""
+    found: dict[int, Announcement] = {}
+    notes = []
+    for directory in dirs:
+        running, _stale, note = _read_dir(directory)
+        notes.append(f"agents announced in {directory} ({note})")
+        for agent in running:
+            found.setdefault(agent.pid, agent)
+    return list(found.values()), notes
+
+
+def locate_config(explicit: str | None, env: Mapping[str, str] | None = None, default: Path = DEFAULT_CONFIG,
+                  dirs: list[Path] | None = None) -> Located:  # fmt: skip
+    """The config to use, in the order an operator expects; LookupFailed says what was tried or who runs."""
+    env = os.environ if env is None else env
+    if explicit:
+        return Located(explicit, "--config")
+    if env.get(ENV_CONFIG):
+        return Located(env[ENV_CONFIG], f"${ENV_CONFIG}")
+    if default.exists():
+        return Located(str(default), "default")
+    agents, notes = running_agents(search_dirs(env) if dirs is None else dirs)
+    if len(agents) == 1:
+        return Located(agents[0].config, "announced", agents[0])
+    if agents:
+        listed = "; ".join(a.describe() for a in sorted(agents, key=lambda a: a.pid))
+        raise SeveralAgents(f"{len(agents)} agents run on this host: {listed} — choose one with --config FILE")
+    tried = ["--config (not given)", f"${ENV_CONFIG} (not set)", f"{default} (no such file)", *notes]
+    raise LookupFailed(f"no agent config found; tried {', '.join(tried)}: give --config FILE, or start the agent "
+                       "(systemctl start dsv4-agent, or scripts/run-local.sh on a dev box)")
+

@@ -1,0 +1,161 @@
+"""How `nodeagentctl` finds its agent: --config, $DSV4_AGENT_CONFIG, /etc/dsv4-agent/config.yaml, then an agent
+that announced itself in the runtime folder. Real agents (`dsv4-agent` on `process` one-liners) and the CLI in a
+subprocess with a clean environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from apihelpers import tiny_config, write_config
+from conftest import BIN, wait_for
+
+from nodeagent import cli, discovery
+from nodeagent.discovery import Announcement, LookupFailed, SeveralAgents, locate_config
+
+
+def test_runtime_folders() -> None:
+    assert discovery.runtime_dir({discovery.ENV_RUNTIME_DIR: "/x"}, 0) == Path("/x")
+    assert discovery.runtime_dir({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000) == Path(
+        "/run/user/1000/dsv4-agent/agents")  # fmt: skip
+    assert discovery.runtime_dir({}, 0) == Path("/run/dsv4-agent/agents")
+    user = discovery.runtime_dir({}, 1000)
+    assert (user.name, user.parent.name) == ("agents", "dsv4-agent-1000")
+    # The CLI also looks where a root agent (systemd) announces itself; an explicit folder is the only one.
+    assert discovery.search_dirs({"XDG_RUNTIME_DIR": "/run/user/0"}, 0) == [
+        Path("/run/user/0/dsv4-agent/agents"), discovery.ROOT_DIR]  # fmt: skip
+    assert discovery.search_dirs({}, 0) == [discovery.ROOT_DIR]
+    assert discovery.search_dirs({discovery.ENV_RUNTIME_DIR: "/x", "XDG_RUNTIME_DIR": "/y"}, 0) == [Path("/x")]
+
+
+def test_the_cli_and_the_agent_share_the_default_config() -> None:
+    from nodeagent import agent
+
+    assert str(discovery.DEFAULT_CONFIG) == cli.DEFAULT_CONFIG == agent.DEFAULT_CONFIG
+
+
+def me(config: str = "/c.yaml", **changes: object) -> Announcement:
+    agent = discovery.this_agent(config, "127.0.0.1:1", None, "/t", "/s", "/l", "n")
+    return replace(agent, **changes)  # type: ignore[arg-type]
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_lookup_order(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    default = tmp_path / "etc" / "config.yaml"
+    announced = discovery.announce(runtime, me(str(tmp_path / "a.yaml")))
+    assert json.loads(announced.read_text())["config"] == str(tmp_path / "a.yaml")
+    assert locate_config("x.yaml", {discovery.ENV_CONFIG: "y.yaml"}, default, [runtime]).path == "x.yaml"
+    assert locate_config(None, {discovery.ENV_CONFIG: "y.yaml"}, default, [runtime]).source == "$DSV4_AGENT_CONFIG"
+    found = locate_config(None, {}, default, [runtime])
+    assert (found.path, found.source, found.agent and found.agent.pid) == (str(tmp_path / "a.yaml"), "announced",
+                                                                            os.getpid())  # fmt: skip
+    default.parent.mkdir()
+    default.write_text("{}")
+    assert locate_config(None, {}, default, [runtime]).source == "default"
+
+
+def test_stale_reused_and_untrusted_announcements_are_ignored(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    for agent in (me(pid=dead_pid()), me(start_ticks=1)):  # a dead pid; our pid with another start time (reused)
+        (runtime / f"{agent.pid}-{agent.start_ticks}.json").write_text(json.dumps(asdict(agent)))
+    with pytest.raises(LookupFailed) as failed:
+        locate_config(None, {}, tmp_path / "none.yaml", [runtime, tmp_path / "missing"])
+    text = str(failed.value)
+    assert not isinstance(failed.value, SeveralAgents)
+    for tried in ("--config (not given)", "$DSV4_AGENT_CONFIG (not set)", f"{tmp_path / 'none.yaml'} (no such file)",
+                  f"agents announced in {runtime} (0 running, 2 stale ignored)",
+                  f"agents announced in {tmp_path / 'missing'} (no such folder)"):  # fmt: skip
+        assert tried in text
+    # Writing an announcement drops this user's stale ones.
+    discovery.announce(runtime, me())
+    assert sorted(p.name for p in runtime.iterdir()) == [f"{os.getpid()}.json"]
+    runtime.chmod(0o777)  # anyone could plant a file here that sends our token elsewhere
+    with pytest.raises(LookupFailed, match="ignored: writable by others"):
+        locate_config(None, {}, tmp_path / "none.yaml", [runtime])
+
+
+# ---- real agents, the CLI in a clean environment ---------------------------------------------------------------
+
+
+class Agent:
+    def __init__(self, home: Path, runtime: Path, port_var: str | None = None) -> None:
+        data = tiny_config(home)
+        self.port = data["agent"]["api"]["listen"].rsplit(":", 1)[1]
+        env = {**os.environ, discovery.ENV_RUNTIME_DIR: str(runtime)}
+        if port_var:  # a ${VAR} the operator's shell does not have
+            data["agent"]["api"]["listen"] = f"127.0.0.1:${{{port_var}}}"
+            env[port_var] = self.port
+        home.mkdir(parents=True, exist_ok=True)
+        self.config = write_config(home / "config.yaml", data)
+        self.path = runtime / "placeholder"
+        with open(home / "agent.log", "wb") as log:
+            self.proc = subprocess.Popen([str(BIN / "dsv4-agent"), "--config", str(self.config)], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.path = runtime / f"{self.proc.pid}.json"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[list[Agent]]:
+    if discovery.DEFAULT_CONFIG.exists():
+        pytest.skip(f"{discovery.DEFAULT_CONFIG} exists on this host: it comes before any running agent")
+    started: list[Agent] = []
+    try:
+        yield started
+    finally:
+        for agent in started:
+            agent.stop()
+
+
+def ctl(runtime: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), discovery.ENV_RUNTIME_DIR: str(runtime)}
+    return subprocess.run([str(BIN / "nodeagentctl"), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def test_the_cli_finds_the_running_agent(agents: list[Agent], tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    agents.append(Agent(tmp_path / "one", runtime, port_var="ONE_API_PORT"))
+    one = agents[0]
+    wait_for("the agent's announcement", one.path.exists, 30)
+    data = json.loads(one.path.read_text())
+    assert (data["config"], data["api"], data["state_dir"]) == (str(one.config), f"127.0.0.1:{one.port}",
+                                                                str(tmp_path / "one" / "state"))  # fmt: skip
+    # No --config, no $DSV4_AGENT_CONFIG, and ${ONE_API_PORT} unset here: the announcement says where.
+    out = wait_for("status", lambda: (r := ctl(runtime, "status", cwd=tmp_path)).returncode == 0 and r, 30)
+    assert "node tiny" in out.stdout and "a " in out.stdout
+
+    agents.append(Agent(tmp_path / "two", runtime))
+    wait_for("the second announcement", agents[1].path.exists, 30)
+    out = ctl(runtime, "status", cwd=tmp_path)
+    assert out.returncode == cli.EXIT_USAGE and out.stderr.count("\n") == 1
+    assert "2 agents run on this host" in out.stderr and "choose one with --config" in out.stderr
+    assert f"pid {one.proc.pid}" in out.stderr and f"pid {agents[1].proc.pid}" in out.stderr
+    assert ctl(runtime, "--config", str(agents[1].config), "status", cwd=tmp_path).returncode == 0
+
+    assert one.stop() == 0 and not one.path.exists()  # withdrawn at exit
+    out = ctl(runtime, "status", "--json", cwd=tmp_path)
+    assert out.returncode == 0 and json.loads(out.stdout)["agent"]["pid"] == agents[1].proc.pid
+    assert agents[1].stop() == 0
+    out = ctl(runtime, "status", cwd=tmp_path)
+    assert out.returncode == cli.EXIT_CONFIG and out.stderr.count("\n") == 1
+    assert "no agent config found; tried --config (not given)" in out.stderr
+    assert f"agents announced in {runtime} (0 running)" in out.stderr
