@@ -199,7 +199,10 @@ async def fault(agents: list[SimAgent], group_size: int, concurrent: int = 1) ->
         if all(x > before for x in acted):
             break
         if time.monotonic() - t0 > 30:
-            raise SystemExit(f"group {group}: not every member acted within 30 s: {acted}")
+            seen = [(a.name, a.coordinator.gangs[group].acted,
+                     getattr(a.coordinator.gangs[group].record, "generation", None),
+                     a.coordinator.store.state.reachable, a.coordinator.store.state.last_error) for a in members]
+            raise SystemExit(f"group {group}: not every member acted within 30 s: {seen}")
         await asyncio.sleep(0.001)
     elapsed = (time.monotonic() - t0) * 1000
     made = max(a.coordinator.gangs[group].acted for a in members) - before
