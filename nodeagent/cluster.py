@@ -39,6 +39,9 @@ BARRIER_TIMEOUT_S = 300.0
 """vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
 SETTLE_EVERY_S = 30.0
 RETRY_S = 1.0
+IDLE_TICK_S = 5.0
+"""At rest the work loop wakes only for watch events and gate checks, and otherwise this often (barrier timeouts,
+settling): an idle agent costs next to nothing and sends no etcd request."""
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Coordinator:
         supervisor.command_hooks.append(self.command)
         supervisor.status_extras["cluster"] = self.status
         supervisor.status_extras["gangs"] = self.acks
+        supervisor.on_state_change.append(self.wake)  # a rank stopped, a pause ended: look again now
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -213,8 +217,9 @@ class Coordinator:
     async def _work(self) -> None:
         last_settle = 0.0
         while True:
+            busy = not self.reachable or any(g.pending or g.released != g.acted for g in self.gangs.values())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RETRY_S):
+                async with asyncio.timeout(RETRY_S if busy else IDLE_TICK_S):
                     await self._wake.wait()
             self._wake.clear()
             try:

@@ -134,6 +134,7 @@ class Supervisor:
         self.intent_store.set_paused(paused, by)
         self.events.emit("pause" if paused else "resume", "maintenance pause " + ("on" if paused else "off")
                          + f" ({by})")  # fmt: skip
+        self.on_state(None)
 
     def intent(self, name: str) -> Any:
         return Intent(desired=self.desired(name), paused=self.paused)  # type: ignore[arg-type]
