@@ -297,9 +297,9 @@ class Api(ClusterRoutes):
                              200 if not failing else 503)  # fmt: skip
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """vLLM ready; on a node without vLLM, every component ready."""
+        """vLLM (and the PD proxy where this node runs one) ready; on a node with neither, every component."""
         comps = self.sup.components
-        gate = [n for n, c in comps.items() if c.kind == "vllm"] or list(comps)
+        gate = [n for n, c in comps.items() if c.kind in ("vllm", "proxy")] or list(comps)
         parts = {n: {"ready": comps[n].ready, "state": str(comps[n].state)} for n in gate}
         not_ready = [n for n, p in parts.items() if not p["ready"]]
         return json_response({"ready": not not_ready, "components": parts, "not_ready": not_ready},

@@ -169,7 +169,7 @@ class Coordinator:
                 await asyncio.sleep(RETRY_S)
 
     async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
-        if item.reason == "reset":
+        if item.reason == "reset" and self.epoch is not None:  # once, not once per watch
             self.sup.events.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
                                  "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
             self.epoch = None

@@ -81,16 +81,22 @@ def probe_targets(config: Any) -> dict[str, Any]:
     from nodeagent.config_model import DatasystemComponent, EtcdComponent, VllmComponent
     from nodeagent.render import etcd_client_address
 
-    comps = config.components.values()
+    comps = config.active_components().values()  # what this node runs (a worker runs no etcd)
     ds = next((c for c in comps if isinstance(c, DatasystemComponent)), None)
     etcd = next((c for c in comps if isinstance(c, EtcdComponent)), None)
-    vllm = next((c for c in comps if isinstance(c, VllmComponent)), None)
-    host = "127.0.0.1" if vllm is None or vllm.host in (None, "0.0.0.0", "::") else vllm.host
+    # The guide's master check posts to the service clients use: the PD proxy where this node runs one,
+    # else the first vLLM that serves HTTP (a headless rank has no port).
+    proxy = next((c for c in comps if getattr(c, "kind", None) == "proxy"), None)
+    vllm = next((c for c in comps if isinstance(c, VllmComponent) and not c.headless), None)
+    served = proxy if proxy is not None else vllm
+    bind = getattr(served, "host", None)
+    host = "127.0.0.1" if served is None or bind in (None, "0.0.0.0", "::") else bind
+    model = vllm.served_model_name if vllm else getattr(proxy, "served_model_name", None)
     return {
         "liveness": ds.liveness_check_path if ds else None,
         "etcd": etcd_client_address(config, etcd) if etcd else config.cluster.etcd_endpoints[0].removeprefix("http://"),
-        "vllm_url": f"http://{host}:{vllm.port}/v1/chat/completions" if vllm else None,
-        "model": vllm.served_model_name if vllm else None,
+        "vllm_url": f"http://{host}:{served.port}/v1/chat/completions" if served is not None else None,
+        "model": model,
     }
 
 

@@ -351,7 +351,9 @@ def plan_start_cleanup(
         elif config.node.role != "master":
             notes.append(f"etcd data dir {component.data_dir} kept: only the master wipes etcd")
         else:
-            actions.append(RemoveTree(component.data_dir))
+            # the FAQ's "key not found" residue; archived first: the evidence of why it broke is not residue
+            actions.append(ArchiveThenRemove(component.data_dir, archive_dir(name, config), config.agent.archive_keep,
+                                             reason))  # fmt: skip
     elif isinstance(component, EtcdComponent) and wipe_etcd:
         notes.append("wipe_etcd ignored: only a redeploy wipes etcd")
     actions.append(RemoveTree(component_tmpdir(name, config)))
