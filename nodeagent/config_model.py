@@ -82,6 +82,25 @@ class ApiConfig(Strict):
         return split_listen(self.listen)[1]
 
 
+class UiConfig(Strict):
+    """The status page at GET /ui and the cache-rate history behind it (GET /cache)."""
+
+    enabled: bool = True
+    cache_period_s: float = Field(default=15.0, ge=0.1)
+    """How often vLLM's /metrics is scraped for the page's hit-rate plot: one sample per period."""
+    cache_history_s: float = Field(default=3600.0, gt=0)
+    """How far back the plot's samples are kept (in memory; lost when the agent restarts)."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> UiConfig:
+        if self.cache_history_s / self.cache_period_s > MAX_CACHE_SAMPLES:
+            raise ValueError(f"cache_history_s / cache_period_s keeps more than {MAX_CACHE_SAMPLES} samples: "
+                             "scrape less often or keep less history")
+        return self
+
+
+MAX_CACHE_SAMPLES = 20_000
+"""A day at 5 s: memory for the hit-rate history stays a few MB at most."""
 MQTT_SCHEMES = {"mqtt": 1883, "mqtts": 8883}
 
 
@@ -187,6 +206,7 @@ class AgentSettings(Strict):
     residue_roots: list[ConfigPath] = Field(default_factory=list)
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
     mqtt: MqttConfig | None = None
+    ui: UiConfig = UiConfig()
 
 
 class ProbeBase(Strict):
