@@ -87,6 +87,7 @@ def openapi_document() -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "now": {"type": "number"}, "period_s": {"type": "number"}, "history_s": {"type": "number"},
+                "started_at": {"type": "number", "description": "When this history began (a new agent: a new one)"},
                 "components": {"type": "array", "items": {"type": "string"}},
                 "last_scrape_at": {"type": "number", "nullable": True},
                 "scrape_ok": {"type": "object", "additionalProperties": {"type": "boolean"}},

@@ -34,7 +34,7 @@ class CacheSample:
     """Component → its `all` row: the five ratios (None = undefined), local queries, and whether vLLM reset."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ts": round(self.ts, 3), "components": self.components}
+        return {"ts": self.ts, "components": self.components}
 
 
 def summarize(rows: Iterable[CacheRates]) -> dict[str, Any] | None:
@@ -59,7 +59,7 @@ class CacheHistory:
     def add(self, ts: float, tables: Mapping[str, Iterable[CacheRates]]) -> CacheSample:
         """One scrape's result; a component without rows (down, loading, scrape failed) is absent: a gap."""
         components = {name: row for name, rows in tables.items() if (row := summarize(rows)) is not None}
-        sample = CacheSample(ts, components)
+        sample = CacheSample(round(ts, 3), components)  # as served: `since` compares with what clients saw
         self.samples.append(sample)
         self.prune(ts)
         return sample
@@ -80,6 +80,8 @@ class CacheSampler:
         self.scraper = VllmCacheScraper(supervisor, vllm_urls)
         self.history = CacheHistory(cfg.cache_history_s, cfg.cache_period_s)
         self.last_scrape_at: float | None = None
+        self.started_at = time.time()
+        """Names this history: a client holding samples of another (an agent restarted) starts afresh."""
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -98,11 +100,14 @@ class CacheSampler:
         self.history.add(self.last_scrape_at, self.scraper.rows)
 
     async def _loop(self) -> None:
+        """On a fixed grid: a slow scrape skips the slots it overran, never two samples in one period."""
+        period = self.cfg.cache_period_s
         next_at = time.monotonic()
         while True:
             await self.sample()
-            next_at = max(next_at + self.cfg.cache_period_s, time.monotonic())
-            await asyncio.sleep(next_at - time.monotonic())
+            now = time.monotonic()
+            next_at += period * max(1, math.ceil((now - next_at) / period))
+            await asyncio.sleep(next_at - now)
 
     def view(self, since: float | None = None) -> dict[str, Any]:
         """GET /cache: the samples (after `since`), the latest per-engine tables, each component's scrape state."""
@@ -110,7 +115,8 @@ class CacheSampler:
         self.history.prune(now)
         stamp = datetime.fromtimestamp(self.last_scrape_at or now).astimezone()
         return {
-            "now": now, "period_s": self.cfg.cache_period_s, "history_s": self.cfg.cache_history_s,
+            "now": now, "started_at": self.started_at, "period_s": self.cfg.cache_period_s,
+            "history_s": self.cfg.cache_history_s,
             "components": sorted(self.scraper.vllm_urls), "last_scrape_at": self.last_scrape_at,
             "scrape_ok": dict(self.scraper.scrape_ok),
             "latest": {name: [rates_to_json(stamp, r) for r in rows] for name, rows in self.scraper.rows.items()},

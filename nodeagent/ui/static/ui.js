@@ -1,4 +1,5 @@
 // The dsv4-agent status page: polls /status, /cluster and /cache, follows /events (SSE). Read-only.
+// plot.js (loaded first) draws the hit-rate plot.
 // Everything from the agent is inserted as text (textContent), never as markup: member records come from
 // other nodes through etcd.
 "use strict";
@@ -9,12 +10,6 @@ const FETCH_TIMEOUT_MS = 5000;
 const EVENTS_RECONNECT_MS = 3000;
 const MAX_EVENTS = 300;
 const ROLES = ["startup", "liveness", "readiness"];
-const RATIOS = ["local_total", "local_win", "ext_total", "ext_win", "eff_total"];
-const RATIO_LABELS = {
-  local_total: "local total", local_win: "local window", ext_total: "ext total", ext_win: "ext window",
-  eff_total: "eff total",
-};
-const SVG_NS = "http://www.w3.org/2000/svg";
 
 const ui = {
   status: null, cluster: null, cache: null,
@@ -41,18 +36,8 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-function svg(tag, attrs) {
-  const node = document.createElementNS(SVG_NS, tag);
-  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
-  return node;
-}
-
-const pad = (n) => String(n).padStart(2, "0");
-
 function clock(ts) {
-  if (ts === null || ts === undefined) return "—";
-  const d = new Date(ts * 1000);
-  return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  return ts === null || ts === undefined ? "—" : timeLabel(ts, true);
 }
 
 function dur(seconds) {
@@ -368,61 +353,6 @@ function latestRates(samples, name) {
   return null;
 }
 
-function plot(name, data, width) {
-  const height = 240;
-  const m = { l: 44, r: 12, t: 10, b: 22 };
-  const end = data.now;
-  const start = end - data.history_s;
-  const x = (ts) => m.l + ((ts - start) / data.history_s) * (width - m.l - m.r);
-  const y = (v) => m.t + (1 - v) * (height - m.t - m.b);
-  const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, "data-plot": name, role: "img",
-    "aria-label": `prefix-cache hit rates of ${name}` });
-  for (const v of [0, 0.25, 0.5, 0.75, 1]) {
-    root.append(svg("line", { class: "grid", x1: m.l, x2: width - m.r, y1: y(v), y2: y(v) }));
-    const label = svg("text", { class: "axis", x: m.l - 6, y: y(v) + 4, "text-anchor": "end" });
-    label.textContent = `${v * 100}%`;
-    root.append(label);
-  }
-  const step = data.history_s >= 3600 ? 600 : data.history_s >= 600 ? 120 : 30;
-  for (let t = Math.ceil(start / step) * step; t <= end; t += step) {
-    root.append(svg("line", { class: "grid", x1: x(t), x2: x(t), y1: m.t, y2: height - m.b }));
-    const label = svg("text", { class: "axis", x: x(t), y: height - 6, "text-anchor": "middle" });
-    label.textContent = step < 60 ? clock(t) : clock(t).slice(0, 5);
-    root.append(label);
-  }
-  const gap = data.period_s * 2.5;
-  for (const kind of RATIOS) {
-    let d = "";
-    let points = 0;
-    let prevTs = null;
-    const dots = [];
-    let run = [];
-    const flush = () => {
-      if (run.length === 1) dots.push(run[0]);
-      run = [];
-    };
-    for (const s of data.samples) {
-      const row = s.components[name];
-      const v = row ? row[kind] : null;
-      if (v === null || v === undefined || (prevTs !== null && s.ts - prevTs > gap)) flush();
-      if (v === null || v === undefined) { prevTs = null; continue; }
-      const px = x(s.ts).toFixed(1);
-      const py = y(Math.min(1, Math.max(0, v))).toFixed(1);
-      d += `${run.length ? "L" : "M"}${px},${py} `;
-      run.push([px, py]);
-      points++;
-      prevTs = s.ts;
-    }
-    flush();
-    const cls = `series c-${kind}${kind.endsWith("_win") ? " win" : ""}`;
-    if (d) root.append(svg("path", { class: cls, d: d.trim(), "data-kind": kind, "data-points": points }));
-    for (const [px, py] of dots) {
-      root.append(svg("circle", { class: `dot c-${kind}`, cx: px, cy: py, r: 2.5, "data-kind": kind }));
-    }
-  }
-  return root;
-}
-
 function renderCache() {
   const data = ui.cache;
   const box = $("cache-plots");
@@ -452,18 +382,26 @@ function renderCache() {
       ? ` · engines: ${engines.map((r) => `${r.engine} ${pct(r.local_total)}/${pct(r.eff_total)}`).join(", ")}` : "";
     return el("div", { class: "plot", "data-component": name },
       el("h3", {}, name, " ", el("span", { class: data.scrape_ok[name] === false ? "note" : "muted" }, status + engineText)),
-      legend, data.samples.length ? plot(name, data, width)
+      legend, data.samples.length ? hitRatePlot(name, data, width)
         : el("div", { class: "note plain" }, `waiting for the first scrape (one every ${data.period_s} s)`));
   });
   box.replaceChildren(...plots);
 }
 
 async function pollCache() {
+  // The whole history once, then only the samples after the newest one held; another history (the agent or its
+  // API restarted) is fetched whole again.
   let period = 5;
+  let next = null;
+  const held = ui.cache ? ui.cache.samples : [];
   try {
-    const r = await fetchJSON("/cache");
-    if (r.status === 200 && r.body) {
-      ui.cache = r.body;
+    const r = await fetchJSON(held.length ? `/cache?since=${held[held.length - 1].ts}` : "/cache");
+    if (r.status === 200 && r.body && held.length && ui.cache.started_at !== r.body.started_at) {
+      ui.cache = null;
+      next = 0;
+    } else if (r.status === 200 && r.body) {
+      const oldest = r.body.now - r.body.history_s;
+      ui.cache = { ...r.body, samples: held.concat(r.body.samples).filter((s) => s.ts >= oldest) };
       period = r.body.period_s;
       renderCache();
     } else if (r.status === 404) {
@@ -472,7 +410,7 @@ async function pollCache() {
   } catch (_) {
     // keep the last plot
   }
-  setTimeout(pollCache, Math.min(5, Math.max(1, period)) * 1000);
+  setTimeout(pollCache, next ?? Math.min(5, Math.max(1, period)) * 1000);
 }
 
 // ---- events ----------------------------------------------------------------------------------------------------
