@@ -86,6 +86,7 @@ class UiConfig(Strict):
     """The status page at GET /ui and the cache-rate history behind it (GET /cache)."""
 
     enabled: bool = True
+    """Serve the page and keep the history; false: both 404, no scraping for them."""
     cache_period_s: float = Field(default=15.0, ge=0.1)
     """How often vLLM's /metrics is scraped for the page's hit-rate plot: one sample per period."""
     cache_history_s: float = Field(default=3600.0, gt=0)
@@ -208,6 +209,7 @@ class AgentSettings(Strict):
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
     mqtt: MqttConfig | None = None
     ui: UiConfig = UiConfig()
+    """The read-only status page at GET /ui on the API's address, and the hit-rate history it plots."""
 
 
 class ProbeBase(Strict):
