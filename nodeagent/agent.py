@@ -108,7 +108,7 @@ class Agent:
                 raise
             finally:
                 self.notifier.ready()
-            for key in ("api", "mqtt"):
+            for key in ("api", "mqtt", "ui"):
                 if getattr(config.agent, key) != getattr(self.config.agent, key):
                     logger.warning(f"agent.{key} changed: it takes effect when the agent restarts")
             self.config = config

@@ -31,6 +31,8 @@ from nodeagent import __version__
 from nodeagent.api_cluster import CLUSTER_ROUTES, ClusterRoutes
 from nodeagent.errors import AgentError, ConfigError, CoordinationUnavailable, UnknownComponentError
 from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
+from nodeagent.ui.history import CacheSampler
+from nodeagent.ui.routes import UI_ROUTES, UiRoutes
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -172,6 +174,7 @@ ROUTES = (
     Route("GET", "/preflight", "preflight"),
     Route("POST", "/npu/override", "npu_override", True),
     *(Route(method, path, name, True) for method, path, name in CLUSTER_ROUTES),
+    *(Route(method, path, name) for method, path, name in UI_ROUTES),
 )
 
 
@@ -200,7 +203,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(500, "internal error (logged by the agent)")
 
 
-class Api(ClusterRoutes):
+class Api(ClusterRoutes, UiRoutes):
     """Request handlers over a Controller; `build_app` wires them with the middleware and limits."""
 
     def __init__(self, ctl: Controller, token: str, metrics: AgentMetrics | None = None) -> None:
@@ -210,6 +213,9 @@ class Api(ClusterRoutes):
         self.closing = asyncio.Event()
         self.sse_streams = 0
         self.journal = _output_to_journal()
+        ui = ctl.config.agent.ui
+        self.cache_sampler = CacheSampler(ctl.supervisor, ui) if ui.enabled else None
+        """The status page's hit-rate history; runs while the API does."""
 
     @property
     def sup(self) -> Supervisor:
@@ -496,12 +502,19 @@ def build_app(api: Api) -> web.Application:
         else:
             app.router.add_route(route.method, route.path, handler, name=route.name)
 
+    async def on_startup(_app: web.Application) -> None:
+        if api.cache_sampler is not None:
+            api.cache_sampler.start()
+
     async def on_shutdown(_app: web.Application) -> None:
         api.closing.set()  # ends open event streams so shutdown does not wait for them
 
     async def on_cleanup(_app: web.Application) -> None:
         await api.agent_metrics.close()
+        if api.cache_sampler is not None:
+            await api.cache_sampler.close()
 
+    app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app

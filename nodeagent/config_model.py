@@ -82,6 +82,27 @@ class ApiConfig(Strict):
         return split_listen(self.listen)[1]
 
 
+class UiConfig(Strict):
+    """The status page at GET /ui and the cache-rate history behind it (GET /cache)."""
+
+    enabled: bool = True
+    """Serve the page and keep the history; false: both 404, no scraping for them."""
+    cache_period_s: float = Field(default=15.0, ge=0.1)
+    """How often vLLM's /metrics is scraped for the page's hit-rate plot: one sample per period."""
+    cache_history_s: float = Field(default=3600.0, gt=0)
+    """How far back the plot's samples are kept (in memory; lost when the agent restarts)."""
+
+    @model_validator(mode="after")
+    def _bounded(self) -> UiConfig:
+        if self.cache_history_s / self.cache_period_s > MAX_CACHE_SAMPLES:
+            raise ValueError(f"cache_history_s / cache_period_s keeps more than {MAX_CACHE_SAMPLES} samples: "
+                             "scrape less often or keep less history")
+        return self
+
+
+MAX_CACHE_SAMPLES = 6000
+"""A day at 15 s. The page loads the whole history once (~1.3 MB of JSON, ~65 ms to encode at this bound),
+then only new samples."""
 MQTT_SCHEMES = {"mqtt": 1883, "mqtts": 8883}
 
 
@@ -187,6 +208,8 @@ class AgentSettings(Strict):
     residue_roots: list[ConfigPath] = Field(default_factory=list)
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
     mqtt: MqttConfig | None = None
+    ui: UiConfig = UiConfig()
+    """The read-only status page at GET /ui on the API's address, and the hit-rate history it plots."""
 
 
 class ProbeBase(Strict):

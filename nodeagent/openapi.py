@@ -83,6 +83,21 @@ def openapi_document() -> dict[str, Any]:
                 "policy": {"type": "object", "description": "Restart policy counters (crash loop, backoff)"},
             },
         },
+        "CacheHistory": {
+            "type": "object",
+            "properties": {
+                "now": {"type": "number"}, "period_s": {"type": "number"}, "history_s": {"type": "number"},
+                "started_at": {"type": "number", "description": "When this history began (a new agent: a new one)"},
+                "components": {"type": "array", "items": {"type": "string"}},
+                "last_scrape_at": {"type": "number", "nullable": True},
+                "scrape_ok": {"type": "object", "additionalProperties": {"type": "boolean"}},
+                "latest": {"type": "object", "description": "Component → rows as `nodeagentctl cache --json`"},
+                "samples": {"type": "array", "items": {"type": "object", "properties": {
+                    "ts": {"type": "number"},
+                    "components": {"type": "object", "description": "Component → local_win, local_total, ext_win, "
+                                   "ext_total, eff_total (0..1 or null), queries, reset"}}}},
+            },
+        },
         "Status": {
             "type": "object",
             "properties": {
@@ -131,6 +146,26 @@ def openapi_document() -> dict[str, Any]:
                 {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"},
                  "description": "Resume: replay the buffered events after this id instead"},
             ],
+        ),
+        "/ui": _get("The status page (HTML; its script and style come from /ui/{asset}; 404 when agent.ui.enabled "
+                    "is false)", {"200": _text("text/html", "The page"), "404": _ERROR}, operation_id="ui_page"),
+        "/ui/{asset}": _get(
+            "A static file of the status page, served from the package", {
+                "200": {"description": "The file", "content": {"text/javascript": {"schema": {"type": "string"}},
+                                                               "text/css": {"schema": {"type": "string"}}}},
+                "404": _ERROR},
+            operation_id="ui_asset",
+            parameters=[{"name": "asset", "in": "path", "required": True, "schema": {"type": "string"},
+                         "description": "A file name such as ui.js"}],
+        ),
+        "/cache": _get(
+            "vLLM prefix-cache hit rates over the last agent.ui.cache_history_s: one sample per "
+            "agent.ui.cache_period_s scrape, each vLLM component's `all` row (local/ext _win and _total, eff_total; "
+            "null = undefined), plus the latest per-engine table",
+            {"200": _json({"$ref": "#/components/schemas/CacheHistory"}, "History"), "400": _ERROR, "404": _ERROR},
+            operation_id="cache_history",
+            parameters=[{"name": "since", "in": "query", "required": False, "schema": {"type": "number"},
+                         "description": "Only samples taken after this Unix time"}],
         ),
         "/openapi.json": _get("This document", {"200": _json({"type": "object"}, "OpenAPI 3 document")},
                               operation_id="openapi"),

@@ -181,6 +181,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("agent", cm.AgentSettings, "agent"),
     ("agent.api", cm.ApiConfig, "agent-api"),
     ("agent.mqtt", cm.MqttConfig, "agent-mqtt"),
+    ("agent.ui", cm.UiConfig, "agent-ui"),
     ("components.NAME", cm.ComponentBase, "components"),
     ("components.NAME.depends_on.DEPENDENCY", cm.DependencyEdge, "depends_on"),
     ("components.NAME.restart", cm.RestartSpec, "restart"),

@@ -189,6 +189,18 @@ def local_agent(tmp_path: Path) -> Iterator[LocalAgent]:
         agent.cleanup()
 
 
+@pytest.fixture
+async def stack(tmp_path: Path) -> Any:
+    """The tiny two-component agent of tests/apihelpers.py in process: API up, components running."""
+    from apihelpers import start_in_process
+
+    s = await start_in_process(tmp_path / "home")
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
 # ---- etcd for cluster tests ----------------------------------------------------------------------------------
 
 

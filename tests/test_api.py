@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,21 +30,12 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from apihelpers import InProcess, start_in_process, tiny_config, write_config
+from apihelpers import InProcess, tiny_config, write_config
 from conftest import BIN, LocalAgent, derived_config, wait_for
 
 from nodeagent.api import MAX_BODY, ROUTES, ensure_token
 
 # ---- in-process -----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[InProcess]:
-    s = await start_in_process(tmp_path / "home")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def test_token_file_is_created_private_and_reused(stack: InProcess, tmp_path: Path) -> None:

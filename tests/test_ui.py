@@ -1,0 +1,358 @@
+"""The status page (GET /ui) in Debian's headless Chromium over the DevTools protocol (tests/cdp.py): a real
+in-process agent with tiny `kind: process` components and the vLLM stand-in serving real prefix-cache counters;
+a real cluster (agents as processes on the session's etcd); the hit-rate history behind the plot.
+
+Chromium: `apt-get install chromium` (scripts/test.sh does); without it the browser tests fail, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from apihelpers import InProcess, start_in_process, tiny_config
+from cdp import Chromium, Page, chromium_binary
+from cluster_harness import ClusterHarness
+from conftest import ROOT, free_port
+from mqtthelpers import Mosquitto, mqtt_config
+
+from nodeagent.api import ApiServer
+from nodeagent.cachehit import CacheCounters, compute_table, parse_cache_counters
+from nodeagent.ui.history import CacheHistory
+from nodeagent.ui.routes import static_files
+
+PERIOD_S = 0.5
+SHORT = " ".join(f"short{i}" for i in range(60))
+LONG = " ".join(f"long{i}" for i in range(700))
+"""The stand-in's local cache holds 32 blocks of 16 tokens: repeats of SHORT hit it, LONG evicts its own head
+there, so its repeats hit the external store."""
+
+
+# ---- the history, pure -----------------------------------------------------------------------------------------
+def table(queries: int, hits: int, ext_q: int, ext_h: int, prev: dict[str, CacheCounters] | None = None) -> Any:
+    cur = {"0": CacheCounters("0", queries, hits, ext_q, ext_h)}
+    return compute_table(prev, cur), cur
+
+
+def test_history_keeps_one_sample_per_scrape_for_the_window_only() -> None:
+    history = CacheHistory(history_s=10, period_s=1)
+    rows, prev = table(100, 40, 60, 30)
+    first = history.add(1000.0, {"vllm": rows})
+    assert first.components["vllm"] == pytest.approx({
+        "local_total": 0.4, "local_win": 0.4, "ext_total": 0.5, "ext_win": 0.5, "eff_total": 0.7, "queries": 100,
+        "reset": False})  # fmt: skip
+    rows, _ = table(200, 140, 100, 30, prev)
+    history.add(1001.0, {"vllm": rows, "down": []})  # a component without rows is a gap, not zeros
+    second = history.samples[-1].components
+    assert set(second) == {"vllm"} and second["vllm"]["local_win"] == pytest.approx(1.0)
+    assert second["vllm"]["ext_win"] == pytest.approx(0.0)
+    for t in range(1002, 1030):
+        history.add(float(t), {})
+    assert history.samples[0].ts == 1019.0 and len(history.samples) == 11
+    assert [s["ts"] for s in history.since(1027.0)] == [1028.0, 1029.0]
+    history.add(1029.0004, {})  # served rounded to the ms: asking after what was served never repeats it
+    assert [s["ts"] for s in history.since(1029.0)] == [] and history.since(1028.9995)[-1]["ts"] == 1029.0
+    history.prune(1100.0)
+    assert not history.samples
+
+
+def test_ui_config_is_checked(tmp_path: Path) -> None:
+    from nodeagent.config import load_config
+    from nodeagent.errors import ConfigError
+
+    data = tiny_config(tmp_path)
+    data["agent"]["ui"] = {"cache_period_s": 0.1, "cache_history_s": 86400}
+    path = tmp_path / "c.yaml"
+    path.write_text(__import__("yaml").safe_dump(data))
+    with pytest.raises(ConfigError, match=r"c\.yaml:\d+: agent\.ui: .*more than 6000 samples"):
+        load_config(path)
+
+
+# ---- the routes, over HTTP -------------------------------------------------------------------------------------
+async def test_page_files_are_served_from_the_package_with_a_strict_policy(stack: InProcess) -> None:
+    async with stack.session.get(stack.url + "/ui") as r:
+        assert r.status == 200 and r.content_type == "text/html"
+        html = await r.text()
+        policy = r.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "script-src 'self'" in policy
+    referenced = set(re.findall(r'(?:src|href)="/ui/([^"]+)"', html))
+    assert referenced == set(static_files()) - {"index.html"} == {"plot.js", "ui.js", "ui.css"}
+    assert not re.search(r'(?:src|href)="(?:https?:)?//', html), "nothing from elsewhere"
+    for name, media in (("ui.js", "text/javascript"), ("plot.js", "text/javascript"), ("ui.css", "text/css")):
+        async with stack.session.get(f"{stack.url}/ui/{name}") as r:
+            assert (r.status, r.content_type) == (200, media)
+            urls = set(re.findall(r"https?://[^\"'\s)]+", await r.text()))
+            assert urls <= {"http://www.w3.org/2000/svg"}, f"{name} names another server: {urls}"  # a namespace
+    for bad in ("index.html", "nope.js", "..%2Fapi.py", "%2E%2E"):
+        status, body = await stack.get(f"/ui/{bad}")
+        assert status == 404 and body["status"] == 404, bad
+    status, body = await stack.get("/cache")
+    assert status == 200 and body["components"] == [] and body["samples"] == [], "no vLLM, no samples"
+    for bad in ("soon", "nan", "inf"):
+        status, body = await stack.get(f"/cache?since={bad}")
+        assert status == 400 and "since" in body["error"], bad
+
+
+async def test_the_page_can_be_switched_off(tmp_path: Path) -> None:
+    data = tiny_config(tmp_path / "home")
+    data["agent"]["ui"] = {"enabled": False}
+    s = await start_in_process(tmp_path / "home", data)
+    try:
+        for path in ("/ui", "/ui/ui.js", "/cache"):
+            status, body = await s.get(path)
+            assert status == 404 and "agent.ui.enabled: false" in body["error"], path
+    finally:
+        await s.close()
+
+
+# ---- in the browser --------------------------------------------------------------------------------------------
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[Chromium]:
+    if chromium_binary() is None:
+        pytest.fail("chromium is not installed: scripts/test.sh installs it (apt-get install chromium)")
+    chromium = await Chromium.start(tmp_path / "chromium-profile")
+    try:
+        yield chromium
+    finally:
+        await chromium.close()
+
+
+def rows_js(table_id: str, key: str) -> str:
+    """{row key: {field: text}} of one of the page's tables."""
+    return (f"Object.fromEntries([...document.querySelectorAll('#{table_id} tbody tr')].map(tr => "
+            f"[tr.dataset.{key}, Object.fromEntries([...tr.querySelectorAll('td[data-field]')].map(td => "
+            "[td.dataset.field, td.textContent.trim()]))]))")  # fmt: skip
+
+
+def vllm_standin(port: int) -> dict[str, Any]:
+    return {"kind": "vllm", "command": "vllm-standin", "model": str(ROOT / "config" / "standin-model"), "port": port,
+            "served_model_name": "dsv4", "tensor_parallel_size": 1, "ld_preload": [], "stop_grace_s": 5,
+            "env": {"VLLM_STANDIN_STARTUP_DELAY_S": "0.2", "VLLM_STANDIN_LOCAL_BLOCKS": "32",
+                    "VLLM_STANDIN_ORPHAN_EXIT_S": "60"},
+            # no canary or readiness chats: only the test's requests move the cache counters
+            "probes": {"startup": {"period_s": 0.2, "failure_threshold": 150},
+                       "liveness": None, "readiness": None}}  # fmt: skip
+
+
+async def chat(session: aiohttp.ClientSession, port: int, text: str) -> None:
+    body = {"model": "dsv4", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+
+
+def assert_only_the_agent(page: Page, origin: str) -> None:
+    elsewhere = [u for u in page.requests if not u.startswith(origin + "/") and not u.startswith(("data:", "about:"))]
+    assert not elsewhere, f"the page fetched from elsewhere: {elsewhere}"
+    assert not page.errors, f"the page's script failed: {page.errors}"
+
+
+async def test_a_node_live_restarts_cache_rates_and_the_agent_going_away(tmp_path: Path, browser: Chromium) -> None:
+    vllm_port = free_port()
+    data = tiny_config(tmp_path / "home")
+    data["components"]["vllm"] = vllm_standin(vllm_port)
+    data["components"]["a"]["probes"] = {"liveness": {"kind": "exec", "command": ["true"], "period_s": 0.5}}
+    data["agent"]["ui"] = {"cache_period_s": PERIOD_S, "cache_history_s": 120}
+    broker = Mosquitto(tmp_path / "mqtt").start()
+    data["agent"]["mqtt"] = mqtt_config(broker.port)
+    stack = await start_in_process(tmp_path / "home", data)
+    try:
+        sup = stack.agent.supervisor
+        for prefix in (SHORT, SHORT, LONG, LONG):  # counters with both local and external hits
+            await chat(stack.session, vllm_port, f"{prefix} question")
+        page = await browser.new_page()
+        await page.goto(stack.url + "/ui")
+
+        # The components as /status has them, the probes' last results, the single-node note.
+        comps = await page.wait_js("three component rows with pids", f"""(() => {{
+            const rows = {rows_js('components', 'component')};
+            return Object.keys(rows).length === 3 && Object.values(rows).every(r => /^\\d+$/.test(r.pid)) && rows;
+        }})()""")
+        for name, comp in sup.components.items():
+            assert comps[name]["pid"] == str(comp.record.pid) and comps[name]["restarts"] == "0"
+            assert comps[name]["state"].startswith(str(comp.state)) and comps[name]["desired"] == "running"
+        assert re.fullmatch(r"liveness success ✓ exec: .+ \(\d+ ms, \d+s ago\)", (await page.wait_js(
+            "a's liveness result", "document.querySelector('[data-component=a] [data-role=liveness]')?.textContent"
+        )).replace("\xa0", " ")), "role, status, mark, kind, detail, latency, age"
+        assert "startup success ✓ http_get: HTTP 200 from" in comps["vllm"]["probes"].replace("\xa0", " ")
+        note = await page.wait_js("the single-node note", "document.getElementById('cluster-note').textContent")
+        assert note.startswith("Single-node config: this config lists no cluster.nodes")
+        npu = await page.js("document.querySelector('[data-section=npu]').textContent")
+        assert "not checked: npu-smi not found" in npu
+        assert await page.js("document.getElementById('node').textContent") == "tiny"
+        mqtt = await page.wait_js("the MQTT link", """document.querySelector('[data-section=mqtt]')?.textContent
+            .includes('connected to') && document.querySelector('[data-section=mqtt]').textContent""")
+        assert re.fullmatch(rf"MQTTconnected to mqtt://127\.0\.0\.1:{broker.port} since \d\d:\d\d:\d\d · queued \d+, "
+                            r"dropped 0, published \d+", mqtt), mqtt
+
+        # A restart: new pid, restart count, its events.
+        old_pid = sup.components["b"].record.pid
+        status, _ = await stack.post("/components/b/restart")
+        assert status == 202
+        await stack.wait("b restarted", lambda: sup.components["b"].restarts == 1 and sup.components["b"].up.is_set())
+        new_pid = sup.components["b"].record.pid
+        assert new_pid != old_pid
+        row = await page.wait_js("b's new pid and restart count", f"""(() => {{
+            const b = {rows_js('components', 'component')}.b;
+            return b.pid === '{new_pid}' && b.restarts === '1' && b;
+        }})()""")
+        assert row["uptime"].endswith("s")
+        started = await page.wait_js("the event of b's new start", f"""[...document.querySelectorAll(
+            '#events tbody tr[data-component=b][data-event=started]')].map(tr => tr.textContent)
+            .find(t => t.includes('started pid {new_pid}'))""")
+        assert re.match(r"\d\d:\d\d:\d\d\d+info", started)
+        seqs = await page.js("[...document.querySelectorAll('#events tbody tr')].map(tr => +tr.dataset.seq)")
+        assert seqs == sorted(seqs, reverse=True) and len(seqs) == len(set(seqs)) >= 10, "newest first, once each"
+        assert seqs[0] >= sup.events.recent[-1].seq - 1
+
+        # A crash: the agent restarts it at once; the page shows how it ended.
+        os.kill(new_pid, signal.SIGKILL)
+        await stack.wait("b back", lambda: sup.components["b"].restarts == 2 and sup.components["b"].up.is_set())
+        row = await page.wait_js("b's crash and restart", f"""(() => {{
+            const b = {rows_js('components', 'component')}.b;
+            return b.restarts === '2' && b.pid === '{sup.components["b"].record.pid}' && b;
+        }})()""")
+        assert re.fullmatch(r"killed by SIGKILL · \d+s ago", row["last_exit"]), row
+        await page.wait_js("the crash's event", """[...document.querySelectorAll('#events tbody tr[data-component=b]')]
+            .some(tr => tr.className.match(/ev-(warning|error)/) && tr.textContent.includes('killed by SIGKILL'))""")
+
+        # The plot: samples every PERIOD_S, a line per ratio, the legend's totals exactly vLLM's counters' ratios.
+        for prefix in (SHORT, LONG):
+            await chat(stack.session, vllm_port, f"{prefix} more")
+        async with stack.session.get(f"http://127.0.0.1:{vllm_port}/metrics") as r:
+            total = compute_table(None, parse_cache_counters(await r.text()))[-1]  # the `all` row
+        assert 0 < total.local_total < total.eff_total <= 1 and total.ext_total > 0
+        want = {kind: f"{getattr(total, kind) * 100:.1f}%" for kind in ("local_total", "ext_total", "eff_total")}
+        legend = await page.wait_js("the legend at vLLM's totals", f"""(() => {{
+            const legend = Object.fromEntries([...document.querySelectorAll(
+                '[data-component=vllm] .legend [data-kind]')].map(s => [s.dataset.kind, s.lastChild.textContent]));
+            const want = {json.dumps(want)};
+            return Object.entries(want).every(([k, v]) => legend[k] === v) && legend;
+        }})()""", timeout=20)
+        assert re.fullmatch(r"\d+\.\d%|n/a", legend["local_win"])
+        points = await page.js("""Object.fromEntries([...document.querySelectorAll('[data-plot=vllm] path[data-kind]')]
+            .map(p => [p.dataset.kind, +p.dataset.points]))""")
+        _, history = await stack.get("/cache")
+        with_rates = [s for s in history["samples"] if "vllm" in s["components"]]
+        assert points["eff_total"] >= 4 and abs(points["eff_total"] - len(with_rates)) <= 4, (points, len(with_rates))
+        assert points["local_win"] >= 1, "the requests' windows"
+        asks = [u.split("/cache", 1)[1] for u in page.requests if "/cache" in u]
+        assert asks[0] == "" and len(asks) >= 3 and all(a.startswith("?since=") for a in asks[1:]), asks
+        gaps = [b["ts"] - a["ts"] for a, b in zip(history["samples"], history["samples"][1:], strict=False)]
+        assert min(gaps) > PERIOD_S * 0.5 and PERIOD_S * 0.8 < statistics.median(gaps) < PERIOD_S * 1.5, gaps
+        shot = await page.screenshot(tmp_path / "ui-node.png")
+        assert shot.stat().st_size > 20_000
+        assert_only_the_agent(page, stack.url)
+
+        # The agent goes away: a banner with the time; it comes back: the page recovers by itself.
+        await stack.server.close()
+        gone_at = time.time()
+        banner = await page.wait_js("the unreachable banner", """!document.getElementById('banner').hidden &&
+            document.getElementById('banner').textContent""", timeout=10)
+        since = re.match(r"agent unreachable since (\d\d):(\d\d):(\d\d) \(connection failed\)", banner)
+        assert since, banner
+        local = time.localtime(gone_at)
+        assert abs((int(since[1]) * 3600 + int(since[2]) * 60 + int(since[3]))
+                   - (local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec)) <= 3  # fmt: skip
+        assert await page.js("document.body.classList.contains('stale')")
+        assert await page.js("document.getElementById('conn').textContent") == "unreachable"
+        await page.screenshot(tmp_path / "ui-unreachable.png")
+        asked = sum(u.endswith("/status") for u in page.requests)
+        await stack.wait("two more polls", lambda: sum(u.endswith("/status") for u in page.requests) >= asked + 2)
+        assert (await page.js("document.getElementById('banner').textContent")).startswith(since[0]), "same since"
+
+        stack.server = ApiServer(stack.agent)
+        await stack.server.start()
+        await page.wait_js("the page recovered", """document.getElementById('banner').hidden &&
+            document.getElementById('conn').textContent.startsWith('live')""", timeout=10)
+        _, fresh = await stack.get("/cache")
+        assert fresh["started_at"] > history["started_at"], "a new API, a new history"
+        await page.wait_js("the page on the new history", f"ui.cache.started_at === {fresh['started_at']}")
+        status, _ = await stack.post("/components/a/restart")
+        await page.wait_js("a's restart, after the recovery", f"""(() => {{
+            const a = {rows_js('components', 'component')}.a;
+            return a.restarts === '1' && a.pid !== '{comps["a"]["pid"]}';
+        }})()""")
+        await page.wait_js("a live event after the recovery", """!!document.querySelector(
+            '#events tbody tr[data-component=a][data-event=started]')""")
+        page.errors = [e for e in page.errors if "ERR_CONNECTION_REFUSED" not in e]  # the outage's failed fetches
+        assert_only_the_agent(page, stack.url)
+    finally:
+        await stack.close()
+        broker.stop()
+
+
+@pytest.mark.system
+async def test_the_cluster_table_from_real_agents(tmp_path: Path, etcd: Any, browser: Chromium) -> None:
+    """Three listed members, two running (n1 with a wrong PYTHONHASHSEED, so its preflight holds its stack)."""
+    harness = ClusterHarness(tmp_path, etcd.endpoint, ["n0", "n1", "n2"], ttl_s=2.0, heartbeat_s=5.0)
+    vllm = harness.data["components"]["vllm"]
+    vllm.pop("depends_on")  # no datasystem here: the table is the subject, not the stack
+    harness.data["components"] = {"a": {"kind": "process", "command": ["sleep", "3600"], "stop_grace_s": 2},
+                                  "vllm": vllm}  # fmt: skip
+    for node in harness.data["cluster"]["nodes"]:
+        node["components"].pop("datasystem")
+    harness.node("n1")["components"]["vllm"]["env"] = {"PYTHONHASHSEED": "1"}
+    try:
+        harness.start("n0", "n1")
+        harness.wait_states("n0", {"a": {"ready"}, "vllm": {"running", "ready"}}, timeout=60)
+        harness.wait_members("n0", {"n0", "n1"})
+        page = await browser.new_page()
+        url = f"http://127.0.0.1:{harness.api_ports['n0']}"
+        await page.goto(url + "/ui")
+        members = await page.wait_js("three members, n2 missing and flagged", f"""(() => {{
+            const rows = {rows_js('members', 'member')};
+            return Object.keys(rows).length === 3 && rows.n2.present === 'missing' && rows.n2.warnings === 'missing'
+                && rows.n1.warnings === 'pythonhashseed' && rows;
+        }})()""", timeout=30)
+        assert members["n0"]["name"].startswith("n0 (this node)") and members["n0"]["role"] == "master"
+        assert members["n1"]["role"] == "worker" and members["n1"]["group"] == "g-n1" and members["n1"]["ranks"] == "0"
+        assert members["n0"]["present"] == "present" and re.fullmatch(r"\d+s", members["n1"]["age"])
+        assert "a ready ✓" in members["n0"]["components"] and "vllm" in members["n1"]["components"]
+        assert await page.js("document.querySelector('#members tr[data-member=n2]').className") == "missing"
+        warnings = await page.js("[...document.querySelectorAll('#cluster-warnings li')].map(li => li.dataset.code)")
+        assert sorted(warnings) == ["missing", "pythonhashseed"]
+        gang = await page.wait_js("this node's vLLM group", f"{rows_js('gangs', 'gang')}['g-n0']")
+        assert (gang["kind"], gang["nodes"]) == ("mixed", "n0") and gang["reason"].startswith("first generation")
+        after = int(gang["generation"]) + 1
+        token = (tmp_path / "n0" / "token").read_text().strip()
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{url}/cluster/restart", json={"group": "g-n0"}, headers={"Authorization": f"Bearer {token}"}) as r:
+            assert r.status == 202, await r.text()
+        gang = await page.wait_js("a new generation of g-n0", f"""(() => {{
+            const g = {rows_js('gangs', 'gang')}['g-n0'];
+            return g.generation === '{after}' && g.barrier === 'released · arrived: n0' && g;
+        }})()""", timeout=30)
+        assert gang["reason"].startswith("operator cluster restart (n0: token holder at 127.0.0.1)"), gang
+        assert (await page.js("document.getElementById('cluster-meta').textContent")).startswith(
+            f"{harness.cluster_name} · seen from n0 · etcd reachable")
+        preflight = await page.js("document.querySelector('[data-section=preflight]').textContent")
+        assert re.search(r"enforce: \d+ PASS, \d+ WARN, 0 FAIL", preflight) and "holds" not in preflight, preflight
+        await page.screenshot(tmp_path / "ui-cluster.png")
+        assert_only_the_agent(page, url)
+
+        # n1's own page: its stack held by its preflight, and why.
+        n1 = await browser.new_page()
+        await n1.goto(f"http://127.0.0.1:{harness.api_ports['n1']}/ui")
+        held = await n1.wait_js("n1's held components", f"""(() => {{
+            const rows = {rows_js('components', 'component')};
+            return rows.vllm && rows.vllm.note.startsWith('held: preflight failed') && rows;
+        }})()""")
+        assert held["vllm"]["pid"] == "—" and "pythonhashseed" in held["vllm"]["note"]
+        assert "holds the stack: pythonhashseed" in await n1.js(
+            "document.querySelector('[data-section=preflight]').textContent")
+
+        harness.stop("n1", timeout=60)  # a member leaving shows up as missing on n0's page
+        await page.wait_js("n1 missing", f"{rows_js('members', 'member')}.n1.present === 'missing'", timeout=20)
+        await n1.wait_js("n1's page: its agent gone", "document.getElementById('banner').textContent"
+                         ".startsWith('agent unreachable since')", timeout=10)
+    finally:
+        harness.cleanup()
