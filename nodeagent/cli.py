@@ -826,7 +826,18 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from nodeagent.preflight import run_preflight
 
-    report = run_preflight(_load(config_path(args)))
+    config = _load(config_path(args))
+    peers = None
+    if config.cluster.nodes:  # peers as the running agent sees them through etcd (none when it is not running)
+        from nodeagent.consistency import preflight_peers
+
+        try:
+            status, view = Client(light_config(args), timeout=3.0).request("GET", "/cluster")
+        except CliError:
+            status, view = 0, None
+        if status == 200 and isinstance(view, dict):
+            peers = preflight_peers(view, time.time())
+    report = run_preflight(config, peers=peers)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return EXIT_FAILED if report.failed else 0
 

@@ -184,3 +184,20 @@ def check_all(expected: Iterable[Expected], members: Mapping[str, Mapping[str, A
     findings = (check_membership(expected, members, duplicates, missing_ok) + check_hashseed(members, master)
                 + check_same(members, master) + check_ranks(members) + check_clock(offsets, threshold_s))  # fmt: skip
     return sorted(set(findings))
+
+
+def preflight_peers(view: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+    """The other members of a `GET /cluster` view as preflight's peers: each one's hash seed (its vLLMs' seed when
+    they agree, else the first that is not 0) and its wall clock as measured through etcd (our clock + offset)."""
+    peers = []
+    for member in view.get("members") or []:
+        if not member.get("present") or member.get("name") == view.get("self"):
+            continue
+        seeds = {str(v) for v in (member.get("pythonhashseed") or {}).values()}
+        seed = "0" if seeds <= {"0"} else next(iter(sorted(seeds - {"0"})))
+        peer: dict[str, Any] = {"name": member.get("name"), "pythonhashseed": seed if seeds else None}
+        offset = member.get("clock_offset_s")
+        if isinstance(offset, int | float):
+            peer.update(wall_clock=now + offset, observed_at=now)
+        peers.append(peer)
+    return peers

@@ -430,7 +430,7 @@ def check_peers(ctx: _Ctx) -> Iterable[Check]:
                     "remove the PYTHONHASHSEED override from the config: it must be 0 on every node")  # fmt: skip
     else:
         differ = [f"{p.get('name', '?')}: {p.get('pythonhashseed')!r}" for p in ctx.peers or ()
-                  if str(p.get("pythonhashseed")) != "0"]  # fmt: skip
+                  if p.get("pythonhashseed") is not None and str(p.get("pythonhashseed")) != "0"]  # fmt: skip
         if differ:
             yield Check("pythonhashseed", FAIL, "0 here; " + ", ".join(differ),
                         "every node must render PYTHONHASHSEED=0 or KV pool keys never match (FAQ)")  # fmt: skip

@@ -101,3 +101,18 @@ def test_clock_samples_keep_the_tightest_recent_bound() -> None:
         samples.add(arrival, arrival + 2.0 - latency)
     assert abs(samples.estimate(131.0) - 1.99) < 1e-9  # type: ignore[operator]
     assert samples.estimate(2000.0) is None, "old samples expire (a clock may have been stepped since)"
+
+
+def test_preflight_peers_from_a_cluster_view() -> None:
+    from nodeagent.consistency import preflight_peers
+
+    view = {"self": "a", "members": [
+        {"name": "a", "present": True, "pythonhashseed": {"vllm": "0"}, "clock_offset_s": 0.0},
+        {"name": "b", "present": True, "pythonhashseed": {"vllm-dp0": "0", "vllm-dp1": "1"}, "clock_offset_s": 2.5},
+        {"name": "c", "present": False},
+        {"name": "d", "present": True, "pythonhashseed": {}},
+    ]}  # fmt: skip
+    assert preflight_peers(view, 100.0) == [
+        {"name": "b", "pythonhashseed": "1", "wall_clock": 102.5, "observed_at": 100.0},
+        {"name": "d", "pythonhashseed": None},
+    ]
