@@ -243,7 +243,8 @@ class Component:
             elif sig.kind == "exited":
                 code = int(sig.detail) if sig.detail.lstrip("-").isdigit() else None
                 text = exit_text(code)
-                failure = Failure("exit", f"process {text}", code, self._uptime(), self._tail())
+                failure = Failure("exit", f"process {text}", code, self._uptime(), self._tail(),
+                                  was_up=self.up.is_set() and bool(self.cfg.probes.startup))
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": code}
                 return "failure", f"process {text} unexpectedly", failure, False
             elif sig.kind in ("startup_failed", "liveness_failed"):

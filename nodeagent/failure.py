@@ -70,6 +70,9 @@ class Failure:
     output_tail: tuple[str, ...] = field(default_factory=tuple)
     permanent: str | None = None
     """Why no restart can help, once classified; None for a transient failure."""
+    was_up: bool = False
+    """The run passed a startup probe: whatever ended it was a crash, not a failed start (a component without
+    a startup probe is up at once, which proves nothing)."""
 
     @property
     def signature(self) -> str:
@@ -80,14 +83,15 @@ class Failure:
 
     def to_dict(self) -> dict[str, Any]:
         return {"what": self.what, "detail": self.detail, "code": self.code, "uptime_s": self.uptime_s,
-                "output_tail": list(self.output_tail), "permanent": self.permanent}  # fmt: skip
+                "output_tail": list(self.output_tail), "permanent": self.permanent,
+                "was_up": self.was_up}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Failure | None:
         try:
             return cls(what=str(data["what"]), detail=str(data["detail"]), code=data.get("code"),
                        uptime_s=data.get("uptime_s"), output_tail=tuple(data.get("output_tail") or ()),
-                       permanent=data.get("permanent"))  # fmt: skip
+                       permanent=data.get("permanent"), was_up=bool(data.get("was_up")))  # fmt: skip
         except (KeyError, TypeError):
             return None
 
@@ -97,8 +101,8 @@ def classify(failure: Failure, previous: Failure | None, quick_exit_s: float = Q
 
     Permanent: a precheck found the command, the model or a configured file missing; the command could not be
     executed; the component rejected its arguments (a usage error within seconds); or it exited within seconds
-    twice in a row with the same error text. Everything else (long runs, hangs, signals, a first quick exit
-    with a new error) is transient.
+    twice in a row with the same error text, never having come up. Everything else (long runs, runs that came
+    up, hangs, signals, a first quick exit with a new error) is transient.
     """
     if failure.permanent:
         return failure
@@ -107,8 +111,9 @@ def classify(failure: Failure, previous: Failure | None, quick_exit_s: float = Q
     if failure.what == "launch" and ("command not found" in failure.detail or "permission denied" in failure.detail):
         return replace(failure, permanent=failure.detail)
     quick = failure.what == "launch" or (
-        failure.what == "exit" and failure.uptime_s is not None and failure.uptime_s <= quick_exit_s
-    )
+        failure.what == "exit" and not failure.was_up and failure.uptime_s is not None
+        and failure.uptime_s <= quick_exit_s
+    )  # fmt: skip
     if quick_exit_s <= 0:
         quick = False
     if not quick or (failure.code is not None and failure.code < 0):
@@ -119,7 +124,8 @@ def classify(failure: Failure, previous: Failure | None, quick_exit_s: float = Q
         return replace(failure, permanent=f"rejected its configuration (exit 2): {line}" if line else
                        "rejected its configuration (exit 2)")  # fmt: skip
     prev_quick = previous is not None and (
-        previous.what == "launch" or (previous.uptime_s is not None and previous.uptime_s <= quick_exit_s)
+        previous.what == "launch"
+        or (not previous.was_up and previous.uptime_s is not None and previous.uptime_s <= quick_exit_s)
     )
     if (
         previous is not None

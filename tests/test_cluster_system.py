@@ -36,7 +36,14 @@ def test_three_agents_see_each_other_flag_a_hash_seed_and_lose_a_killed_one(thre
     for name in three.names:
         three.wait_members(name, {"n0", "n1", "n2"})
     three.wait_up(["n0", "n1"])  # n2's own preflight holds its stack (PYTHONHASHSEED must be 0): still a member
-    view = three.cluster("n1")
+
+    def published() -> dict | None:
+        """A member record follows its agent's state within ~1 s (writes coalesce): wait for n1's to say so."""
+        view = three.cluster("n1")
+        row = {m["name"]: m for m in view["members"]}.get("n1") or {}
+        return view if row.get("components", {}).get("vllm", {}).get("state") in ("running", "ready") else None
+
+    view = wait_for("n1's member record showing its vLLM up", published, 10)
     assert view["etcd"]["state"] == "reachable"
     rows = {m["name"]: m for m in view["members"]}
     assert rows["n2"]["pythonhashseed"] == {"vllm": "1"} and rows["n0"]["pythonhashseed"] == {"vllm": "0"}

@@ -165,7 +165,9 @@ def test_crash_loop_backs_off_visibly(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     changes = json.loads(json.dumps(FAST_PROBES))
-    fault = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3", "VLLM_STANDIN_FAULT": "crash_after:0"}
+    # Up, then the engine dies after its first completion (the readiness chat): a crash loop of a stack that
+    # starts fine — backed off, never taken for a broken start (that is `failed`, tested elsewhere).
+    fault = {"VLLM_STANDIN_STARTUP_DELAY_S": "0.3", "VLLM_STANDIN_FAULT": "crash_after:1"}
     changes["components"]["vllm"]["env"] = fault
     agent = LocalAgent(home, derived_config(tmp_path / "config.yaml", changes))
     agent.start()
