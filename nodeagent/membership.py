@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import time
 import uuid
@@ -38,11 +39,22 @@ if TYPE_CHECKING:
 
 MIN_WRITE_INTERVAL_S = 1.0
 RETRY_S = 2.0
+RECHECK_DELAY_S = 2.0
+"""Watch events coalesce into one consistency check at most this often: the check reads every member, so one per
+event cost O(N) per event — O(N²) per agent for N members' heartbeats, which alone saturated the simulation's
+cores at N = 256. A warning (a hash seed, a skewed clock) is raised within this delay; readers of the findings
+(`view`, `status_section`) run a pending check first, so what the API shows is never stale."""
+CLOCK_RECHECK_S = 15.0
+"""A heartbeat changes only a record's `wall_clock` (a clock sample): it is checked this late, with the others."""
 LOOPBACK = ("127.", "::1", "localhost")
 
 
 def cluster_prefix(cluster: str) -> str:
     return f"/dsv4-agent/{cluster}/"
+
+
+def _beyond_clock(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != "wall_clock"}
 
 
 def member_key(cluster: str, name: str) -> str:
@@ -170,6 +182,9 @@ class Membership:
         self._last_write = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: Any = None
+        self._recheck_timer: asyncio.TimerHandle | None = None
+        self._content_changed = False
+        """A member record changed beyond its clock sample since the last check."""
 
     @property
     def lease(self) -> Any:
@@ -201,6 +216,9 @@ class Membership:
     async def stop(self, leave: bool = True) -> None:
         """leave: revoke the lease (the key disappears now: the node is leaving). Otherwise (detach) the key
         expires by itself unless the next agent takes it over first."""
+        if self._recheck_timer is not None:
+            self._recheck_timer.cancel()
+            self._recheck_timer = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -225,8 +243,10 @@ class Membership:
 
     # ---- writing our record ---------------------------------------------------------------------------------
     async def _publish(self) -> None:
-        heartbeat = self.config.cluster.member_heartbeat_s
         while True:
+            # jittered ±20 %: agents started together (a cluster cold start) would otherwise beat in step, and
+            # every beat is a write every other agent's watch receives — N² events in one burst
+            heartbeat = self.config.cluster.member_heartbeat_s * random.uniform(0.8, 1.2)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(heartbeat):
                     await self._dirty.wait()
@@ -324,7 +344,18 @@ class Membership:
         else:
             assert isinstance(item, Change)
             apply(item.key, item.kv, item.live)
-        self._recheck()
+        if isinstance(item, Resync) or not prefix.endswith("/nodes/"):
+            self._content_changed = True
+        self._recheck_soon(RECHECK_DELAY_S if self._content_changed else CLOCK_RECHECK_S)
+
+    def _recheck_soon(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        timer = self._recheck_timer
+        if timer is not None and timer.when() <= loop.time() + delay:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._recheck_timer = loop.call_later(delay, self._recheck)
 
     def _known(self, prefix: str) -> list[str]:
         if prefix.endswith("/nodes/"):
@@ -334,6 +365,7 @@ class Membership:
     def _on_member(self, key: str, kv: KV | None, live: bool) -> None:
         name = key.rsplit("/", 1)[-1]
         if kv is None:
+            self._content_changed = True
             self.members.pop(name, None)
             self.clocks.pop(name, None)
             return
@@ -341,6 +373,9 @@ class Membership:
         if not isinstance(record, dict):
             logger.warning(f"membership: {key} holds no member record; ignored")
             return
+        old = self.members.get(name)
+        if old is None or _beyond_clock(old.record) != _beyond_clock(record):
+            self._content_changed = True
         now = self.clock()
         self.members[name] = MemberView(record, kv, now if live else None)
         wall = record.get("wall_clock")
@@ -369,6 +404,10 @@ class Membership:
         return out
 
     def _recheck(self) -> None:
+        if self._recheck_timer is not None:
+            self._recheck_timer.cancel()
+            self._recheck_timer = None
+        self._content_changed = False
         grace = self.view_since is None or time.monotonic() - self.view_since < self.config.cluster.member_ttl_s
         duplicates = {n: list(c.values()) for n, c in self.duplicates.items() if c}
         found = check_all(self.expected, {n: v.record for n, v in self.members.items()}, duplicates, self.offsets(),
@@ -391,6 +430,8 @@ class Membership:
 
     def view(self) -> dict[str, Any]:
         """`GET /cluster`: every member (listed and not, present and not), etcd's state, the findings."""
+        if self._recheck_timer is not None:
+            self._recheck()
         now = self.clock()
         offsets = self.offsets()
         rows = []
@@ -427,5 +468,7 @@ class Membership:
 
     def status_section(self) -> dict[str, Any]:
         """For `/status`: etcd's state and the findings, in brief."""
+        if self._recheck_timer is not None:
+            self._recheck()
         return {"etcd": self.etcd_state(), "members": len(self.members), "expected": len(self.expected),
                 "warnings": [f.to_dict() for f in self.findings]}  # fmt: skip

@@ -147,6 +147,44 @@ async def test_hash_seed_of_one_node_is_flagged_everywhere(cluster: Any) -> None
     assert n0.status_section()["warnings"][0]["code"] == "pythonhashseed"
 
 
+async def test_a_burst_of_member_events_costs_one_consistency_check(cluster: Any) -> None:
+    """The check reads every member: one per event was O(N²) per agent for N members' heartbeats (it saturated
+    the 256-agent simulation). Events coalesce; a reader of the findings never sees them stale."""
+    c = cluster(["n0", "n1"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == {"n0", "n1"})
+    checks = 0
+    original = n0._recheck
+
+    def counted() -> None:
+        nonlocal checks
+        checks += 1
+        original()
+
+    n0._recheck = counted  # type: ignore[method-assign]
+    if n0._recheck_timer is not None:  # re-arm with the counting check
+        n0._recheck_timer.cancel()
+        n0._recheck_timer = None
+    for pid in range(20):
+        c.hosts["n1"].components["vllm"] = {"state": "ready", "pid": 100 + pid}
+        await n1._write(n1_record(n1))
+    await until("all 20 writes seen", lambda: n0.members["n1"].record["components"]["vllm"]["pid"] == 119)
+    assert checks == 0 and n0._recheck_timer is not None, "20 events, no check yet: one is pending"
+    n0.view()
+    assert checks == 1, "view() ran the one pending check and cancelled the timer"
+    c.store.advance(1)
+    await n1._write(n1_record(n1))  # a heartbeat: only the clock sample is new
+    await until("the heartbeat seen", lambda: n0._recheck_timer is not None)
+    left = n0._recheck_timer.when() - asyncio.get_running_loop().time()
+    assert left > 10, f"a heartbeat alone is checked late ({left:.1f}s), with the other heartbeats"
+
+
+def n1_record(m: Membership) -> dict[str, Any]:
+    from nodeagent.membership import member_record
+
+    return member_record(m.static, m.host.status(), m.identity, m.clock())
+
+
 async def test_a_duplicate_name_is_not_overwritten_and_takes_over_once_free(cluster: Any) -> None:
     c = cluster(["n0", "n1"])
     n0, first = c.join("n0"), c.join("n1")
