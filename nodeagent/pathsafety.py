@@ -72,7 +72,10 @@ def _home_folders() -> frozenset[Path]:
 
 
 def _within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+    """`path` is `root` or inside it (both absolute and normalised). On strings: `root in path.parents` built a
+    Path per ancestor and made one residue check cost ~0.4 ms on the crash path."""
+    p, r = str(path), str(root)
+    return p == r or p.startswith(r if r.endswith("/") else r + "/")
 
 
 def unsafe_reason(path: Path) -> str | None:
@@ -81,7 +84,7 @@ def unsafe_reason(path: Path) -> str | None:
         return "not a safe folder to delete"
     if path in _home_folders() or path.parent == Path("/home"):
         return "not a safe folder to delete (a home folder)"
-    in_shm = SHM_DIR in path.parents  # e.g. a liveness file on tmpfs; /dev/shm itself stays refused
+    in_shm = path != SHM_DIR and _within(path, SHM_DIR)  # e.g. a liveness file on tmpfs; /dev/shm itself stays refused
     for top in _SYSTEM_TREES:
         if path == top:
             return "not a safe folder to delete (a system folder)"

@@ -94,6 +94,8 @@ async def _run(action: ResidueAction, roots: Sequence[Path]) -> tuple[Any, ...]:
     if isinstance(action, RemoveFile):
         return _remove_file(action.path, roots)
     if isinstance(action, RemoveTree):
+        if _small_folder(action.path):  # the usual per-start tmp folder: a thread hop would cost more
+            return _remove_tree(action.path, roots)
         return await asyncio.to_thread(_remove_tree, action.path, roots)
     if isinstance(action, ArchiveThenRemove):
         return await asyncio.to_thread(_archive_then_remove, action, roots)
@@ -117,6 +119,20 @@ def _remove_file(path: Path, roots: Sequence[Path]) -> tuple[bool, str]:
     except IsADirectoryError:
         return False, "is a folder, not a file: left in place"
     return True, "removed"
+
+
+def _small_folder(path: Path, most: int = 16) -> bool:
+    """Absent, not a folder, or a flat folder of at most `most` entries: removed inline in well under 1 ms."""
+    try:
+        with os.scandir(path) as entries:
+            for n, entry in enumerate(entries):
+                if n >= most or entry.is_dir(follow_symlinks=False):
+                    return False
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _remove_tree(path: Path, roots: Sequence[Path]) -> tuple[bool, str]:

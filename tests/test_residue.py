@@ -789,3 +789,21 @@ def test_every_action_is_logged(tmp_path: Path) -> None:
     assert len(ours) == 2
     assert all(r["extra"]["component"] == "test" and "duration_s" in r["extra"] for r in ours)
     assert "remove file" in ours[0]["message"] and "absent" in ours[0]["message"]
+
+
+def test_only_small_flat_folders_are_removed_inline(tmp_path: Path) -> None:
+    from nodeagent.residue import _small_folder
+
+    assert _small_folder(tmp_path / "absent")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"f{i}").write_text("x")
+    assert _small_folder(flat)
+    (flat / "sub").mkdir()
+    assert not _small_folder(flat), "a nested tree goes to a thread"
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for i in range(20):
+        (wide / f"f{i}").write_text("x")
+    assert not _small_folder(wide)
