@@ -74,7 +74,7 @@ class ClusterRoutes:
         from nodeagent.api import ApiError, json_response
 
         who = self.mutation(request)  # type: ignore[attr-defined]
-        data = await self.body(request, ("component", "group", "drain"))  # type: ignore[attr-defined]
+        data = await self.body(request, ("component", "group", "drain", "reason"))  # type: ignore[attr-defined]
         co = self._coordinator()
         component = data.get("component", "vllm")
         if component not in ("vllm",):
@@ -87,7 +87,11 @@ class ClusterRoutes:
         drain = data.get("drain", True)
         if not isinstance(drain, bool):
             raise ApiError(400, f"drain must be true or false, got {drain!r}")
-        answers = await self._etcd(co.ask_generations(wanted, f"operator cluster restart ({co.node}: {who})", drain))
+        reason = data.get("reason")
+        if reason is not None and (not isinstance(reason, str) or len(reason) > 200):
+            raise ApiError(400, "reason must be a string of at most 200 characters")
+        why = f"operator cluster restart ({co.node}: {who})" + (f": {reason}" if reason else "")
+        answers = await self._etcd(co.ask_generations(wanted, why, drain))
         return json_response({"accepted": True, "action": "cluster_restart", "component": component,
                               "groups": answers}, 202)  # fmt: skip
 

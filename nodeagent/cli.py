@@ -445,7 +445,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     action = args.cluster_action
     if action in ("pause", "resume", "redeploy", "restart"):
         body: dict[str, Any] = {}
-        if action in ("pause", "redeploy") and args.reason:
+        if action in ("pause", "redeploy", "restart") and args.reason:
             body["reason"] = args.reason
         if action == "restart":
             body["component"] = args.target or "vllm"
@@ -499,9 +499,13 @@ def _wait(client: Client, what: str, done: Any, timeout: float, interval: float 
         time.sleep(interval)
 
 
+SETTLE_S = 1.0
+"""`--wait` reports a start or restart done once the new process has been seen up this long."""
+
+
 def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
     old_pid = before.get("pid")
-    seen = {"moved": False}
+    seen: dict[str, Any] = {"moved": False}
 
     def done(status: dict[str, Any]) -> str | None:
         comp = status["components"][name]
@@ -516,6 +520,11 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
             reason = (comp.get("last_exit") or {}).get("reason") or (comp.get("policy") or {}).get("last_reason")
             raise CliError(f"{name} {action} failed: {state} ({reason or 'see nodeagentctl logs ' + name})")
         if state in UP_STATES and (action == "start" or (pid is not None and pid != old_pid)):
+            # Up is only proven once it stays up: a component without a startup probe is "ready" the moment it
+            # forks, and one that exits with an error a few ms later must not be reported as restarted.
+            first = seen.setdefault(f"up:{pid}", time.monotonic())
+            if time.monotonic() - first < SETTLE_S:
+                return None
             was = f", was {old_pid}" if action == "restart" else ""
             return f"{name} {state} (pid {pid}{was})"
         return None
@@ -958,7 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "cluster; restart vllm [--group G]: a new generation of vLLM groups")
     cluster.add_argument("target", nargs="?", help="with restart: the component (vllm)")
     cluster.add_argument("--group", help="with restart: only this group")
-    cluster.add_argument("--reason", help="with pause or redeploy: recorded for the others")
+    cluster.add_argument("--reason", help="with pause, redeploy or restart: recorded for the others (restart: in "
+                         "the new generation's reason, shown in every rank's events)")
     cluster.add_argument("--no-drain", action="store_true", help="with restart: do not drain in-flight requests")
     cluster.add_argument("--json", action="store_true", help="the agent's full /cluster JSON")
     for action, text in (("start", "start a component (desired: running)"),

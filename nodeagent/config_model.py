@@ -600,6 +600,13 @@ class ProxyComponent(ComponentBase):
     served_model_name: str | None = None
     """Derived: the model name the default probe request asks for."""
     stop_grace_s: float = Field(default=15.0, gt=0)
+    activation_check_s: float | None = Field(default=1.0, gt=0)
+    """`--waiting-retry-interval`: how often the proxy checks an instance the agent added back (a group that
+    restarted) before routing to it; the script's own default, 10 s, kept a healthy group out that long. None:
+    leave the flag out (the guide's command line exactly)."""
+    activation_retries: int | None = Field(default=60, gt=0)
+    """`--max-waiting-retries`: checks before the proxy gives up on an added instance (the agent re-adds it);
+    None: leave the flag out."""
 
 
 Component = Annotated[

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from nodeagent.cluster import Coordinator
 
 PERIOD_S = 1.0
+RECONCILE_S = 10.0
+"""At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
+proxy is noticed without waiting for a group to change."""
 UP = ("running", "ready")
 
 
@@ -59,6 +63,9 @@ class ProxySync:
         self.groups = [g for g in coordinator.layout.groups if g.kind in ("prefill", "decode")]
         self.applied: dict[str, set[str]] | None = None
         self.proxy_pid: int | None = None
+        self.active: dict[str, set[str]] | None = None
+        """What the proxy itself routes to, from its own answers (an added instance waits for activation)."""
+        self._reconciled_at = 0.0
         self.health: dict[str, str] = {}
         """group → why it is out of the proxy ("" when in)."""
 
@@ -83,45 +90,90 @@ class ProxySync:
         if pid != self.proxy_pid:
             self.proxy_pid = pid
             all_in = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
-            self.applied = all_in if pid is not None else None  # a new proxy starts with its command line
+            # a new proxy routes to every endpoint of its command line at once
+            self.applied = all_in if pid is not None else None
+            self.active = {k: set(v) for k, v in all_in.items()} if pid is not None else None
+            self._reconciled_at = 0.0
         members = {n: m.record for n, m in self.co.membership.members.items()}
-        health: dict[str, bool] = {}
+        health = {}
         for group in self.groups:
             record = self.co.records.get(group.name)
-            ok, why = group_healthy(group, members, record.generation if record is not None else None)
-            health[group.name] = ok
-            if self.health.get(group.name) != ("" if ok else why):
-                self.co.sup.events.emit("proxy_backends", f"group {group.name} " + (
-                    "back in the proxy" if ok else f"out of the proxy: {why}"), self.plan.component)  # fmt: skip
-            self.health[group.name] = "" if ok else why
-        want = desired_backends(self.groups, health)
-        empty = [kind for kind in ("prefill", "decode") if not want[kind]]
-        comp.block_ready("backends", f"no healthy {' or '.join(empty)} group" if empty else None)
-        if self.applied is None or not comp.up.is_set():
-            return
+            health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+        want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
+        if self.applied is not None and comp.up.is_set():
+            await self._apply(want)
+        self._report(health)
+        routed = self.active if self.active is not None else want
+        empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
+        comp.block_ready("backends", f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
+
+    async def _apply(self, want: dict[str, set[str]]) -> None:
+        assert self.applied is not None
         for kind in ("prefill", "decode"):
             gone, back = self.applied[kind] - want[kind], want[kind] - self.applied[kind]
             if gone and await self._post("remove", kind, gone):
                 self.applied[kind] -= gone
             if back and await self._post("add", kind, back):
                 self.applied[kind] |= back
+        pending = {k: self.applied[k] - (self.active or {}).get(k, set()) for k in self.applied}
+        due = time.monotonic() - self._reconciled_at >= RECONCILE_S
+        if any(pending.values()) or due:
+            # An added instance waits for the proxy's own activation check (its /v1/models); one that failed
+            # that check too often is dropped by the proxy. Re-adding is idempotent and answers what it routes to.
+            for kind, missing in pending.items():
+                if missing:
+                    await self._post("add", kind, missing, quiet=True)
+            if not any(pending.values()):
+                await self._post("add", "prefill", set(), quiet=True)
+            self._reconciled_at = time.monotonic()
 
-    async def _post(self, what: str, kind: str, instances: set[str]) -> bool:
+    def _report(self, health: dict[str, tuple[bool, str]]) -> None:
+        for group in self.groups:
+            ok, why = health[group.name]
+            routed = self.active is not None and all(
+                e in self.active.get(group.kind, set()) for e in group.endpoints)  # fmt: skip
+            if not ok:
+                now = why
+            elif routed or self.active is None:
+                now = ""
+            else:
+                now = "healthy; the proxy activates it once its /v1/models answers"
+            if self.health.get(group.name) != now:
+                if not now:
+                    text = "back in the proxy"
+                elif ok:
+                    text = f"added to the proxy: {now}"
+                else:
+                    text = f"out of the proxy: {now}"
+                self.co.sup.events.emit("proxy_backends", f"group {group.name} {text}", self.plan.component)
+            self.health[group.name] = now
+
+    async def _post(self, what: str, kind: str, instances: set[str], quiet: bool = False) -> bool:
         body = json.dumps({"type": kind, "instances": sorted(instances)}).encode()
 
-        def call() -> bool:
+        def call() -> dict[str, Any] | None:
             request = urllib.request.Request(f"{self.url}/instances/{what}", body,
                                              {"Content-Type": "application/json"})  # fmt: skip
             with urllib.request.urlopen(request, timeout=5) as response:
-                return 200 <= response.status < 300
+                if not 200 <= response.status < 300:
+                    return None
+                answer = json.loads(response.read() or b"{}")
+                return answer if isinstance(answer, dict) else {}
 
         with contextlib.suppress(OSError, ValueError):
-            if await asyncio.to_thread(call):
+            answer = await asyncio.to_thread(call)
+            if answer is None:
+                return False
+            lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
+            if all(isinstance(v, list) for v in lists.values()):
+                self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
+            if not quiet:
                 self.co.sup.events.emit("proxy_instances", f"proxy: {what} {kind} {', '.join(sorted(instances))}",
                                         self.plan.component)  # fmt: skip
-                return True
+            return True
         return False
 
     def status(self) -> dict[str, Any]:
         return {"proxy": self.plan.component, "applied": {k: sorted(v) for k, v in (self.applied or {}).items()},
+                "routed": {k: sorted(v) for k, v in (self.active or {}).items()},
                 "groups": {g: (why or "in") for g, why in self.health.items()}}  # fmt: skip

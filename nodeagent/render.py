@@ -310,6 +310,10 @@ def render_proxy(name: str, comp: ProxyComponent, config: Config) -> LaunchSpec:
     for role, parts in hosts.items():
         argv += [f"--{role}-hosts", *(h.strip("[]") for h, _, _ in parts)]
         argv += [f"--{role}-ports", *(p for _, _, p in parts)]
+    if comp.activation_check_s is not None:
+        argv += ["--waiting-retry-interval", f"{comp.activation_check_s:g}"]
+    if comp.activation_retries is not None:
+        argv += ["--max-waiting-retries", str(comp.activation_retries)]
     # proxy.sh unsets the HTTP proxies: httpx would send the backend requests through one.
     env, unset = _component_env(name, comp, config, unset=list(PROXY_VARIABLES))
     return LaunchSpec(

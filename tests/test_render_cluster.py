@@ -180,7 +180,9 @@ def test_proxy_matches_proxy_sh(configs: dict[str, Any], tmp_path: Path) -> None
     assert spec.argv[0] == "python3"
     assert Path(spec.argv[1]).name == run["argv"][0] == "load_balance_proxy_server_example.py"
     assert spec.argv[1].startswith("/vllm-workspace/vllm-ascend/examples/disaggregated_prefill_v1/")
-    assert list(spec.argv[2:]) == run["argv"][1:]
+    # the agent adds restarted groups back and wants them routed within a second, not the script's 10 s
+    assert list(spec.argv[-4:]) == ["--waiting-retry-interval", "1", "--max-waiting-retries", "60"]
+    assert list(spec.argv[2:-4]) == run["argv"][1:]
     assert "proxy" not in configs["a2-1"].active_components()
 
 

@@ -325,13 +325,15 @@ async def test_the_cluster_table_from_real_agents(tmp_path: Path, etcd: Any, bro
         after = int(gang["generation"]) + 1
         token = (tmp_path / "n0" / "token").read_text().strip()
         async with aiohttp.ClientSession() as session, session.post(
-                f"{url}/cluster/restart", json={"group": "g-n0"}, headers={"Authorization": f"Bearer {token}"}) as r:
+                f"{url}/cluster/restart", json={"group": "g-n0", "reason": "new weights"},
+                headers={"Authorization": f"Bearer {token}"}) as r:
             assert r.status == 202, await r.text()
         gang = await page.wait_js("a new generation of g-n0", f"""(() => {{
             const g = {rows_js('gangs', 'gang')}['g-n0'];
             return g.generation === '{after}' && g.barrier === 'released · arrived: n0' && g;
         }})()""", timeout=30)
         assert gang["reason"].startswith("operator cluster restart (n0: token holder at 127.0.0.1)"), gang
+        assert ": new weights" in gang["reason"], gang
         assert (await page.js("document.getElementById('cluster-meta').textContent")).startswith(
             f"{harness.cluster_name} · seen from n0 · etcd reachable")
         preflight = await page.js("document.querySelector('[data-section=preflight]').textContent")
