@@ -200,7 +200,9 @@ def test_etcd_stopped_for_a_while_stops_nothing(cl: ClusterHarness) -> None:
     workers = {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES}
     assert cl.ctl("n0", "stop", "etcd").returncode == 0
     wait_for("unreachable", lambda: status(cl, "n1")["cluster"]["etcd"]["state"] == "unreachable", 30)
-    time.sleep(10)
+    # 10 s in CI: each etcd-less real worker spins ~80 % of a core and logs ~400 MB per 55 s (DESIGN §10).
+    # DSV4_TEST_ETCD_OUTAGE_S=60 shows the full minute.
+    time.sleep(float(os.environ.get("DSV4_TEST_ETCD_OUTAGE_S", "10")))
     assert pids(cl) == before, "losing etcd never stops a serving stack"
     assert {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES} == workers
     # Without etcd each datasystem worker spins at ~80 % of a core (DESIGN §10): five of them on a 2-core test
