@@ -505,7 +505,9 @@ SETTLE_S = 1.0
 
 def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
     old_pid = before.get("pid")
-    seen: dict[str, Any] = {"moved": False}
+    seen = {"moved": False}
+    up_since: dict[Any, float] = {}
+    """pid → when it was first seen up"""
 
     def done(status: dict[str, Any]) -> str | None:
         comp = status["components"][name]
@@ -522,7 +524,7 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
         if state in UP_STATES and (action == "start" or (pid is not None and pid != old_pid)):
             # Up is only proven once it stays up: a component without a startup probe is "ready" the moment it
             # forks, and one that exits with an error a few ms later must not be reported as restarted.
-            first = seen.setdefault(f"up:{pid}", time.monotonic())
+            first = up_since.setdefault(pid, time.monotonic())
             if time.monotonic() - first < SETTLE_S:
                 return None
             was = f", was {old_pid}" if action == "restart" else ""

@@ -53,8 +53,9 @@ def cluster_prefix(cluster: str) -> str:
     return f"/dsv4-agent/{cluster}/"
 
 
-def _beyond_clock(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k != "wall_clock"}
+def _same_beyond_clock(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Equal but for `wall_clock` (a heartbeat's only change), without copying either record."""
+    return a.keys() == b.keys() and all(v == b[k] for k, v in a.items() if k != "wall_clock")
 
 
 def member_key(cluster: str, name: str) -> str:
@@ -216,9 +217,7 @@ class Membership:
     async def stop(self, leave: bool = True) -> None:
         """leave: revoke the lease (the key disappears now: the node is leaving). Otherwise (detach) the key
         expires by itself unless the next agent takes it over first."""
-        if self._recheck_timer is not None:
-            self._recheck_timer.cancel()
-            self._recheck_timer = None
+        self._cancel_recheck()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -374,7 +373,7 @@ class Membership:
             logger.warning(f"membership: {key} holds no member record; ignored")
             return
         old = self.members.get(name)
-        if old is None or _beyond_clock(old.record) != _beyond_clock(record):
+        if old is None or not _same_beyond_clock(old.record, record):
             self._content_changed = True
         now = self.clock()
         self.members[name] = MemberView(record, kv, now if live else None)
@@ -403,10 +402,13 @@ class Membership:
                 out[name] = estimate
         return out
 
-    def _recheck(self) -> None:
+    def _cancel_recheck(self) -> None:
         if self._recheck_timer is not None:
             self._recheck_timer.cancel()
             self._recheck_timer = None
+
+    def _recheck(self) -> None:
+        self._cancel_recheck()
         self._content_changed = False
         grace = self.view_since is None or time.monotonic() - self.view_since < self.config.cluster.member_ttl_s
         duplicates = {n: list(c.values()) for n, c in self.duplicates.items() if c}
@@ -423,6 +425,11 @@ class Membership:
                                   code=f.code, node=f.node)  # fmt: skip
         self.findings = found
 
+    def _recheck_if_pending(self) -> None:
+        """Readers of the findings never see them stale: a check that events armed runs now."""
+        if self._recheck_timer is not None:
+            self._recheck()
+
     # ---- what the API shows ---------------------------------------------------------------------------------
     def etcd_state(self) -> dict[str, Any]:
         return {**self.store.state.to_dict(), "requests": getattr(self.store, "requests", None),
@@ -430,8 +437,7 @@ class Membership:
 
     def view(self) -> dict[str, Any]:
         """`GET /cluster`: every member (listed and not, present and not), etcd's state, the findings."""
-        if self._recheck_timer is not None:
-            self._recheck()
+        self._recheck_if_pending()
         now = self.clock()
         offsets = self.offsets()
         rows = []
@@ -468,7 +474,6 @@ class Membership:
 
     def status_section(self) -> dict[str, Any]:
         """For `/status`: etcd's state and the findings, in brief."""
-        if self._recheck_timer is not None:
-            self._recheck()
+        self._recheck_if_pending()
         return {"etcd": self.etcd_state(), "members": len(self.members), "expected": len(self.expected),
                 "warnings": [f.to_dict() for f in self.findings]}  # fmt: skip

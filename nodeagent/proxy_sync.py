@@ -95,7 +95,7 @@ class ProxySync:
             self.active = {k: set(v) for k, v in all_in.items()} if pid is not None else None
             self._reconciled_at = 0.0
         members = {n: m.record for n, m in self.co.membership.members.items()}
-        health = {}
+        health: dict[str, tuple[bool, str]] = {}
         for group in self.groups:
             record = self.co.records.get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
@@ -130,11 +130,10 @@ class ProxySync:
     def _report(self, health: dict[str, tuple[bool, str]]) -> None:
         for group in self.groups:
             ok, why = health[group.name]
-            routed = self.active is not None and all(
-                e in self.active.get(group.kind, set()) for e in group.endpoints)  # fmt: skip
+            routed = self.active is None or all(e in self.active.get(group.kind, set()) for e in group.endpoints)
             if not ok:
                 now = why
-            elif routed or self.active is None:
+            elif routed:  # (no proxy process: nothing to wait for)
                 now = ""
             else:
                 now = "healthy; the proxy activates it once its /v1/models answers"
