@@ -229,6 +229,7 @@ def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHar
 
 
 def test_a_cluster_redeploy_runs_once_and_starts_everything_through_the_barriers(cl: ClusterHarness) -> None:
+    cl.wait_up()  # the previous test's wiped etcd may still have a worker coming back: start from a whole cluster
     before = pids(cl)
     workers = {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES}
     first = cl.ctl("n2", "cluster", "redeploy", "--reason", "key not found")
