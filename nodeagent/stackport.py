@@ -1,0 +1,171 @@
+"""The one interface between the node and the cluster layer.
+
+The node (`Supervisor`) implements `StackPort`; the cluster layer (`nodeagent.cluster`) sees the node only
+through it: frozen snapshots of the components and of the node's intent, and the few commands the cluster may
+give. The cluster layer in turn is a `NodeLayer`: the node asks it, at one place each, whether a component may
+start (`gate`), what a failure means (`decide`), whether it carries out an operator command itself (`command`),
+and what to add to `/status` (`status_section`). `bench/cluster_sim.py` and the process-less cluster tests
+implement `StackPort` with fakes.
+
+Every reason a component may not start is a `Hold`: one type, compared by `kind`, never by its text. The node
+asks one ordered list of gates (`HOLD_ORDER`); the first that holds wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from nodeagent.config_model import RestartSpec
+    from nodeagent.failure import Failure
+    from nodeagent.policy import RestartDecision
+
+
+class HoldKind(StrEnum):
+    """What holds a start, in the order the gates are asked."""
+
+    DESIRED_STOPPED = "desired_stopped"
+    NODE_PAUSE = "node_pause"
+    CLUSTER_PAUSE = "cluster_pause"
+    ETCD_UNREACHABLE = "etcd_unreachable"
+    """The datasystem worker cannot start without etcd: its restart waits until etcd answers."""
+    NODE_REDEPLOY = "node_redeploy"
+    CLUSTER_REDEPLOY = "cluster_redeploy"
+    DEPENDENCY = "dependency"
+    PREFLIGHT = "preflight"
+    NPU_FAULT = "npu_fault"
+    COORDINATION = "coordination"
+    """A multi-node group cannot start its ranks while etcd is away (or a generation is being asked for)."""
+    GROUP_BACKOFF = "group_backoff"
+    BARRIER = "barrier"
+    FOREIGN_HOLDER = "foreign_holder"
+    """A process that is not ours holds a port or an NPU: the start waits, nothing is signalled."""
+
+
+HOLD_ORDER: tuple[HoldKind, ...] = tuple(HoldKind)
+
+PAUSES = frozenset({HoldKind.NODE_PAUSE, HoldKind.CLUSTER_PAUSE})
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why a component may not start now."""
+
+    kind: HoldKind
+    reason: str
+    """One line for an operator: what holds and what ends it."""
+    operator_passes: bool = False
+    """An operator's start/restart goes through it (pauses, preflight); others hold operators too."""
+    resolves_itself: bool = True
+    """False when only an operator (or something outside the agent) can end it: a foreign process on our
+    port, a desired stop. `restart --wait` ends early on such a hold."""
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_pause(self) -> bool:
+        return self.kind in PAUSES
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": str(self.kind), "reason": self.reason, "operator_passes": self.operator_passes,
+                "resolves_itself": self.resolves_itself, **({"data": dict(self.data)} if self.data else {})}
+
+
+@dataclass(frozen=True)
+class ComponentView:
+    """One component as the cluster layer sees it: a snapshot, never the live object."""
+
+    name: str
+    kind: str
+    state: str
+    running: bool
+    """A process of ours exists — also while it is being stopped: `False` only once the whole tree is gone."""
+    up: bool
+    """Its startup probes passed."""
+    ready: bool
+    desired: str
+    """running | stopped (the operator's intent)."""
+    deps: tuple[str, ...]
+    deps_up: bool
+    restart: RestartSpec
+    pid: int | None = None
+    hold: Hold | None = None
+    """Why it is waiting to start, when it is."""
+
+    @property
+    def stopped(self) -> bool:
+        return not self.running
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The node's intent and its components, at one instant."""
+
+    node: str
+    paused: bool
+    """This node's own maintenance pause (the cluster's is the cluster layer's)."""
+    pause: Mapping[str, Any] | None
+    redeploying: bool
+    components: Mapping[str, ComponentView]
+    adoptable: frozenset[str] = frozenset()
+    """Components whose process the previous agent recorded (being adopted at start)."""
+
+
+class StackPort(Protocol):
+    """What the cluster layer may read from, and ask of, the node."""
+
+    def snapshot(self) -> NodeView: ...
+
+    def component(self, name: str) -> ComponentView:
+        """Raises UnknownComponentError for a name this node does not run."""
+
+    def restart(self, names: Sequence[str], reason: str, *, planned: bool) -> None:
+        """Restart these components once each. Planned: drained first and allowed while paused (an operator's
+        or a rollout's); unplanned: a gang restart after a failure."""
+
+    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
+        """An operator's start/stop/restart, as the local API runs it (remote commands arrive here)."""
+
+    async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
+        """Clean a stopped component's residue (scope `redeploy` archives logs; `wipe_etcd` its data)."""
+
+    async def wait(self, name: str, condition: str, timeout: float | None = None) -> bool:
+        """Until the component is `stopped` (whole tree gone) or `up`; False on timeout. Event-driven."""
+
+    def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
+             **data: Any) -> None: ...  # fmt: skip
+
+    def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
+        """The cluster-wide pause as read from etcd (None: none). The node stores it once, here."""
+
+    def cluster_pause(self) -> Mapping[str, Any] | None: ...
+
+    def wake(self) -> None:
+        """Something a gate reads changed: waiting components re-check their gate now."""
+
+    def attach(self, layer: NodeLayer) -> None:
+        """The cluster layer attaches once; the node asks it at its gate, its decisions and its status."""
+
+
+class NodeLayer(Protocol):
+    """What the node asks the cluster layer."""
+
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        """Why this component may not start now (barrier, group backoff, coordination, cluster redeploy)."""
+
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+        """A decision; a message when the layer handles the failure itself (a gang restart); None: not its."""
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        """A message when the layer carries the operator's command out itself; raises to refuse it."""
+
+    def status_section(self) -> dict[str, Any]:
+        """Sections for /status (`cluster`, `gangs`)."""
+
+    def on_node_change(self) -> None:
+        """A component's state or the node's intent changed (cheap: wake the layer's loop)."""
