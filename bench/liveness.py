@@ -105,7 +105,7 @@ class Agent:
             vllm["probes"] = {"liveness": liveness}
         config = {
             "cluster": {"name": "bench", "etcd_endpoints": ["127.0.0.1:1"]},
-            "node": {"name": "bench0", "ip": "127.0.0.1", "role": "master"},
+            "node": {"name": "bench0", "ip": "127.0.0.1", "role": "master", "npus": 0},
             "agent": {"state_dir": str(self.dir / "state"), "log_dir": str(self.dir / "logs"),
                       "api": {"listen": self.api.split("//")[1], "token_file": str(self.dir / "token")},
                       "systemd_scopes": "never"},

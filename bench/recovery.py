@@ -427,7 +427,7 @@ def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, A
             agent["systemd_scopes"] = "never"  # same launch path as supervisord on any host
     config = {
         "cluster": {"name": "bench", "etcd_endpoints": ["127.0.0.1:2379"]},
-        "node": {"name": "bench", "ip": "127.0.0.1", "role": "master"},
+        "node": {"name": "bench", "ip": "127.0.0.1", "role": "master", "npus": 0},
         "agent": agent,
         "components": {
             "app": {

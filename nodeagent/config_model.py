@@ -339,8 +339,8 @@ class NodeConfig(Strict):
     nic_name: str | None = None
     """The RoCE/host NIC the guide sets GLOO/TP/HCCL_SOCKET_IFNAME to (`ifconfig` shows it)."""
     npus: int | None = Field(default=None, ge=0)
-    """NPUs this node must show in `npu-smi info`; default: what its vLLM needs (TP × local DP ranks), 0 for the
-    stand-in. 0 = no NPUs (a dev box): NPU checks are skipped."""
+    """NPUs this node must show in `npu-smi info`; default: what its vLLM needs (TP × local DP ranks). 0 = a host
+    without NPUs (a dev box running the vLLM stand-in): NPU checks and preflight's weights check are skipped."""
     npu_health: NpuProbe = Field(default_factory=lambda: NpuProbe(**HOST_PROBES["npu"]))
     """How the agent watches NPUs and RoCE links (`npu` probe settings; a mapping tunes the default)."""
 

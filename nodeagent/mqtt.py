@@ -237,7 +237,8 @@ class MqttPublisher:
         try:
             mqtt = _import_aiomqtt()
         except ImportError:
-            self._failed("aiomqtt is not installed: pip install 'dsv4-agent[mqtt]' (the agent goes on without MQTT)")
+            self._failed("aiomqtt is not importable (a dependency of dsv4-agent: reinstall it); "
+                         "the agent goes on without MQTT")
             return
         failures = 0
         while True:

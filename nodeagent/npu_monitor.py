@@ -14,7 +14,6 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -30,18 +29,16 @@ if TYPE_CHECKING:
 OursFn = Callable[[], "set[int] | None"]
 
 
-def is_standin(component: Any) -> bool:
-    """The vLLM stand-in never touches an NPU."""
-    return Path(component.command[0]).name == "vllm-standin"
-
-
 def expected_npus(config: Config) -> int:
-    """`node.npus`, else what the node's vLLM needs: TP × local DP ranks (0 for the stand-in or no vLLM)."""
+    """`node.npus`, else what the node's vLLM needs: TP × local DP ranks (0 without vLLM).
+
+    A host without NPUs (a dev box running the stand-in) says so in its config, `node.npus: 0`: nothing here
+    guesses it from a program's name."""
     if config.node.npus is not None:
         return config.node.npus
     need = 0
     for comp in config.active_components().values():
-        if comp.kind == "vllm" and not is_standin(comp):
+        if comp.kind == "vllm":
             local = comp.data_parallel_size_local or comp.data_parallel_size
             need = max(need, comp.tensor_parallel_size * local)
             if comp.visible_devices:  # one DP rank of several on this node: the NPUs up to its slice

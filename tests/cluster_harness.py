@@ -89,7 +89,7 @@ class ClusterHarness:
         folder = self.home / name
         folder.mkdir(parents=True, exist_ok=True)
         data = copy.deepcopy(self.data)
-        data["node"] = {"name": name}
+        data["node"] = {"name": name, "npus": 0}  # the stand-in: no NPUs
         data["agent"] = {"state_dir": str(folder / "state"), "log_dir": str(folder / "logs"),
                          "systemd_scopes": "never",
                          "api": {"listen": f"127.0.0.1:{self.api_ports[name]}",

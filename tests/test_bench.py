@@ -153,6 +153,7 @@ def chat(port: int, text: str) -> None:
 
 def bench_config(tmp_path: Path, port: int) -> Path:
     data = tiny_config(tmp_path / "home")
+    data["node"]["npus"] = 0
     data["components"] = {"vllm": {"kind": "vllm", "command": "vllm-standin", "model": MODEL, "port": port,
                                    "served_model_name": "dsv4", "tensor_parallel_size": 1}}  # fmt: skip
     return write_config(tmp_path / "config.yaml", data)

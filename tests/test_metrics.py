@@ -21,10 +21,10 @@ from aiohttp import web
 from apihelpers import InProcess, start_in_process, tiny_config
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_standin.vllm import Metrics as VllmMetrics
 
 from nodeagent.metrics import AgentMetrics, tree_usage
 from nodeagent.process import tree_of
-from nodeagent.standin.vllm import Metrics as VllmMetrics
 from nodeagent.states import State
 
 BURN = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"

@@ -1,4 +1,12 @@
-"""The npu-smi/hccn_tool facade: parsers on captured real output, and the runner against the fake executables."""
+"""The npu-smi/hccn_tool facade: parsers on the tools' formats, and the runner against the fake executables.
+
+None of these inputs was captured on an NPU host by us (this project has none). Where each comes from:
+- `DOC_*`: excerpts of Ascend documentation in Ascend/mind-cluster (commit 22bb3d98), as printed there — with the
+  docs' own elisions (`...` rows) and placeholders (`xxx` names and versions); the file is named above each.
+- `TESTDATA_*`: a test-data file of mind-cluster's fault-diagnosis tool (output as that project stored it).
+- The one-line inputs in `test_key_value_outputs`: written for this test in the line formats of the sources that
+  docs/architecture.md ("Where the NPU tools' output formats come from") names; the values are ours.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +28,10 @@ from nodeagent.npu import (
     parse_npu_smi_info,
 )
 
-# Ascend/mind-cluster docs/zh/scheduling/04_usage/06_mindie_motor_best_practice/
-# 03_configuring_offline_reset_for_inference_job.md: npu-smi 23.0.5, a chip in Warning, rows elided with "...".
-NPU_SMI_23_WARNING = """\
+# Doc excerpt: Ascend/mind-cluster docs/zh/scheduling/04_usage/06_mindie_motor_best_practice/
+# 03_configuring_offline_reset_for_inference_job.md: npu-smi 23.0.5, a chip in Warning, rows elided with "...",
+# chip names given as "xxx" (and the Warning cell one column wider than the others, as the doc prints it).
+DOC_NPU_SMI_23_WARNING = """\
 +------------------------------------------------------------------------------------------------+
 | npu-smi 23.0.5                   Version: 23.0.5                                               |
 +---------------------------+---------------+----------------------------------------------------+
@@ -48,9 +57,10 @@ NPU_SMI_23_WARNING = """\
 +===========================+===============+====================================================+
 """
 
-# Ascend/mind-cluster docs/en/scheduling/usage/virtual_instance/.../01_soft_allocation_scheduling_inference.md:
-# an A3 (two chips per NPU, a Phy-ID column, "-" power on the second chip, a 6th process column).
-NPU_SMI_A3 = """\
+# Doc excerpt: Ascend/mind-cluster docs/en/scheduling/usage/virtual_instance/.../
+# 01_soft_allocation_scheduling_inference.md: an A3 (two chips per NPU, a Phy-ID column, "-" power on the second
+# chip, a 6th process column); version and names are the doc's "xxx" placeholders.
+DOC_NPU_SMI_A3 = """\
 +-----------------------------------------------------------------------------------------------+
 | npu-smi xxx.xxx.xxx                Version: xxx.xxx.xxx                                       |
 +---------------------------+---------------+---------------------------------------------------+
@@ -70,8 +80,9 @@ NPU_SMI_A3 = """\
 +===========================+===============+===================================================+
 """
 
-# mind-cluster component/ascend-faultdiag/test/st_module_testcase/kg_parse/npu_info_after.txt
-HEALTH_ALARM = """\
+# Test data of mind-cluster's fault diagnosis: component/ascend-faultdiag/test/st_module_testcase/kg_parse/
+# npu_info_after.txt (`npu-smi info -t health` of a chip in Alarm).
+TESTDATA_HEALTH_ALARM = """\
 \tHealth Status                  : Alarm
 \tError Code                     : A4025021 8C03A000 8C084E00
 \tError Information              : ascend_monitor adda heart beat lost error
@@ -82,7 +93,7 @@ start failed or exit abnormally
 
 
 def test_table_with_warning_and_elisions() -> None:
-    info = parse_npu_smi_info(NPU_SMI_23_WARNING)
+    info = parse_npu_smi_info(DOC_NPU_SMI_23_WARNING)
     assert info.version == "23.0.5"
     assert [(c.npu, c.health, c.hbm_used_mb, c.hbm_total_mb, c.bus_id) for c in info.chips] == [
         (0, "Warning", 0, 32768, "0000:61:00.0"), (7, "OK", 0, 32768, "0000:3D:00.0")]  # fmt: skip
@@ -91,7 +102,7 @@ def test_table_with_warning_and_elisions() -> None:
 
 
 def test_a3_table_two_chips_and_container_pid_column() -> None:
-    info = parse_npu_smi_info(NPU_SMI_A3)
+    info = parse_npu_smi_info(DOC_NPU_SMI_A3)
     assert [(c.npu, c.chip, c.power_w, c.hbm_used_mb) for c in info.chips] == [(0, 0, 157.3, 3130),
                                                                                (0, 1, None, 3130)]  # fmt: skip
     assert [(p.npu, p.chip, p.pid, p.name, p.memory_mb) for p in info.processes] == [(0, 1, 2201, "python3", 5000)]
@@ -104,7 +115,8 @@ def test_garbage_is_an_error_not_an_empty_host() -> None:
 
 
 def test_key_value_outputs() -> None:
-    alarm = parse_health(HEALTH_ALARM)
+    """The alarm is mind-cluster's test data; every other input here is written for this test (see the top)."""
+    alarm = parse_health(TESTDATA_HEALTH_ALARM)
     assert alarm.status == "Alarm" and alarm.error_codes == ("A4025021", "8C03A000", "8C084E00")
     assert alarm.information.startswith("ascend_monitor adda heart beat lost error; node type=process-manager")
     ok = parse_health("\tHealth Status                  : OK\n\tError Code                     : NA\n")

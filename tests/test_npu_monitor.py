@@ -175,7 +175,9 @@ async def test_local_yaml_probe_reports_skip(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("DSV4_AGENT_HOME", str(tmp_path / "home"))
     cfg = load_config(ROOT / "config" / "local.yaml")
-    assert expected_npus(cfg) == 0, "the stand-in needs no NPU"
+    assert expected_npus(cfg) == 0, "local.yaml says node.npus: 0"
+    unset = cfg.model_copy(update={"node": cfg.node.model_copy(update={"npus": None})})
+    assert expected_npus(unset) == 2, "no guess from the program's name: the stand-in's TP 2 counts without node.npus"
     assert expected_npus(load_config(ROOT / "config" / "dsv4-flash-a2.yaml")) == 8
     eight = ROOT / "config" / "dsv4-flash-a2-8node.yaml"  # 2 ranks × TP4, 8 ranks × TP1: every NPU
     assert expected_npus(load_config(eight, node="a2-0")) == expected_npus(load_config(eight, node="a2-5")) == 8

@@ -44,6 +44,7 @@ cluster:
   vllm_groups:
     - {{name: prefill0, kind: prefill, nodes: [p], dp_launch: external}}
     - {{name: decode0, kind: decode, nodes: [d], dp_launch: external}}
+node: {{npus: 0}}
 agent: {{state_dir: {tmp}/state, log_dir: {tmp}/logs}}
 components:
   vllm:

@@ -29,9 +29,8 @@ import aiohttp
 import psutil
 import pytest
 from conftest import free_port
-
-from nodeagent.standin.cache_sim import PrefixCacheSim, block_hashes, tokenize
-from nodeagent.standin.vllm import (
+from vllm_standin.cache_sim import PrefixCacheSim, block_hashes, tokenize
+from vllm_standin.vllm import (
     HitRateWindow,
     UsageError,
     main,
@@ -106,7 +105,7 @@ class StandIn:
         self.env = env
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nodeagent.standin.vllm", *argv],
+                [sys.executable, "-m", "vllm_standin.vllm", *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

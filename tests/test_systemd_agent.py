@@ -33,7 +33,7 @@ STANDIN_MODEL = Path(__file__).resolve().parents[1] / "config" / "standin-model"
 def _config(ports: dict[str, int]) -> str:
     return f"""
 cluster: {{name: ct, etcd_endpoints: ["127.0.0.1:{ports['etcd']}"]}}
-node: {{name: ct0, ip: 127.0.0.1, role: master}}
+node: {{name: ct0, ip: 127.0.0.1, role: master, npus: 0}}
 agent:
   state_dir: /var/lib/dsv4-agent
   log_dir: /var/log/dsv4-agent

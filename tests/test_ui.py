@@ -159,6 +159,7 @@ async def test_a_node_live_restarts_cache_rates_and_the_agent_going_away(tmp_pat
     vllm_port = free_port()
     data = tiny_config(tmp_path / "home")
     data["components"]["vllm"] = vllm_standin(vllm_port)
+    data["node"]["npus"] = 0
     data["components"]["a"]["probes"] = {"liveness": {"kind": "exec", "command": ["true"], "period_s": 0.5}}
     data["agent"]["ui"] = {"cache_period_s": PERIOD_S, "cache_history_s": 120}
     broker = Mosquitto(tmp_path / "mqtt").start()

@@ -246,7 +246,7 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("standin")
     env = {**os.environ, "TMPDIR": str(tmp), "VLLM_STANDIN_STARTUP_DELAY_S": "0.2", "VLLM_STANDIN_STEP_S": "0.05",
            "VLLM_STANDIN_TOKENS_PER_STEP": "1", "VLLM_STANDIN_ORPHAN_EXIT_S": "20"}  # fmt: skip
-    argv = [sys.executable, "-m", "nodeagent.standin.vllm", "serve", STANDIN_MODEL, "--served-model-name", "dsv4",
+    argv = [sys.executable, "-m", "vllm_standin.vllm", "serve", STANDIN_MODEL, "--served-model-name", "dsv4",
             "--port", str(port), "--max-num-seqs", "2"]  # fmt: skip
     with open(tmp / "standin.log", "wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.standin.cache_sim import PrefixCacheSim
-from nodeagent.standin.common import VERSION, env_float, env_int, log
+from vllm_standin.cache_sim import PrefixCacheSim
+from vllm_standin.common import VERSION, env_float, env_int, log
 
 PROC = "EngineCore_DP0"
 TOKENS_PER_STEP = 4

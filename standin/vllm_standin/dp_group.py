@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from nodeagent.standin.common import env_float, log
+from vllm_standin.common import env_float, log
 
 PROC = "DPCoordinator"
 HEADLESS_WAIT_S = 300.0

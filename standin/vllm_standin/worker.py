@@ -13,7 +13,7 @@ import signal
 
 from setproctitle import setproctitle
 
-from nodeagent.standin.common import log
+from vllm_standin.common import log
 
 
 def run_worker(rank: int, fd: int) -> int:

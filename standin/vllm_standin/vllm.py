@@ -56,10 +56,10 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nodeagent.standin.cache_sim import tokenize
-from nodeagent.standin.common import MAX_WORKERS, VERSION, env_float, log, log_plain, package_pythonpath
-from nodeagent.standin.dp_group import DpPlan, Head, run_headless
-from nodeagent.standin.engine_core import LINE_LIMIT, wait_process
+from vllm_standin.cache_sim import tokenize
+from vllm_standin.common import MAX_WORKERS, VERSION, env_float, log, log_plain, package_pythonpath
+from vllm_standin.dp_group import DpPlan, Head, run_headless
+from vllm_standin.engine_core import LINE_LIMIT, wait_process
 
 PROC = "APIServer"
 FAULT_MODES = ("none", "hang", "empty", "503", "crash_after")
@@ -432,7 +432,7 @@ class EngineClient:
     async def start(self, stop: asyncio.Event) -> bool:
         """Spawn EngineCore and wait until it listens; False if it died or a stop signal came first."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-S", "-m", "nodeagent.standin.engine", json.dumps(self.config)],
+            [sys.executable, "-S", "-m", "vllm_standin.engine", json.dumps(self.config)],
             stdin=subprocess.DEVNULL,
             env=package_pythonpath(),
         )

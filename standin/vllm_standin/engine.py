@@ -1,4 +1,4 @@
-"""Stand-in for vLLM's engine process (`VLLM::EngineCore`): `python -m nodeagent.standin.engine CONFIG`.
+"""Stand-in for vLLM's engine process (`VLLM::EngineCore`): `python -m vllm_standin.engine CONFIG`.
 
 This module stays light on purpose: it takes the simulated device, forks the TP workers and only
 then imports the asyncio engine (engine_core), so the forked workers share a small interpreter
@@ -15,8 +15,8 @@ import sys
 
 from setproctitle import setproctitle
 
-from nodeagent.standin.common import MAX_WORKERS, log
-from nodeagent.standin.worker import run_worker
+from vllm_standin.common import MAX_WORKERS, log
+from vllm_standin.worker import run_worker
 
 PROC = "EngineCore_DP0"
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     setproctitle("VLLM::EngineCore")
     if len(args) != 1:
-        log(PROC, "core.py:60", "usage: python -m nodeagent.standin.engine CONFIG_JSON", level="ERROR")
+        log(PROC, "core.py:60", "usage: python -m vllm_standin.engine CONFIG_JSON", level="ERROR")
         return 2
     config = json.loads(args[0])
     try:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import asyncio
 
-    from nodeagent.standin.engine_core import Engine, EngineConfig
+    from vllm_standin.engine_core import Engine, EngineConfig
 
     return asyncio.run(Engine(EngineConfig.from_dict(config), workers).run())
 
