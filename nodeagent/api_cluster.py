@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.httpbase import COMPONENT_ACTIONS, ApiError, Handlers, json_response
 from nodeagent.store import StoreError
 
 CLUSTER_ROUTES = (
@@ -19,49 +20,37 @@ CLUSTER_ROUTES = (
 )
 
 
-class ClusterRoutes:
-    """Needs from the Api: ctl (with .coordinator), mutation(), body(), ApiError/json_response via hooks."""
-
-    ctl: Any
+class ClusterRoutes(Handlers):
+    """Needs from the agent (`ctl`): `.coordinator`, None on a node without cluster.nodes."""
 
     def _coordinator(self) -> Any:
-        from nodeagent.api import ApiError
-
         coordinator = getattr(self.ctl, "coordinator", None)
         if coordinator is None:
             raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
         return coordinator
 
     async def _etcd(self, coro: Any) -> Any:
-        from nodeagent.api import ApiError
-
         try:
             return await coro
         except (StoreError, CoordinationUnavailable) as exc:
             raise ApiError(503, f"etcd unreachable, nothing changed: {exc}") from None
 
     async def cluster_pause(self, request: web.Request) -> web.Response:
-        from nodeagent.api import json_response
-
-        who = self.mutation(request)  # type: ignore[attr-defined]
-        data = await self.body(request, ("reason",))  # type: ignore[attr-defined]
+        who = self.mutation(request)
+        data = await self.body(request, ("reason",))
         co = self._coordinator()
         info = await self._etcd(co.set_pause(True, who, str(data.get("reason", ""))))
         return json_response({"ok": True, "action": "cluster_pause", "pause": info})
 
     async def cluster_resume(self, request: web.Request) -> web.Response:
-        from nodeagent.api import json_response
-
-        who = self.mutation(request)  # type: ignore[attr-defined]
-        await self.body(request)  # type: ignore[attr-defined]
+        who = self.mutation(request)
+        await self.body(request)
         await self._etcd(self._coordinator().set_pause(False, who))
         return json_response({"ok": True, "action": "cluster_resume"})
 
     async def cluster_redeploy(self, request: web.Request) -> web.Response:
-        from nodeagent.api import ApiError, json_response
-
-        who = self.mutation(request)  # type: ignore[attr-defined]
-        data = await self.body(request, ("reason",))  # type: ignore[attr-defined]
+        who = self.mutation(request)
+        data = await self.body(request, ("reason",))
         reason = data.get("reason", f"operator request ({who})")
         if not isinstance(reason, str) or len(reason) > 500:
             raise ApiError(400, "reason must be a string of at most 500 characters")
@@ -71,10 +60,8 @@ class ClusterRoutes:
 
     async def cluster_restart(self, request: web.Request) -> web.Response:
         """A new generation of vLLM groups: one (`group`), or every group running `component`'s kind."""
-        from nodeagent.api import ApiError, json_response
-
-        who = self.mutation(request)  # type: ignore[attr-defined]
-        data = await self.body(request, ("component", "group", "drain", "reason"))  # type: ignore[attr-defined]
+        who = self.mutation(request)
+        data = await self.body(request, ("component", "group", "drain", "reason"))
         co = self._coordinator()
         component = data.get("component", "vllm")
         if component not in ("vllm",):
@@ -96,13 +83,11 @@ class ClusterRoutes:
                               "groups": answers}, 202)  # fmt: skip
 
     async def cluster_node_action(self, request: web.Request) -> web.Response:
-        from nodeagent.api import COMPONENT_ACTIONS, ApiError, json_response
-
         node, name, action = (request.match_info[k] for k in ("node", "name", "action"))
-        who = self.mutation(request)  # type: ignore[attr-defined]
+        who = self.mutation(request)
         if action not in COMPONENT_ACTIONS:
             raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
-        data = await self.body(request, ("drain",))  # type: ignore[attr-defined]
+        data = await self.body(request, ("drain",))
         drain = data.get("drain", True)
         if not isinstance(drain, bool):
             raise ApiError(400, f"drain must be true or false, got {drain!r}")

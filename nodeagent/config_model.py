@@ -1,5 +1,7 @@
 """The typed configuration: one YAML describes the node and its components.
 
+The `agent:` section is in `config_agent`, the probe kinds in `config_probes`, the `cluster:` section in
+`config_cluster`; this module re-exports their models, so `nodeagent.config_model` stays the one name to import.
 Every model forbids unknown keys; `config.load_config` turns validation errors into messages naming the file,
 the line and the key path. Relative paths resolve against the config file's folder (validation context
 `base_dir`). Kind-specific defaults follow the deployment guide (run_etcd.sh, run_yr_worker.sh,
@@ -8,14 +10,11 @@ run_ds_v4_flash_w8a8_mtp.sh); `config/dsv4-flash-a2.yaml` is that deployment wri
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (
-    AfterValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -23,27 +22,26 @@ from pydantic import (
     model_validator,
 )
 
+from nodeagent.config_agent import AgentSettings as AgentSettings
+from nodeagent.config_agent import ApiConfig as ApiConfig
+from nodeagent.config_agent import MqttConfig as MqttConfig
+from nodeagent.config_agent import UiConfig as UiConfig
 from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
-from nodeagent.config_paths import ConfigPath
+from nodeagent.config_paths import Command, ConfigPath
 from nodeagent.config_paths import resolve_path as _resolve_path
-from nodeagent.parsing import split_listen
+from nodeagent.config_probes import DatasystemKvProbe as DatasystemKvProbe
+from nodeagent.config_probes import EtcdProbe as EtcdProbe
+from nodeagent.config_probes import ExecProbe as ExecProbe
+from nodeagent.config_probes import HttpGetProbe as HttpGetProbe
+from nodeagent.config_probes import HttpProbe as HttpProbe
+from nodeagent.config_probes import LivenessFileProbe as LivenessFileProbe
+from nodeagent.config_probes import NpuLevel as NpuLevel
+from nodeagent.config_probes import NpuProbe as NpuProbe
+from nodeagent.config_probes import ProbeBase as ProbeBase
+from nodeagent.config_probes import ProbeSpec as ProbeSpec
+from nodeagent.config_probes import TcpProbe as TcpProbe
+from nodeagent.config_probes import VllmProgressProbe as VllmProgressProbe
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
-
-
-def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:
-    """A command is a program name, a path, or a list; a relative path with a slash is config-relative."""
-    argv = [value] if isinstance(value, str) else list(value)
-    if not argv or not argv[0]:
-        raise ValueError("command must name a program")
-    program = argv[0]
-    if "/" in program and not os.path.isabs(os.path.expanduser(program)):
-        argv[0] = str(_resolve_path(Path(program), info))
-    elif program.startswith("~"):
-        argv[0] = os.path.expanduser(program)
-    return argv
-
-
-Command = Annotated[str | list[str], AfterValidator(_resolve_command)]
 
 
 def _default_node_name() -> str:
@@ -59,277 +57,6 @@ def default_node_ip() -> str:
             if addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return addr.address
     return "127.0.0.1"
-
-
-def _parse_listen(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"listen must be HOST:PORT, got {value!r}")
-    return value
-
-
-class ApiConfig(Strict):
-    listen: Annotated[str, AfterValidator(_parse_listen)] = "127.0.0.1:18700"
-    token_file: ConfigPath = Path("/etc/dsv4-agent/token")
-    unix_socket: ConfigPath | None = None
-
-    @property
-    def host(self) -> str:
-        return split_listen(self.listen)[0]
-
-    @property
-    def port(self) -> int:
-        return split_listen(self.listen)[1]
-
-
-class UiConfig(Strict):
-    """The status page at GET /ui and the cache-rate history behind it (GET /cache)."""
-
-    enabled: bool = True
-    """Serve the page and keep the history; false: both 404, no scraping for them."""
-    cache_period_s: float = Field(default=15.0, ge=0.1)
-    """How often vLLM's /metrics is scraped for the page's hit-rate plot: one sample per period."""
-    cache_history_s: float = Field(default=3600.0, gt=0)
-    """How far back the plot's samples are kept (in memory; lost when the agent restarts)."""
-
-    @model_validator(mode="after")
-    def _bounded(self) -> UiConfig:
-        if self.cache_history_s / self.cache_period_s > MAX_CACHE_SAMPLES:
-            raise ValueError(f"cache_history_s / cache_period_s keeps more than {MAX_CACHE_SAMPLES} samples: "
-                             "scrape less often or keep less history")
-        return self
-
-
-MAX_CACHE_SAMPLES = 6000
-"""A day at 15 s. The page loads the whole history once (~1.3 MB of JSON, ~65 ms to encode at this bound),
-then only new samples."""
-MQTT_SCHEMES = {"mqtt": 1883, "mqtts": 8883}
-
-
-def _parse_mqtt_url(value: str) -> str:
-    try:
-        url = urlsplit(value)
-        port = url.port
-    except ValueError as exc:
-        raise ValueError(f"not a broker URL ({exc}): {value!r}") from None
-    if url.scheme not in MQTT_SCHEMES or not url.hostname:
-        raise ValueError(f"must be mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {value!r}")
-    if url.username is not None or url.password is not None:
-        raise ValueError("no credentials in the URL: use username and password_file")
-    if url.path not in ("", "/") or url.query or url.fragment:
-        raise ValueError(f"nothing may follow HOST:PORT in the broker URL, got {value!r}")
-    if port == 0:
-        raise ValueError(f"port must be 1-65535, got {value!r}")
-    return value
-
-
-def _topic_prefix(value: str) -> str:
-    levels = value.split("/")
-    if not value or any(not level for level in levels) or any(c in value for c in "+#\0"):
-        raise ValueError(f"must be topic levels like 'dsv4' or 'site/dsv4' (no empty level, no '+' or '#'), "
-                         f"got {value!r}")
-    return value
-
-
-class MqttConfig(Strict):
-    """Publish status, events and cache hit rates to the monitoring system's broker. Absent: no MQTT at all.
-
-    Topics: `<topic_prefix>/<cluster.name>/<node.name>/{status,events,cache}` (see nodeagent/mqtt.py)."""
-
-    url: Annotated[str, AfterValidator(_parse_mqtt_url)]
-    """mqtt://HOST[:1883] or mqtts://HOST[:8883] (TLS, verified against ca_file or the system CAs)."""
-    username: str | None = None
-    password_file: ConfigPath | None = None
-    """Read at every connection attempt, so it may be root-only (0600) and rotated without a restart."""
-    client_id: str | None = Field(default=None, min_length=1, max_length=128)
-    """Default: dsv4-agent-<cluster>-<node>."""
-    topic_prefix: Annotated[str, AfterValidator(_topic_prefix)] = "dsv4"
-    qos: Literal[0, 1, 2] = 1
-    """For status and events; cache rates go out with QoS 0 (the next scrape replaces them)."""
-    ca_file: ConfigPath | None = None
-    keepalive_s: int = Field(default=15, ge=2, le=65535)
-    """A broker that stops answering is noticed within about twice this."""
-    timeout_s: float = Field(default=5.0, gt=0, le=300)
-    """How long a connection attempt or one acknowledgement may take before the connection counts as lost."""
-    buffer: int = Field(default=10000, ge=10, le=10_000_000)
-    """Events kept for the broker while it is unreachable; past it the oldest are dropped (and counted)."""
-    status_interval_s: float = Field(default=30.0, gt=0)
-    """The retained status is republished at least this often (and on every change)."""
-    cache_interval_s: float = Field(default=15.0, gt=0)
-    """How often vLLM's /metrics is scraped for the `cache` topic."""
-    reconnect_max_s: float = Field(default=30.0, gt=0)
-    """Reconnect backoff: 1 s, doubling, capped here."""
-
-    @field_validator("password_file")
-    @classmethod
-    def _password_needs_user(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is not None and not info.data.get("username"):
-            raise ValueError("a password needs a username (set agent.mqtt.username)")
-        return value
-
-    @field_validator("ca_file")
-    @classmethod
-    def _ca_needs_tls(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        url = info.data.get("url")
-        if value is not None and url is not None and not url.startswith("mqtts://"):
-            raise ValueError("a CA file is for TLS: use an mqtts:// url")
-        return value
-
-    @property
-    def tls(self) -> bool:
-        return self.url.startswith("mqtts://")
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or ""
-
-    @property
-    def port(self) -> int:
-        url = urlsplit(self.url)
-        return url.port or MQTT_SCHEMES[url.scheme]
-
-
-class AgentSettings(Strict):
-    preflight: Literal["enforce", "warn", "off"] = "enforce"
-    """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
-    operator start still works; `dsv4-agent --force` = warn), warn = events only, off = not run."""
-    state_dir: ConfigPath = Path("/var/lib/dsv4-agent")
-    log_dir: ConfigPath = Path("/var/log/dsv4-agent")
-    api: ApiConfig = ApiConfig()
-    log_max_bytes: int = Field(default=100 * 1024 * 1024, ge=1024)
-    """A component's log file is copied and truncated (logrotate's copytruncate) past this size."""
-    log_keep: int = Field(default=5, ge=1)
-    archive_keep: int = Field(default=10, ge=1)
-    """How many compressed log archives per component survive residue cleanup."""
-    systemd_scopes: Literal["auto", "always", "never"] = "auto"
-    """Under systemd, run each component in its own transient scope (`systemd-run --scope`): with the unit's
-    KillMode=mixed, an agent crash or watchdog restart then cannot SIGKILL the stack, and the next agent adopts
-    it. auto = when systemd is PID 1 and systemd-run exists."""
-    residue_roots: list[ConfigPath] = Field(default_factory=list)
-    """Folders (besides state_dir and each component's own) under which cleanup may delete."""
-    mqtt: MqttConfig | None = None
-    ui: UiConfig = UiConfig()
-    """The read-only status page at GET /ui on the API's address, and the hit-rate history it plots."""
-
-
-class ProbeBase(Strict):
-    period_s: float = Field(default=10.0, gt=0)
-    timeout_s: float = Field(default=5.0, gt=0)
-    failure_threshold: int = Field(default=3, ge=1)
-    success_threshold: int = Field(default=1, ge=1)
-    initial_delay_s: float = Field(default=0.0, ge=0)
-
-
-class LivenessFileProbe(ProbeBase):
-    kind: Literal["liveness_file"] = "liveness_file"
-    path: ConfigPath | None = None
-    """Default: the datasystem component's liveness_check_path."""
-    max_age_s: float = Field(default=5.0, gt=0)
-
-
-class EtcdProbe(ProbeBase):
-    kind: Literal["etcd"] = "etcd"
-    endpoint: str | None = None
-    """HOST:PORT; default: the component's own client URL, else the cluster's first endpoint."""
-    put_get: bool = False
-
-
-class HttpProbe(ProbeBase):
-    """A request with a JSON body; the guide's vLLM probe is a 2-token chat completion."""
-
-    kind: Literal["http"] = "http"
-    url: str | None = None
-    path: str = "/v1/chat/completions"
-    method: Literal["GET", "POST"] = "POST"
-    body: dict[str, Any] | None = None
-    """Default for vllm: the guide's probe request with the served model name."""
-    headers: dict[str, str] = Field(default_factory=dict)
-    expect_status: int = 200
-    expect_nonempty: str | None = "choices.0.message.content"
-
-
-class HttpGetProbe(ProbeBase):
-    kind: Literal["http_get"] = "http_get"
-    url: str | None = None
-    path: str = "/health"
-    expect_status: int = 200
-
-
-class TcpProbe(ProbeBase):
-    kind: Literal["tcp"] = "tcp"
-    host: str | None = None
-    port: int | None = Field(default=None, gt=0, lt=65536)
-
-
-class ExecProbe(ProbeBase):
-    kind: Literal["exec"] = "exec"
-    command: Command
-
-
-class DatasystemKvProbe(ProbeBase):
-    kind: Literal["datasystem_kv"] = "datasystem_kv"
-    address: str | None = None
-    python: ConfigPath | None = None
-    """The interpreter that has `yr.datasystem`; default: the one next to the dscli the component runs."""
-
-
-NpuLevel = Literal["NotHandleFault", "SubHealthFault", "RestartRequest", "RestartBusiness", "FreeRestartNPU",
-                   "RestartNPU", "PreSeparateNPU", "SeparateNPU", "ManuallySeparateNPU"]
-
-
-class NpuProbe(ProbeBase):
-    """NPU chip health, HBM ECC, foreign processes and RoCE links through npu-smi/hccn_tool (npu_health.py).
-
-    Debounce and escalation happen inside (the Ascend Device Plugin's rules), so one failing result is
-    meaningful: failure_threshold defaults to 1. Without npu-smi the probe reports SKIP (ok)."""
-
-    kind: Literal["npu"] = "npu"
-    period_s: float = Field(default=10.0, gt=0)
-    timeout_s: float = Field(default=30.0, gt=0)
-    failure_threshold: int = Field(default=1, ge=1)
-    npu_smi: ConfigPath | None = None
-    """Default: npu-smi on PATH, else /usr/local/bin/npu-smi."""
-    hccn_tool: ConfigPath | None = None
-    """Default: hccn_tool on PATH, else /usr/local/Ascend/driver/tools/hccn_tool."""
-    roce: bool = True
-    """Check RoCE links (`hccn_tool -i D -link -g` every period, `-net_health -g` on detail polls)."""
-    detail_every: int = Field(default=6, ge=1)
-    """Every Nth poll also reads HBM ECC counts and RoCE net health (per-device calls)."""
-    hold_level: NpuLevel = "FreeRestartNPU"
-    """Faults at this level or worse hold vLLM starts until they clear or an operator overrides."""
-    link_down_tolerance_s: float = Field(default=20.0, ge=0)
-    link_recover_s: float = Field(default=60.0, ge=0)
-    flap_window_s: float = Field(default=86400.0, gt=0)
-    flap_limit: int = Field(default=5, ge=1)
-    flap_release_s: float = Field(default=172800.0, gt=0)
-    ecc_window_s: float = Field(default=86400.0, gt=0)
-    ecc_limit: int = Field(default=2, ge=1)
-    ecc_quiet_s: float = Field(default=300.0, ge=0)
-
-
-class VllmProgressProbe(ProbeBase):
-    """Load-safe vLLM liveness (`nodeagent.vllm_progress`): engine progress from /metrics under load, the
-    guide's canary chat when idle, /health 503 at once.
-
-    `timeout_s` bounds each request (health + metrics scrape, then the canary); `failure_threshold` counts
-    failed canaries or scrapes in a row. A stall (requests in flight, nothing moved for `stall_after_s`) and
-    an errored engine fail at once: the probe has already waited, so the role's hysteresis does not add more."""
-
-    kind: Literal["vllm_progress"] = "vllm_progress"
-    url: str | None = None
-    """Base URL (scheme, host, port); default: the component's own address."""
-    stall_after_s: float = Field(default=60.0, gt=0)
-    body: dict[str, Any] | None = None
-    """The canary request; default for vllm: the guide's probe request with the served model name."""
-    headers: dict[str, str] = Field(default_factory=dict)
-    expect_nonempty: str | None = "choices.0.message.content"
-
-
-ProbeSpec = Annotated[
-    LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe
-    | NpuProbe | VllmProgressProbe,
-    Field(discriminator="kind"),
-]
 
 
 class NodeConfig(Strict):

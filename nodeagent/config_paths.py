@@ -27,3 +27,22 @@ def _readable_file(value: Path) -> Path:
 
 ConfigPath = Annotated[Path, AfterValidator(resolve_path)]
 ReadableFile = Annotated[ConfigPath, AfterValidator(_readable_file)]
+
+
+def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:
+    """A command is a program name, a path, or a list; a relative path with a slash is config-relative."""
+    argv = [value] if isinstance(value, str) else list(value)
+    if not argv or not argv[0]:
+        raise ValueError("command must name a program")
+    program = argv[0]
+    if "/" in program and not os.path.isabs(os.path.expanduser(program)):
+        argv[0] = str(resolve_path(Path(program), info))
+    elif program.startswith("~"):
+        argv[0] = os.path.expanduser(program)
+    return argv
+
+
+Command = Annotated[str | list[str], AfterValidator(_resolve_command)]
+
+
+Command = Annotated[str | list[str], AfterValidator(_resolve_command)]

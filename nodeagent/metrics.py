@@ -15,7 +15,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 from loguru import logger
@@ -34,9 +34,26 @@ from nodeagent.states import State
 if TYPE_CHECKING:
     import aiohttp
 
+    from nodeagent.config_model import Config
     from nodeagent.npu_monitor import NpuMonitor
     from nodeagent.process import ProcessRecord
-    from nodeagent.supervisor import Supervisor
+
+
+
+class Stack(Protocol):
+    """What the metrics read of the supervisor (`Supervisor` is it). A Protocol, not an import: the supervisor
+    imports this module (`vllm_metrics_urls`), and a type import back would be the same circle."""
+
+    config: Config
+    components: Mapping[str, Any]
+    on_probe_result: list[Any]
+    redeploys: Any
+
+    @property
+    def paused(self) -> bool: ...
+
+    def desired(self, name: str) -> str: ...
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format: what every Prometheus (and promtool) reads."""
@@ -223,7 +240,7 @@ class VllmCacheScraper:
     the other's.
     """
 
-    def __init__(self, supervisor: Supervisor, vllm_urls: dict[str, str] | None = None) -> None:
+    def __init__(self, supervisor: Stack, vllm_urls: dict[str, str] | None = None) -> None:
         self.supervisor = supervisor
         self._fixed_urls = vllm_urls
         self._session: aiohttp.ClientSession | None = None
@@ -296,7 +313,7 @@ class VllmCacheScraper:
 class AgentMetrics:
     """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
 
-    def __init__(self, supervisor: Supervisor, started_at: float | None = None,
+    def __init__(self, supervisor: Stack, started_at: float | None = None,
                  vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
         self.supervisor = supervisor
         self.started_at = started_at if started_at is not None else time.time()

@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from nodeagent.httpbase import ApiError, json_response
+
 UI_ROUTES = (
     ("GET", "/ui", "ui_page"),
     ("GET", "/ui/{asset}", "ui_asset"),
@@ -49,8 +51,6 @@ class UiRoutes:
     cache_sampler: Any
 
     def _ui_enabled(self) -> None:
-        from nodeagent.api import ApiError
-
         if self.cache_sampler is None:
             raise ApiError(404, "the status page is off (agent.ui.enabled: false)")
 
@@ -59,8 +59,6 @@ class UiRoutes:
         return _response(PAGE, read_static(PAGE))
 
     async def ui_asset(self, request: web.Request) -> web.Response:
-        from nodeagent.api import ApiError
-
         self._ui_enabled()
         name = request.match_info["asset"]
         if name == PAGE or name not in static_files():  # only listed names: no path ever reaches the filesystem
@@ -69,8 +67,6 @@ class UiRoutes:
 
     async def cache_history(self, request: web.Request) -> web.Response:
         """The plot's data: samples of the last hour (or those after `since`, a Unix time)."""
-        from nodeagent.api import ApiError, json_response
-
         self._ui_enabled()
         raw = request.query.get("since")
         since = None

@@ -58,7 +58,7 @@ def package_pythonpath() -> dict[str, str]:
     """
     import setproctitle
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds vllm_standin/
     site_dir = os.path.dirname(os.path.dirname(os.path.abspath(setproctitle.__file__)))
     env = dict(os.environ)
     paths = [root, site_dir, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
