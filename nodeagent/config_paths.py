@@ -4,19 +4,16 @@ Apart from `config_model` so that `config_cluster` (which `config_model` imports
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, ValidationInfo
 
+from nodeagent.config_raw import resolve_path as resolve_against
+
 
 def resolve_path(value: Path, info: ValidationInfo) -> Path:
-    value = value.expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not value.is_absolute() and base is not None:
-        value = Path(base) / value
-    return Path(os.path.normpath(value))
+    return resolve_against(value, (info.context or {}).get("base_dir"))
 
 
 def _readable_file(value: Path) -> Path:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,6 +76,8 @@ def runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) ->
         return Path(env["XDG_RUNTIME_DIR"]) / "dsv4-agent" / "agents"
     if uid == 0:
         return ROOT_DIR
+    import tempfile  # only here: the CLI imports this module on its fast path
+
     return Path(tempfile.gettempdir()) / f"dsv4-agent-{uid}" / "agents"
 
 
@@ -197,10 +198,26 @@ def running_agents(dirs: list[Path]) -> tuple[list[Announcement], list[str]]:
     return list(found.values()), notes
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def locate_config(explicit: str | None, env: Mapping[str, str] | None = None, default: Path = DEFAULT_CONFIG,
-                  dirs: list[Path] | None = None) -> Located:  # fmt: skip
-    """The config to use, in the order an operator expects; LookupFailed says what was tried or who runs."""
+                  dirs: list[Path] | None = None, node: str | None = None) -> Located:  # fmt: skip
+    """The config to use, in the order an operator expects; LookupFailed says what was tried or who runs.
+
+    `node`: the agent of that node if one announced itself here (and runs the given config, if one is given) —
+    several agents may share one cluster file, each told its node by its environment (`${DSV4_NODE_NAME}`)."""
     env = os.environ if env is None else env
+    if node:
+        agents, _notes = running_agents(search_dirs(env) if dirs is None else dirs)
+        wanted = explicit or env.get(ENV_CONFIG)
+        mine = [a for a in agents if a.node == node and (not wanted or _same_file(a.config, wanted))]
+        if len(mine) == 1:
+            return Located(mine[0].config, "announced", mine[0])
     if explicit:
         return Located(explicit, "--config")
     if env.get(ENV_CONFIG):
@@ -212,7 +229,13 @@ def locate_config(explicit: str | None, env: Mapping[str, str] | None = None, de
         return Located(agents[0].config, "announced", agents[0])
     if agents:
         listed = "; ".join(a.describe() for a in sorted(agents, key=lambda a: a.pid))
-        raise SeveralAgents(f"{len(agents)} agents run on this host: {listed} — choose one with --config FILE")
+        nodes = sorted({a.node for a in agents})
+        configs = {a.config for a in agents}
+        if len(nodes) == len(agents):  # the node names tell them apart (one cluster file for all, say)
+            how = f"--node NAME ({', '.join(nodes)})" + (" or --config FILE" if len(configs) == len(agents) else "")
+        else:
+            how = "--config FILE"
+        raise SeveralAgents(f"{len(agents)} agents run on this host: {listed} — choose one with {how}")
     tried = ["--config (not given)", f"${ENV_CONFIG} (not set)", f"{default} (no such file)", *notes]
     raise LookupFailed(f"no agent config found; tried {', '.join(tried)}: give --config FILE, or start the agent "
                        "(systemctl start dsv4-agent, or scripts/run-local.sh on a dev box)")
