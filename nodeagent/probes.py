@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from loguru import logger
 
+from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.config_model import (
     Config,
     DatasystemComponent,
@@ -134,28 +135,19 @@ def vllm_probe_body(served_model_name: str | None) -> dict[str, Any]:
     }
 
 
-def _is_wildcard(host: str | None) -> bool:
-    return host is None or host.strip("[]") in ("", "0.0.0.0", "::")
-
-
-def _url_host(host: str) -> str:
-    host = host.strip("[]")
-    return f"[{host}]" if ":" in host else host
-
-
 def _listen_address(comp: AnyComponent, config: Config) -> tuple[str, int | None]:
     """Where the component accepts connections: the address a probe on this node should dial."""
     if isinstance(comp, EtcdComponent):
         if comp.listen_ip is None:
             return config.node.ip, comp.client_port
-        return ("127.0.0.1" if _is_wildcard(comp.listen_ip) else comp.listen_ip), comp.client_port
+        return connect_host(comp.listen_ip), comp.client_port
     if isinstance(comp, DatasystemComponent):
         return config.node.ip, comp.worker_port
     if isinstance(comp, VllmComponent):
-        return ("127.0.0.1" if _is_wildcard(comp.host) else str(comp.host)), comp.port
+        return connect_host(comp.host), comp.port
     if isinstance(comp, ProxyComponent):
         host = comp.host or config.node.ip
-        return ("127.0.0.1" if _is_wildcard(host) else host), comp.port
+        return connect_host(host), comp.port
     return "127.0.0.1", (comp.ports[0] if comp.ports else None)
 
 
@@ -170,7 +162,7 @@ def _http_url(url: str | None, path: str, comp: AnyComponent, config: Config, wh
     host, port = _listen_address(comp, config)
     if port is None:
         raise ConfigError(f"{what}: set url (the component lists no ports)")
-    return f"http://{_url_host(host)}:{port}{path}"
+    return f"http://{url_host(host)}:{port}{path}"
 
 
 def _strip_scheme(endpoint: str) -> str:
@@ -218,7 +210,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
             endpoint = _strip_scheme(spec.endpoint)
         elif isinstance(component, EtcdComponent):
             host, port = _listen_address(component, config)
-            endpoint = f"{_url_host(host)}:{port}"
+            endpoint = f"{url_host(host)}:{port}"
         elif isinstance(component, DatasystemComponent):
             endpoint = _strip_scheme(datasystem_etcd_address(config, component))
         else:
@@ -255,7 +247,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         port = spec.port or port
         if port is None:
             raise ConfigError(f"{what}: set port (the component lists no ports)")
-        return ResolvedProbe(spec, spec.kind, f"{_url_host(host)}:{port}", host=host.strip("[]"), port=port)
+        return ResolvedProbe(spec, spec.kind, f"{url_host(host)}:{port}", host=host.strip("[]"), port=port)
     if isinstance(spec, ExecProbe):
         argv = tuple(spec.command)  # type: ignore[arg-type]  # validated into a list
         cwd = component.workdir
@@ -265,7 +257,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         if spec.address:
             address = _strip_scheme(spec.address)
         elif ds is not None:
-            address = f"{_url_host(config.node.ip)}:{ds.worker_port}"
+            address = f"{url_host(config.node.ip)}:{ds.worker_port}"
         else:
             raise ConfigError(f"{what}: set address (no datasystem component to derive it from)")
         host, _, port_s = address.rpartition(":")
@@ -436,11 +428,11 @@ async def check_tcp(host: str, port: int) -> tuple[bool, str]:
     try:
         _, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
-        return False, f"cannot connect to {_url_host(host)}:{port}: {_os_reason(exc)}"
+        return False, f"cannot connect to {url_host(host)}:{port}: {_os_reason(exc)}"
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
-    return True, f"connected to {_url_host(host)}:{port}"
+    return True, f"connected to {url_host(host)}:{port}"
 
 
 def _kill_group(pgid: int) -> None:

@@ -110,31 +110,37 @@ def test_status_stays_light() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_light_config_reads_what_the_full_loader_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cli_reads_the_agent_section_through_the_agents_own_loader(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reader: the raw layer of `nodeagent.config` (no pydantic) for the agent section, the validated loader
+    when the raw layer cannot tell — with the same defaults and path rules, so both give the same answers."""
     from nodeagent.config import load_config
-    from nodeagent.config_model import AgentSettings, ApiConfig
-    from nodeagent.metrics import vllm_metrics_urls
 
-    api, agent = ApiConfig(), AgentSettings()
-    assert (api.listen, str(api.token_file)) == (cli.DEFAULT_LISTEN, cli.DEFAULT_TOKEN_FILE)
-    assert (str(agent.log_dir), str(agent.state_dir)) == (cli.DEFAULT_LOG_DIR, cli.DEFAULT_STATE_DIR)
     monkeypatch.setenv("DSV4_API_PORT", "18999")
     monkeypatch.setenv("DSV4_AGENT_HOME", "rel/home")
+    monkeypatch.delenv("DSV4_NODE_NAME", raising=False)
     data = tiny_config(tmp_path)
     data["agent"]["api"]["unix_socket"] = "sock/api.sock"
     data["agent"]["api"]["token_file"] = "~/tok"
-    data["components"]["v"] = {"kind": "vllm", "model": "/m", "port": 9123, "host": "::1", "enabled": True}
-    data["components"]["off"] = {"kind": "vllm", "model": "/m", "enabled": False}
+    data["agent"].pop("log_dir")
     tiny = write_config(tmp_path / "tiny.yaml", data)
     for path in (ROOT / "config" / "local.yaml", ROOT / "config" / "dsv4-flash-a2.yaml", tiny):
-        full = load_config(path)
-        light = cli.read_light_config(str(path))
+        full, light = load_config(path), cli.read_light_config(str(path))
         api = full.agent.api
         assert (light.listen, light.token_file, light.unix_socket) == (api.listen, api.token_file, api.unix_socket)
         assert (light.log_dir, light.state_dir) == (full.agent.log_dir, full.agent.state_dir)
-        assert light.vllm == vllm_metrics_urls(full.active_components()), path
-        assert light.components == tuple(full.active_components())
-    assert cli.read_light_config(str(tiny)).vllm == {"v": "http://[::1]:9123/metrics"}
+    # A `${VAR}` outside the agent section that only the agent's environment sets does not stop the CLI.
+    data["node"]["name"] = "${DSV4_NODE_NAME}"
+    light = cli.read_light_config(str(write_config(tmp_path / "env.yaml", data)))
+    assert light.listen == data["agent"]["api"]["listen"]
+    # What the raw layer cannot take, the validated loader judges: the exact error, file and line.
+    data["node"]["name"] = "tiny"
+    data["agent"]["api"]["listen"] = "127.0.0.1:99999"
+    bad = write_config(tmp_path / "bad.yaml", data)
+    with pytest.raises(cli.CliError) as failed:
+        cli.read_light_config(str(bad))
+    assert failed.value.code == cli.EXIT_CONFIG and f"{bad}:" in str(failed.value) and "listen must be" in str(
+        failed.value)  # fmt: skip
 
 
 def test_restart_stop_start_with_wait(agent: RunningAgent) -> None:

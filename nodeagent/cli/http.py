@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 
+from nodeagent.bindaddr import url_host
+
 
 class BadResponse(Exception):
     """The peer answered something that is not an HTTP response."""
@@ -17,7 +19,7 @@ def request(host: str, port: int, method: str, path: str, body: bytes | None = N
             headers: dict[str, str] | None = None, timeout: float = 10.0,
             unix: str | None = None) -> tuple[int, bytes]:  # fmt: skip
     """(status, body); OSError when it cannot connect or times out, BadResponse on a malformed answer."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host if ':' not in host else f'[{host}]'}:{port}",
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {url_host(host)}:{port}",
              "Connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]  # fmt: skip
     if body is not None:
         lines.append(f"Content-Length: {len(body)}")
