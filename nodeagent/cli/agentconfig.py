@@ -69,20 +69,16 @@ def read_light_config(path: str) -> LightConfig:
 
 def locate(args: argparse.Namespace) -> tuple[str, Any]:
     """(config path, the announced agent or None): --config, $DSV4_AGENT_CONFIG, the default file, or an agent
-    announced on this host (`nodeagent.discovery`; with --node NAME, the local agent of that node if one runs).
-    Found once per command."""
+    announced on this host (`nodeagent.discovery`: also the agent that runs the given file, if one does; with
+    --node NAME, the local agent of that node if one runs). Found once per command."""
     if getattr(args, "located", None) is None:
-        node = getattr(args, "node", None)
-        if args.config and not node:  # the common case needs no look at the runtime folders
-            args.located = (args.config, None)
-        else:
-            from nodeagent.discovery import LookupFailed, SeveralAgents, locate_config
+        from nodeagent.discovery import LookupFailed, SeveralAgents, locate_config
 
-            try:
-                found = locate_config(args.config, node=node)
-            except LookupFailed as exc:
-                raise CliError(str(exc), EXIT_USAGE if isinstance(exc, SeveralAgents) else EXIT_CONFIG) from None
-            args.located = (found.path, found.agent)
+        try:
+            found = locate_config(args.config, node=getattr(args, "node", None))
+        except LookupFailed as exc:
+            raise CliError(str(exc), EXIT_USAGE if isinstance(exc, SeveralAgents) else EXIT_CONFIG) from None
+        args.located = (found.path, found.agent)
     return args.located  # type: ignore[no-any-return]
 
 
