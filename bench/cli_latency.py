@@ -10,7 +10,8 @@ Rows: `nodeagentctl status` finding the agent by its announcement (the dev-box c
 config/local.yaml status` (the systemd case: a file that one running agent uses), `supervisorctl -c CONF status`,
 and the venv's bare `python -c pass` (the floor no Python CLI goes under).
 
-Usage: `.venv/bin/python bench/cli_latency.py [--runs 30] [--json FILE] [--keep]` (about a minute).
+Usage: `.venv/bin/python bench/cli_latency.py [--runs 30] [--json FILE] [--keep] [--compare CTL]` (about a
+minute; `--compare /other/checkout/.venv/bin/nodeagentctl` adds that CLI's `--config … status` as a row).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def report(samples: dict[str, list[float]]) -> tuple[str, dict[str, Any]]:
     for name, values in samples.items():
         median = statistics.median(values)
         summary[name] = {"median_ms": round(median, 1), "p95_ms": round(p95(values), 1), "runs": len(values)}
-        verdict = ("PASS" if median <= TARGET_MS else "FAIL") if name.startswith("nodeagentctl") else ""
+        verdict = ("PASS" if median <= TARGET_MS else "FAIL") if "nodeagentctl" in name else ""
         rows.append((name, f"{median:.1f}", f"{p95(values):.1f}", verdict, f"{median / anchor:.2f}×"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -125,6 +126,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--json", metavar="FILE", help="every sample and the summary")
     parser.add_argument("--keep", action="store_true", help="keep the temp folder (configs, logs)")
+    parser.add_argument("--compare", metavar="CTL", help="another nodeagentctl to time beside (e.g. an older "
+                        "checkout's .venv/bin/nodeagentctl), with --config")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="dsv4-cli-latency-"))
     home, runtime = folder / "home", folder / "run"
@@ -160,6 +163,8 @@ def main() -> int:
             "supervisorctl status": [str(BIN / "supervisorctl"), "-c", str(conf), "status"],
             "python -c pass (floor)": [sys.executable, "-c", "pass"],
         }
+        if args.compare:
+            commands[f"{args.compare} --config … status"] = [args.compare, "--config", str(config), "status"]
         samples = time_runs(commands, env, args.runs)
         table, summary = report(samples)
         print(f"{args.runs} runs each, interleaved; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
