@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from nodeagent import __version__
+from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, parse_cache_counters, window_rates
 from nodeagent.cachewatch import ScrapeError, scrape
 from nodeagent.errors import AgentError
@@ -34,7 +35,6 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_
                 "output_throughput", "total_token_throughput", "max_concurrency", "request_rate")  # fmt: skip
 """From vllm/benchmarks/serve.py's result JSON, with every `{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms`."""
 _LATENCY_KEY = re.compile(r"^(mean|median|std|p\d+(?:\.\d+)?)_(ttft|tpot|itl|e2el)_ms$")
-_ANY_ADDRESS = (None, "", "0.0.0.0", "::")
 
 
 class BenchError(AgentError):
@@ -79,11 +79,7 @@ class Target:
 
 
 def _http(host: str, port: int, path: str = "") -> str:
-    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
-
-
-def _loopback(host: str | None) -> str:
-    return "127.0.0.1" if host in _ANY_ADDRESS else str(host)
+    return f"http://{url_host(host)}:{port}{path}"
 
 
 def config_target(config: Any) -> Target:
@@ -94,13 +90,13 @@ def config_target(config: Any) -> Target:
     for name, comp in active.items():
         if comp.kind == "proxy":
             backends = (*comp.prefillers, *comp.decoders)
-            return Target(host=_loopback(comp.host or config.node.ip), port=comp.port,
+            return Target(host=connect_host(comp.host or config.node.ip), port=comp.port,
                           model=comp.served_model_name or (models[0].served_model_name if models else ""),
                           tokenizer=models[0].model if models else "", via=f"PD proxy {name!r}",
                           metrics_urls=tuple(f"http://{b}/metrics" for b in backends))  # fmt: skip
     for name, comp in active.items():
         if comp.kind == "vllm" and not comp.headless:
-            host = _loopback(comp.host)
+            host = connect_host(comp.host)
             return Target(host=host, port=comp.port, model=comp.served_model_name, tokenizer=comp.model,
                           via=f"vllm component {name!r}", metrics_urls=(_http(host, comp.port, "/metrics"),))
     raise BenchError("this node serves no vLLM API (no vllm component, or a headless rank): run bench on the "

@@ -1,15 +1,17 @@
 """`nodeagentctl cluster` and `nodeagentctl --node NAME status`: the cluster as the local agent sees it through
-etcd, and another member's status. Standard library only (the CLI stays fast); no etcd client here — the local
-agent's `GET /cluster` holds every member key, and each key names its agent's API URL.
+etcd, and another member's status. Standard library only (HTTP through `nodeagent.cli.http`: the CLI stays
+fast); no etcd client here — the local agent's `GET /cluster` holds every member key, and each key names its
+agent's API URL.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 import urllib.parse
 from typing import Any
+
+from nodeagent.cli import http
 
 REMOTE_TIMEOUT_S = 3.0
 
@@ -45,6 +47,14 @@ def etcd_line(etcd: dict[str, Any], now: float) -> str:
     return text
 
 
+def pause_line(pause: dict[str, Any], now: float) -> str:
+    """`CLUSTER PAUSED by n1: operator 3m ago — switch maintenance (no agent takes automatic actions)`."""
+    at = pause.get("at")
+    when = f" {_age(now - at)} ago" if isinstance(at, int | float) else ""
+    reason = f" — {pause['reason']}" if pause.get("reason") else " — no reason given"
+    return f"CLUSTER PAUSED by {pause.get('by') or '?'}{when}{reason} (no agent takes automatic actions)"
+
+
 def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
     now = time.time() if now is None else now
     warnings = view.get("warnings") or []
@@ -53,6 +63,9 @@ def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
         codes.setdefault(w.get("node", "?"), []).append(w.get("code", "?"))
     head = f"cluster {view.get('cluster')} · seen from {view.get('self')} · {etcd_line(view.get('etcd') or {}, now)}"
     lines = [head]
+    pause = (view.get("coordination") or {}).get("pause")
+    if pause:
+        lines.append(pause_line(pause, now))
     if not view.get("view_complete"):
         lines.append("(etcd not read yet: the member list may be incomplete)")
     rows = [("NAME", "IP", "ROLE", "GROUP", "RANKS", "VERSION", "COMPONENTS", "AGE", "WARNINGS")]
@@ -79,19 +92,14 @@ def find_member(view: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def fetch_status(api_url: str, timeout: float = REMOTE_TIMEOUT_S) -> dict[str, Any]:
-    """GET API_URL/status; OSError / ValueError / http.client.HTTPException when it does not answer properly."""
+    """GET API_URL/status; OSError / ValueError / http.BadResponse when it does not answer properly."""
     url = urllib.parse.urlsplit(api_url)
     if url.scheme != "http" or not url.hostname:
         raise ValueError(f"unsupported API URL {api_url!r}")
-    conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=timeout)
-    try:
-        conn.request("GET", "/status", headers={"Accept": "application/json"})
-        response = conn.getresponse()
-        body = response.read()
-    finally:
-        conn.close()
-    if response.status != 200:
-        raise ValueError(f"HTTP {response.status}")
+    status, body = http.request(url.hostname, url.port or 80, "GET", "/status", None,
+                                {"Accept": "application/json"}, timeout)  # fmt: skip
+    if status != 200:
+        raise ValueError(f"HTTP {status}")
     data = json.loads(body)
     if not isinstance(data, dict):
         raise ValueError("not a status object")
@@ -113,7 +121,7 @@ def remote_status(view: dict[str, Any], name: str) -> tuple[str, dict[str, Any],
         return "member_key", member, "its API listens on loopback only (agent.api.listen), unreachable from here"
     try:
         data = fetch_status(url)
-    except (OSError, ValueError, http.client.HTTPException) as exc:
+    except (OSError, ValueError, http.BadResponse) as exc:
         return "member_key", member, f"its API at {url} did not answer: {getattr(exc, 'strerror', None) or exc}"
     if (data.get("node") or {}).get("name") != name:
         got = (data.get("node") or {}).get("name")

@@ -1,4 +1,4 @@
-"""Load the YAML config: keep each key's line, interpolate `${VAR}`, validate, and explain errors.
+"""Load the YAML config: the raw layer (`config_raw`: each key's line, `${VAR}`), then validate and explain errors.
 
 An error reads `FILE:LINE: key.path: what is wrong` so an operator can go straight to it at 3 a.m.
 """
@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from nodeagent.cluster_file import (
@@ -25,76 +23,12 @@ from nodeagent.cluster_file import (
 )
 from nodeagent.config_cluster import SharedSections
 from nodeagent.config_model import Component, Config, ProbeSpec, ProxyComponent, VllmComponent
+from nodeagent.config_raw import KeyPath, RawTree, dotted, read_config_text
 from nodeagent.errors import ConfigError
 from nodeagent.layout import build_layout
 
-Path_ = tuple[str | int, ...]
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\$")
 
-
-def _interpolate(text: str, env: typing.Mapping[str, str], where: str) -> str:
-    def sub(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name, default = match.group(1), match.group(2)
-        if name in env:
-            return env[name]
-        if default is not None:
-            return default
-        raise ConfigError(f"{where}: environment variable ${{{name}}} is not set (use ${{{name}:-default}})")
-
-    return _VAR.sub(sub, text)
-
-
-class _Tree:
-    """YAML → plain data, remembering the line of every key path."""
-
-    def __init__(self, filename: str, env: typing.Mapping[str, str]) -> None:
-        self.filename = filename
-        self.env = env
-        self.lines: dict[Path_, int] = {}
-
-    def build(self, text: str) -> Any:
-        loader = yaml.SafeLoader(text)
-        try:
-            node = loader.get_single_node()
-            return None if node is None else self._walk(loader, node, ())
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark else "?"
-            raise ConfigError(f"{self.filename}:{line}: YAML syntax: {exc.problem or exc}") from None
-        finally:
-            loader.dispose()
-
-    def _walk(self, loader: yaml.SafeLoader, node: yaml.Node, path: Path_) -> Any:
-        self.lines.setdefault(path, node.start_mark.line + 1)
-        if isinstance(node, yaml.MappingNode):
-            loader.flatten_mapping(node)
-            out: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                key = loader.construct_object(key_node, deep=True)
-                where = f"{self.filename}:{key_node.start_mark.line + 1}"
-                if not isinstance(key, str | int):
-                    raise ConfigError(f"{where}: keys must be strings, got {key!r}")
-                if key in out:
-                    raise ConfigError(f"{where}: {_dotted((*path, key))}: duplicate key")
-                self.lines[(*path, key)] = key_node.start_mark.line + 1
-                out[key] = self._walk(loader, value_node, (*path, key))
-            return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self._walk(loader, item, (*path, i)) for i, item in enumerate(node.value)]
-        value = loader.construct_object(node, deep=True)
-        if isinstance(value, str) and "$" in value:
-            where = f"{self.filename}:{node.start_mark.line + 1}: {_dotted(path)}"
-            value = _interpolate(value, self.env, where)
-        return value
-
-
-def _dotted(path: typing.Sequence[str | int]) -> str:
-    return ".".join(str(p) for p in path) or "(top level)"
-
-
-def _data_path(data: Any, loc: typing.Sequence[str | int]) -> Path_:
+def _data_path(data: Any, loc: typing.Sequence[str | int]) -> KeyPath:
     """Map a pydantic error location onto the YAML path (drop union tags and list wrapping)."""
     path: list[str | int] = []
     cur = data
@@ -157,7 +91,7 @@ _KIND_TAGS = frozenset(
 )
 
 
-def _explain(filename: str, tree: _Tree, data: Any, exc: ValidationError) -> ConfigError:
+def _explain(filename: str, tree: RawTree, data: Any, exc: ValidationError) -> ConfigError:
     messages = []
     for err in exc.errors(include_url=False):
         path = _data_path(data, err["loc"])
@@ -173,17 +107,17 @@ def _explain(filename: str, tree: _Tree, data: Any, exc: ValidationError) -> Con
             msg = f"unknown kind {err['input'].get('kind')!r}; expected one of {err['ctx']['expected_tags']}"
         elif err["type"] == "union_tag_not_found":
             msg = "missing 'kind'"
-        messages.append(f"{filename}:{line}: {_dotted(path)}: {msg}")
+        messages.append(f"{filename}:{line}: {dotted(path)}: {msg}")
     return ConfigError("\n".join(messages))
 
 
-def _line(tree: _Tree, path: typing.Sequence[str | int]) -> int | str:
+def _line(tree: RawTree, path: typing.Sequence[str | int]) -> int | str:
     path = tuple(path)
     return next((tree.lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in tree.lines), "?")
 
 
-def _cluster_error(filename: str, tree: _Tree, exc: ClusterFileError) -> ConfigError:
-    return ConfigError("\n".join(f"{filename}:{_line(tree, p)}: {_dotted(p)}: {m}" for p, m in exc.problems))
+def _cluster_error(filename: str, tree: RawTree, exc: ClusterFileError) -> ConfigError:
+    return ConfigError("\n".join(f"{filename}:{_line(tree, p)}: {dotted(p)}: {m}" for p, m in exc.problems))
 
 
 def _single_node(config: Config, data: dict[str, Any]) -> Config:
@@ -229,7 +163,7 @@ def resolve_member(config: Config, data: dict[str, Any], node: str | None = None
 def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = None,
                  env: typing.Mapping[str, str] | None = None, node: str | None = None) -> Config:
     """`node`: render this member of a cluster file (default: `node.name`, else the host name)."""
-    tree = _Tree(filename, os.environ if env is None else env)
+    tree = RawTree(filename, os.environ if env is None else env)
     data = tree.build(text)
     if data is None:
         data = {}
@@ -255,11 +189,5 @@ def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = 
 
 
 def load_config(path: str | Path, node: str | None = None) -> Config:
-    path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    path, text = read_config_text(path)
     return parse_config(text, str(path), base_dir=path.resolve().parent, node=node)

@@ -13,19 +13,13 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator, mod
 
 from nodeagent.config_cluster import Strict
 from nodeagent.config_paths import ConfigPath
+from nodeagent.config_raw import DEFAULT_LISTEN, DEFAULT_LOG_DIR, DEFAULT_STATE_DIR, DEFAULT_TOKEN_FILE, check_listen
 from nodeagent.parsing import split_listen
 
 
-def _parse_listen(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"listen must be HOST:PORT, got {value!r}")
-    return value
-
-
 class ApiConfig(Strict):
-    listen: Annotated[str, AfterValidator(_parse_listen)] = "127.0.0.1:18700"
-    token_file: ConfigPath = Path("/etc/dsv4-agent/token")
+    listen: Annotated[str, AfterValidator(check_listen)] = DEFAULT_LISTEN
+    token_file: ConfigPath = DEFAULT_TOKEN_FILE
     unix_socket: ConfigPath | None = None
 
     @property
@@ -148,8 +142,8 @@ class AgentSettings(Strict):
     preflight: Literal["enforce", "warn", "off"] = "enforce"
     """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
     operator start still works; `dsv4-agent --force` = warn), warn = events only, off = not run."""
-    state_dir: ConfigPath = Path("/var/lib/dsv4-agent")
-    log_dir: ConfigPath = Path("/var/log/dsv4-agent")
+    state_dir: ConfigPath = DEFAULT_STATE_DIR
+    log_dir: ConfigPath = DEFAULT_LOG_DIR
     api: ApiConfig = ApiConfig()
     log_max_bytes: int = Field(default=100 * 1024 * 1024, ge=1024)
     """A component's log file is copied and truncated (logrotate's copytruncate) past this size."""

@@ -10,13 +10,11 @@ from typing import Annotated
 
 from pydantic import AfterValidator, ValidationInfo
 
+from nodeagent.config_raw import resolve_path as resolve_against
+
 
 def resolve_path(value: Path, info: ValidationInfo) -> Path:
-    value = value.expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not value.is_absolute() and base is not None:
-        value = Path(base) / value
-    return Path(os.path.normpath(value))
+    return resolve_against(value, (info.context or {}).get("base_dir"))
 
 
 def _readable_file(value: Path) -> Path:
@@ -40,9 +38,6 @@ def _resolve_command(value: str | list[str], info: ValidationInfo) -> list[str]:
     elif program.startswith("~"):
         argv[0] = os.path.expanduser(program)
     return argv
-
-
-Command = Annotated[str | list[str], AfterValidator(_resolve_command)]
 
 
 Command = Annotated[str | list[str], AfterValidator(_resolve_command)]

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodeagent.bindaddr import connect_host
 from nodeagent.cluster_file import ClusterFileError, KeyPath, effective_groups, member_components, vllm_template
 from nodeagent.config_cluster import ClusterConfig, PdConfig, VllmGroup
 from nodeagent.config_model import (
@@ -422,8 +423,7 @@ def single_node_layout(config: Config) -> ClusterLayout:
         external = c.data_parallel_rank is not None
         start = c.data_parallel_rank if external else (c.data_parallel_start_rank or 0)
         size = 1 if external else (c.data_parallel_size_local or c.data_parallel_size)
-        endpoint = None if c.headless else _host(c.host if c.host not in (None, "", "0.0.0.0", "::") else node.ip,
-                                                 c.port)  # fmt: skip
+        endpoint = None if c.headless else _host(connect_host(c.host, node.ip), c.port)
         kv = c.kv_transfer_config or {}
         proc = VllmProcess(name, node.name, start, size, c.data_parallel_rank, c.headless,  # type: ignore[arg-type]
                            None if c.headless else c.port, endpoint,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from loguru import logger
 
 from nodeagent import __version__
+from nodeagent.bindaddr import is_wildcard, url_host
 from nodeagent.consistency import ClockSamples, Expected, Finding, check_all
 from nodeagent.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
 
@@ -109,11 +110,11 @@ def api_url(config: Config) -> str | None:
     """Where peers reach this agent's API; None when it listens on loopback on a node with a routable IP."""
     host, port = config.agent.api.host, config.agent.api.port
     ip = config.node.ip
-    if host in ("", "0.0.0.0", "::"):
+    if is_wildcard(host):
         host = ip
     elif host.startswith(LOOPBACK) and not ip.startswith(LOOPBACK):
         return None
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"http://{url_host(host)}:{port}"
 
 
 def static_facts(config: Config, base_env: Mapping[str, str]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 
 from nodeagent import __version__
+from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.states import State
 
@@ -67,9 +68,7 @@ def vllm_metrics_urls(components: Mapping[str, Any]) -> dict[str, str]:
     urls = {}
     for name, cfg in components.items():
         if cfg.kind == "vllm" and not cfg.headless:  # a headless node serves no HTTP
-            host = cfg.host if cfg.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
-            host = f"[{host}]" if ":" in host else host
-            urls[name] = f"http://{host}:{cfg.port}/metrics"
+            urls[name] = f"http://{url_host(connect_host(cfg.host))}:{cfg.port}/metrics"
     return urls
 
 

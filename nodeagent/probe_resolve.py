@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.config_model import (
     Config,
     DatasystemComponent,
@@ -108,28 +109,19 @@ def vllm_probe_body(served_model_name: str | None) -> dict[str, Any]:
     }
 
 
-def _is_wildcard(host: str | None) -> bool:
-    return host is None or host.strip("[]") in ("", "0.0.0.0", "::")
-
-
-def url_host(host: str) -> str:
-    host = host.strip("[]")
-    return f"[{host}]" if ":" in host else host
-
-
 def _listen_address(comp: AnyComponent, config: Config) -> tuple[str, int | None]:
     """Where the component accepts connections: the address a probe on this node should dial."""
     if isinstance(comp, EtcdComponent):
         if comp.listen_ip is None:
             return config.node.ip, comp.client_port
-        return ("127.0.0.1" if _is_wildcard(comp.listen_ip) else comp.listen_ip), comp.client_port
+        return connect_host(comp.listen_ip), comp.client_port
     if isinstance(comp, DatasystemComponent):
         return config.node.ip, comp.worker_port
     if isinstance(comp, VllmComponent):
-        return ("127.0.0.1" if _is_wildcard(comp.host) else str(comp.host)), comp.port
+        return connect_host(comp.host), comp.port
     if isinstance(comp, ProxyComponent):
         host = comp.host or config.node.ip
-        return ("127.0.0.1" if _is_wildcard(host) else host), comp.port
+        return connect_host(host), comp.port
     return "127.0.0.1", (comp.ports[0] if comp.ports else None)
 
 

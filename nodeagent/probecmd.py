@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, TextIO
 
+from nodeagent.bindaddr import connect_host
+
 GUIDE_LIVENESS_TIMEOUT_S = 30
 
 
@@ -90,7 +92,7 @@ def probe_targets(config: Any) -> dict[str, Any]:
     vllm = next((c for c in comps if isinstance(c, VllmComponent) and not c.headless), None)
     served = proxy if proxy is not None else vllm
     bind = getattr(served, "host", None)
-    host = "127.0.0.1" if served is None or bind in (None, "0.0.0.0", "::") else bind
+    host = connect_host(bind)
     model = vllm.served_model_name if vllm else getattr(proxy, "served_model_name", None)
     return {
         "liveness": ds.liveness_check_path if ds else None,

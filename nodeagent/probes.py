@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from loguru import logger
 
+from nodeagent.bindaddr import url_host
 from nodeagent.config_model import NpuProbe
 from nodeagent.npu import NpuTools
 from nodeagent.probe_resolve import AnyComponent as AnyComponent
 from nodeagent.probe_resolve import ProbeResult as ProbeResult
 from nodeagent.probe_resolve import ResolvedProbe as ResolvedProbe
-from nodeagent.probe_resolve import kv_key, url_host
+from nodeagent.probe_resolve import kv_key
 from nodeagent.probe_resolve import resolve_probe as resolve_probe
 from nodeagent.probe_resolve import resolve_probe_set as resolve_probe_set
 from nodeagent.probe_resolve import vllm_probe_body as vllm_probe_body

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.bindaddr import connect_host
 from nodeagent.layout import Group, ProxyPlan
 
 if TYPE_CHECKING:
@@ -71,8 +72,7 @@ class ProxySync:
 
     @property
     def url(self) -> str:
-        host = self.plan.host if self.plan.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"http://{host}:{self.plan.port}"
+        return f"http://{connect_host(self.plan.host)}:{self.plan.port}"
 
     async def run(self) -> None:
         while True:

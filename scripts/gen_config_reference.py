@@ -156,7 +156,7 @@ VALIDATOR_TYPES = {
     "_resolve_command": "program or argv list",
     "resolve_path": "path",
     "_readable_file": "readable file",
-    "_parse_listen": "HOST:PORT",
+    "check_listen": "HOST:PORT",
     "_check_endpoint": "HOST:PORT",
     "_parse_mqtt_url": "broker URL",
     "_topic_safe_name": "name (no `/ + #`)",

@@ -110,31 +110,37 @@ def test_status_stays_light() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_light_config_reads_what_the_full_loader_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cli_reads_the_agent_section_through_the_agents_own_loader(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reader: the raw layer of `nodeagent.config` (no pydantic) for the agent section, the validated loader
+    when the raw layer cannot tell — with the same defaults and path rules, so both give the same answers."""
     from nodeagent.config import load_config
-    from nodeagent.config_model import AgentSettings, ApiConfig
-    from nodeagent.metrics import vllm_metrics_urls
 
-    api, agent = ApiConfig(), AgentSettings()
-    assert (api.listen, str(api.token_file)) == (cli.DEFAULT_LISTEN, cli.DEFAULT_TOKEN_FILE)
-    assert (str(agent.log_dir), str(agent.state_dir)) == (cli.DEFAULT_LOG_DIR, cli.DEFAULT_STATE_DIR)
     monkeypatch.setenv("DSV4_API_PORT", "18999")
     monkeypatch.setenv("DSV4_AGENT_HOME", "rel/home")
+    monkeypatch.delenv("DSV4_NODE_NAME", raising=False)
     data = tiny_config(tmp_path)
     data["agent"]["api"]["unix_socket"] = "sock/api.sock"
     data["agent"]["api"]["token_file"] = "~/tok"
-    data["components"]["v"] = {"kind": "vllm", "model": "/m", "port": 9123, "host": "::1", "enabled": True}
-    data["components"]["off"] = {"kind": "vllm", "model": "/m", "enabled": False}
+    data["agent"].pop("log_dir")
     tiny = write_config(tmp_path / "tiny.yaml", data)
     for path in (ROOT / "config" / "local.yaml", ROOT / "config" / "dsv4-flash-a2.yaml", tiny):
-        full = load_config(path)
-        light = cli.read_light_config(str(path))
+        full, light = load_config(path), cli.read_light_config(str(path))
         api = full.agent.api
         assert (light.listen, light.token_file, light.unix_socket) == (api.listen, api.token_file, api.unix_socket)
         assert (light.log_dir, light.state_dir) == (full.agent.log_dir, full.agent.state_dir)
-        assert light.vllm == vllm_metrics_urls(full.active_components()), path
-        assert light.components == tuple(full.active_components())
-    assert cli.read_light_config(str(tiny)).vllm == {"v": "http://[::1]:9123/metrics"}
+    # A `${VAR}` outside the agent section that only the agent's environment sets does not stop the CLI.
+    data["node"]["name"] = "${DSV4_NODE_NAME}"
+    light = cli.read_light_config(str(write_config(tmp_path / "env.yaml", data)))
+    assert light.listen == data["agent"]["api"]["listen"]
+    # What the raw layer cannot take, the validated loader judges: the exact error, file and line.
+    data["node"]["name"] = "tiny"
+    data["agent"]["api"]["listen"] = "127.0.0.1:99999"
+    bad = write_config(tmp_path / "bad.yaml", data)
+    with pytest.raises(cli.CliError) as failed:
+        cli.read_light_config(str(bad))
+    assert failed.value.code == cli.EXIT_CONFIG and f"{bad}:" in str(failed.value) and "listen must be" in str(
+        failed.value)  # fmt: skip
 
 
 def test_restart_stop_start_with_wait(agent: RunningAgent) -> None:
@@ -304,3 +310,72 @@ def test_logs_under_systemd_hand_over_to_journalctl(agent: RunningAgent, tmp_pat
                           "--source", "journal"], capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "journalctl -u dsv4-agent -t b -n 7 --no-pager -f"
+
+
+def test_status_wide_shows_note_and_last_exit_whole() -> None:
+    from nodeagent.cli.status import format_status
+
+    reason = "exited with code 1: " + "x" * 80
+    held = "start held: port 8080 in use by pid 4242 (python3 -m http.server 8080), not ours, never signalled"
+    data = {"node": {"name": "n"}, "agent": {}, "components": {"vllm": {
+        "state": "failed", "pid": None, "last_exit": {"reason": reason, "at": 1000.0}, "held": held,
+        "failure": {"detail": "bad", "output_tail": ["Traceback", "RuntimeError: " + "y" * 150]}}}}  # fmt: skip
+    cut, wide = format_status(data, now=1010.0), format_status(data, now=1010.0, wide=True)
+    assert "…" in cut and reason not in cut and "y" * 150 not in cut
+    assert "…" not in wide and reason in wide and held in wide and "RuntimeError: " + "y" * 150 in wide
+    assert cut.splitlines()[:2] == wide.splitlines()[:2]
+
+
+class ClusterOf:
+    """The local agent's GET /cluster answer, as `nodeagentctl --node N status` reads it."""
+
+    def __init__(self, view: dict[str, Any]) -> None:
+        self.view = view
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        assert (method, path) == ("GET", "/cluster")
+        return 200, self.view
+
+
+def test_remote_status_json_has_the_local_shape(agent: RunningAgent, capsys: pytest.CaptureFixture[str]) -> None:
+    """From the member's own API (a real agent) and from its member key alone: the keys of the local status,
+    with where it came from under `remote`."""
+    from nodeagent.cli.status import _remote_status
+
+    local = agent.status()
+    member = {"name": "tiny", "present": True, "role": "master", "ip": "127.0.0.1", "version": "0.1.0",
+              "api_url": f"http://127.0.0.1:{agent.port}", "components": {"a": {"state": "running", "pid": 7,
+                                                                             "ready": True}}}  # fmt: skip
+    assert _remote_status(ClusterOf({"members": [member]}), "tiny", True, False) == 0  # type: ignore[arg-type]
+    remote = json.loads(capsys.readouterr().out)
+    assert set(remote) == set(local) | {"remote"} and remote["remote"] == {"source": "api", "reason": None}
+    assert remote["node"]["name"] == "tiny" and set(remote["components"]) == set(local["components"])
+    del member["api_url"]  # its API listens on loopback: the member key is all there is
+    assert _remote_status(ClusterOf({"members": [member]}), "tiny", True, False) == 0  # type: ignore[arg-type]
+    keyed = json.loads(capsys.readouterr().out)
+    assert set(keyed) - {"remote"} <= set(local) and keyed["remote"]["source"] == "member_key"
+    assert "loopback" in keyed["remote"]["reason"] and keyed["remote"]["member"] == member
+    assert keyed["components"] == {"a": {"state": "running", "pid": 7, "ready": True}}
+    assert keyed["node"]["name"] == "tiny" and keyed["agent"]["version"] == "0.1.0"
+
+
+def test_the_cluster_table_shows_a_cluster_pause() -> None:
+    from nodeagent.clustercmd import format_cluster
+
+    view = {"cluster": "c", "self": "n0", "view_complete": True, "members": [], "etcd": {"state": "reachable"},
+            "coordination": {"pause": {"by": "n1: operator", "at": 1000.0, "reason": "switch maintenance"}}}
+    lines = format_cluster(view, now=1180.0).splitlines()
+    assert lines[1] == "CLUSTER PAUSED by n1: operator 3m ago — switch maintenance (no agent takes automatic actions)"
+    view["coordination"] = {"pause": None}
+    assert "PAUSED" not in format_cluster(view, now=1180.0)
+
+
+def test_status_of_a_running_agent_imports_only_what_it_needs(agent: RunningAgent) -> None:
+    """Its config is the one a running agent announced: no YAML, no http.client (the `email` package), no
+    dataclasses (inspect) — what keeps `nodeagentctl status` near the bare interpreter's start."""
+    code = ("import sys\nfrom nodeagent import cli\ncode = cli.main(['--config', sys.argv[1], 'status', '--wide'])\n"
+            "print(code, sorted(m for m in ('yaml', 'http.client', 'dataclasses', 'pydantic', 'aiohttp') "
+            "if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(agent.config)], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+    assert "node tiny" in out.stdout and "COMPONENT" in out.stdout

@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 from apihelpers import tiny_config, write_config
-from conftest import BIN, wait_for
+from conftest import BIN, free_port, wait_for
 
 from nodeagent import cli, discovery
 from nodeagent.discovery import Announcement, LookupFailed, SeveralAgents, locate_config
@@ -43,7 +42,7 @@ def test_the_cli_and_the_agent_share_the_default_config() -> None:
 
 def me(config: str = "/c.yaml", **changes: object) -> Announcement:
     agent = discovery.this_agent(config, "127.0.0.1:1", None, "/t", "/s", "/l", "n")
-    return replace(agent, **changes)  # type: ignore[arg-type]
+    return agent._replace(**changes)  # type: ignore[arg-type]
 
 
 def dead_pid() -> int:
@@ -71,7 +70,7 @@ def test_stale_reused_and_untrusted_announcements_are_ignored(tmp_path: Path) ->
     runtime = tmp_path / "run"
     runtime.mkdir()
     for agent in (me(pid=dead_pid()), me(start_ticks=1)):  # a dead pid; our pid with another start time (reused)
-        (runtime / f"{agent.pid}-{agent.start_ticks}.json").write_text(json.dumps(asdict(agent)))
+        (runtime / f"{agent.pid}-{agent.start_ticks}.json").write_text(json.dumps(agent._asdict()))
     with pytest.raises(LookupFailed) as failed:
         locate_config(None, {}, tmp_path / "none.yaml", [runtime, tmp_path / "missing"])
     text = str(failed.value)
@@ -92,15 +91,16 @@ def test_stale_reused_and_untrusted_announcements_are_ignored(tmp_path: Path) ->
 
 
 class Agent:
-    def __init__(self, home: Path, runtime: Path, port_var: str | None = None) -> None:
+    def __init__(self, home: Path, runtime: Path, port_var: str | None = None, config: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         data = tiny_config(home)
         self.port = data["agent"]["api"]["listen"].rsplit(":", 1)[1]
-        env = {**os.environ, discovery.ENV_RUNTIME_DIR: str(runtime)}
+        env = {**os.environ, discovery.ENV_RUNTIME_DIR: str(runtime), **(env or {})}
         if port_var:  # a ${VAR} the operator's shell does not have
             data["agent"]["api"]["listen"] = f"127.0.0.1:${{{port_var}}}"
             env[port_var] = self.port
         home.mkdir(parents=True, exist_ok=True)
-        self.config = write_config(home / "config.yaml", data)
+        self.config = config or write_config(home / "config.yaml", data)
         self.path = runtime / "placeholder"
         with open(home / "agent.log", "wb") as log:
             self.proc = subprocess.Popen([str(BIN / "dsv4-agent"), "--config", str(self.config)], env=env,
@@ -159,3 +159,37 @@ def test_the_cli_finds_the_running_agent(agents: list[Agent], tmp_path: Path) ->
     assert out.returncode == cli.EXIT_CONFIG and out.stderr.count("\n") == 1
     assert "no agent config found; tried --config (not given)" in out.stderr
     assert f"agents announced in {runtime} (0 running)" in out.stderr
+
+
+def test_node_picks_among_agents_sharing_one_file(agents: list[Agent], tmp_path: Path) -> None:
+    """Two agents from one file, each told its node, port and folders by its environment (as a cluster file's
+    `${DSV4_NODE_NAME}`): --node NAME picks the local agent of that node, with or without --config."""
+    runtime = tmp_path / "run"
+    data = tiny_config(tmp_path / "${SHARED_NODE}")
+    data["cluster"]["name"] += "-${SHARED_NODE}"  # each agent's leftover cleanup matches its own children only
+    data["node"]["name"] = "${SHARED_NODE}"
+    data["agent"]["api"]["listen"] = "127.0.0.1:${SHARED_PORT}"
+    del data["components"]["b"]
+    shared = write_config(tmp_path / "shared.yaml", data)
+    for node in ("n0", "n1"):
+        agents.append(Agent(tmp_path / node, runtime, config=shared,
+                            env={"SHARED_NODE": node, "SHARED_PORT": str(free_port())}))  # fmt: skip
+    for agent in agents:
+        wait_for("the announcement", agent.path.exists, 30)
+    out = ctl(runtime, "status", cwd=tmp_path)
+    assert out.returncode == cli.EXIT_USAGE and out.stderr.count("\n") == 1
+    assert "2 agents run on this host" in out.stderr and "choose one with --node NAME (n0, n1)" in out.stderr
+    out = ctl(runtime, "--config", str(shared), "status", cwd=tmp_path)  # the file alone cannot say which
+    assert out.returncode == cli.EXIT_CONFIG and "${SHARED_NODE} is not set" in out.stderr
+    for i, node in enumerate(("n0", "n1")):
+        for args in (("--node", node), ("--config", str(shared), "--node", node)):
+            out = ctl(runtime, *args, "status", "--json", cwd=tmp_path)
+            assert out.returncode == 0, out.stderr
+            status = json.loads(out.stdout)
+            assert (status["node"]["name"], status["agent"]["pid"]) == (node, agents[i].proc.pid)
+            assert "remote" not in status, "its own agent answered: a local status"
+    out = ctl(runtime, "--node", "n1", "stop", "a", "--wait", "--timeout", "30", cwd=tmp_path)
+    assert out.returncode == 0 and "a stopped" in out.stdout, out.stderr
+    states = {node: json.loads(ctl(runtime, "--node", node, "status", "--json", cwd=tmp_path).stdout)
+              ["components"]["a"]["desired"] for node in ("n0", "n1")}  # fmt: skip
+    assert states == {"n0": "running", "n1": "stopped"}

@@ -1,0 +1,166 @@
+"""`nodeagentctl start|stop|restart COMPONENT`, `redeploy`, and the one-shot node actions (pause, resume, reset,
+reload, detach); `--wait` polls /status until the action is done or failed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from nodeagent.cli.agentconfig import Client, connect, is_local_node
+from nodeagent.cli.common import (
+    EXIT_FAILED,
+    EXIT_UNAUTHORISED,
+    EXIT_UNKNOWN,
+    EXIT_UNREACHABLE,
+    UP_STATES,
+    CliError,
+    error_text,
+)
+
+
+def _components(client: Client) -> dict[str, Any]:
+    return client.get("/status")["components"]
+
+
+def _wait(client: Client, what: str, done: Any, timeout: float, interval: float = 0.5) -> dict[str, Any]:
+    """Poll /status until done(status) returns a message (success) or raises CliError (failure)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        status = client.get("/status")
+        message = done(status)
+        if message:
+            return {"message": message}
+        summary = ", ".join(f"{n} {c['state']}" for n, c in status["components"].items())
+        if summary != last:
+            print(f"  … {summary}", file=sys.stderr)
+            last = summary
+        if time.monotonic() >= deadline:
+            raise CliError(f"timed out after {timeout:g}s waiting for {what} ({summary})")
+        time.sleep(interval)
+
+
+SETTLE_S = 1.0
+"""`--wait` reports a start or restart done once the new process has been seen up this long."""
+
+
+def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
+    old_pid = before.get("pid")
+    seen = {"moved": False}
+    up_since: dict[Any, float] = {}
+    """pid → when it was first seen up"""
+
+    def done(status: dict[str, Any]) -> str | None:
+        comp = status["components"][name]
+        state, pid = comp["state"], comp["pid"]
+        if action == "stop":
+            # No process and none coming: a component stopped during its backoff keeps showing `backoff`.
+            gone = pid is None and comp.get("desired") == "stopped" and state in ("stopped", "backoff", "failed")
+            return f"{name} stopped" if gone else None
+        moved = state in ("stopping", "stopped", "starting") or (pid is not None and pid != old_pid)
+        seen["moved"] = seen["moved"] or moved
+        if state == "failed" or (state == "backoff" and (seen["moved"] or action == "start")):
+            reason = (comp.get("last_exit") or {}).get("reason") or (comp.get("policy") or {}).get("last_reason")
+            raise CliError(f"{name} {action} failed: {state} ({reason or 'see nodeagentctl logs ' + name})")
+        if state in UP_STATES and (action == "start" or (pid is not None and pid != old_pid)):
+            # Up is only proven once it stays up: a component without a startup probe is "ready" the moment it
+            # forks, and one that exits with an error a few ms later must not be reported as restarted.
+            first = up_since.setdefault(pid, time.monotonic())
+            if time.monotonic() - first < SETTLE_S:
+                return None
+            was = f", was {old_pid}" if action == "restart" else ""
+            return f"{name} {state} (pid {pid}{was})"
+        return None
+
+    return done
+
+
+def _remote_component(client: Client, args: argparse.Namespace) -> int:
+    """Another node's start/stop/restart, carried through etcd by the local agent; its agent's answer."""
+    body = {"drain": False} if getattr(args, "no_drain", False) else {}
+    status, data = client.request("POST", f"/cluster/nodes/{args.node}/components/{args.component}/{args.action}",
+                                  body)  # fmt: skip
+    if status == 401:
+        raise CliError(f"unauthorised: {error_text(data, status)}", EXIT_UNAUTHORISED)
+    if status == 404:
+        raise CliError(error_text(data, status), EXIT_UNKNOWN)
+    if status == 503:
+        raise CliError(error_text(data, status), EXIT_UNREACHABLE)
+    if not isinstance(data, dict) or "message" not in data:
+        raise CliError(error_text(data, status))
+    code = int(data.get("code", 0 if status == 200 else EXIT_FAILED))
+    print(data["message"], file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def cmd_component(args: argparse.Namespace) -> int:
+    client = connect(args)
+    if getattr(args, "node", None) and not is_local_node(args):
+        return _remote_component(client, args)
+    before = None
+    if args.wait:
+        comps = _components(client)
+        if args.component not in comps:
+            raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(comps)})",
+                           EXIT_UNKNOWN)  # fmt: skip
+        before = comps[args.component]
+    body = {"drain": False} if getattr(args, "no_drain", False) else None
+    answer = client.post(f"/components/{args.component}/{args.action}", body)
+    message = answer.get("message") if isinstance(answer, dict) else None
+    if message == f"{args.action} {args.component}":
+        message = None
+    if before is None:
+        print(f"{args.action} {args.component}: accepted" + (f" — {message}" if message else ""))
+        return 0
+    began = time.monotonic()
+    result = _wait(client, f"{args.component} to {args.action}", _component_waiter(args.component, args.action, before),
+                   args.timeout)  # fmt: skip
+    print(f"{result['message']} after {time.monotonic() - began:.1f}s")
+    return 0
+
+
+def cmd_redeploy(args: argparse.Namespace) -> int:
+    client = connect(args)
+    before = _components(client) if args.wait else {}
+    data = client.post("/redeploy", {"reason": args.reason} if args.reason else None)
+    note = " (one was already in progress)" if data.get("already_in_progress") else ""
+    print(f"redeploy: accepted{note}")
+    if not args.wait:
+        return 0
+    old = {n: c["pid"] for n, c in before.items()}
+
+    def done(status: dict[str, Any]) -> str | None:
+        if status.get("redeploying"):
+            return None
+        comps = status["components"]
+        failed = [n for n, c in comps.items() if c["state"] == "failed"]
+        if failed:
+            raise CliError(f"redeploy failed: {', '.join(failed)} failed")
+        wanted = {n: c for n, c in comps.items() if c.get("desired") == "running"}
+        if all(c["state"] in UP_STATES and c["pid"] not in (None, old.get(n)) for n, c in wanted.items()):
+            return "redeploy done: " + ", ".join(f"{n} {c['state']} (pid {c['pid']})" for n, c in wanted.items())
+        return None
+
+    began = time.monotonic()
+    result = _wait(client, "the redeploy", done, args.timeout)
+    print(f"{result['message']} after {time.monotonic() - began:.1f}s")
+    return 0
+
+
+def cmd_simple(args: argparse.Namespace) -> int:
+    client = connect(args)
+    action = args.command
+    body = {"component": args.component} if action == "reset" and args.component else None
+    data = client.post(f"/{action}", body)
+    if action == "reload":
+        print(f"reload: restarted {', '.join(data.get('restarted', [])) or 'nothing'}")
+    elif action == "detach":
+        print("detach: the agent exits leaving the stack running; the next agent adopts it")
+    elif action == "reset":
+        print(f"reset: restart counters cleared ({args.component or 'all components and the node state'})")
+    else:
+        print(f"{action}: done")
+    return 0
+

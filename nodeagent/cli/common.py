@@ -1,0 +1,45 @@
+"""What every `nodeagentctl` command shares: exit codes, the one error type, defaults and small formatting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT_CONFIG = 1, 2, 3, 4, 5, 78
+DEFAULT_UNIT = "dsv4-agent"
+DEFAULT_WAIT_S = 1800.0
+"""`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
+UP_STATES = ("running", "ready")
+NODE_COMMANDS = ("status", "render", "config", "start", "stop", "restart", "cluster")
+"""Commands that take --node NAME (another member of the cluster, or which of this host's agents)."""
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_text(data: Any, status: int) -> str:
+    if isinstance(data, dict) and "error" in data:
+        return str(data["error"])
+    return f"HTTP {status}: {str(data)[:200]}"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Columns padded to their widest cell, trailing blanks dropped."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -1,0 +1,59 @@
+"""`nodeagentctl render` and `config validate`: the exact commands a config starts, and a full check of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from nodeagent.cli.agentconfig import full_config
+from nodeagent.cli.common import EXIT_CONFIG, EXIT_UNKNOWN, CliError
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from nodeagent.launcher import base_environment
+    from nodeagent.render import render_component
+
+    config = full_config(args, args.node)
+    names = [args.component] if args.component else list(config.active_components())
+    if args.component and args.component not in config.components:
+        known = ", ".join(config.components)
+        where = f"node {config.node.name} has" if config.cluster.nodes else "config has"
+        raise CliError(f"unknown component {args.component!r} ({where}: {known})", EXIT_UNKNOWN)
+    base = base_environment(os.environ)
+    specs = [render_component(name, config, base) for name in names]
+    if args.json:
+        out = [{"component": s.component, "kind": s.kind, "argv": list(s.argv), "env": s.env,
+                "unset": list(s.unset), "cwd": str(s.cwd), "daemonizes": s.daemonizes,
+                "node": config.node.name, "group": getattr(config.components[s.component], "group", None),
+                "ports": list(s.ports)} for s in specs]
+        print(json.dumps(out if not args.component else out[0], indent=2))
+        return 0
+    for spec in specs:
+        print(f"# --- {spec.component} ({spec.kind})")
+        print(spec.shell())
+        print()
+    return 0
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    from nodeagent.agent import load_checked
+    from nodeagent.errors import ConfigError
+
+    try:
+        config = load_checked(args.file, args.node)
+    except ConfigError as exc:
+        raise CliError(f"config error:\n{exc}", EXIT_CONFIG) from None
+    active = ", ".join(config.active_components())
+    print(f"{args.file}: OK — node {config.node.name} ({config.node.role}) runs: {active}")
+    if config.cluster.nodes:
+        from nodeagent.config_cluster import cluster_file_hash
+        from nodeagent.layout import cluster_layout
+
+        layout = cluster_layout(config)
+        groups = "; ".join(f"{g.name} ({g.kind}, {g.dp_launch}, DP{g.dp_size} TP{g.tensor_parallel_size}: "
+                           f"{', '.join(g.nodes)})" for g in layout.groups)  # fmt: skip
+        print(f"cluster {layout.cluster}: {len(layout.members)} members, groups {groups or 'none'}; "
+              f"shared sections {cluster_file_hash(config)[:12]}")
+    return 0
+

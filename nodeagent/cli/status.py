@@ -1,0 +1,132 @@
+"""`nodeagentctl status`: this node's components as a table (`--wide`: NOTE and LAST EXIT whole), its JSON, or
+another member's status in the same shape (`--node NAME`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from nodeagent.cli.agentconfig import Client, connect
+from nodeagent.cli.common import EXIT_UNKNOWN, EXIT_USAGE, CliError, error_text, human_duration, table
+
+LAST_EXIT_WIDTH = 48
+OUTPUT_WIDTH = 100
+
+
+def _cut(text: str, width: int | None) -> str:
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+
+
+def _last_exit(exit_info: dict[str, Any] | None, now: float, wide: bool = False) -> str:
+    if not exit_info:
+        return "-"
+    text = _cut(str(exit_info.get("reason") or exit_info.get("code") or "?"), None if wide else LAST_EXIT_WIDTH)
+    at = exit_info.get("at")
+    return f"{human_duration(now - at)} ago: {text}" if isinstance(at, int | float) else text
+
+
+def _note(comp: dict[str, Any], wide: bool = False) -> str:
+    notes = []
+    if comp.get("desired") == "stopped":
+        notes.append("desired stopped")
+    if comp.get("backoff_remaining_s"):
+        notes.append(f"retry in {human_duration(comp['backoff_remaining_s'])}")
+    if comp.get("held"):
+        notes.append(str(comp["held"]))
+    failure = comp.get("failure") or {}
+    if comp.get("state") == "failed" and failure:
+        notes.append(f"failed: {failure.get('permanent') or failure.get('detail')}")
+        last = next((line for line in reversed(failure.get("output_tail") or []) if line.strip()), None)
+        if last and last not in notes[-1]:
+            notes.append(f"last output: {last if wide else last[:OUTPUT_WIDTH]}")
+    policy = comp.get("policy") or {}
+    if policy.get("crash_loop"):
+        notes.append("crash loop")
+    return "; ".join(notes)
+
+
+def format_mqtt(mqtt: dict[str, Any], now: float) -> str:
+    """`mqtt: connected to mqtt://h:1883 · queued 0 · dropped 0` or `mqtt: DISCONNECTED from ...: <error> · ...`."""
+    if mqtt.get("connected"):
+        since = mqtt.get("connected_since")
+        link = f"connected to {mqtt.get('broker')}" + (f" for {human_duration(now - since)}" if since else "")
+    else:
+        link = f"DISCONNECTED from {mqtt.get('broker')}: {mqtt.get('last_error') or 'connecting'}"
+    return f"mqtt: {link} · queued {mqtt.get('queued', 0)} · dropped {mqtt.get('dropped', 0)}"
+
+
+def format_status(data: dict[str, Any], now: float | None = None, wide: bool = False) -> str:
+    """The table; `wide`: LAST EXIT and NOTE whole (the terminal wraps them) instead of cut with `…`."""
+    now = time.time() if now is None else now
+    node, agent = data.get("node", {}), data.get("agent", {})
+    head = (f"node {node.get('name')} ({node.get('role')}) · cluster {node.get('cluster')} · agent "
+            f"{agent.get('version', '?')} pid {agent.get('pid', '?')} up {human_duration(agent.get('uptime_s'))}")
+    flags = []
+    if data.get("paused"):
+        flags.append("PAUSED (no automatic restarts)")
+    if data.get("redeploying"):
+        flags.append("REDEPLOYING")
+    policy = data.get("node_policy") or {}
+    if policy.get("failed"):
+        flags.append(f"NODE FAILED: {policy.get('failed_reason')}")
+    if agent.get("stopping"):
+        flags.append("AGENT STOPPING")
+    if data.get("mqtt"):
+        flags.append(format_mqtt(data["mqtt"], now))
+    rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
+    for name, comp in data.get("components", {}).items():
+        rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",
+                     str(comp.get("restarts", 0)), human_duration(comp.get("uptime_s")),
+                     _last_exit(comp.get("last_exit"), now, wide), _note(comp, wide)))  # fmt: skip
+    return "\n".join([head, *flags, "", *table(rows)])
+
+
+def cluster_view(api: Client) -> dict[str, Any]:
+    status, data = api.request("GET", "/cluster")
+    if status == 404:
+        raise CliError(f"{error_text(data, status)}: --node and cluster need cluster.nodes", EXIT_USAGE)
+    if status != 200:
+        raise CliError(f"GET /cluster: {error_text(data, status)}")
+    return data  # type: ignore[no-any-return]
+
+
+def member_key_status(member: dict[str, Any]) -> dict[str, Any]:
+    """A member key in the shape of GET /status (what it does not say is absent or null)."""
+    comps = {name: {"state": (c or {}).get("state"), "pid": (c or {}).get("pid"), "ready": bool((c or {}).get("ready"))}
+             for name, c in (member.get("components") or {}).items()}  # fmt: skip
+    return {"node": {"name": member.get("name"), "role": member.get("role"), "ip": member.get("ip"),
+                     "group": member.get("group")},
+            "agent": {"version": member.get("version")}, "components": comps}  # fmt: skip
+
+
+def _remote_status(api: Client, node: str, as_json: bool, wide: bool) -> int:
+    """Another member's status: from its own API when it answers, else what its member key says (and why)."""
+    from nodeagent.clustercmd import format_member_status, remote_status
+
+    try:
+        source, data, reason = remote_status(cluster_view(api), node)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0]), EXIT_UNKNOWN) from None
+    if as_json:
+        remote: dict[str, Any] = {"source": source, "reason": reason}
+        if source != "api":
+            remote["member"] = data
+        shaped = data if source == "api" else member_key_status(data)
+        print(json.dumps({**shaped, "remote": remote}, indent=2))
+    elif source == "api":
+        print(format_status(data, wide=wide))
+    else:
+        print(format_member_status(data, reason or ""))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    api = connect(args)
+    node = getattr(args, "node", None)
+    data = api.get("/status")
+    if node and node != (data.get("node") or {}).get("name"):
+        return _remote_status(api, node, args.json, args.wide)
+    print(json.dumps(data, indent=2) if args.json else format_status(data, wide=args.wide))
+    return 0
