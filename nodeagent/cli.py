@@ -1026,6 +1026,9 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S")
     preflight = add("preflight", "check this host against the guide's requirements (exit 1 on any FAIL)", cmd_preflight)
     preflight.add_argument("--json", action="store_true", help="every check as JSON")
+    from nodeagent.portscmd import add_ports_command
+
+    add_ports_command(add)
     render = add("render", "print the exact command, environment and cwd of components", cmd_render)
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")
