@@ -468,8 +468,11 @@ def check_disk(ctx: _Ctx) -> Iterable[Check]:
         yield Check(label, status, value, hint if status != PASS else "")
 
 
+from nodeagent.portscmd import check_ports_lint  # noqa: E402  (it imports this module's Check lazily)
+
 CHECKS: tuple[Callable[[_Ctx], Iterable[Check]], ...] = (
     check_npus, check_versions, check_memory, check_models, check_programs, check_network, check_peers, check_disk,
+    check_ports_lint,
 )
 
 

@@ -174,6 +174,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     preflight = add("preflight", "check this host against the guide's requirements (exit 1 on any FAIL)",
                     "node:cmd_preflight")
     preflight.add_argument("--json", action="store_true", help="every check as JSON")
+    ports = add("ports", "every port this node binds: collisions, ephemeral-range exposure, the reserved-ports fix",
+                "ports:cmd_ports")  # fmt: skip
+    ports.add_argument("--apply", action="store_true", help="write net.ipv4.ip_local_reserved_ports (root), merged "
+                       "with what is reserved, and print the sysctl.d line to keep it")  # fmt: skip
+    ports.add_argument("--json", action="store_true")
+    ports.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: a private sysctl tree
     render = add("render", "print the exact command, environment and cwd of components", "configcmd:cmd_render")
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")
