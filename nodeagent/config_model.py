@@ -26,6 +26,7 @@ from pydantic import (
 from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
 from nodeagent.config_paths import ConfigPath
 from nodeagent.config_paths import resolve_path as _resolve_path
+from nodeagent.ft_config import FaultToleranceSpec
 from nodeagent.parsing import split_listen
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
 
@@ -538,6 +539,8 @@ class VllmComponent(ComponentBase):
     drain_timeout_s: float = Field(default=120.0, ge=0)
     """Before a planned restart or stop (operator, reload, planned gang restart): readiness off, then wait up to
     this long for running and waiting requests to finish. 0: no drain. A failure restart never drains."""
+    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    """vLLM's fault-tolerance retry as the group's first rung before a gang restart (external DP ranks only)."""
 
     @field_validator("model")
     @classmethod
