@@ -41,6 +41,7 @@ from nodeagent.config_probes import ProbeBase as ProbeBase
 from nodeagent.config_probes import ProbeSpec as ProbeSpec
 from nodeagent.config_probes import TcpProbe as TcpProbe
 from nodeagent.config_probes import VllmProgressProbe as VllmProgressProbe
+from nodeagent.ft_config import FaultToleranceSpec
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
 
 
@@ -265,6 +266,8 @@ class VllmComponent(ComponentBase):
     drain_timeout_s: float = Field(default=120.0, ge=0)
     """Before a planned restart or stop (operator, reload, planned gang restart): readiness off, then wait up to
     this long for running and waiting requests to finish. 0: no drain. A failure restart never drains."""
+    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    """vLLM's fault-tolerance retry as the group's first rung before a gang restart (external DP ranks only)."""
 
     @field_validator("model")
     @classmethod

@@ -23,6 +23,7 @@ from nodeagent.config_model import (
     ProxyComponent,
     VllmComponent,
 )
+from nodeagent.ft_config import fault_tolerance_argv
 
 # Variables the agent sets on every child so leftovers can be recognised (residue) and TMPDIR is private.
 AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "DSV4_AGENT_STATE", "TMPDIR")
@@ -232,6 +233,7 @@ def render_vllm_argv(comp: VllmComponent) -> list[str]:
     _flag(argv, "--compilation-config", comp.compilation_config)
     _flag(argv, "--async-scheduling", comp.async_scheduling)
     _flag(argv, "--additional-config", comp.additional_config)
+    argv += fault_tolerance_argv(comp.fault_tolerance, comp.data_parallel_rank)
     return argv + comp.extra_args
 
 

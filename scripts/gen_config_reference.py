@@ -186,6 +186,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("components.NAME.depends_on.DEPENDENCY", cm.DependencyEdge, "depends_on"),
     ("components.NAME.restart", cm.RestartSpec, "restart"),
     ("components.NAME.probes", cm.ProbeSet, "probes"),
+    ("components.NAME.fault_tolerance", cm.FaultToleranceSpec, "fault_tolerance"),
 ]
 ANCHORS: dict[type, str] = {model: anchor for _, model, anchor in SECTIONS}
 ANCHORS.update({m: f"probe-{k}" for k, m in PROBE_MODELS.items()})

@@ -60,6 +60,8 @@ from vllm_standin.cache_sim import tokenize
 from vllm_standin.common import MAX_WORKERS, VERSION, env_float, log, log_plain, package_pythonpath
 from vllm_standin.dp_group import DpPlan, Head, run_headless
 from vllm_standin.engine_core import LINE_LIMIT, wait_process
+from vllm_standin.fault_tolerance import attach as attach_fault_tolerance
+from vllm_standin.fault_tolerance import settings_from_argv as fault_tolerance_settings
 
 PROC = "APIServer"
 FAULT_MODES = ("none", "hang", "empty", "503", "crash_after")
@@ -128,6 +130,7 @@ class ServeArgs:
     dp: DpPlan | None = None
     """A multi-node data-parallel group (--data-parallel-size > --data-parallel-size-local with an address)."""
     ignored: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)
 
     @property
     def served_model_name(self) -> str:
@@ -211,7 +214,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
         raise UsageError("the following arguments are required: model_tag")
     if positionals:
         raise UsageError(f"unrecognized arguments: {' '.join(positionals)}")
-    args = ServeArgs(model=model, served_model_names=served or [model], ignored=ignored)
+    args = ServeArgs(model=model, served_model_names=served or [model], ignored=ignored, argv=list(argv))
     args.host = options.get("--host", args.host)
     if "--port" in options:
         args.port = _parse_int("--port", options["--port"])
@@ -604,6 +607,7 @@ class ApiServer:
         self.app.router.add_get("/metrics", self.metrics_endpoint)
         self.app.router.add_get("/standin/fault", self.get_fault)
         self.app.router.add_post("/standin/fault", self.post_fault)
+        self.fault_tolerance = attach_fault_tolerance(self.app, args.argv, self.engine)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Start the engine, bind the port once it is ready, serve until a signal (0) or engine death (1)."""
@@ -1121,11 +1125,12 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] != "serve":
             raise UsageError(f"invalid choice: {argv[0]!r} (the stand-in only implements 'serve')")
         args = parse_serve_args(argv[1:])
+        ft_refusal = fault_tolerance_settings(args.argv).refusal()
         fault = parse_fault(os.environ.get("VLLM_STANDIN_FAULT", "none"))
     except (UsageError, ValueError) as exc:
         print(f"{USAGE}\nvllm-standin: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    missing = missing_local_model(args.model)
+    missing = missing_local_model(args.model) or ft_refusal
     if missing:
         # vllm serve fails the same way, within seconds: the hub rejects a path that is not a local model folder.
         print(f"ERROR vllm-standin: {missing}", file=sys.stderr, flush=True)

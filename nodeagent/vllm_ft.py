@@ -1,0 +1,154 @@
+"""A thin client of vLLM's fault-tolerance API (`/fault_tolerance/status`, `/fault_tolerance/apply`, vLLM 0.32).
+
+The shapes are those read from the 0.32 wheel (docs/architecture.md, "vLLM fault tolerance"): the status lists
+this server's engines (one, its DP rank, in external load balancing), `apply` takes
+`{"instruction": "retry", "params": {}}` and answers 202 with a request id while the recovery runs in the
+background. Errors come out as one of three exceptions, each with a one-line message naming the server.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from nodeagent.ft_rules import Instruction, RankStatus
+
+STATUS_PATH = "/fault_tolerance/status"
+APPLY_PATH = "/fault_tolerance/apply"
+SCHEMA_VERSION = 1
+FIRST_VERSION = (0, 32)
+"""The first vLLM release whose fault-tolerance API this client was written against."""
+ENGINE_STATES = frozenset({"healthy", "unhealthy", "dead"})
+DEFAULT_TIMEOUT_S = 5.0
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+class FtError(Exception):
+    """Any failure talking to a rank's fault-tolerance API."""
+
+
+class FtUnreachable(FtError):
+    """No answer: connection refused or reset, or no answer within the timeout."""
+
+
+class FtNotServed(FtError):
+    """404: this server has no fault-tolerance routes (an older vLLM, or started without the flag)."""
+
+
+class FtRejected(FtError):
+    """An answer, but not the expected one: another status code, or a body of another shape."""
+
+
+@dataclass(frozen=True)
+class Support:
+    supported: bool | None
+    """None: not known from what was given."""
+    reason: str
+
+
+def supports_fault_tolerance(version_text: str | None = None, status_code: int | None = None) -> Support:
+    """From the status endpoint's answer (it wins: it is the server itself) or else from the version string."""
+    if status_code == 200:
+        return Support(True, "the fault-tolerance status endpoint answers")
+    if status_code == 404:
+        return Support(False, "the vLLM serves no /fault_tolerance routes (older than 0.32, or started without "
+                              "--enable-fault-tolerance)")
+    if version_text:
+        match = _VERSION_RE.match(version_text)
+        if match:
+            version = (int(match.group(1)), int(match.group(2)))
+            if version >= FIRST_VERSION:
+                return Support(True, f"vLLM {version_text.strip()} has the fault-tolerance API (0.32 or later)")
+            return Support(False, f"vLLM {version_text.strip()} predates the fault-tolerance API of vLLM 0.32")
+        return Support(None, f"cannot read a version from {version_text.strip()!r}")
+    if status_code is not None:
+        return Support(None, f"the fault-tolerance status endpoint answered {status_code}")
+    return Support(None, "no version and no status answer yet")
+
+
+def parse_status(body: Any, where: str = "status") -> list[RankStatus]:
+    """`GET /fault_tolerance/status`'s body as the rule reads it; FtRejected if it is not of that shape."""
+    if not isinstance(body, dict) or body.get("schema_version") != SCHEMA_VERSION:
+        raise FtRejected(f"{where}: not a fault-tolerance status of schema_version {SCHEMA_VERSION}: {body!r:.200}")
+    engines = body.get("engines")
+    if not isinstance(engines, list):
+        raise FtRejected(f"{where}: 'engines' is not a list")
+    out = []
+    for engine in engines:
+        if not isinstance(engine, dict) or not isinstance(engine.get("id"), int) or isinstance(engine["id"], bool):
+            raise FtRejected(f"{where}: an engine without an integer id: {engine!r:.200}")
+        state = engine.get("status")
+        if state not in ENGINE_STATES:
+            raise FtRejected(f"{where}: engine {engine['id']} has an unknown status {state!r}")
+        out.append(RankStatus(
+            rank=engine["id"],
+            state=state,
+            fault_info=_optional_str(engine.get("fault_info")),
+            ft_error=_optional_str(engine.get("ft_error")),
+            last_ft_request_id=_optional_str(engine.get("last_ft_request_id")),
+        ))
+    return out
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _error_message(body: Any, text: str) -> str:
+    """vLLM's ErrorResponse `{"error": {"message"}}`, FastAPI's `{"detail"}`, or the text."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return text.strip()[:200]
+
+
+async def _call(session: aiohttp.ClientSession, method: str, url: str, timeout_s: float,
+                json_body: dict[str, Any] | None = None) -> tuple[int, Any, str]:
+    try:
+        async with session.request(method, url, json=json_body,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = await resp.text()
+            try:
+                body = await resp.json(content_type=None) if text else None
+            except ValueError:
+                body = None
+            return resp.status, body, text
+    except TimeoutError:
+        raise FtUnreachable(f"{method} {url}: no answer within {timeout_s:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise FtUnreachable(f"{method} {url}: {exc.__class__.__name__}: {exc}") from None
+
+
+async def fetch_status(session: aiohttp.ClientSession, base_url: str,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> list[RankStatus]:
+    url = base_url.rstrip("/") + STATUS_PATH
+    status, body, text = await _call(session, "GET", url, timeout_s)
+    if status == 404:
+        raise FtNotServed(f"GET {url}: 404 {_error_message(body, text)}")
+    if status != 200:
+        raise FtRejected(f"GET {url}: {status} {_error_message(body, text)}")
+    return parse_status(body, where=f"GET {url}")
+
+
+async def apply(session: aiohttp.ClientSession, base_url: str, instruction: Instruction,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """Send one instruction; the request id vLLM gave it (its outcome shows in the status, under that id).
+
+    `timeout_s` bounds the HTTP exchange only: vLLM 0.32 takes no timeout with the instruction.
+    """
+    url = base_url.rstrip("/") + APPLY_PATH
+    status, body, text = await _call(session, "POST", url, timeout_s, {"instruction": instruction, "params": {}})
+    if status == 404:
+        raise FtNotServed(f"POST {url}: 404 {_error_message(body, text)}")
+    if status != 202:
+        raise FtRejected(f"POST {url}: {status} {_error_message(body, text)}")
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str) or not request_id:
+        raise FtRejected(f"POST {url}: 202 without a request_id: {text.strip()[:200]}")
+    return request_id
