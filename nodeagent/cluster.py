@@ -25,6 +25,7 @@ from nodeagent import cluster_rules as rules
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.layout import Group, cluster_layout
 from nodeagent.proxy_sync import ProxySync
+from nodeagent.stackport import Hold, HoldKind
 from nodeagent.statefile import read_json, write_json_atomic
 from nodeagent.store import KV, Change, Resync, StoreError
 
@@ -102,7 +103,6 @@ class Coordinator:
             self.gangs[group.name] = gs
         self.by_component = {c: gs for gs in self.gangs.values() for c in gs.components}
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
-        self.cluster_pause: dict[str, Any] | None = None
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
         self.proxies = [ProxySync(self, plan) for plan in self.layout.proxies
@@ -210,8 +210,7 @@ class Coordinator:
 
     def _on_pause(self, key: str, kv: KV | None) -> None:
         info = kv.json() if kv is not None else None
-        self.cluster_pause = info if isinstance(info, dict) else None
-        self.sup.set_cluster_pause(self.cluster_pause)
+        self.sup.set_cluster_pause(info if isinstance(info, dict) else None)
 
     # ---- the work loop: everything that writes -----------------------------------------------------------
     async def _work(self) -> None:
@@ -395,7 +394,7 @@ class Coordinator:
                 self.sup.events.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
 
     # ---- hooks the supervisor calls --------------------------------------------------------------------------
-    def gate(self, comp: Component, operator: bool) -> str | None:
+    def gate(self, comp: Component, operator: bool) -> Hold | None:
         gs = self.by_component.get(comp.name)
         if gs is None:
             return None
@@ -403,23 +402,27 @@ class Coordinator:
             return None  # a one-node group restarts locally while etcd is away
         name = gs.group.name
         if self.epoch is None or not self.reachable:
-            return f"group {name}: waiting for etcd to coordinate its start ({self.store.state.endpoint})"
+            return Hold(HoldKind.COORDINATION,
+                        f"group {name}: waiting for etcd to coordinate its start ({self.store.state.endpoint})")
         if gs.pending is not None:
-            return f"group {name}: asking for the next generation"
+            return Hold(HoldKind.COORDINATION, f"group {name}: asking for the next generation")
         if gs.deferred is not None:
-            return f"group {name}: generation {gs.deferred} waits for the end of the pause"
+            return Hold(HoldKind.COORDINATION, f"group {name}: generation {gs.deferred} waits for the end of the pause",
+                        resolves_itself=False)  # fmt: skip
         record = gs.record
         if record is not None and record.not_before > time.time():
             left = record.not_before - time.time()
-            return f"group {name}: backing off {left:.0f}s as one (generation {record.generation})"
+            return Hold(HoldKind.GROUP_BACKOFF,
+                        f"group {name}: backing off {left:.0f}s as one (generation {record.generation})")
         if gs.released == gs.acted:
             return None
         self.wake()
         if gs.arrived_for != gs.acted:
-            return f"group {name} generation {gs.acted}: about to arrive at the start barrier"
+            return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
         waited = time.monotonic() - (gs.waiting_since or time.monotonic())
-        return rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S).describe(
-            name, gs.acted, waited)
+        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
+        return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
+                    data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
 
     def decide(self, comp: Component, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""
@@ -510,6 +513,6 @@ class Coordinator:
                            "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
                            "pending": gs.pending is not None}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
-                "pause": self.cluster_pause, "gangs": gangs,
+                "pause": self.sup.cluster_pause, "gangs": gangs,
                 "redeploy": self.ops.status() if self.ops is not None else None,
                 "proxies": [p.status() for p in self.proxies]}  # fmt: skip

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent import cluster_rules as rules
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.stackport import Hold, HoldKind
 from nodeagent.store import KV, StoreError
 
 if TYPE_CHECKING:
@@ -91,14 +92,15 @@ class ClusterOps:
     def _local(self, kinds: tuple[str, ...] = ("etcd",), exclude: bool = True) -> list[Component]:
         return [c for c in self.sup.components.values() if (c.kind in kinds) != exclude]
 
-    def gate(self, comp: Component, operator: bool) -> str | None:
+    def gate(self, comp: Component, operator: bool) -> Hold | None:
         if self.phase is None:
             return None
         if comp.kind != "etcd":
             rid = self.record.id if self.record else "?"
-            return f"cluster redeploy {rid}: {self.phase} (starts again once it is done)"
+            return Hold(HoldKind.CLUSTER_REDEPLOY,
+                        f"cluster redeploy {rid}: {self.phase} (starts again once it is done)")
         if self.phase == "wiping":
-            return "cluster redeploy: archiving and wiping etcd's data"
+            return Hold(HoldKind.CLUSTER_REDEPLOY, "cluster redeploy: archiving and wiping etcd's data")
         return None
 
     def _refuse_while_redeploying(self, comp: Component, action: str, drain: bool, by: str) -> str | None:

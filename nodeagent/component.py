@@ -24,11 +24,13 @@ from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
 from nodeagent.host import ComponentHost, Process, StartHeld
 from nodeagent.process import ProcessRecord
+from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 
 __all__ = ["COMMANDS", "Component", "Signal", "State"]
 
 HOLD_RECHECK_S = 2.0
+HOLD_LOG_EVERY_S = 60.0
 DRAIN_POLL_S = 1.0
 
 
@@ -53,7 +55,9 @@ class Component:
         self.failure: Failure | None = None
         """The last failure, classified; kept across restarts to recognise the same error twice."""
         self.backoff_until: float | None = None
-        self.held: str | None = None
+        self.hold: Hold | None = None
+        """Why it waits to start (a typed hold: compared by kind, never by its text)."""
+        self._hold_logged_at = float("-inf")
         self.operator_start = False
         """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
@@ -136,7 +140,7 @@ class Component:
             why = self.host.start_gate(self, self.operator_start)
             if why is None:
                 return
-            resting = (State.BACKOFF, State.UNHEALTHY) if why.startswith("paused") else (
+            resting = (State.BACKOFF, State.UNHEALTHY) if why.is_pause else (
                 State.BACKOFF, State.UNHEALTHY, State.FAILED)  # a failed component stays visible while paused
             if self.proc is None and self.state in resting:
                 self._set(State.STOPPED, f"not restarting: {why}")
@@ -157,11 +161,24 @@ class Component:
         if sig.kind in ("restart", "wake") and sig.operator:
             self.operator_start = True
 
-    def _hold(self, why: str) -> None:
-        if why != self.held:
-            self.held = why
-            self.host.events.emit("held", f"waiting: {why}", self.name)
-            self.host.on_state(self)
+    @property
+    def held(self) -> str | None:
+        """The hold's reason, as status and events show it."""
+        return self.hold.reason if self.hold is not None else None
+
+    def _hold(self, why: Hold) -> None:
+        """Show a hold; log it when what holds changes, and once a minute while only its wait grows (a rank at
+        a barrier for 30 min would otherwise log a line a second)."""
+        if why == self.hold:
+            return
+        old, self.hold = self.hold, why
+        now = self.host.clock.time()
+        same = old is not None and old.kind == why.kind and (
+            old.data == why.data if why.data else old.reason == why.reason)
+        if not same or now - self._hold_logged_at >= HOLD_LOG_EVERY_S:
+            self._hold_logged_at = now
+            self.host.events.emit("held", f"waiting: {why.reason}", self.name, hold=str(why.kind))
+        self.host.on_state(self)
 
     async def _start(self, adopt: ProcessRecord | None) -> bool:
         self.gen += 1
@@ -172,7 +189,7 @@ class Component:
             except AdoptError as exc:
                 self.host.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
                 return False
-            self.held = None
+            self.hold = None
             self.started_at = adopt.create_time
             self._set(State.STARTING, f"adopted running pid {adopt.pid}", pid=adopt.pid)
         else:
@@ -186,14 +203,14 @@ class Component:
                 return False
             except LaunchError as exc:
                 what = "precheck" if isinstance(exc, MissingPrerequisite) else "launch"
-                self.held = None
+                self.hold = None
                 self.last_exit = {"at": self.host.clock.time(), "reason": f"launch failed: {exc}", "code": None}
                 self.host.events.emit("launch_failed", str(exc), self.name, "error")
                 detail = str(exc) if what == "precheck" else f"launch failed: {exc}"
                 failure = Failure(what, detail, output_tail=(str(exc),))
                 await self._after_failure(failure, self.host.capture(self, failure))
                 return False
-            self.held = None
+            self.hold = None
             self.started_at = self.proc.record.create_time
             self.host.events.emit("started", f"started pid {self.proc.record.pid} (output: {self.proc.output})",
                                   self.name, pid=self.proc.record.pid)  # fmt: skip
@@ -211,7 +228,7 @@ class Component:
         operator command arrives). Nothing counts as a failure."""
         if self.state == State.STARTING:
             self._set(State.STOPPED, f"start held: {held.reason}", "warning")
-        self._hold(held.reason)
+        self._hold(held.hold)
         while True:
             getter = asyncio.ensure_future(self._next())
             try:
@@ -227,7 +244,7 @@ class Component:
             if still is None:
                 self.host.events.emit("released", f"no longer held ({held.reason})", self.name)
                 return
-            self._hold(still)
+            self._hold(Hold(held.hold.kind, still, resolves_itself=held.hold.resolves_itself))
 
     async def _supervise(self) -> tuple[str, str, Failure | None, bool]:
         while True:
@@ -426,6 +443,7 @@ class Component:
             "failure": failure.to_dict() if failure is not None and self.state == State.FAILED else None,
             "backoff_remaining_s": round(self.backoff_until - now, 1) if self.backoff_until else None,
             "held": self.held if self.record is None else None,
+            "hold": self.hold.to_dict() if self.hold is not None and self.record is None else None,
             "probes": self.prober.snapshot() if self.prober is not None else {},
             **self.extra_status,
         }

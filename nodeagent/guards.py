@@ -14,6 +14,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
+from nodeagent.stackport import Hold, HoldKind
 
 if TYPE_CHECKING:
     from nodeagent.preflight import PreflightReport
@@ -49,10 +50,13 @@ class StartGuards:
         return any(c.kind == "vllm" for c in self.sup.components.values())
 
     # ---- the gate -----------------------------------------------------------------------------------------
-    def gate(self, comp: Any, operator: bool) -> str | None:
+    def gate(self, comp: Any, operator: bool) -> Hold | None:
         if self.blocking and not operator:
-            return "preflight failed: " + "; ".join(self.blocking) + " (nodeagentctl preflight for the fixes)"
-        return self.npu.start_gate(comp, operator)
+            return Hold(HoldKind.PREFLIGHT, "preflight failed: " + "; ".join(self.blocking)
+                        + " (nodeagentctl preflight for the fixes)", operator_passes=True,
+                        resolves_itself=False)  # fmt: skip
+        why = self.npu.start_gate(comp, operator)
+        return Hold(HoldKind.NPU_FAULT, why, resolves_itself=False) if why else None
 
     # ---- preflight ----------------------------------------------------------------------------------------
     async def run_preflight(self) -> None:

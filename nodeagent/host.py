@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.errors import AgentError
+from nodeagent.stackport import Hold, HoldKind
 
 if TYPE_CHECKING:
     import subprocess
@@ -32,10 +33,12 @@ class StartHeld(AgentError):
     Not a failure: nothing is counted, nothing escalates. `recheck()` answers cheaply whether the obstacle is
     still there (its description, or None once gone)."""
 
-    def __init__(self, reason: str, recheck: Any = None) -> None:
+    def __init__(self, reason: str, recheck: Any = None, kind: HoldKind = HoldKind.FOREIGN_HOLDER) -> None:
         super().__init__(reason)
         self.reason = reason
         self.recheck = recheck
+        self.hold = Hold(kind, reason, resolves_itself=False)
+        """Nothing the agent does ends it: a foreign process must go (or an operator act)."""
 
 
 class Clock:
@@ -68,7 +71,7 @@ class ComponentHost(Protocol):
     clock: Clock
 
     # ---- gate
-    def start_gate(self, comp: Component, operator: bool) -> str | None:
+    def start_gate(self, comp: Component, operator: bool) -> Hold | None:
         """Why it may not start now (desired stopped, paused, dependency down, held...), or None."""
 
     def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:

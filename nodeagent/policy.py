@@ -292,13 +292,15 @@ def may_act(intent: Intent, action: str) -> tuple[bool, str]:
     return True, f"desired {intent.desired}: {action} allowed"
 
 
-def hold_for_dependency(kind: str, etcd_reachable: bool) -> str | None:
+def hold_for_dependency(kind: str, etcd_reachable: bool, first_start: bool = False) -> str | None:
     """Why a restart of this kind must wait, or None. Hold datasystem restarts while etcd is down.
 
     The worker cannot start without etcd (dscli hangs until its timeout), so restarting it would only burn
     the backoff; a running worker re-registers by itself once etcd is back (DESIGN §10).
     """
     if kind == "datasystem" and not etcd_reachable:
+        if first_start:
+            return "waiting for etcd: the datasystem worker starts once etcd answers"
         return "etcd unreachable: holding the datasystem worker restart until etcd is back"
     return None
 

@@ -258,7 +258,6 @@ def vllm_uses(name: str, comp: VllmComponent, env: Mapping[str, str], node_ip: s
 
 def node_uses(config: Config, base_env: Mapping[str, str] | None = None) -> list[PortUse]:
     """Every port this node's active components bind, from their rendered commands and environment."""
-    from nodeagent.npu_monitor import is_standin
     from nodeagent.render import render_component
 
     uses = [PortUse("agent", "API (agent.api.listen)", config.agent.api.port, config.agent.api.port)]
@@ -266,7 +265,7 @@ def node_uses(config: Config, base_env: Mapping[str, str] | None = None) -> list
         spec = render_component(name, config, dict(base_env or {}))
         if isinstance(comp, VllmComponent):
             found = vllm_uses(name, comp, spec.environment(base_env or {}), config.node.ip)
-            if is_standin(comp):
+            if config.node.npus == 0:  # a host without NPUs (node.npus: 0) runs no HCCL
                 found = [u for u in found if u.shared != "hccl"]
             uses += found
         elif isinstance(comp, EtcdComponent):

@@ -1,4 +1,5 @@
-"""The thin shells around `portlint`: the preflight check `ports_lint` and `nodeagentctl ports [--apply] [--json]`.
+"""The thin shells around `portlint` (`nodeagentctl ports [--apply] [--json]`, and the live lint that preflight's
+`ports_lint` check runs).
 
 Both read the sysctls through a root (`hostfacts.Host.root`, `/` in production, a fixture tree in tests);
 `--apply` writes `ip_local_reserved_ports` under that root, merging with what is reserved already, and prints the
@@ -12,7 +13,7 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nodeagent.portlint import (
     COLLISION,
@@ -56,28 +57,6 @@ def lint_node(config: Config, host: Host, ours: set[int] | None = None, live: bo
     uses = node_uses(config, base_environment())
     ephemeral, reserved = read_sysctls(host)
     return lint_ports(uses, ephemeral, reserved, listening_now(uses) if live else None, ours)
-
-
-def check_ports_lint(ctx: Any) -> Iterable[Any]:
-    """Preflight: FAIL when two of our listeners collide (or a stranger holds one), WARN when a listener is inside
-    the ephemeral range and not reserved."""
-    from nodeagent.preflight import FAIL, PASS, WARN, Check
-
-    report = lint_node(ctx.config, ctx.host, ctx.ours)
-    fixed = sum(1 for u in report.uses if not u.random)
-    if report.collisions:
-        yield Check("ports_lint", FAIL, "; ".join(f.message for f in report.collisions),
-                    "give each listener its own ports (cluster.pd.kv_port_base, ASCEND_BASE_PORT, the components' "
-                    "ports) or stop what holds them")  # fmt: skip
-    elif report.exposed:
-        yield Check("ports_lint", WARN, "; ".join(f.message for f in report.exposed),
-                    f"nodeagentctl ports --apply (as root), or sysctl -w {report.sysctl_line().replace(' ', '')}")
-    elif not report.ephemeral_known:
-        yield Check("ports_lint", PASS, f"{fixed} fixed port ranges, no collisions (ip_local_port_range unreadable: "
-                    "ephemeral overlap not checked)")  # fmt: skip
-    else:
-        yield Check("ports_lint", PASS, f"{fixed} fixed port ranges, no collisions, none in the ephemeral range "
-                    f"{report.ephemeral[0]}-{report.ephemeral[1]} unreserved")  # fmt: skip
 
 
 def apply_reserved(host: Host, report: PortReport, euid: int | None = None) -> str:

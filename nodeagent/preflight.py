@@ -22,6 +22,7 @@ from nodeagent.config_model import Config, DatasystemComponent, EtcdComponent, V
 from nodeagent.hostfacts import Host, version_at_least
 from nodeagent.npu import HEALTH_OK, NET_HEALTH_OK, NET_HEALTH_UNCONFIGURED, NpuSnapshot
 from nodeagent.npu_monitor import expected_npus
+from nodeagent.portscmd import lint_node
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 CANN_MIN = "8.5.0"
@@ -468,7 +469,26 @@ def check_disk(ctx: _Ctx) -> Iterable[Check]:
         yield Check(label, status, value, hint if status != PASS else "")
 
 
-from nodeagent.portscmd import check_ports_lint  # noqa: E402  (it imports this module's Check lazily)
+def check_ports_lint(ctx: _Ctx) -> Iterable[Check]:
+    """Preflight: FAIL when two of our listeners collide (or a stranger holds one), WARN when a listener is inside
+    the ephemeral range and not reserved."""
+    report = lint_node(ctx.config, ctx.host, ctx.ours)
+    fixed = sum(1 for u in report.uses if not u.random)
+    if report.collisions:
+        yield Check("ports_lint", FAIL, "; ".join(f.message for f in report.collisions),
+                    "give each listener its own ports (cluster.pd.kv_port_base, ASCEND_BASE_PORT, the components' "
+                    "ports) or stop what holds them")  # fmt: skip
+    elif report.exposed:
+        yield Check("ports_lint", WARN, "; ".join(f.message for f in report.exposed),
+                    f"nodeagentctl ports --apply (as root), or sysctl -w {report.sysctl_line().replace(' ', '')}")
+    elif not report.ephemeral_known:
+        yield Check("ports_lint", PASS, f"{fixed} fixed port ranges, no collisions (ip_local_port_range unreadable: "
+                    "ephemeral overlap not checked)")  # fmt: skip
+    else:
+        yield Check("ports_lint", PASS, f"{fixed} fixed port ranges, no collisions, none in the ephemeral range "
+                    f"{report.ephemeral[0]}-{report.ephemeral[1]} unreserved")  # fmt: skip
+
+
 
 CHECKS: tuple[Callable[[_Ctx], Iterable[Check]], ...] = (
     check_npus, check_versions, check_memory, check_models, check_programs, check_network, check_peers, check_disk,

@@ -38,10 +38,11 @@ from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, render_component
+from nodeagent.stackport import HOLD_ORDER, Hold, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
 from nodeagent.vllm_progress import parse_progress
 
-StartGate = Callable[[Component, bool], "str | None"]
+StartGate = Callable[[Component, bool], "Hold | None"]
 Decider = Callable[[Component, Failure], "RestartDecision | str | None"]
 """A layer's say on a failure: a decision, a message (handled there: no local action), or None (not mine)."""
 CommandHook = Callable[[Component, str, bool, str], "str | None"]
@@ -173,33 +174,35 @@ class Supervisor:
                 self.intent_store.notify()
             await asyncio.sleep(2.0)
 
-    def dependency_hold(self, comp: Component) -> str | None:
-        return hold_for_dependency(comp.kind, self.etcd_reachable())
+    def dependency_hold(self, comp: Component) -> Hold | None:
+        why = hold_for_dependency(comp.kind, self.etcd_reachable(), first_start=comp.started_at is None)
+        return Hold(HoldKind.ETCD_UNREACHABLE, why) if why else None
 
     # ---- host: gate -------------------------------------------------------------------------------------------
-    def start_gate(self, comp: Component, operator: bool = False) -> str | None:
-        """The one gate every start passes, automatic or not (re-checked right before acting)."""
+    def start_gate(self, comp: Component, operator: bool = False) -> Hold | None:
+        """The one gate every start passes, automatic or not (re-checked right before acting): the holds in
+        `stackport.HOLD_ORDER`, the first that holds wins."""
         if self.desired(comp.name) != "running":
-            return "desired state is stopped"
+            return Hold(HoldKind.DESIRED_STOPPED, "desired state is stopped", resolves_itself=False)
         if self.paused and not operator:
             info = self.pause_info() or {}
-            scope = "cluster paused" if info.get("scope") == "cluster" else "paused"
-            return f"{scope} by {info.get('by', '?')}: no automatic start (an operator start/restart still works)"
+            cluster = info.get("scope") == "cluster"
+            scope = "cluster paused" if cluster else "paused"
+            return Hold(HoldKind.CLUSTER_PAUSE if cluster else HoldKind.NODE_PAUSE,
+                        f"{scope} by {info.get('by', '?')}: no automatic start (an operator start/restart still works)",
+                        operator_passes=True, resolves_itself=False, data=dict(info))  # fmt: skip
         hold = self.dependency_hold(comp)
         if hold:
             return hold
         if self.redeploying is not None and not self.redeploying.done():
-            return "node redeploy in progress"
+            return Hold(HoldKind.NODE_REDEPLOY, "node redeploy in progress")
         waiting = [d for d in self.deps(comp) if not self.components[d].up.is_set()]
         if waiting:
-            return "dependencies not up: " + ", ".join(waiting)
-        for gate in self.gates:
-            why = gate(comp, operator)
-            if why:
-                return why
-        return None
+            return Hold(HoldKind.DEPENDENCY, "dependencies not up: " + ", ".join(waiting), data={"waiting": waiting})
+        found = [hold for gate in self.gates if (hold := gate(comp, operator)) is not None]
+        return min(found, key=lambda h: HOLD_ORDER.index(h.kind)) if found else None
 
-    def blocked(self, comp: Component) -> str | None:
+    def blocked(self, comp: Component) -> Hold | None:
         return self.start_gate(comp, False)
 
     def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:

@@ -282,3 +282,25 @@ def test_exit_text(code: int | None, text: str) -> None:
     from nodeagent.failure import exit_text
 
     assert exit_text(code) == text
+
+
+@pytest.mark.parametrize("scope", ["node", "cluster"])
+async def test_a_failed_component_stays_failed_under_either_pause(tmp_path: Path, scope: str) -> None:
+    """A pause is a pause whoever set it: a FAILED component stays visible as failed under a cluster pause as
+    under a node pause (the gate once compared reason strings, and "cluster paused by …" turned it STOPPED)."""
+    r = await rig(tmp_path)
+    try:
+        b = r.sup.components["b"]
+        r.missing = "model path /nowhere does not exist"
+        r.crash("b")
+        await until("failed", lambda: str(b.state) == "failed")
+        if scope == "node":
+            r.sup.set_paused(True, "test")
+        else:
+            r.sup.set_cluster_pause({"by": "n1: test", "at": 0.0, "reason": "maintenance"})
+        await until("held by the pause", lambda: b.hold is not None and b.hold.is_pause)
+        await asyncio.sleep(0.05)
+        assert str(b.state) == "failed", f"under a {scope} pause the failure stays visible"
+        assert r.sup.status()["components"]["b"]["hold"]["kind"] == f"{scope}_pause"
+    finally:
+        await stop(r)

@@ -245,6 +245,8 @@ def test_datasystem_restarts_hold_while_etcd_is_unreachable() -> None:
     reason = hold_for_dependency("datasystem", etcd_reachable=False)
     assert reason is not None and "etcd unreachable" in reason
     assert hold_for_dependency("datasystem", etcd_reachable=True) is None
+    first = hold_for_dependency("datasystem", etcd_reachable=False, first_start=True)
+    assert first == "waiting for etcd: the datasystem worker starts once etcd answers", "no 'restart' before a start"
     assert hold_for_dependency("vllm", etcd_reachable=False) is None
 
 

@@ -33,8 +33,8 @@ from nodeagent.portlint import (
     parse_ranges,
     subtract,
 )
-from nodeagent.portscmd import PortsApplyError, apply_reserved, check_ports_lint, lint_node, read_sysctls
-from nodeagent.preflight import FAIL, PASS, WARN
+from nodeagent.portscmd import PortsApplyError, apply_reserved, lint_node, read_sysctls
+from nodeagent.preflight import FAIL, PASS, WARN, check_ports_lint
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT = ROOT / "config" / "dsv4-flash-a2-8node.yaml"
