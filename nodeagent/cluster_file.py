@@ -36,6 +36,7 @@ class ClusterFileError(ValueError):
     """One or more problems, each with the key path it is about."""
 
     def __init__(self, problems: list[tuple[KeyPath, str]]) -> None:
+        problems = list(dict.fromkeys(problems))  # a check reached along several paths is one problem
         super().__init__("; ".join(f"{'.'.join(map(str, p))}: {m}" for p, m in problems))
         self.problems = problems
 
@@ -88,7 +89,7 @@ def check_cluster(cluster: ClusterConfig, components: Mapping[str, Any]) -> list
     template = vllm_template(components)
     problems += _check_groups(cluster, template, seen)
     problems += _check_derived(cluster, components, template)
-    return problems
+    return list(dict.fromkeys(problems))
 
 
 def _check_etcd_members(cluster: ClusterConfig, members: Mapping[str, int],

@@ -252,7 +252,10 @@ class Component:
             if sig.kind == "startup_ok":
                 self.up.set()
                 self.host.on_up(self)
-                self._set(State.RUNNING, f"up after {self.host.clock.time() - (self.started_at or 0):.1f}s")
+                age = self.host.clock.time() - (self.started_at or 0)
+                adopted = self.proc is not None and self.proc.output == "adopted"
+                self._set(State.RUNNING, f"adopted, up (running for {age:.0f} s)" if adopted
+                          else f"up after {age:.1f}s")
             elif sig.kind in ("ready", "not_ready"):
                 self.ready = sig.kind == "ready"
                 if self.state in (State.RUNNING, State.READY):

@@ -173,7 +173,7 @@ class EventBus:
         ev = Event(self._next_seq(), time.time(), event, message, component, level, data)
         self.recent.append(ev)
         log = logger.bind(component=component, event=event) if component else logger.bind(event=event)
-        log.opt(depth=1).log(_LEVELS.get(level, "INFO"), (f"[{component}] " if component else "") + message)
+        log.opt(depth=1).log(_LEVELS.get(level, "INFO"), message)  # the sink adds the [component] tag
         for queue in self._subscribers:
             if queue.full():
                 queue.get_nowait()

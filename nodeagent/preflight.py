@@ -412,7 +412,8 @@ def check_network(ctx: _Ctx) -> Iterable[Check]:
         yield Check("ports", FAIL, "; ".join(busy), "stop what holds them (leftovers of an earlier run?) or change the "
                     "ports in the config")  # fmt: skip
     else:
-        yield Check("ports", PASS, f"{listed} free" + (f"; held by our components: {', '.join(ours)}" if ours else ""))
+        ours_note = f" or held by our own components ({', '.join(ours)})" if ours else ""
+        yield Check("ports", PASS, f"{listed} free{ours_note}")
 
 
 def check_peers(ctx: _Ctx) -> Iterable[Check]:

@@ -3,6 +3,13 @@
 # stand-in on loopback, all state under .dsv4-agent/. Ctrl-C (SIGTERM) stops the stack in reverse order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-dev.sh
+# Install only when pyproject.toml changed since the last install (stamp: its hash), so a plain restart shows
+# no pip output.
+stamp=.venv/.run-local-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -x .venv/bin/dsv4-agent ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  scripts/install-dev.sh >&2
+  echo "$want" >"$stamp"
+fi
 echo "dsv4-agent: starting on config/local.yaml (logs: .dsv4-agent/logs/, state: .dsv4-agent/state/)" >&2
 exec .venv/bin/dsv4-agent --config config/local.yaml "$@"

@@ -323,3 +323,13 @@ def test_config_validate_and_render_errors_for_a_member() -> None:
     assert bad.returncode == 78 and "--node 'a2-9' is not a member" in bad.stderr
     unknown = ctl("render", "vllm-dp0", "--node", "a2-5", "--config", str(EIGHT_NODE))
     assert unknown.returncode == 4 and "node a2-5 has" in unknown.stderr
+
+
+def test_cluster_file_error_names_each_problem_once() -> None:
+    """`config validate` printed one group error four times: a problem reached along several paths is one."""
+    from nodeagent.cluster_file import ClusterFileError
+
+    where = ("cluster", "vllm_groups", 0, "nodes", 1)
+    err = ClusterFileError([(where, "unknown node 'zz'")] * 4 + [(("cluster", "nodes"), "no master")])
+    assert err.problems == [(where, "unknown node 'zz'"), (("cluster", "nodes"), "no master")]
+    assert str(err).count("unknown node 'zz'") == 1

@@ -59,6 +59,18 @@ def test_text_format() -> None:
     assert lines[2][24:] == "WARNING [etcd] slow"
 
 
+def test_event_line_has_one_component_tag() -> None:
+    """An event's log line carries its component once (it read "[etcd] [etcd] stopped → starting")."""
+    from nodeagent.events import EventBus
+
+    out = io.StringIO()
+    setup_logging("node-1", "text", stream=out)
+    EventBus().emit("state", "stopped → starting", component="etcd")
+    EventBus().emit("agent", "started")
+    lines = out.getvalue().splitlines()
+    assert [line[24:] for line in lines] == ["INFO  [etcd] stopped → starting", "INFO  started"], lines
+
+
 def test_text_format_exception_and_level() -> None:
     out = io.StringIO()
     setup_logging("n", "text", level="DEBUG", stream=out)
