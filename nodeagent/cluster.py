@@ -105,7 +105,10 @@ class Coordinator:
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
-        self.proxies = [ProxySync(self, plan) for plan in self.layout.proxies
+        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: supervisor.components.get(c),
+                                  lambda: {n: m.record for n, m in membership.members.items()},
+                                  lambda: self.records, supervisor.events.emit)
+                        for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in supervisor.components]  # fmt: skip
         self._tasks: list[asyncio.Task[Any]] = []
         self._wake = asyncio.Event()

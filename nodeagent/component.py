@@ -139,6 +139,7 @@ class Component:
         while True:
             why = self.host.start_gate(self, self.operator_start)
             if why is None:
+                self.hold = None  # the gate is open: what held it no longer does
                 return
             resting = (State.BACKOFF, State.UNHEALTHY) if why.is_pause else (
                 State.BACKOFF, State.UNHEALTHY, State.FAILED)  # a failed component stays visible while paused

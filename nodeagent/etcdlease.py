@@ -12,18 +12,30 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from loguru import logger
 
-from nodeagent.store import KV, StoreError, StoreUnavailable
+from nodeagent.store import KV, CasResult, StoreError, StoreUnavailable
 
-if TYPE_CHECKING:
-    from nodeagent.etcdstore import EtcdStore
+
+class LeaseStore(Protocol):
+    """What a kept lease needs from the etcd store that owns it (`etcdstore.EtcdStore`)."""
+
+    async def grant(self, ttl: float) -> int: ...
+
+    async def keepalive(self, lease_id: int) -> float: ...
+
+    async def revoke_lease(self, lease_id: int) -> None: ...
+
+    async def compare_and_swap(self, key: str, mod_revision: int, value: bytes | str | None,
+                               lease: Any = None) -> CasResult: ...  # fmt: skip
+
+    def suspect_reset(self, why: str) -> None: ...
 
 
 class KeptLease:
-    def __init__(self, store: EtcdStore, ttl: float) -> None:
+    def __init__(self, store: LeaseStore, ttl: float) -> None:
         self.store = store
         self.ttl = ttl
         self.period = max(1.0, ttl / 3)
@@ -118,7 +130,7 @@ class KeptLease:
                 self._pending.discard(key)
                 continue
             try:
-                result = await self.store.compare_and_swap(key, 0, value, lease=self)  # type: ignore[arg-type]
+                result = await self.store.compare_and_swap(key, 0, value, lease=self)
             except StoreUnavailable:
                 return  # the next round tries again
             self._pending.discard(key)

@@ -16,6 +16,7 @@ import contextlib
 import json
 import time
 import urllib.request
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -24,7 +25,7 @@ from nodeagent.bindaddr import connect_host
 from nodeagent.layout import Group, ProxyPlan
 
 if TYPE_CHECKING:
-    from nodeagent.cluster import Coordinator
+    from nodeagent.component import Component
 
 PERIOD_S = 1.0
 RECONCILE_S = 10.0
@@ -58,10 +59,15 @@ def desired_backends(groups: list[Group], health: dict[str, bool]) -> dict[str, 
 
 
 class ProxySync:
-    def __init__(self, coordinator: Coordinator, plan: ProxyPlan) -> None:
-        self.co = coordinator
+    """Takes what it reads as callables (the proxy component, the member records, the groups' generation
+    records) and one `emit`: it knows nothing of the coordinator that owns it."""
+
+    def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], Component | None],
+                 members: Callable[[], Mapping[str, Any]], records: Callable[[], Mapping[str, Any]],
+                 emit: Callable[..., Any]) -> None:  # fmt: skip
         self.plan = plan
-        self.groups = [g for g in coordinator.layout.groups if g.kind in ("prefill", "decode")]
+        self.groups = [g for g in groups if g.kind in ("prefill", "decode")]
+        self._component, self._members, self._records, self._emit = component, members, records, emit
         self.applied: dict[str, set[str]] | None = None
         self.proxy_pid: int | None = None
         self.active: dict[str, set[str]] | None = None
@@ -83,7 +89,7 @@ class ProxySync:
             await asyncio.sleep(PERIOD_S)
 
     async def step(self) -> None:
-        comp = self.co.sup.components.get(self.plan.component)
+        comp = self._component()
         if comp is None:
             return
         pid = comp.record.pid if comp.record is not None else None
@@ -94,10 +100,10 @@ class ProxySync:
             self.applied = all_in if pid is not None else None
             self.active = {k: set(v) for k, v in all_in.items()} if pid is not None else None
             self._reconciled_at = 0.0
-        members = {n: m.record for n, m in self.co.membership.members.items()}
+        members = self._members()
         health: dict[str, tuple[bool, str]] = {}
         for group in self.groups:
-            record = self.co.records.get(group.name)
+            record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
         if self.applied is not None and comp.up.is_set():
@@ -144,7 +150,7 @@ class ProxySync:
                     text = f"added to the proxy: {now}"
                 else:
                     text = f"out of the proxy: {now}"
-                self.co.sup.events.emit("proxy_backends", f"group {group.name} {text}", self.plan.component)
+                self._emit("proxy_backends", f"group {group.name} {text}", self.plan.component)
             self.health[group.name] = now
 
     async def _post(self, what: str, kind: str, instances: set[str], quiet: bool = False) -> bool:
@@ -167,7 +173,7 @@ class ProxySync:
             if all(isinstance(v, list) for v in lists.values()):
                 self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
             if not quiet:
-                self.co.sup.events.emit("proxy_instances", f"proxy: {what} {kind} {', '.join(sorted(instances))}",
+                self._emit("proxy_instances", f"proxy: {what} {kind} {', '.join(sorted(instances))}",
                                         self.plan.component)  # fmt: skip
             return True
         return False

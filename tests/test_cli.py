@@ -379,3 +379,52 @@ def test_status_of_a_running_agent_imports_only_what_it_needs(agent: RunningAgen
     out = subprocess.run([sys.executable, "-c", code, str(agent.config)], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
     assert "node tiny" in out.stdout and "COMPONENT" in out.stdout
+
+
+def test_wait_ends_early_on_a_hold_the_agent_will_not_resolve(tmp_path: Path) -> None:
+    """issue 17: `restart --wait` while a stranger holds the component's port says why, and ends early."""
+    import socket
+
+    from apihelpers import SLEEPER
+
+    port = free_port()
+    home = tmp_path / "home"
+    home.mkdir()
+    data = tiny_config(home)
+    data["components"]["porty"] = {"kind": "process", "command": SLEEPER, "ports": [port], "stop_grace_s": 3}
+    config = write_config(home / "config.yaml", data)
+    log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen([str(BIN / "dsv4-agent"), "--config", str(config)], stdout=log, stderr=log,
+                            start_new_session=True)  # fmt: skip
+    log.close()
+    stranger = socket.socket()
+    try:
+        def up() -> bool:
+            out = ctl(config, "status", "--json")
+            state = json.loads(out.stdout)["components"]["porty"]["state"] if out.returncode == 0 else None
+            return state in ("running", "ready")
+
+        wait_for("porty up", up, 30)
+        assert ctl(config, "stop", "porty", "--wait", "--timeout", "30").returncode == 0
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        stranger.bind(("127.0.0.1", port))
+        stranger.listen()
+        began = time.monotonic()
+        out = ctl(config, "start", "porty", "--wait", "--timeout", "120")
+        took = time.monotonic() - began
+        assert out.returncode == cli.EXIT_FAILED, (out.stdout, out.stderr)
+        assert f"porty start held: port {port}" in out.stderr and "not ours, never signalled" in out.stderr, out.stderr
+        assert "(held: port" in out.stderr, "the hold is shown while waiting"
+        assert took < 30, f"ended early, not at the timeout ({took:.1f}s)"
+        status = json.loads(ctl(config, "status", "--json").stdout)["components"]["porty"]
+        assert status["hold"]["kind"] == "foreign_holder" and status["hold"]["resolves_itself"] is False
+        stranger.close()
+        out = ctl(config, "start", "porty", "--wait", "--timeout", "60")
+        assert out.returncode == 0, out.stderr
+    finally:
+        stranger.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

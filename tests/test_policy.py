@@ -262,3 +262,16 @@ def test_restarts_with_defaults() -> None:
 def test_restarts_with_edge_override_wins() -> None:
     assert restarts_with("vllm", "datasystem", DependencyEdge(restart_with=True)) is True
     assert restarts_with("datasystem", "etcd", DependencyEdge(restart_with=True)) is True
+
+
+def test_the_hold_order_is_the_documented_one() -> None:
+    """The node's own holds come first, then the layers' gates; the gate answers with the earliest of them."""
+    from nodeagent.stackport import HOLD_ORDER, Hold, HoldKind
+
+    assert [str(k) for k in HOLD_ORDER] == [
+        "desired_stopped", "node_pause", "cluster_pause", "etcd_unreachable", "node_redeploy", "dependency",
+        "cluster_redeploy", "preflight", "npu_fault", "coordination", "group_backoff", "barrier", "foreign_holder"]
+    pause = Hold(HoldKind.CLUSTER_PAUSE, "cluster paused by n1", operator_passes=True, resolves_itself=False)
+    assert pause.is_pause and not Hold(HoldKind.BARRIER, "paused-looking text").is_pause, "kinds, never texts"
+    assert min([Hold(HoldKind.BARRIER, "b"), Hold(HoldKind.PREFLIGHT, "p")],
+               key=lambda h: HOLD_ORDER.index(h.kind)).kind == HoldKind.PREFLIGHT

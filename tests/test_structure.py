@@ -19,8 +19,6 @@ KNOWN_EDGES: dict[tuple[str, str], str] = {
     # (importer, imported): owner. Edges of circles being removed on other branches of issue 15; the merger
     # empties this list as those branches land (an entry whose edge is gone fails the test: delete it).
     ("nodeagent.host", "nodeagent.component"): "branch seam (Component owns its data; ComponentHost goes)",
-    ("nodeagent.etcdlease", "nodeagent.etcdstore"): "branch clusterpkg (the store and its lease: nodeagent/cluster/)",
-    ("nodeagent.proxy_sync", "nodeagent.cluster"): "branch clusterpkg (proxy sync in nodeagent/cluster/)",
 }
 KNOWN_LONG: dict[str, str] = {
     # module: owner. Modules over MAX_LINES being split on other branches of issue 15 (the merger empties it).

@@ -33,7 +33,8 @@ def _wait(client: Client, what: str, done: Any, timeout: float, interval: float 
         message = done(status)
         if message:
             return {"message": message}
-        summary = ", ".join(f"{n} {c['state']}" for n, c in status["components"].items())
+        summary = ", ".join(f"{n} {c['state']}" + (f" (held: {c['held']})" if c.get("held") else "")
+                            for n, c in status["components"].items())  # fmt: skip
         if summary != last:
             print(f"  … {summary}", file=sys.stderr)
             last = summary
@@ -44,11 +45,32 @@ def _wait(client: Client, what: str, done: Any, timeout: float, interval: float 
 
 SETTLE_S = 1.0
 """`--wait` reports a start or restart done once the new process has been seen up this long."""
+STUCK_S = 3.0
+"""A hold the agent will not resolve by itself (a stranger on our port, a failed preflight, an NPU fault) ends
+`--wait` once it has stood this long: waiting the whole --timeout would only hide why."""
+
+
+class StuckHolds:
+    """Remembers since when each component has shown a hold that does not resolve itself."""
+
+    def __init__(self) -> None:
+        self.since: dict[tuple[str, str], float] = {}
+
+    def check(self, name: str, comp: dict[str, Any], action: str) -> None:
+        hold = comp.get("hold") or {}
+        if not hold or hold.get("resolves_itself", True) or comp.get("pid") is not None:
+            self.since = {k: v for k, v in self.since.items() if k[0] != name}
+            return
+        first = self.since.setdefault((name, str(hold.get("kind"))), time.monotonic())
+        if time.monotonic() - first >= STUCK_S:
+            raise CliError(f"{name} {action} held: {hold.get('reason')} — the agent will not resolve this by itself; "
+                           f"the start follows once it is gone ({hold.get('kind')})")  # fmt: skip
 
 
 def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
     old_pid = before.get("pid")
     seen = {"moved": False}
+    stuck = StuckHolds()
     up_since: dict[Any, float] = {}
     """pid → when it was first seen up"""
 
@@ -59,6 +81,7 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
             # No process and none coming: a component stopped during its backoff keeps showing `backoff`.
             gone = pid is None and comp.get("desired") == "stopped" and state in ("stopped", "backoff", "failed")
             return f"{name} stopped" if gone else None
+        stuck.check(name, comp, action)
         moved = state in ("stopping", "stopped", "starting") or (pid is not None and pid != old_pid)
         seen["moved"] = seen["moved"] or moved
         if state == "failed" or (state == "backoff" and (seen["moved"] or action == "start")):
@@ -130,11 +153,15 @@ def cmd_redeploy(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     old = {n: c["pid"] for n, c in before.items()}
+    stuck = StuckHolds()
 
     def done(status: dict[str, Any]) -> str | None:
         if status.get("redeploying"):
             return None
         comps = status["components"]
+        for n, c in comps.items():
+            if c.get("desired") == "running":
+                stuck.check(n, c, "redeploy")
         failed = [n for n, c in comps.items() if c["state"] == "failed"]
         if failed:
             raise CliError(f"redeploy failed: {', '.join(failed)} failed")
