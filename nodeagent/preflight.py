@@ -22,6 +22,7 @@ from nodeagent.config_model import Config, DatasystemComponent, EtcdComponent, V
 from nodeagent.hostfacts import Host, version_at_least
 from nodeagent.npu import HEALTH_OK, NET_HEALTH_OK, NET_HEALTH_UNCONFIGURED, NpuSnapshot
 from nodeagent.npu_monitor import expected_npus
+from nodeagent.portlint import TAKEN
 from nodeagent.portscmd import lint_node
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -471,14 +472,20 @@ def check_disk(ctx: _Ctx) -> Iterable[Check]:
 
 
 def check_ports_lint(ctx: _Ctx) -> Iterable[Check]:
-    """Preflight: FAIL when two of our listeners collide (or a stranger holds one), WARN when a listener is inside
-    the ephemeral range and not reserved."""
+    """Preflight: FAIL when two of our listeners collide (a config error: it holds the stack), WARN when a
+    stranger holds one of our ports (that component's start waits for it, named, like the `ports` check's) or a
+    listener is inside the ephemeral range and not reserved."""
     report = lint_node(ctx.config, ctx.host, ctx.ours)
     fixed = sum(1 for u in report.uses if not u.random)
-    if report.collisions:
-        yield Check("ports_lint", FAIL, "; ".join(f.message for f in report.collisions),
+    ours = [f for f in report.collisions if f.kind != TAKEN]
+    taken = [f for f in report.collisions if f.kind == TAKEN]
+    if ours:
+        yield Check("ports_lint", FAIL, "; ".join(f.message for f in ours),
                     "give each listener its own ports (cluster.pd.kv_port_base, ASCEND_BASE_PORT, the components' "
-                    "ports) or stop what holds them")  # fmt: skip
+                    "ports)")  # fmt: skip
+    elif taken:
+        yield Check("ports_lint", WARN, "; ".join(f.message for f in taken),
+                    "stop what holds them: the component's start waits until they are free (never signalled)")
     elif report.exposed:
         yield Check("ports_lint", WARN, "; ".join(f.message for f in report.exposed),
                     f"nodeagentctl ports --apply (as root), or sysctl -w {report.sysctl_line().replace(' ', '')}")

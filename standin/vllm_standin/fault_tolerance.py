@@ -207,14 +207,18 @@ class RankFt:
         for rank in range(self.settings.dp_size):
             if rank == self.rank:
                 continue
+            path = self.dir / f"rank{rank}.json"
             try:
-                record = json.loads((self.dir / f"rank{rank}.json").read_text())
+                record = json.loads(path.read_text())
+                written = path.stat().st_mtime
             except (OSError, ValueError):
-                record = None
+                record, written = None, 0.0
             if record is not None and _pid_alive(int(record.get("pid", 0))):
                 self.seen.add(rank)
                 out[rank] = record
-            elif rank in self.seen:
+            elif rank in self.seen or (record is not None and written >= self.started):
+                # gone — also a peer that started and died between two of our polls (its record was written
+                # while we ran); a record older than this rank is a previous run's, not a peer of ours
                 out[rank] = None
         return out
 
