@@ -77,8 +77,8 @@ def test_node_reads_from_any_member_api_or_member_key(tmp_path: Path, etcd: Etcd
         out = harness.ctl("n0", "--node", "n1", "status", "--json")
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
-        assert data["source"] == "api" and data["status"]["node"]["name"] == "n1"
-        assert set(data["status"]["components"]) == {"datasystem", "vllm"}
+        assert data["remote"]["source"] == "api" and data["node"]["name"] == "n1"  # the local status's shape
+        assert set(data["components"]) == {"datasystem", "vllm"}
         text = harness.ctl("n1", "status", "--node", "n0")
         assert text.returncode == 0 and text.stdout.startswith("node n0 (master)"), text.stdout
 
@@ -94,8 +94,8 @@ def test_node_reads_from_any_member_api_or_member_key(tmp_path: Path, etcd: Etcd
         try:
             out = harness.ctl("n0", "--node", "n1", "status", "--json")
             data = json.loads(out.stdout)
-            assert out.returncode == 0 and data["source"] == "member_key", out.stdout
-            assert "did not answer" in data["reason"] and data["member"]["components"]["vllm"]["state"] == "ready"
+            assert out.returncode == 0 and data["remote"]["source"] == "member_key", out.stdout
+            assert "did not answer" in data["remote"]["reason"] and data["components"]["vllm"]["state"] == "ready"
             text = harness.ctl("n0", "--node", "n1", "status")
             assert "from its member key in etcd" in text.stdout
         finally:
