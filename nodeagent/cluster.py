@@ -345,9 +345,10 @@ class Coordinator:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
 
     def _wants_start(self, gs: GangState) -> bool:
-        """Every local rank is waiting to start and its dependencies are up (the worker is ready)."""
+        """Every local rank is waiting to start — its old tree confirmed gone, not only signalled — and its
+        dependencies are up (the worker is ready). So the barrier means "stopped everywhere", not "arrived"."""
         comps = [self.sup.components[c] for c in gs.components]
-        return all(c.record is None and self.sup.desired(c.name) == "running" for c in comps) and all(
+        return all(not c.running and self.sup.desired(c.name) == "running" for c in comps) and all(
             self.sup.components[d].up.is_set() for c in comps for d in self.sup.deps(c))
 
     async def _arrive(self, gs: GangState) -> None:

@@ -174,7 +174,7 @@ class ClusterOps:
             if comp.record is not None:
                 comp.signal("restart", None, f"cluster redeploy {record.id}", operator=planned, drain=planned)
             deadline = time.monotonic() + STOP_TIMEOUT_S
-            while comp.record is not None and time.monotonic() < deadline:
+            while comp.running and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
         for comp in self._local():
             with contextlib.suppress(AgentError):
@@ -200,7 +200,7 @@ class ClusterOps:
             self.phase = "wiping"
             etcd = local[0]
             etcd.signal("restart", None, f"cluster redeploy {record.id}: wiping etcd's data", operator=True)
-            while etcd.record is not None:
+            while etcd.running:
                 await asyncio.sleep(0.2)
             await self.sup.cleanup(etcd, "redeploy", f"cluster-redeploy-{record.id}", wipe_etcd=True)
             self.phase = "acked"

@@ -62,6 +62,7 @@ class Component:
         """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
         self.prober: Any = None
+        self._terminating = False
         self.stopped_cleanly = False
         """The last process was stopped by us, whole, and nothing of it survived: the next start may skip the
         scan of every process for leftovers."""
@@ -93,6 +94,12 @@ class Component:
     @property
     def record(self) -> ProcessRecord | None:
         return self.proc.record if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """A process of ours exists — also while its tree is being stopped. False only once the whole tree is
+        gone: a new generation of a DP group must not start next to a dying old head (issue 16)."""
+        return self.proc is not None or self._terminating
 
     # ---- signals -------------------------------------------------------------------------------------------
     def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
@@ -347,12 +354,16 @@ class Component:
         self.up.clear()
         self.ready = False
         self.host.on_going_down(self)
+        self._terminating = self.proc is not None
         proc, self.proc = self.proc, None
         if proc is not None:
             if proc.close is not None:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
-            result = await self.host.terminate(self, proc, why)
+            try:
+                result = await self.host.terminate(self, proc, why)
+            finally:
+                self._terminating = False
             self.stopped_cleanly = result.get("survivors", 1) == 0
             tree = result.pop("tree", [])
             self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)

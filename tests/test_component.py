@@ -304,3 +304,31 @@ async def test_a_failed_component_stays_failed_under_either_pause(tmp_path: Path
         assert r.sup.status()["components"]["b"]["hold"]["kind"] == f"{scope}_pause"
     finally:
         await stop(r)
+
+
+async def test_running_stays_true_until_the_whole_tree_is_gone(tmp_path: Path) -> None:
+    """issue 16 item 0: a DP group's next generation waits for old ranks to be *stopped*, not only signalled —
+    `running` (what the cluster layer's barrier reads) is True while the old tree is still being killed."""
+    r = await rig(tmp_path)
+    release = asyncio.Event()
+    real = r.terminate
+
+    async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
+        await release.wait()  # an old head slow to exit (an A2 engine can take ~50 s)
+        return await real(comp, proc, why)
+
+    r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+    try:
+        b = r.sup.components["b"]
+        r.sup.command("b", "restart", drain=False)
+        await until("stopping", lambda: str(b.state) == "stopping")
+        assert b.record is None, "the process record is already dropped while the tree dies"
+        assert b.running, "but the component still counts as running: its tree is not gone"
+        await asyncio.sleep(0.05)
+        assert b.running and r.count("b") == 1, "no new start next to the dying tree"
+        release.set()
+        await until("restarted", lambda: r.count("b") == 2 and b.up.is_set())
+        assert b.running
+    finally:
+        release.set()
+        await stop(r)
