@@ -316,7 +316,8 @@ class Coordinator:
                              None, "warning", group=gs.group.name, generation=target)  # fmt: skip
         for name in running:
             self.sup.components[name].signal("restart", None, f"gang {gs.group.name} generation {target}: "
-                                             f"{record.reason}", operator=planned, drain=planned)  # fmt: skip
+                                             f"{record.reason}", operator=planned, drain=planned,
+                                             cause="gang")  # fmt: skip
         self.sup.poke()
 
     async def _bump(self, gs: GangState, epoch: str) -> None:

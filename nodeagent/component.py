@@ -51,6 +51,8 @@ class Component:
         self.started_at: float | None = None
         """The process's real start time (the kernel's, for an adopted one)."""
         self.restarts = 0
+        self.restarts_by_cause: dict[str, int] = {}
+        self._restart_cause = "operator"
         self.last_exit: dict[str, Any] | None = None
         self.failure: Failure | None = None
         """The last failure, classified; kept across restarts to recognise the same error twice."""
@@ -103,8 +105,13 @@ class Component:
 
     # ---- signals -------------------------------------------------------------------------------------------
     def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
-               drain: bool = True) -> None:  # fmt: skip
-        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain))
+               drain: bool = True, cause: str = "") -> None:  # fmt: skip
+        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain, cause))
+
+    def count_restart(self, cause: str) -> None:
+        """One restart, for this cause: `restarts` is the sum of `restarts_by_cause`."""
+        self.restarts += 1
+        self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
 
     async def _next(self) -> Signal:
         while True:
@@ -136,7 +143,7 @@ class Component:
             if failure is not None:
                 await self._after_failure(failure, evidence, stopped.get("tree"))
             elif outcome == "restart":
-                self.restarts += 1
+                self.count_restart(self._restart_cause)
                 self._drain_queue({"restart"})
                 self.host.on_state(self)
 
@@ -284,6 +291,7 @@ class Component:
                 return "stop", sig.detail or "stop requested", None, sig.drain and sig.operator
             elif sig.kind in ("restart", "dep_restart"):
                 planned = sig.drain and sig.operator and sig.kind == "restart"
+                self._restart_cause = sig.cause or ("dependency" if sig.kind == "dep_restart" else "operator")
                 return "restart", sig.detail or "restart requested", None, planned
 
     async def _drain(self, why: str) -> None:
@@ -379,7 +387,7 @@ class Component:
         self.host.archive(self, failure, evidence, tree, decision)  # written off the crash path
         if decision is None:
             return
-        self.restarts += 1
+        self.count_restart(failure.cause)
         if decision.action == "redeploy":
             if decision.delay_s > 0:
                 self._set(State.BACKOFF, f"node redeploy in {decision.delay_s:.0f}s: {decision.reason}", "warning",
@@ -452,6 +460,7 @@ class Component:
             "ready_blockers": dict(self.ready_blockers),
             "up": self.up.is_set(),
             "restarts": self.restarts,
+            "restarts_by_cause": dict(self.restarts_by_cause),
             "started_at": self.started_at if self.record else None,
             "uptime_s": round(now - self.started_at, 1) if self.started_at and self.record else None,
             "last_exit": self.last_exit,

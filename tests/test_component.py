@@ -332,3 +332,44 @@ async def test_running_stays_true_until_the_whole_tree_is_gone(tmp_path: Path) -
     finally:
         release.set()
         await stop(r)
+
+
+async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
+    """issue 17: one counter that means one thing — by cause, adding up to the total, kept in the history."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    try:
+        b = r.sup.components["b"]
+        r.crash("b")
+        await until("relaunched after the crash", lambda: r.count("b") == 2 and b.up.is_set())
+        r.sup.command("b", "restart", drain=False)
+        await until("operator restart", lambda: r.count("b") == 3 and b.up.is_set())
+        r.sup.command("a", "restart", drain=False)  # b restarts with its dependency
+        await until("b follows a", lambda: r.count("b") == 4 and b.up.is_set())
+        status = r.sup.status()["components"]["b"]
+        assert status["restarts_by_cause"] == {"crash": 1, "operator": 1, "dependency": 1}
+        assert status["restarts"] == 3
+        assert r.sup.status()["components"]["a"]["restarts_by_cause"] == {"operator": 1}
+        r.sup.flush_state()
+        again = Supervisor(r.sup.config, EventBus(), r.clock)
+        assert again.components["b"].restarts_by_cause == {"crash": 1, "operator": 1, "dependency": 1}
+    finally:
+        await stop(r)
+
+
+async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_path: Path) -> None:
+    """In a gang restart the rank that crashed showed RESTARTS 0 and its peers 1: the crash is counted where it
+    happened, the peers' restarts as `gang`."""
+    r = await rig(tmp_path)
+    r.sup.deciders.append(lambda comp, failure: "group g restarts as one" if comp.name == "b" else None)
+    try:
+        b = r.sup.components["b"]
+        r.crash("b")
+        await until("delegated", lambda: any("next: group g restarts as one" in m for m in r.events("failure")))
+        assert b.restarts_by_cause == {"crash": 1}
+        b.signal("restart", None, "gang g generation 2", cause="gang")
+        await until("gang start", lambda: r.count("b") == 2 and b.up.is_set())
+        b.signal("restart", None, "gang g generation 3", cause="gang")
+        await until("gang restart", lambda: r.count("b") == 3 and b.up.is_set())
+        assert b.restarts_by_cause == {"crash": 1, "gang": 1}
+    finally:
+        await stop(r)
