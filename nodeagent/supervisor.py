@@ -269,7 +269,8 @@ class Supervisor:
         verify(record)
         watch = ExitWatch(record.pid, None)
         tail = component_dir(self.config, comp.name) / "output.tail"
-        return Process(record, watch.done, None, "adopted", watch.close, {"log_offset": None, "tail_file": tail})
+        return Process(record, watch.done, None, "adopted", watch.close,
+                       {"log_offset": None, "tail_file": tail, "adopted": True})  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
         return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
@@ -338,7 +339,9 @@ class Supervisor:
     def on_up(self, comp: Component) -> None:
         self._refresh_record(comp)
         now = self.clock.time()
-        self.trackers[comp.name].record_start(now)
+        if comp.proc is None or not comp.proc.extra.get("adopted"):
+            # An adopted process is the run that was already going: its stability clock carries on.
+            self.trackers[comp.name].record_start(now)
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
 
@@ -635,6 +638,7 @@ class Supervisor:
                 if comp.proc is not None and comp.proc.close is not None:
                     comp.proc.close()
             self._save_children(detached=True)
+            self._save_intent()  # the stability clocks (healthy_since) carry over to the adopting agent
             self.events.emit("detached", "agent exits leaving the stack running for adoption")
         else:
             await self._stop_all_processes("agent stopping")

@@ -373,3 +373,38 @@ async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_
         assert b.restarts_by_cause == {"crash": 1, "gang": 1}
     finally:
         await stop(r)
+
+
+async def test_a_crash_loop_clears_after_a_stable_run_across_an_adoption(tmp_path: Path) -> None:
+    """issue 17: 'crash loop' after two kill -9s stayed for 12+ minutes through an adoption. It clears once the
+    run has been healthy for stable_after_s (600 s here), and an adoption does not restart that clock."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    b = r.sup.components["b"]
+    for n in (2, 3):
+        r.crash("b")
+        await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+    assert r.sup.trackers["b"].crash_loop
+    await until("healthy", lambda: r.sup.trackers["b"].healthy_since is not None)
+    r.clock.advance(400)
+    await r.sup.shutdown(detach=True)  # the agent goes (an upgrade); the process stays and is adopted
+    again = Supervisor(r.sup.config, EventBus(), r.clock)
+    r2 = Rig(again, r.clock)
+    r2.live = r.live
+
+    async def adopt(comp: Any, record: ProcessRecord) -> Process:
+        proc = r.live[comp.name]
+        return Process(record, proc.exited, output="adopted", extra={"adopted": True})
+
+    again.adopt = adopt  # type: ignore[method-assign]
+    await again.start()
+    try:
+        await until("adopted and up", lambda: again.components["b"].up.is_set())
+        tracker = again.trackers["b"]
+        assert tracker.crash_loop, "400 s of the 600 are not a stable run yet"
+        runs = r2.probes.runs
+        r.clock.advance(250)  # 650 s healthy in all, across the adoption
+        await until("checks after the jump", lambda: r2.probes.runs > runs + 3)
+        assert not tracker.crash_loop, "the adopted run's healthy time counts: the crash loop clears"
+        assert again.status()["components"]["b"]["policy"]["crash_loop"] is False
+    finally:
+        await again.shutdown()
