@@ -171,6 +171,10 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
                              200 if not not_ready else 503)  # fmt: skip
 
     async def status(self, request: web.Request) -> web.Response:
+        return json_response(self.status_data())
+
+    def status_data(self) -> dict[str, Any]:
+        """/status: the supervisor's view with the agent's, the guards', MQTT's and the cluster's sections."""
         data = self.sup.status()
         data["agent"] = {
             "version": __version__, "pid": os.getpid(), "started_at": self.ctl.started_at,
@@ -183,7 +187,7 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
             data["mqtt"] = self.ctl.mqtt.view()
         if self.ctl.membership is not None:
             data["cluster"] = {**(data.get("cluster") or {}), **self.ctl.membership.status_section()}
-        return json_response(data)
+        return data
 
     async def preflight(self, request: web.Request) -> web.Response:
         """The agent's last preflight report (nodeagentctl preflight runs the checks afresh)."""

@@ -316,7 +316,8 @@ class Coordinator:
                              None, "warning", group=gs.group.name, generation=target)  # fmt: skip
         for name in running:
             self.sup.components[name].signal("restart", None, f"gang {gs.group.name} generation {target}: "
-                                             f"{record.reason}", operator=planned, drain=planned)  # fmt: skip
+                                             f"{record.reason}", operator=planned, drain=planned,
+                                             cause="gang")  # fmt: skip
         self.sup.poke()
 
     async def _bump(self, gs: GangState, epoch: str) -> None:
@@ -345,9 +346,10 @@ class Coordinator:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
 
     def _wants_start(self, gs: GangState) -> bool:
-        """Every local rank is waiting to start and its dependencies are up (the worker is ready)."""
+        """Every local rank is waiting to start — its old tree confirmed gone, not only signalled — and its
+        dependencies are up (the worker is ready). So the barrier means "stopped everywhere", not "arrived"."""
         comps = [self.sup.components[c] for c in gs.components]
-        return all(c.record is None and self.sup.desired(c.name) == "running" for c in comps) and all(
+        return all(not c.running and self.sup.desired(c.name) == "running" for c in comps) and all(
             self.sup.components[d].up.is_set() for c in comps for d in self.sup.deps(c))
 
     async def _arrive(self, gs: GangState) -> None:

@@ -172,9 +172,10 @@ class ClusterOps:
         planned = bool((await self._raw(rules.redeploy_key(self.cluster))).get("planned"))
         for comp in sorted(self._local(), key=lambda c: c.kind != "vllm"):  # vLLM first, then the worker
             if comp.record is not None:
-                comp.signal("restart", None, f"cluster redeploy {record.id}", operator=planned, drain=planned)
+                comp.signal("restart", None, f"cluster redeploy {record.id}", operator=planned, drain=planned,
+                            cause="redeploy")  # fmt: skip
             deadline = time.monotonic() + STOP_TIMEOUT_S
-            while comp.record is not None and time.monotonic() < deadline:
+            while comp.running and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
         for comp in self._local():
             with contextlib.suppress(AgentError):
@@ -199,8 +200,9 @@ class ClusterOps:
         if local and len(members) <= 1:
             self.phase = "wiping"
             etcd = local[0]
-            etcd.signal("restart", None, f"cluster redeploy {record.id}: wiping etcd's data", operator=True)
-            while etcd.record is not None:
+            etcd.signal("restart", None, f"cluster redeploy {record.id}: wiping etcd's data", operator=True,
+                        cause="redeploy")  # fmt: skip
+            while etcd.running:
                 await asyncio.sleep(0.2)
             await self.sup.cleanup(etcd, "redeploy", f"cluster-redeploy-{record.id}", wipe_etcd=True)
             self.phase = "acked"

@@ -51,6 +51,8 @@ class Component:
         self.started_at: float | None = None
         """The process's real start time (the kernel's, for an adopted one)."""
         self.restarts = 0
+        self.restarts_by_cause: dict[str, int] = {}
+        self._restart_cause = "operator"
         self.last_exit: dict[str, Any] | None = None
         self.failure: Failure | None = None
         """The last failure, classified; kept across restarts to recognise the same error twice."""
@@ -62,6 +64,7 @@ class Component:
         """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
         self.prober: Any = None
+        self._terminating = False
         self.stopped_cleanly = False
         """The last process was stopped by us, whole, and nothing of it survived: the next start may skip the
         scan of every process for leftovers."""
@@ -94,10 +97,21 @@ class Component:
     def record(self) -> ProcessRecord | None:
         return self.proc.record if self.proc is not None else None
 
+    @property
+    def running(self) -> bool:
+        """A process of ours exists — also while its tree is being stopped. False only once the whole tree is
+        gone: a new generation of a DP group must not start next to a dying old head (issue 16)."""
+        return self.proc is not None or self._terminating
+
     # ---- signals -------------------------------------------------------------------------------------------
     def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
-               drain: bool = True) -> None:  # fmt: skip
-        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain))
+               drain: bool = True, cause: str = "") -> None:  # fmt: skip
+        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain, cause))
+
+    def count_restart(self, cause: str) -> None:
+        """One restart, for this cause: `restarts` is the sum of `restarts_by_cause`."""
+        self.restarts += 1
+        self.restarts_by_cause[cause] = self.restarts_by_cause.get(cause, 0) + 1
 
     async def _next(self) -> Signal:
         while True:
@@ -129,7 +143,7 @@ class Component:
             if failure is not None:
                 await self._after_failure(failure, evidence, stopped.get("tree"))
             elif outcome == "restart":
-                self.restarts += 1
+                self.count_restart(self._restart_cause)
                 self._drain_queue({"restart"})
                 self.host.on_state(self)
 
@@ -277,6 +291,7 @@ class Component:
                 return "stop", sig.detail or "stop requested", None, sig.drain and sig.operator
             elif sig.kind in ("restart", "dep_restart"):
                 planned = sig.drain and sig.operator and sig.kind == "restart"
+                self._restart_cause = sig.cause or ("dependency" if sig.kind == "dep_restart" else "operator")
                 return "restart", sig.detail or "restart requested", None, planned
 
     async def _drain(self, why: str) -> None:
@@ -347,12 +362,16 @@ class Component:
         self.up.clear()
         self.ready = False
         self.host.on_going_down(self)
+        self._terminating = self.proc is not None
         proc, self.proc = self.proc, None
         if proc is not None:
             if proc.close is not None:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
-            result = await self.host.terminate(self, proc, why)
+            try:
+                result = await self.host.terminate(self, proc, why)
+            finally:
+                self._terminating = False
             self.stopped_cleanly = result.get("survivors", 1) == 0
             tree = result.pop("tree", [])
             self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
@@ -368,7 +387,7 @@ class Component:
         self.host.archive(self, failure, evidence, tree, decision)  # written off the crash path
         if decision is None:
             return
-        self.restarts += 1
+        self.count_restart(failure.cause)
         if decision.action == "redeploy":
             if decision.delay_s > 0:
                 self._set(State.BACKOFF, f"node redeploy in {decision.delay_s:.0f}s: {decision.reason}", "warning",
@@ -441,6 +460,7 @@ class Component:
             "ready_blockers": dict(self.ready_blockers),
             "up": self.up.is_set(),
             "restarts": self.restarts,
+            "restarts_by_cause": dict(self.restarts_by_cause),
             "started_at": self.started_at if self.record else None,
             "uptime_s": round(now - self.started_at, 1) if self.started_at and self.record else None,
             "last_exit": self.last_exit,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,6 +52,11 @@ def _cancelled_by_grpc() -> bool:
     """A CancelledError that nobody asked our task for: gRPC cancels the calls of a channel being closed."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+_CALL_FLOOR: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("etcd_call_floor", default=None)
+"""The highest (revision, term) seen before the running call was sent: only an answer below *that* is history
+going back. Answers of concurrent calls arrive in any order (a put answered at 14 may land after one at 15)."""
 
 
 class EtcdStore:
@@ -138,8 +144,10 @@ class EtcdStore:
     def _observe(self, header: Any) -> None:
         """Track etcd's revision and term; going back means a wiped store (same cluster id, history gone)."""
         seen = (header.revision, header.raft_term)
-        if seen[0] < self._high[0] or (seen[1] < self._high[1] and seen[0] <= self._high[0]):
-            self.suspect_reset(f"etcd revision went back from {self._high[0]} to {seen[0]}")
+        floor = _CALL_FLOOR.get()
+        floor = self._high if floor is None else floor
+        if seen[0] < floor[0] or (seen[1] < floor[1] and seen[0] <= floor[0]):
+            self.suspect_reset(f"etcd revision went back from {floor[0]} to {seen[0]}")
             self._high = seen
         else:
             self._high = (max(seen[0], self._high[0]), max(seen[1], self._high[1]))
@@ -154,7 +162,15 @@ class EtcdStore:
             task.add_done_callback(self._closing.discard)
 
     async def call(self, what: str, op: Callable[[Client], Awaitable[T]]) -> T:
-        """Run `op` on the current endpoint, failing over to the next ones within one timeout overall."""
+        """Run `op` on the current endpoint, failing over to the next ones within one timeout overall. Its answers
+        are judged against the revision known when it was sent (`_CALL_FLOOR`)."""
+        token = _CALL_FLOOR.set(self._high)
+        try:
+            return await self._call(what, op)
+        finally:
+            _CALL_FLOOR.reset(token)
+
+    async def _call(self, what: str, op: Callable[[Client], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         last: str = "no endpoint tried"

@@ -62,6 +62,11 @@ _USAGE = re.compile(r"(^|\n)\s*(usage:|error: (unrecognized|argument|the followi
 class Failure:
     """One failed run, as the component saw it."""
 
+    @property
+    def cause(self) -> str:
+        """The restart cause it counts as (`states.RESTART_CAUSES`)."""
+        return {"exit": "crash", "startup": "probe", "liveness": "probe"}.get(self.what, "launch")
+
     what: str
     """precheck | launch | exit | startup | liveness"""
     detail: str

@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from nodeagent import __version__
 from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
-from nodeagent.states import State
+from nodeagent.states import RESTART_CAUSES, State
 
 if TYPE_CHECKING:
     import aiohttp
@@ -148,6 +148,10 @@ class _StackCollector:
         restarts = CounterMetricFamily("dsv4_component_restarts",
                                        "Restarts of the component, kept across agent restarts and upgrades.",
                                        labels=labels)  # fmt: skip
+        by_cause = CounterMetricFamily("dsv4_component_restarts_by_cause",
+                                       "Restarts by cause (crash, probe, launch, gang, operator, reload, dependency, "
+                                       "redeploy); they add up to dsv4_component_restarts_total.",
+                                       labels=[*labels, "cause"])  # fmt: skip
         started = GaugeMetricFamily("dsv4_component_start_time_seconds",
                                     "When the current process started (Unix time).", labels=labels)  # fmt: skip
         cpu = CounterMetricFamily("dsv4_component_cpu_seconds",
@@ -164,6 +168,8 @@ class _StackCollector:
             for st in State:
                 state.add_metric([*lv, str(st)], float(comp.state == st))
             restarts.add_metric(lv, comp.restarts)
+            for cause in RESTART_CAUSES:
+                by_cause.add_metric([*lv, cause], comp.restarts_by_cause.get(cause, 0))
             if comp.record is not None:
                 records[name] = comp.record
                 if comp.started_at is not None:
@@ -173,7 +179,7 @@ class _StackCollector:
             cpu.add_metric(lv, seconds)
             rss.add_metric(lv, resident)
             procs.add_metric(lv, count)
-        yield from (up, ready, desired, state, restarts, started, cpu, rss, procs)
+        yield from (up, ready, desired, state, restarts, by_cause, started, cpu, rss, procs)
         yield from self.owner.vllm_families()
 
 

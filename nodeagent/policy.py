@@ -84,7 +84,10 @@ class RestartTracker:
 
     @property
     def crash_loop(self) -> bool:
-        """Backing off: at least two failures without a stable run in between."""
+        """The one definition (README, status NOTE, /metrics): two or more failures in a row with no stable run
+        in between, so restarts back off. It clears once the current run has been healthy for `stable_after_s`
+        (10 min by default; an adoption does not restart that clock), at a node redeploy, and on
+        `nodeagentctl reset`. Escalation is another rule: `redeploy_after_failures` (5) within the window."""
         return self.consecutive_failures >= 2
 
     def record_start(self, now: float) -> None:

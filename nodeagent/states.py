@@ -39,6 +39,12 @@ class Signal:
     """Asked for by an operator (API, CLI, remote command): allowed while paused."""
     drain: bool = True
     """For a planned restart or stop: drain in-flight requests first (vLLM); `--no-drain` clears it."""
+    cause: str = ""
+    """Why a restart is asked for (one of `RESTART_CAUSES`): counted by cause in status and /metrics."""
 
+
+RESTART_CAUSES = ("crash", "probe", "launch", "gang", "operator", "reload", "dependency", "redeploy")
+"""What a counted restart was for: a crash of the process, a failed startup/liveness probe, a start that failed,
+the group's gang restart, an operator's restart, a config reload, a dependency's restart, a cluster redeploy."""
 
 COMMANDS = frozenset({"stop", "restart", "wake", "dep_restart"})

@@ -90,6 +90,8 @@ class Supervisor:
     @staticmethod
     def _restore_history(comp: Component, saved: dict[str, Any]) -> None:
         comp.restarts = int(saved.get("restarts") or 0)
+        by_cause = saved.get("restarts_by_cause")
+        comp.restarts_by_cause = {str(k): int(v) for k, v in by_cause.items()} if isinstance(by_cause, dict) else {}
         comp.last_exit = saved.get("last_exit")
         if saved.get("failure"):
             comp.failure = Failure.from_dict(saved["failure"])
@@ -267,7 +269,8 @@ class Supervisor:
         verify(record)
         watch = ExitWatch(record.pid, None)
         tail = component_dir(self.config, comp.name) / "output.tail"
-        return Process(record, watch.done, None, "adopted", watch.close, {"log_offset": None, "tail_file": tail})
+        return Process(record, watch.done, None, "adopted", watch.close,
+                       {"log_offset": None, "tail_file": tail, "adopted": True})  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
         return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
@@ -303,7 +306,7 @@ class Supervisor:
         """Tell listeners (sd_notify STATUS=); persist status.json (readable when the API is not) and the
         history soon after — coalesced, so a burst of state changes on the crash path costs one write later."""
         if comp is not None and self.intent_store.record_history(comp.name, {
-            "restarts": comp.restarts, "last_exit": comp.last_exit,
+            "restarts": comp.restarts, "restarts_by_cause": dict(comp.restarts_by_cause), "last_exit": comp.last_exit,
             "failure": comp.failure.to_dict() if comp.failure is not None else None,
         }):  # fmt: skip
             self._history_dirty = True
@@ -336,7 +339,9 @@ class Supervisor:
     def on_up(self, comp: Component) -> None:
         self._refresh_record(comp)
         now = self.clock.time()
-        self.trackers[comp.name].record_start(now)
+        if comp.proc is None or not comp.proc.extra.get("adopted"):
+            # An adopted process is the run that was already going: its stability clock carries on.
+            self.trackers[comp.name].record_start(now)
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
 
@@ -359,7 +364,7 @@ class Supervisor:
             if edge is None or other.record is None:
                 continue
             if restarts_with(other.kind, comp.kind, edge):
-                other.signal("dep_restart", None, f"dependency {comp.name} restarts")
+                other.signal("dep_restart", None, f"dependency {comp.name} restarts", cause="dependency")
 
     def _save_children(self, detached: bool = False, durable: bool = True) -> None:
         children = {
@@ -485,6 +490,7 @@ class Supervisor:
         for decider in self.deciders:
             verdict = decider(comp, failure)
             if isinstance(verdict, str):
+                comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
                 self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",
                                  action="delegated", permanent=failure.permanent is not None,
                                  output_tail=list(failure.output_tail))  # fmt: skip
@@ -575,7 +581,7 @@ class Supervisor:
             comp.signal("wake", operator=True)
         elif action == "restart":
             self.set_desired(name, "running")
-            comp.signal("restart", None, "operator restart", operator=True, drain=drain)
+            comp.signal("restart", None, "operator restart", operator=True, drain=drain, cause="operator")
         self.events.emit("command", f"{by}: {action}", name)
         return f"{action} {name}" + ("" if drain or action == "start" else " (no drain)")
 
@@ -632,6 +638,7 @@ class Supervisor:
                 if comp.proc is not None and comp.proc.close is not None:
                     comp.proc.close()
             self._save_children(detached=True)
+            self._save_intent()  # the stability clocks (healthy_since) carry over to the adopting agent
             self.events.emit("detached", "agent exits leaving the stack running for adoption")
         else:
             await self._stop_all_processes("agent stopping")
@@ -658,7 +665,8 @@ class Supervisor:
             fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
             if comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
                 changed.append(name)
-                comp.signal("restart", None, "config reload changed its command or environment", operator=True)
+                comp.signal("restart", None, "config reload changed its command or environment", operator=True,
+                            cause="reload")  # fmt: skip
             else:
                 unchanged.append(name)
         self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")

@@ -304,3 +304,107 @@ async def test_a_failed_component_stays_failed_under_either_pause(tmp_path: Path
         assert r.sup.status()["components"]["b"]["hold"]["kind"] == f"{scope}_pause"
     finally:
         await stop(r)
+
+
+async def test_running_stays_true_until_the_whole_tree_is_gone(tmp_path: Path) -> None:
+    """issue 16 item 0: a DP group's next generation waits for old ranks to be *stopped*, not only signalled —
+    `running` (what the cluster layer's barrier reads) is True while the old tree is still being killed."""
+    r = await rig(tmp_path)
+    release = asyncio.Event()
+    real = r.terminate
+
+    async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
+        await release.wait()  # an old head slow to exit (an A2 engine can take ~50 s)
+        return await real(comp, proc, why)
+
+    r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+    try:
+        b = r.sup.components["b"]
+        r.sup.command("b", "restart", drain=False)
+        await until("stopping", lambda: str(b.state) == "stopping")
+        assert b.record is None, "the process record is already dropped while the tree dies"
+        assert b.running, "but the component still counts as running: its tree is not gone"
+        await asyncio.sleep(0.05)
+        assert b.running and r.count("b") == 1, "no new start next to the dying tree"
+        release.set()
+        await until("restarted", lambda: r.count("b") == 2 and b.up.is_set())
+        assert b.running
+    finally:
+        release.set()
+        await stop(r)
+
+
+async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
+    """issue 17: one counter that means one thing — by cause, adding up to the total, kept in the history."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    try:
+        b = r.sup.components["b"]
+        r.crash("b")
+        await until("relaunched after the crash", lambda: r.count("b") == 2 and b.up.is_set())
+        r.sup.command("b", "restart", drain=False)
+        await until("operator restart", lambda: r.count("b") == 3 and b.up.is_set())
+        r.sup.command("a", "restart", drain=False)  # b restarts with its dependency
+        await until("b follows a", lambda: r.count("b") == 4 and b.up.is_set())
+        status = r.sup.status()["components"]["b"]
+        assert status["restarts_by_cause"] == {"crash": 1, "operator": 1, "dependency": 1}
+        assert status["restarts"] == 3
+        assert r.sup.status()["components"]["a"]["restarts_by_cause"] == {"operator": 1}
+        r.sup.flush_state()
+        again = Supervisor(r.sup.config, EventBus(), r.clock)
+        assert again.components["b"].restarts_by_cause == {"crash": 1, "operator": 1, "dependency": 1}
+    finally:
+        await stop(r)
+
+
+async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_path: Path) -> None:
+    """In a gang restart the rank that crashed showed RESTARTS 0 and its peers 1: the crash is counted where it
+    happened, the peers' restarts as `gang`."""
+    r = await rig(tmp_path)
+    r.sup.deciders.append(lambda comp, failure: "group g restarts as one" if comp.name == "b" else None)
+    try:
+        b = r.sup.components["b"]
+        r.crash("b")
+        await until("delegated", lambda: any("next: group g restarts as one" in m for m in r.events("failure")))
+        assert b.restarts_by_cause == {"crash": 1}
+        b.signal("restart", None, "gang g generation 2", cause="gang")
+        await until("gang start", lambda: r.count("b") == 2 and b.up.is_set())
+        b.signal("restart", None, "gang g generation 3", cause="gang")
+        await until("gang restart", lambda: r.count("b") == 3 and b.up.is_set())
+        assert b.restarts_by_cause == {"crash": 1, "gang": 1}
+    finally:
+        await stop(r)
+
+
+async def test_a_crash_loop_clears_after_a_stable_run_across_an_adoption(tmp_path: Path) -> None:
+    """issue 17: 'crash loop' after two kill -9s stayed for 12+ minutes through an adoption. It clears once the
+    run has been healthy for stable_after_s (600 s here), and an adoption does not restart that clock."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    b = r.sup.components["b"]
+    for n in (2, 3):
+        r.crash("b")
+        await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+    assert r.sup.trackers["b"].crash_loop
+    await until("healthy", lambda: r.sup.trackers["b"].healthy_since is not None)
+    r.clock.advance(400)
+    await r.sup.shutdown(detach=True)  # the agent goes (an upgrade); the process stays and is adopted
+    again = Supervisor(r.sup.config, EventBus(), r.clock)
+    r2 = Rig(again, r.clock)
+    r2.live = r.live
+
+    async def adopt(comp: Any, record: ProcessRecord) -> Process:
+        proc = r.live[comp.name]
+        return Process(record, proc.exited, output="adopted", extra={"adopted": True})
+
+    again.adopt = adopt  # type: ignore[method-assign]
+    await again.start()
+    try:
+        await until("adopted and up", lambda: again.components["b"].up.is_set())
+        tracker = again.trackers["b"]
+        assert tracker.crash_loop, "400 s of the 600 are not a stable run yet"
+        runs = r2.probes.runs
+        r.clock.advance(250)  # 650 s healthy in all, across the adoption
+        await until("checks after the jump", lambda: r2.probes.runs > runs + 3)
+        assert not tracker.crash_loop, "the adopted run's healthy time counts: the crash loop clears"
+        assert again.status()["components"]["b"]["policy"]["crash_loop"] is False
+    finally:
+        await again.shutdown()

@@ -102,6 +102,35 @@ async def test_page_files_are_served_from_the_package_with_a_strict_policy(stack
         assert status == 400 and "since" in body["error"], bad
 
 
+async def test_the_first_paint_is_rendered_on_the_server(stack: InProcess) -> None:
+    """issue 17: `curl /ui` showed an empty skeleton; the state is in the HTML without running any script."""
+    async with stack.session.get(stack.url + "/ui") as r:
+        html = await r.text()
+    status = (await stack.get("/status"))[1]
+    rows = re.findall(r'<tr data-component="([^"]+)">(.*?)</tr>', html)
+    assert [name for name, _ in rows] == list(status["components"]), "every component, in order"
+    for name, row in rows:
+        state = status["components"][name]["state"]
+        assert f'<td data-field="state">{state}' in row, (name, row)
+        assert f'<td data-field="pid">{status["components"][name]["pid"]}</td>' in row
+    assert f'<span id="node">{status["node"]["name"]}</span>' in html
+    assert "server render" in html and "connecting…" not in html
+
+
+def test_the_first_paint_escapes_every_value() -> None:
+    """Member records come from other nodes through etcd: nothing in them becomes markup."""
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    hostile = "<img src=x onerror=alert(1)>"
+    status = {"node": {"name": hostile, "role": "master"}, "paused": True, "pause": {"by": hostile},
+              "components": {hostile: {"kind": "vllm", "state": "failed", "held": hostile, "pid": None,
+                                       "last_exit": {"reason": hostile}}}}  # fmt: skip
+    html = first_paint(read_static("index.html").decode(), status, now=0)
+    assert hostile not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "PAUSED by &lt;img" in html and "held: &lt;img" in html
+
+
 async def test_the_page_can_be_switched_off(tmp_path: Path) -> None:
     data = tiny_config(tmp_path / "home")
     data["agent"]["ui"] = {"enabled": False}

@@ -6,13 +6,16 @@ fetch only from the agent itself, so nothing is fetched from outside even if a m
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
 from nodeagent.httpbase import ApiError, json_response
+from nodeagent.ui.firstpaint import first_paint
 
 UI_ROUTES = (
     ("GET", "/ui", "ui_page"),
@@ -46,17 +49,22 @@ def _response(name: str, body: bytes) -> web.Response:
 
 
 class UiRoutes:
-    """Needs from the Api: `cache_sampler` (None when agent.ui.enabled is false)."""
+    """Needs from the Api: `cache_sampler` (None when agent.ui.enabled is false) and `status_data()`."""
 
     cache_sampler: Any
+    status_data: Callable[[], dict[str, Any]]
 
     def _ui_enabled(self) -> None:
         if self.cache_sampler is None:
             raise ApiError(404, "the status page is off (agent.ui.enabled: false)")
 
     async def ui_page(self, request: web.Request) -> web.Response:
+        """The page with its first paint rendered here (`firstpaint`): readable without JavaScript."""
         self._ui_enabled()
-        return _response(PAGE, read_static(PAGE))
+        page = read_static(PAGE).decode()
+        with contextlib.suppress(Exception):  # the live page never depends on the first paint
+            page = first_paint(page, self.status_data())
+        return _response(PAGE, page.encode())
 
     async def ui_asset(self, request: web.Request) -> web.Response:
         self._ui_enabled()
