@@ -17,3 +17,5 @@ python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dsv4-age
 for tool in etcd dscli vllm-standin dsv4-agent nodeagentctl; do
   [ -x ".venv/bin/$tool" ] || { echo "install-dev: .venv/bin/$tool missing after install" >&2; exit 1; }
 done
+# scripts/run-local.sh installs only when this stamp (the pyprojects' hash and the extras) says it must
+echo "$(cat pyproject.toml standin/pyproject.toml | sha256sum | cut -d' ' -f1) ${extras}" > .venv/.run-local-installed
