@@ -63,8 +63,9 @@ class ContainerConfig(Strict):
     on_stop: Literal["stop", "remove", "keep"] = "stop"
     """What the agent does to the container when it stops: stop it (kept for inspection), remove it, or leave it
     running."""
-    stop_timeout_s: float = Field(default=30.0, gt=0)
-    """Grace the engine gives the container on stop before SIGKILL (its components are stopped first)."""
+    stop_timeout_s: float = Field(default=5.0, gt=0)
+    """Grace the engine gives the container on stop before SIGKILL; its components are stopped first, and the
+    guide's entrypoint (bash as PID 1) ignores SIGTERM, so the engine always waits this long."""
 
     @field_validator("setup")
     @classmethod

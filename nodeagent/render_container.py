@@ -62,6 +62,9 @@ class ContainerSpec:
     def start_argv(self) -> tuple[str, ...]:
         return self._cli("start", self.name)
 
+    def unpause_argv(self) -> tuple[str, ...]:
+        return self._cli("unpause", self.name)
+
     def stop_argv(self, timeout_s: float) -> tuple[str, ...]:
         return self._cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
 
@@ -69,7 +72,8 @@ class ContainerSpec:
         return self._cli("kill", "-s", signal, self.name)
 
     def rm_argv(self) -> tuple[str, ...]:
-        return self._cli("rm", "-f", self.name)
+        """Remove at once: the guide's entrypoint (bash as PID 1) ignores SIGTERM, so a grace only waits."""
+        return self._cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
 
     def events_argv(self) -> tuple[str, ...]:
         """One JSON object per line for each event of this container."""

@@ -178,7 +178,7 @@ def test_exec_and_lifecycle_argv() -> None:
     assert spec.inspect_argv() == ("podman", "inspect", "--type", "container", "box")
     assert spec.start_argv() == ("podman", "start", "box")
     assert spec.stop_argv(30) == ("podman", "stop", "-t", "30", "box")
-    assert spec.rm_argv() == ("podman", "rm", "-f", "box")
+    assert spec.rm_argv() == ("podman", "rm", "-f", "-t", "0", "box")
     assert spec.kill_argv() == ("podman", "kill", "-s", "KILL", "box")
     assert spec.events_argv()[-4:] == ("--filter", "container=box", "--format", "json")
 
