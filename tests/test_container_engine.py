@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,3 +228,50 @@ def test_a_changed_run_line_is_a_planned_recreate(section: ContainerConfig, tmp_
     state, plan = asyncio.run(ensure_container(changed, [], store, print, drain))
     assert plan.drain and drained == ["run line changed"] and state.id != cid
     assert "HCCL_BUFFSIZE=512" in asyncio.run(changed.exec(["env"])).stdout
+
+
+@pytest.fixture
+def docker_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """podman's docker-compatible API on a private socket, for the docker CLI (no Docker daemon here)."""
+    if shutil.which("docker") is None:
+        pytest.skip("no docker CLI on PATH (Debian's docker.io ships one)")
+    folder = Path(tempfile.mkdtemp(prefix="pdapi-"))  # sun_path is 108 bytes at most
+    sock = folder / "api.sock"
+    service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
+    try:
+        wait_for("podman's API socket", lambda: subprocess.run(["docker", "version"], capture_output=True,
+                                                               timeout=10).returncode == 0, timeout=30)
+        yield str(sock)
+    finally:
+        service.terminate()
+        service.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_docker_path_is_the_same_code(docker_api: str, section: ContainerConfig, tmp_path: Path) -> None:
+    docker = section.model_copy(update={"engine": "docker"})
+    engine, store, cid = started(docker, tmp_path)
+    assert engine.spec.run_argv()[:2] == ("docker", "run") and "--runtime=runc" in engine.spec.run_argv()
+    assert asyncio.run(engine.exec(["sh", "-c", "echo inside"])).stdout.strip() == "inside"
+    record = store.load()
+    assert record is not None and record.container_id == cid
+
+    async def scenario() -> tuple[float, str]:
+        watcher = asyncio.create_task(engine.watch(cid, record.started_at, poll_s=1.0))
+        await asyncio.sleep(1.5)
+        t0 = time.monotonic()
+        await run_engine(engine.spec.kill_argv(), 30)
+        death = await asyncio.wait_for(watcher, 10)
+        return time.monotonic() - t0, death.detail
+
+    latency, detail = asyncio.run(scenario())
+    print(f"\ndocker kill (via podman's API) noticed after {latency * 1000:.0f} ms: {detail}")
+    assert latency < 5.0 and "137" in detail
+    _state, plan = asyncio.run(ensure_container(engine, [], store, print))
+    assert plan.redeploy and plan.steps == (Step.REMOVE, Step.CREATE)
+    t0 = time.monotonic()
+    asyncio.run(engine.remove())
+    assert asyncio.run(engine.inspect()) is None
+    print(f"docker rm -f of a running container: {(time.monotonic() - t0) * 1000:.0f} ms")

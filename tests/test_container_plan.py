@@ -1,7 +1,9 @@
 """The container's lifecycle decisions (nodeagent.container_plan), without an engine: inspect states in, steps out.
 
 tests/fixtures/podman_inspect_{running,exited}.json are real `podman inspect` output captured on the build machine
-(podman 4.3.1, runc) of a container made by the guide's run line, before and after `podman kill`.
+(podman 4.3.1, runc) of a container made by the guide's run line, before and after `podman kill`;
+docker_api_inspect_*.json the same through the docker CLI 28.2.2 against podman's docker-compatible API
+(`podman system service`): docker's schema as podman renders it, not a Docker daemon's own output.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def test_parse_real_podman_inspect() -> None:
         parse_inspect("Error: something")
     with pytest.raises(ContainerInspectError):
         parse_inspect('[{"Id": "x"}]')
+
+
+def test_parse_docker_cli_inspect() -> None:
+    up = parse_inspect((FIXTURES / "docker_api_inspect_running.json").read_text())
+    down = parse_inspect((FIXTURES / "docker_api_inspect_exited.json").read_text())
+    assert up is not None and up.running and up.name == "d1" and up.image.startswith("localhost/dsv4-agent-test:")
+    assert down is not None and down.describe() == "exited with code 137" and down.id == up.id
 
 
 def test_docker_shaped_inspect() -> None:
