@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import statistics
@@ -275,3 +276,27 @@ def test_the_docker_path_is_the_same_code(docker_api: str, section: ContainerCon
     asyncio.run(engine.remove())
     assert asyncio.run(engine.inspect()) is None
     print(f"docker rm -f of a running container: {(time.monotonic() - t0) * 1000:.0f} ms")
+
+
+def test_the_host_sees_a_death_inside_as_fast_as_its_own(section: ContainerConfig, tmp_path: Path) -> None:
+    """The host-side design: find the component by the container's cgroup, watch its host PID with a pidfd."""
+    engine, _store, cid = started(section, tmp_path)
+    before = set(container_pids(cid))
+    client = subprocess.Popen(engine.spec.exec_argv(["sleep", "600"]), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pid = wait_for("the sleeper", lambda: next((p for p in set(container_pids(cid)) - before
+                                                   if psutil.Process(p).name() == "sleep"), None), timeout=20)
+        fd = os.pidfd_open(pid)
+        try:
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)  # a process of our container, by its host PID
+            ready, _, _ = select.select([fd], [], [], 5)
+            latency = time.monotonic() - t0
+        finally:
+            os.close(fd)
+        assert ready, "pidfd did not report the death"
+        print(f"\ndeath of a process inside seen by a host pidfd after {latency * 1e6:.0f} µs")
+        assert latency < 0.5
+    finally:
+        client.wait(timeout=10)
