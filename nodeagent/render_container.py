@@ -120,3 +120,7 @@ def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | 
     name = next((o.value for o in options if o.canonical == "--name" and o.value), container.name)
     return ContainerSpec(engine=engine, name=name, image=container.image, options=tuple(options),
                          global_args=global_args)
+
+
+exec_argv = ContainerSpec.exec_argv
+"""`exec_argv(spec, argv, env, cwd)`: the engine command that runs a component inside the container."""
