@@ -27,6 +27,7 @@ from nodeagent.config_agent import ApiConfig as ApiConfig
 from nodeagent.config_agent import MqttConfig as MqttConfig
 from nodeagent.config_agent import UiConfig as UiConfig
 from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
+from nodeagent.config_container import ContainerConfig
 from nodeagent.config_paths import Command, ConfigPath
 from nodeagent.config_paths import resolve_path as _resolve_path
 from nodeagent.config_probes import DatasystemKvProbe as DatasystemKvProbe
@@ -127,6 +128,8 @@ class ComponentBase(Strict):
     restart: RestartSpec = RestartSpec()
     probes: ProbeSet = ProbeSet()
     enabled: bool = True
+    container: bool = True
+    """With a `container:` section: run inside the node's container; false runs it on the host (e.g. etcd)."""
 
     @field_validator("depends_on", mode="before")
     @classmethod
@@ -352,6 +355,8 @@ class Config(Strict):
     cluster: ClusterConfig = ClusterConfig()
     node: NodeConfig = NodeConfig()
     agent: AgentSettings = AgentSettings()
+    container: ContainerConfig | None = None
+    """Run the components inside this container (the guide's vllm-ascend image); absent: host processes."""
     components: dict[str, Component] = Field(default_factory=dict)
     """In a cluster file: what this member runs (vllm expanded per group, see `nodeagent.layout`)."""
     source: Path | None = Field(default=None, exclude=True)

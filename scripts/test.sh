@@ -2,12 +2,13 @@
 # Install everything the tests need on a fresh Debian/Ubuntu machine, then run them.
 # Host packages: bash, procps (for operators), and for the systemd system tests: debootstrap,
 # systemd-container (nspawn), systemd (systemd-analyze), mosquitto (its TLS test: openssl), chromium (the status
-# page's browser tests, driven over the DevTools protocol: no driver needed). Python: .venv with the [test] extras.
+# page's browser tests, driven over the DevTools protocol: no driver needed), podman and runc (container mode: crun
+# fails on these hosts' hybrid cgroups). Python: .venv with the [test] extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
 for pair in debootstrap:debootstrap systemd-nspawn:systemd-container systemd-analyze:systemd mosquitto:mosquitto \
-            mosquitto_passwd:mosquitto openssl:openssl nsenter:util-linux chromium:chromium; do
+            mosquitto_passwd:mosquitto openssl:openssl nsenter:util-linux chromium:chromium podman:podman runc:runc; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
 if [ "${#need[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -15,6 +15,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     from nodeagent.render import render_component
 
     config = full_config(args, args.node)
+    if args.component == "container" and "container" not in config.components:
+        from nodeagent.cli.containercmd import print_container
+
+        return print_container(config, args.json)
     names = [args.component] if args.component else list(config.active_components())
     if args.component and args.component not in config.components:
         known = ", ".join(config.components)

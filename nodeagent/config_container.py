@@ -1,0 +1,83 @@
+"""The `container:` section: run the stack inside the vllm-ascend image, as the deployment guide does.
+
+Absent, every component is a host process (as before). Present, the agent keeps one container per node (the
+guide's `start-docker.sh` line, `nodeagent.render_container`) and runs each component inside it, except those
+that say `container: false` (e.g. etcd on the host). The lifecycle decisions are `nodeagent.container_plan`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from nodeagent.config_cluster import Strict
+from nodeagent.container_options import guide_options, merge_options
+
+GUIDE_IMAGE = "quay.io/ascend/vllm-ascend:v0.20.2rc1"
+GUIDE_NAME = "ds_v4_flash_yr"
+
+_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+
+
+def _container_name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a container name (letters, digits, then also _ . -)")
+    return value
+
+
+def _run_arg(value: str) -> str:
+    text = value.removeprefix("!")
+    if not text.startswith("-") or text in ("-", "--"):
+        raise ValueError(f"{value!r}: each run_args entry is one option (`--flag=value`, `--flag value`, "
+                         "`-v SRC:DST`), optionally prefixed with ! to remove a default")
+    return value
+
+
+RunArg = Annotated[str, AfterValidator(_run_arg)]
+
+
+class ContainerConfig(Strict):
+    """The node's container, created with the guide's `start-docker.sh` line (`nodeagentctl render container`
+    prints it); every component runs inside unless it says `container: false`."""
+
+    engine: Literal["docker", "podman"] | None = None
+    """The container engine's CLI; default: whichever is on PATH when the agent renders the run line, docker
+    first."""
+    image: str = Field(default=GUIDE_IMAGE, min_length=1)
+    """The image CANN, torch-npu and vllm-ascend live in (the guide's; `docker pull` it first)."""
+    name: Annotated[str, AfterValidator(_container_name)] = GUIDE_NAME
+    """The container's name (the guide's `start-docker.sh` second argument)."""
+    run_args: list[RunArg] = Field(default_factory=list)
+    """Options of the run line on top of the guide's `start-docker.sh` flags, one option per entry
+    (`--shm-size=64g`, `-v /models:/models`, `-e HCCL_BUFFSIZE=512`). An option the defaults already have is
+    replaced: single-valued flags by name (`--name`, `--shm-size`, `-w`, `--net`, ...), `-v` by its container
+    path, `--device` by its device path, `-e` by variable, `--ulimit` by limit. `!` first removes a default:
+    `!--device=/dev/davinci_manager` that one, `!--device` every device, `!-v /data` the mount at /data."""
+    setup: list[Annotated[list[str], Field(min_length=1)]] = Field(default_factory=list)
+    """Commands run inside once per new container before any component starts (the guide's `git am` patches,
+    `pip install` of the datasystem wheel), in order; a failure names the step and holds the stack."""
+    runtime: str | None = None
+    """The OCI runtime (`podman --runtime runc`, `docker run --runtime=runc`); default: the engine's."""
+    on_stop: Literal["stop", "remove", "keep"] = "stop"
+    """What the agent does to the container when it stops: stop it (kept for inspection), remove it, or leave it
+    running."""
+    stop_timeout_s: float = Field(default=5.0, gt=0)
+    """Grace the engine gives the container on stop before SIGKILL; its components are stopped first, and the
+    guide's entrypoint (bash as PID 1) ignores SIGTERM, so the engine always waits this long."""
+
+    @field_validator("setup")
+    @classmethod
+    def _program_named(cls, value: list[list[str]]) -> list[list[str]]:
+        for i, step in enumerate(value):
+            if not step[0]:
+                raise ValueError(f"setup step {i + 1} must name a program")
+        return value
+
+    @model_validator(mode="after")
+    def _run_args_apply(self) -> ContainerConfig:
+        options = merge_options(guide_options({}), self.run_args)  # a removal that removes nothing raises
+        if not any(o.canonical == "--name" and o.value for o in options):
+            raise ValueError("run_args removes --name: the agent finds its container by name")
+        return self

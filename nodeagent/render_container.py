@@ -1,0 +1,126 @@
+"""Pure rendering of the node's container: the guide's `start-docker.sh` run line, and the engine commands.
+
+The defaults are exactly the options `start-docker.sh` passes (`tests/golden/start-docker.sh`, compared flag for
+flag by `tests/test_render_container.py`); `container.run_args` adds, replaces or removes options by the rules
+of `nodeagent.container_options`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nodeagent.config_container import ContainerConfig
+from nodeagent.container_options import ContainerRenderError, RunOption, guide_options, merge_options
+
+if TYPE_CHECKING:
+    from nodeagent.config_model import Config
+
+ENGINES = ("docker", "podman")
+
+
+def pick_engine(which: Callable[[str], str | None] = shutil.which) -> str:
+    for engine in ENGINES:
+        if which(engine):
+            return engine
+    raise ContainerRenderError("container: neither docker nor podman is on PATH; install one or set "
+                               "container.engine")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    engine: str
+    name: str
+    image: str
+    options: tuple[RunOption, ...]
+    global_args: tuple[str, ...] = ()
+    """Engine options before the subcommand (podman's `--runtime` is one)."""
+    command: tuple[str, ...] = ()
+    """After the image; the guide's line has none (its entrypoint `bash -it` waits forever)."""
+
+    def _cli(self, *args: str) -> tuple[str, ...]:
+        return (self.engine, *self.global_args, *args)
+
+    def run_argv(self) -> tuple[str, ...]:
+        """Create and start the container, detached (the guide's line)."""
+        words = [w for opt in self.options for w in opt.words()]
+        return self._cli("run", *words, self.image, *self.command)
+
+    def fingerprint(self) -> str:
+        """What a running container must have been created with; a change is a planned recreate."""
+        data = {"image": self.image, "run": list(self.run_argv()[1:])}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def inspect_argv(self) -> tuple[str, ...]:
+        return self._cli("inspect", "--type", "container", self.name)
+
+    def start_argv(self) -> tuple[str, ...]:
+        return self._cli("start", self.name)
+
+    def unpause_argv(self) -> tuple[str, ...]:
+        return self._cli("unpause", self.name)
+
+    def stop_argv(self, timeout_s: float) -> tuple[str, ...]:
+        return self._cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
+
+    def kill_argv(self, signal: str = "KILL") -> tuple[str, ...]:
+        return self._cli("kill", "-s", signal, self.name)
+
+    def rm_argv(self) -> tuple[str, ...]:
+        """Remove at once: the guide's entrypoint (bash as PID 1) ignores SIGTERM, so a grace only waits."""
+        return self._cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
+
+    def events_argv(self) -> tuple[str, ...]:
+        """One JSON object per line for each event of this container."""
+        fmt = "json" if self.engine == "podman" else "{{json .}}"
+        return self._cli("events", "--filter", f"container={self.name}", "--format", fmt)
+
+    def exec_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None,
+                  unset: Sequence[str] = (), interactive: bool = False) -> tuple[str, ...]:
+        """Run `argv` inside; `env` is set on top of the image's environment, `unset` removed from it."""
+        words: list[str] = ["exec"]
+        if interactive:
+            words.append("-it")
+        if cwd is not None:
+            words += ["-w", str(cwd)]
+        for key, value in (env or {}).items():
+            words += ["-e", f"{key}={value}"]
+        words.append(self.name)
+        if unset:
+            words += ["env", *(w for var in unset for w in ("-u", var)), "--"]
+        return self._cli(*words, *argv)
+
+    def shell(self) -> str:
+        """The run line as the guide writes it: one option per line."""
+        head = " ".join(shlex.quote(w) for w in self._cli("run"))
+        lines = [head] + [" ".join(shlex.quote(w) for w in opt.words()) for opt in self.options]
+        lines.append(" ".join(shlex.quote(w) for w in (self.image, *self.command)))
+        return " \\\n    ".join(lines)
+
+
+def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | None = None,
+                     which: Callable[[str], str | None] = shutil.which) -> ContainerSpec:
+    """The node's container (`config.container`); `env` supplies `-e http_proxy=...` (default: empty)."""
+    container = config if isinstance(config, ContainerConfig) else config.container
+    if container is None:
+        raise ContainerRenderError("this config has no container: section (its components are host processes)")
+    engine = container.engine or pick_engine(which)
+    defaults = [RunOption("--name", container.name) if o.flag == "--name" else o for o in guide_options(env or {})]
+    options = merge_options(defaults, container.run_args)
+    global_args: tuple[str, ...] = ()
+    if container.runtime and engine == "podman":
+        global_args = ("--runtime", container.runtime)
+    elif container.runtime and not any(o.canonical == "--runtime" for o in options):
+        options.append(RunOption("--runtime", container.runtime, True))
+    name = next((o.value for o in options if o.canonical == "--name" and o.value), container.name)
+    return ContainerSpec(engine=engine, name=name, image=container.image, options=tuple(options),
+                         global_args=global_args)
+
+
+exec_argv = ContainerSpec.exec_argv
+"""`exec_argv(spec, argv, env, cwd)`: the engine command that runs a component inside the container."""
