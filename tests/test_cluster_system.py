@@ -82,9 +82,13 @@ def test_node_reads_from_any_member_api_or_member_key(tmp_path: Path, etcd: Etcd
         text = harness.ctl("n1", "status", "--node", "n0")
         assert text.returncode == 0 and text.stdout.startswith("node n0 (master)"), text.stdout
 
-        table = harness.ctl("n1", "cluster")
-        assert table.returncode == 0 and "etcd reachable" in table.stdout
-        lines = {ln.split()[0]: ln for ln in table.stdout.splitlines()[1:] if ln.startswith("n")}
+        def table_lines() -> dict[str, str] | None:  # member records coalesce to a write a second: wait for it
+            table = harness.ctl("n1", "cluster")
+            assert table.returncode == 0 and "etcd reachable" in table.stdout
+            lines = {ln.split()[0]: ln for ln in table.stdout.splitlines()[1:] if ln.startswith("n")}
+            return lines if "vllm:ready" in lines.get("n0", "") else None
+
+        lines = wait_for("n0's record says vllm ready", table_lines, 10)
         assert set(lines) == {"n0", "n1"} and "vllm:ready" in lines["n0"] and "g-n1" in lines["n1"]
 
         # a hung agent (SIGSTOP): its key lives until the TTL, its API does not answer — the key is shown
