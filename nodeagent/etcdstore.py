@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 WATCH_RETRY_MAX_S = 2.0
+
+_KNOWN_AT_SEND: contextvars.ContextVar[tuple[int, tuple[int, int]]] = contextvars.ContextVar("etcd_known_at_send")
+"""(store epoch, highest (revision, term) answered) when the request now running was sent: see `_observe`."""
 
 
 def _cancelled_by_grpc() -> bool:
@@ -136,10 +140,16 @@ class EtcdStore:
                 await client.close()
 
     def _observe(self, header: Any) -> None:
-        """Track etcd's revision and term; going back means a wiped store (same cluster id, history gone)."""
+        """Track etcd's revision and term; going back means a wiped store (same cluster id, history gone).
+
+        An answer is compared with what was known when its request was *sent*, not with the highest answer so
+        far: concurrent requests are answered in any order (a read served at revision 14 may arrive after a
+        write's answer at 15), and only a request sent after etcd said 15 must be answered at 15 or later."""
         seen = (header.revision, header.raft_term)
-        if seen[0] < self._high[0] or (seen[1] < self._high[1] and seen[0] <= self._high[0]):
-            self.suspect_reset(f"etcd revision went back from {self._high[0]} to {seen[0]}")
+        epoch, floor = _KNOWN_AT_SEND.get((self.epoch, self._high))
+        went_back = seen[0] < floor[0] or (seen[1] < floor[1] and seen[0] <= floor[0])
+        if went_back and epoch == self.epoch:  # (a request sent before a reset was noticed says nothing new)
+            self.suspect_reset(f"etcd revision went back from {floor[0]} to {seen[0]}")
             self._high = seen
         else:
             self._high = (max(seen[0], self._high[0]), max(seen[1], self._high[1]))
@@ -163,6 +173,7 @@ class EtcdStore:
         while attempt < len(self.settings.endpoints) and loop.time() < deadline:
             client = self._current()
             self.requests += 1
+            _KNOWN_AT_SEND.set((self.epoch, self._high))  # this task runs one request at a time
             try:
                 async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
                     result = await op(client)

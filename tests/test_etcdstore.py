@@ -252,6 +252,40 @@ async def test_wiped_etcd_resets_the_watch_and_regrants_the_lease(own_etcd: Etcd
         await store.close()
 
 
+async def test_fresh_etcd_with_busy_clients_raises_no_false_alarm(own_etcd: EtcdServer) -> None:
+    """Issue 17: on a brand-new etcd, agents logged "etcd revision went back" and re-read everything. Concurrent
+    requests of one client are answered in any order; only an answer older than what was known when its request
+    was sent means etcd went back. (The wipe test above still sees a real wipe.)"""
+    stores = [store_for(own_etcd.endpoint) for _ in range(3)]
+    watches: list[Collector] = []
+
+    async def agent(i: int, store: EtcdStore) -> None:
+        lease = store.lease(10)
+        assert await lease.wait_granted(5)
+        watches.extend(Collector(store, f"/c/{p}/") for p in ("nodes", "gangs", "barriers"))
+
+        async def writer(k: int) -> None:
+            rev = 0
+            for n in range(30):
+                result = await store.compare_and_swap(f"/c/nodes/{i}-{k}", rev, str(n), lease)
+                rev = result.revision if result.succeeded else (result.current.mod_revision if result.current else 0)
+                await store.get_prefix("/c/gangs/")
+
+        await asyncio.gather(*(writer(k) for k in range(4)))
+
+    try:
+        await asyncio.gather(*(agent(i, s) for i, s in enumerate(stores)))
+        await wait_until("every node watch saw every last write", lambda: all(
+            w.view.get(f"/c/nodes/{i}-{k}") == b"29" for w in watches[::3] for i in range(3) for k in range(4)))
+        assert [s.epoch for s in stores] == [0, 0, 0], "no reset suspected on a healthy etcd"
+        assert all(w.resyncs() == ["initial"] for w in watches)
+    finally:
+        for watch in watches:
+            await watch.close()
+        for store in stores:
+            await store.close()
+
+
 # ---- TLS and user/password ---------------------------------------------------------------------------------------
 
 
