@@ -275,8 +275,12 @@ async def test_fresh_etcd_with_busy_clients_raises_no_false_alarm(own_etcd: Etcd
 
     try:
         await asyncio.gather(*(agent(i, s) for i, s in enumerate(stores)))
-        await wait_until("every node watch saw every last write", lambda: all(
-            w.view.get(f"/c/nodes/{i}-{k}") == b"29" for w in watches[::3] for i in range(3) for k in range(4)))
+        await wait_until(
+            "every node watch saw every last write",
+            lambda: all(
+                w.view.get(f"/c/nodes/{i}-{k}") == b"29" for w in watches[::3] for i in range(3) for k in range(4)
+            ),
+        )
         assert [s.epoch for s in stores] == [0, 0, 0], "no reset suspected on a healthy etcd"
         assert all(w.resyncs() == ["initial"] for w in watches)
     finally:
