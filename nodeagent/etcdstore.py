@@ -329,6 +329,8 @@ class EtcdStore:
         retry = 0.2
         epoch = self.epoch
         next_rev = from_revision
+        known_at: int | None = None
+        """After a re-read: the snapshot's revision (what comes later arrives as it happens, not replayed)."""
         while True:
             try:
                 if next_rev is None or epoch != self.epoch:
@@ -336,20 +338,21 @@ class EtcdStore:
                     epoch = self.epoch
                     snapshot = await self.get_prefix(prefix)
                     yield Resync(reason, snapshot)  # type: ignore[arg-type]
-                    next_rev = snapshot.revision + 1
+                    next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 revision, _term = await self._head(prefix)
                 if epoch != self.epoch or revision < next_rev - 1:
                     if epoch == self.epoch:
                         self.suspect_reset(f"etcd is at revision {revision}, the watch was at {next_rev - 1}")
                     continue
-                async for item in self._stream(prefix, next_rev, revision):
+                live_after, known_at = (revision if known_at is None else known_at), None
+                async for item in self._stream(prefix, next_rev, live_after):
                     yield item
                     next_rev = item.revision + 1
                     retry = 0.2
             except aexc.RevisionCompactedError:
                 snapshot = await self._read_retrying(prefix)
                 yield Resync("compacted", snapshot)
-                next_rev = snapshot.revision + 1
+                next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 continue
             except StoreUnavailable:
                 pass
