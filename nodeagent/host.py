@@ -9,6 +9,7 @@ fake clock, so the state machine is exercised without processes or sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -42,13 +43,24 @@ class StartHeld(AgentError):
 
 
 class Clock:
-    """Wall-clock time and sleeping; tests substitute a clock that jumps instead of waiting."""
+    """Wall-clock time, a monotonic clock, sleeping and waiting with a timeout; tests substitute a clock that jumps
+    instead of waiting (the component's, and the cluster layer's in `tests/cluster_fakes.py`)."""
 
     def time(self) -> float:
         return time.time()
 
+    def monotonic(self) -> float:
+        return time.monotonic()
+
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+    async def wait(self, event: asyncio.Event, timeout: float) -> bool:
+        """Until `event` is set, at most `timeout` seconds of this clock; whether it is set."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, timeout)):
+                await event.wait()
+        return event.is_set()
 
 
 @dataclass
