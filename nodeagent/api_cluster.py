@@ -94,7 +94,7 @@ class ClusterRoutes(Handlers):
         co = self._coordinator()
         if node == co.node:
             try:
-                message = co.sup.command(name, action, drain=drain, by=f"operator ({who})")
+                message = co.port.command(name, action, drain=drain, by=f"operator ({who})")
             except UnknownComponentError as exc:
                 raise ApiError(404, str(exc)) from None
             except AgentError as exc:

@@ -1,8 +1,9 @@
 """The cluster layer's etcd I/O: gang restarts of a data-parallel group, start barriers, the cluster-wide pause.
 
-The rules are `cluster_rules` (pure); this module reads and writes the keys and drives components only
-through what an operator has — a restart signal, a start gate that holds — never by reaching into the
-supervisor's decisions. Losing etcd freezes coordination and never stops a serving stack: a group that needs
+The rules are `cluster_rules` (pure); this module reads and writes the keys and sees the node only through its
+`stackport.StackPort`: frozen views of the components, and the port's few commands (restart these, wake the
+gates). It attaches to the node once, as its `NodeLayer`: a start gate, a say on failures and operator
+commands, and a /status section. Losing etcd freezes coordination and never stops a serving stack: a group that needs
 a restart while etcd is down waits (a single-node group restarts locally as before).
 
 Per group this node belongs to: `acted` — the generation its vLLM was (re)started for — is persisted in
@@ -16,6 +17,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,16 +27,15 @@ from nodeagent import cluster_rules as rules
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.layout import Group, cluster_layout
 from nodeagent.proxy_sync import ProxySync
-from nodeagent.stackport import Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort, first_hold
 from nodeagent.statefile import read_json, write_json_atomic
 from nodeagent.store import KV, Change, Resync, StoreError
 
 if TYPE_CHECKING:
-    from nodeagent.component import Component
+    from nodeagent.cluster_ops import ClusterOps
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
     from nodeagent.membership import Membership
-    from nodeagent.supervisor import Supervisor
 
 BARRIER_TIMEOUT_S = 300.0
 """vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
@@ -77,9 +78,11 @@ class GangState:
 
 
 class Coordinator:
-    def __init__(self, config: Config, supervisor: Supervisor, membership: Membership) -> None:
+    """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
+
+    def __init__(self, config: Config, port: StackPort, membership: Membership) -> None:
         self.config = config
-        self.sup = supervisor
+        self.port = port
         self.membership = membership
         self.store = membership.store
         self.cluster = config.cluster.name
@@ -87,13 +90,14 @@ class Coordinator:
         self.layout = cluster_layout(config)
         self.state_path = config.agent.state_dir / "cluster.json"
         saved = read_json(self.state_path, {})
-        adoptable = set(supervisor.store.load_children())
+        here = port.snapshot()
+        adoptable = here.adoptable
         self.epoch: str | None = None
         self.gangs: dict[str, GangState] = {}
         for group in self.layout.groups:
             if self.node not in group.nodes:
                 continue
-            mine = tuple(c for c in group.components(self.node) if c in supervisor.components)
+            mine = tuple(c for c in group.components(self.node) if c in here.components)
             if not mine:
                 continue
             gs = GangState(group, mine)
@@ -105,21 +109,17 @@ class Coordinator:
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
-        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: supervisor.components.get(c),
+        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: port.component(c),
                                   lambda: {n: m.record for n, m in membership.members.items()},
-                                  lambda: self.records, supervisor.events.emit)
+                                  lambda: self.records, port.emit,
+                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason))
                         for plan in self.layout.proxies
-                        if plan.node == self.node and plan.component in supervisor.components]  # fmt: skip
-        self._tasks: list[asyncio.Task[Any]] = []
+                        if plan.node == self.node and plan.component in here.components]  # fmt: skip
+        self._tasks: list[asyncio.Future[Any]] = []
         self._wake = asyncio.Event()
-        self.ops: Any = None
+        self.ops: ClusterOps | None = None
         """cluster_ops.ClusterOps, attached by the agent (redeploy, remote commands)."""
-        supervisor.gates.append(self.gate)
-        supervisor.deciders.append(self.decide)
-        supervisor.command_hooks.append(self.command)
-        supervisor.status_extras["cluster"] = self.status
-        supervisor.status_extras["gangs"] = self.acks
-        supervisor.on_state_change.append(self.wake)  # a rank stopped, a pause ended: look again now
+        port.attach(self)
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -156,6 +156,13 @@ class Coordinator:
     def wake(self) -> None:
         self._wake.set()
 
+    def on_node_change(self) -> None:
+        self.wake()  # a rank stopped, a pause ended: look again now
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run `work` beside the loop; it is cancelled when the coordinator stops."""
+        self._tasks.append(asyncio.ensure_future(work))
+
     async def _watch(self, prefix: str, apply: Any) -> None:
         while True:
             try:
@@ -173,8 +180,8 @@ class Coordinator:
 
     async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
         if item.reason == "reset" and self.epoch is not None:  # once, not once per watch
-            self.sup.events.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
-                                 "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
+            self.port.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
+                           "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
             self.epoch = None
         if prefix.endswith("/gangs/"):
             self.records.clear()
@@ -213,7 +220,7 @@ class Coordinator:
 
     def _on_pause(self, key: str, kv: KV | None) -> None:
         info = kv.json() if kv is not None else None
-        self.sup.set_cluster_pause(info if isinstance(info, dict) else None)
+        self.port.set_cluster_pause(info if isinstance(info, dict) else None)
 
     # ---- the work loop: everything that writes -----------------------------------------------------------
     async def _work(self) -> None:
@@ -226,7 +233,7 @@ class Coordinator:
             self._wake.clear()
             try:
                 if self.reachable:
-                    await self._ensure_epoch()
+                    await self.ensure_epoch()
                     for gs in self.gangs.values():
                         await self._step(gs)
                     if time.monotonic() - last_settle >= SETTLE_EVERY_S:
@@ -243,7 +250,8 @@ class Coordinator:
                 logger.exception("cluster: coordination step failed")
                 await asyncio.sleep(RETRY_S)
 
-    async def _ensure_epoch(self) -> None:
+    async def ensure_epoch(self) -> None:
+        """Read (or create) the store's epoch: generations count within one epoch of one etcd's data."""
         if self.epoch is not None:
             return
         key = rules.epoch_key(self.cluster)
@@ -254,6 +262,29 @@ class Coordinator:
             current = result.current
         if current is not None:
             self.epoch = current.text()
+
+    async def renew_epoch(self, attempts: int = 600, every_s: float = 0.5) -> None:
+        """etcd's data was wiped (a cluster redeploy): forget the epoch and create the new one, once etcd answers."""
+        self.epoch = None
+        for _ in range(attempts):
+            with contextlib.suppress(StoreError):
+                await self.ensure_epoch()
+                return
+            await asyncio.sleep(every_s)
+
+    def restart_every_group(self, reason: str) -> None:
+        """Every group starts again as a new generation, through its barrier (after a cluster redeploy)."""
+        for gs in self.gangs.values():
+            gs.released = 0
+            if gs.pending is None:
+                gs.pending = (gs.acted, reason, False)
+        self.wake()
+
+    def redeploy_done(self, rid: str) -> None:
+        """This node did its part of cluster redeploy `rid` (persisted: it is not done twice)."""
+        if rid not in self.done_redeploys:
+            self.done_redeploys.append(rid)
+            self.save()
 
     async def _step(self, gs: GangState) -> None:
         assert self.epoch is not None
@@ -274,16 +305,17 @@ class Coordinator:
                 self.wake()
                 return
         target = rules.must_restart_for(view, epoch)
+        here = self.port.snapshot()
         if target is not None:
             assert gs.record is not None
-            if self.sup.paused and not gs.record.planned:
+            if here.paused and not gs.record.planned:
                 if gs.deferred != target:
                     gs.deferred = target
-                    self.sup.events.emit("gang_deferred", f"group {gs.group.name} generation {target} asked by "
-                                         f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
+                    self.port.emit("gang_deferred", f"group {gs.group.name} generation {target} asked by "
+                                   f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
                 return
-            self._act(gs, target)
-        if gs.arrived_for != gs.acted and self._wants_start(gs):
+            self._act(gs, target, here)
+        if gs.arrived_for != gs.acted and self._wants_start(gs, here):
             await self._arrive(gs)
 
     async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
@@ -299,30 +331,29 @@ class Coordinator:
             gs.record, gs.mod_revision = first, result.revision
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
-        gs.released = gs.acted if any(self.sup.components[c].record is not None for c in gs.components) else 0
+        here = self.port.snapshot().components
+        gs.released = gs.acted if any(here[c].running for c in gs.components) else 0
         self.save()
-        self.sup.poke()
+        self.port.wake()
 
-    def _act(self, gs: GangState, target: int) -> None:
+    def _act(self, gs: GangState, target: int, here: NodeView) -> None:
         """A new generation: persist it, then restart every local rank of the group once."""
         assert gs.record is not None
         record = gs.record
         gs.acted, gs.deferred, gs.arrivals, gs.arrived_for = target, None, set(), 0
         self.save()
         planned = record.planned
-        running = [c for c in gs.components if self.sup.components[c].record is not None]
-        self.sup.events.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
-                             f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
-                             None, "warning", group=gs.group.name, generation=target)  # fmt: skip
-        for name in running:
-            self.sup.components[name].signal("restart", None, f"gang {gs.group.name} generation {target}: "
-                                             f"{record.reason}", operator=planned, drain=planned)  # fmt: skip
-        self.sup.poke()
+        running = [c for c in gs.components if here.components[c].running]
+        self.port.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
+                       f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
+                       None, "warning", group=gs.group.name, generation=target)  # fmt: skip
+        self.port.restart(running, f"gang {gs.group.name} generation {target}: {record.reason}", planned=planned)
+        self.port.wake()
 
     async def _bump(self, gs: GangState, epoch: str) -> None:
         assert gs.pending is not None
         seen, reason, planned = gs.pending
-        spec = self.sup.components[gs.components[0]].cfg.restart
+        spec = self.port.component(gs.components[0]).restart
         out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=time.time(), epoch=epoch, spec=spec,
                          planned=planned)  # fmt: skip
         if out is None:
@@ -338,17 +369,18 @@ class Coordinator:
         gs.pending = None
         gs.record, gs.mod_revision = record, result.revision
         when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
-        self.sup.events.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
-                             f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
-                             generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
+        self.port.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
+                       f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
+                       generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
         if decision.action == "redeploy" and self.ops is not None:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
 
-    def _wants_start(self, gs: GangState) -> bool:
-        """Every local rank is waiting to start and its dependencies are up (the worker is ready)."""
-        comps = [self.sup.components[c] for c in gs.components]
-        return all(c.record is None and self.sup.desired(c.name) == "running" for c in comps) and all(
-            self.sup.components[d].up.is_set() for c in comps for d in self.sup.deps(c))
+    @staticmethod
+    def _wants_start(gs: GangState, here: NodeView) -> bool:
+        """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
+        its dependencies up (the worker is ready): this node may arrive at the group's start barrier."""
+        ranks = [here.components[c] for c in gs.components]
+        return all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
 
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted
@@ -370,34 +402,41 @@ class Coordinator:
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
         if state.released:
             gs.released = gs.acted
-            self.sup.events.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
-                                 group=gs.group.name, generation=gs.acted)  # fmt: skip
-            self.sup.poke()
+            self.port.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
+                           group=gs.group.name, generation=gs.acted)  # fmt: skip
+            self.port.wake()
         elif state.overdue and time.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
             gs.last_late_event = time.monotonic()
-            self.sup.events.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
-                                 "half a group", None, "error", missing=list(state.missing))  # fmt: skip
+            self.port.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
+                           "half a group", None, "error", missing=list(state.missing))  # fmt: skip
 
     async def _settle(self, gs: GangState) -> None:
         """The group ran stably: clear its crash loop in etcd (the head writes; only when it changes)."""
         if gs.record is None or gs.group.head != self.node:
             return
-        comps = [self.sup.components[c] for c in gs.components]
-        if not all(c.up.is_set() for c in comps):
+        here = self.port.snapshot().components
+        ranks = [here[c] for c in gs.components]
+        if not all(r.up for r in ranks):
             gs.up_since = None
             return
         gs.up_since = gs.up_since or time.time()
-        spec = comps[0].cfg.restart
+        spec = ranks[0].restart
         settled = rules.settle(gs.record, time.time(), spec, max(gs.up_since, gs.record.at))
         if settled is not None:
             key = rules.gang_key(self.cluster, gs.group.name)
             result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
             if result.succeeded:
                 gs.record, gs.mod_revision = settled, result.revision
-                self.sup.events.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
+                self.port.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
 
-    # ---- hooks the supervisor calls --------------------------------------------------------------------------
-    def gate(self, comp: Component, operator: bool) -> Hold | None:
+    # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
+        backoff and barrier."""
+        return first_hold((self.ops.gate(comp, operator) if self.ops is not None else None,
+                           self._group_gate(comp)))  # fmt: skip
+
+    def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)
         if gs is None:
             return None
@@ -427,7 +466,7 @@ class Coordinator:
         return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
                     data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
 
-    def decide(self, comp: Component, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""
         gs = self.by_component.get(comp.name)
         if gs is None or failure.permanent:
@@ -443,8 +482,11 @@ class Coordinator:
         self.wake()
         return f"group {gs.group.name} restarts as one: generation {gs.acted + 1} on {', '.join(gs.group.nodes)}"
 
-    def command(self, comp: Component, action: str, drain: bool, by: str) -> str | None:
-        """An operator's restart of a rank restarts its group (a planned generation: drained first)."""
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        """An operator's restart of a rank restarts its group (a planned generation: drained first). Refused while a
+        cluster redeploy runs (ClusterOps)."""
+        if self.ops is not None:
+            self.ops.refuse_while_redeploying(comp, action)
         gs = self.by_component.get(comp.name)
         if gs is None or action != "restart" or (not gs.multi and not self.reachable):
             return None
@@ -470,7 +512,7 @@ class Coordinator:
             raise CoordinationUnavailable(f"etcd unreachable ({self.store.state.endpoint})")
         out = {}
         for group in groups:
-            spec = next(iter(self.sup.components.values())).cfg.restart
+            spec = next(iter(self.port.snapshot().components.values())).restart
             for _attempt in range(5):
                 key = rules.gang_key(self.cluster, group)
                 kv = await self.store.get(key)
@@ -499,10 +541,14 @@ class Coordinator:
         return info
 
     # ---- views --------------------------------------------------------------------------------------------------
+    def status_section(self) -> dict[str, Any]:
+        return {"cluster": self.status(), "gangs": self.acks()}
+
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""
+        here = self.port.snapshot().components
         return {n: {"generation": g.acted, "released": g.released == g.acted,
-                    "running": [c for c in g.components if self.sup.components[c].record is not None]}
+                    "running": [c for c in g.components if here[c].running]}
                 for n, g in self.gangs.items()}  # fmt: skip
 
     def status(self) -> dict[str, Any]:
@@ -516,6 +562,6 @@ class Coordinator:
                            "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
                            "pending": gs.pending is not None}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
-                "pause": self.sup.cluster_pause, "gangs": gangs,
+                "pause": self.port.cluster_pause(), "gangs": gangs,
                 "redeploy": self.ops.status() if self.ops is not None else None,
                 "proxies": [p.status() for p in self.proxies]}  # fmt: skip

@@ -25,7 +25,7 @@ from nodeagent.bindaddr import connect_host
 from nodeagent.layout import Group, ProxyPlan
 
 if TYPE_CHECKING:
-    from nodeagent.component import Component
+    from nodeagent.stackport import ComponentView
 
 PERIOD_S = 1.0
 RECONCILE_S = 10.0
@@ -59,15 +59,17 @@ def desired_backends(groups: list[Group], health: dict[str, bool]) -> dict[str, 
 
 
 class ProxySync:
-    """Takes what it reads as callables (the proxy component, the member records, the groups' generation
-    records) and one `emit`: it knows nothing of the coordinator that owns it."""
+    """Takes what it reads as callables (a view of the proxy component, the member records, the groups'
+    generation records) and what it does as two (`emit` an event, `block_ready` the proxy with a reason or clear
+    it with None): it knows nothing of the coordinator that owns it, nor of the node's internals."""
 
-    def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], Component | None],
+    def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], ComponentView | None],
                  members: Callable[[], Mapping[str, Any]], records: Callable[[], Mapping[str, Any]],
-                 emit: Callable[..., Any]) -> None:  # fmt: skip
+                 emit: Callable[..., Any], block_ready: Callable[[str | None], None]) -> None:  # fmt: skip
         self.plan = plan
         self.groups = [g for g in groups if g.kind in ("prefill", "decode")]
         self._component, self._members, self._records, self._emit = component, members, records, emit
+        self._block_ready = block_ready
         self.applied: dict[str, set[str]] | None = None
         self.proxy_pid: int | None = None
         self.active: dict[str, set[str]] | None = None
@@ -92,7 +94,7 @@ class ProxySync:
         comp = self._component()
         if comp is None:
             return
-        pid = comp.record.pid if comp.record is not None else None
+        pid = comp.pid
         if pid != self.proxy_pid:
             self.proxy_pid = pid
             all_in = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
@@ -106,12 +108,12 @@ class ProxySync:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
-        if self.applied is not None and comp.up.is_set():
+        if self.applied is not None and comp.up:
             await self._apply(want)
         self._report(health)
         routed = self.active if self.active is not None else want
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
-        comp.block_ready("backends", f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
+        self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
 
     async def _apply(self, want: dict[str, set[str]]) -> None:
         assert self.applied is not None

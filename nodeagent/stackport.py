@@ -13,7 +13,7 @@ asks one ordered list of gates (`HOLD_ORDER`); the first that holds wins.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,6 +48,10 @@ class HoldKind(StrEnum):
 HOLD_ORDER: tuple[HoldKind, ...] = tuple(HoldKind)
 
 PAUSES = frozenset({HoldKind.NODE_PAUSE, HoldKind.CLUSTER_PAUSE})
+STOPS_AUTOMATIC = frozenset({HoldKind.DESIRED_STOPPED, *PAUSES})
+"""Holds under which no automatic action (a restart after a failure, a node redeploy) touches the component."""
+NODE_KINDS = HOLD_ORDER[: HOLD_ORDER.index(HoldKind.DEPENDENCY) + 1]
+"""The node's own gates (the supervisor's); the layers' gates (cluster, preflight, hardware) come after them."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,12 @@ class Hold:
                 "resolves_itself": self.resolves_itself, **({"data": dict(self.data)} if self.data else {})}
 
 
+def first_hold(holds: Iterable[Hold | None]) -> Hold | None:
+    """The hold that wins: the earliest kind in `HOLD_ORDER` (pure; None when nothing holds)."""
+    found = [h for h in holds if h is not None]
+    return min(found, key=lambda h: HOLD_ORDER.index(h.kind)) if found else None
+
+
 @dataclass(frozen=True)
 class ComponentView:
     """One component as the cluster layer sees it: a snapshot, never the live object."""
@@ -84,7 +94,8 @@ class ComponentView:
     kind: str
     state: str
     running: bool
-    """A process of ours exists — also while it is being stopped: `False` only once the whole tree is gone."""
+    """A process of ours exists — also while it is being stopped: `False` only once its whole tree is confirmed
+    stopped (a rank about to arrive at a start barrier must not see its old tree still dying as "stopped")."""
     up: bool
     """Its startup probes passed."""
     ready: bool
@@ -92,6 +103,7 @@ class ComponentView:
     """running | stopped (the operator's intent)."""
     deps: tuple[str, ...]
     deps_up: bool
+    """Every dependency is up (the node's dependency gate passes)."""
     restart: RestartSpec
     pid: int | None = None
     hold: Hold | None = None
@@ -108,8 +120,9 @@ class NodeView:
 
     node: str
     paused: bool
-    """This node's own maintenance pause (the cluster's is the cluster layer's)."""
+    """A maintenance pause holds automatic actions here: this node's or the cluster's (one store: the node's)."""
     pause: Mapping[str, Any] | None
+    """Who paused, when, and `scope` (cluster | node); None when not paused."""
     redeploying: bool
     components: Mapping[str, ComponentView]
     adoptable: frozenset[str] = frozenset()
@@ -147,6 +160,9 @@ class StackPort(Protocol):
 
     def wake(self) -> None:
         """Something a gate reads changed: waiting components re-check their gate now."""
+
+    def block_ready(self, name: str, key: str, reason: str | None) -> None:
+        """Report the component not ready for this reason (None clears it): the PD proxy without a backend."""
 
     def attach(self, layer: NodeLayer) -> None:
         """The cluster layer attaches once; the node asks it at its gate, its decisions and its status."""
