@@ -46,12 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent.cluster import Coordinator  # noqa: E402
+from nodeagent.cluster.coordinator import Coordinator  # noqa: E402
+from nodeagent.cluster.membership import Membership  # noqa: E402
 from nodeagent.config import parse_config  # noqa: E402
 from nodeagent.errors import UnknownComponentError  # noqa: E402
 from nodeagent.events import EventBus  # noqa: E402
 from nodeagent.failure import Failure  # noqa: E402
-from nodeagent.membership import Membership  # noqa: E402
 from nodeagent.stackport import ComponentView, NodeLayer, NodeView  # noqa: E402
 
 TARGET_P99_MS = 500.0
@@ -199,7 +199,7 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str) -> list
         config = parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
         host = SimHost(config, state)
         membership = Membership(config, host)
-        coordinator = Coordinator(config, host, membership)
+        coordinator = Coordinator(config, host, membership, operations=False)
         agents.append(SimAgent(node, host, membership, coordinator))
     for agent in agents:
         agent.membership.start()

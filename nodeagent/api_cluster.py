@@ -7,9 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
+from nodeagent.cluster.store import StoreError
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
 from nodeagent.httpbase import COMPONENT_ACTIONS, ApiError, Handlers, json_response
-from nodeagent.store import StoreError
 
 CLUSTER_ROUTES = (
     ("POST", "/cluster/pause", "cluster_pause"),

@@ -1,4 +1,4 @@
-"""An in-memory `nodeagent.store.Store` with etcd's semantics, for pure tests of the cluster's rules.
+"""An in-memory `nodeagent.cluster.store.Store` with etcd's semantics, for pure tests of the cluster's rules.
 `tests/test_store_contract.py` runs the same tests on it and on real etcd: what it claims is checked there.
 
 One global revision bumped by every write; create/mod revisions per key; compare-and-swap on mod_revision
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from nodeagent.store import (
+from nodeagent.cluster.store import (
     KV,
     CasResult,
     Change,

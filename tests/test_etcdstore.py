@@ -18,9 +18,9 @@ from conftest import free_port
 from etcdserver import EtcdServer
 from tcpproxy import TcpProxy
 
-from nodeagent.etcdclient import EtcdSettings
-from nodeagent.etcdstore import EtcdStore
-from nodeagent.store import Resync, StoreUnavailable, WatchItem, parse_endpoint
+from nodeagent.cluster.etcdclient import EtcdSettings
+from nodeagent.cluster.etcdstore import EtcdStore
+from nodeagent.cluster.store import Resync, StoreUnavailable, WatchItem, parse_endpoint
 
 pytestmark = pytest.mark.system
 

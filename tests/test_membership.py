@@ -13,10 +13,10 @@ import pytest
 from cluster_harness import ClusterHarness
 from fakestore import FakeStore
 
+from nodeagent.cluster.membership import Identity, Membership, member_key
 from nodeagent.config import load_config
 from nodeagent.events import EventBus
 from nodeagent.host import Clock
-from nodeagent.membership import Identity, Membership, member_key
 
 
 class Host:
@@ -190,7 +190,7 @@ async def test_a_burst_of_member_events_costs_one_consistency_check(cluster: Any
 
 
 def n1_record(m: Membership) -> dict[str, Any]:
-    from nodeagent.membership import member_record
+    from nodeagent.cluster.membership import member_record
 
     return member_record(m.static, m.host.status(), m.identity, m.clock.time())
 

@@ -1,5 +1,5 @@
 """One contract, two stores: every test here runs against `tests/fakestore.FakeStore` and against
-`nodeagent.etcdstore.EtcdStore` on real etcd, so "FakeStore behaves like etcd" is checked, not claimed.
+`nodeagent.cluster.etcdstore.EtcdStore` on real etcd, so "FakeStore behaves like etcd" is checked, not claimed.
 
 What differs is only how a test makes things happen (`Backend`): the fake's clock jumps where etcd's time passes
 for real; an outage is the fake's `set_reachable(False)` where the etcd client is cut off by a TCP proxy that it
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fakestore import FakeStore
 
-from nodeagent.store import KV, Change, ConnectionState, Resync, Store, StoreUnavailable, WatchItem
+from nodeagent.cluster.store import KV, Change, ConnectionState, Resync, Store, StoreUnavailable, WatchItem
 
 TTL = 2.0
 """etcd's shortest lease (the store asks at least 2 s)."""

@@ -7,7 +7,7 @@ What aetcd leaves to its user, done here:
 - a watch ends on a lost stream or a compacted revision: `watch_prefix` re-creates it from the last revision it
   delivered, re-reads the prefix when that revision was compacted, and re-reads it when etcd went back in time
   (wiped and restarted empty), telling the consumer with a `Resync`.
-- `Client.connect` only opens plaintext channels: `nodeagent.etcdclient.Client` opens TLS ones too.
+- `Client.connect` only opens plaintext channels: `nodeagent.cluster.etcdclient.Client` opens TLS ones too.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from aetcd import exceptions as aexc
 from aetcd import rpc, utils
 from loguru import logger
 
-from nodeagent.etcdclient import UNREACHABLE, Client, EtcdSettings, error_text, to_kv
-from nodeagent.etcdlease import KeptLease
-from nodeagent.store import (
+from nodeagent.cluster.etcdclient import UNREACHABLE, Client, EtcdSettings, error_text, to_kv
+from nodeagent.cluster.etcdlease import KeptLease
+from nodeagent.cluster.store import (
     KV,
     CasResult,
     Change,
@@ -58,7 +58,7 @@ def _cancelled_by_grpc() -> bool:
 
 
 class EtcdStore:
-    """`nodeagent.store.Store` on etcd. Create it inside the event loop; `close()` it when done."""
+    """`nodeagent.cluster.store.Store` on etcd. Create it inside the event loop; `close()` it when done."""
 
     def __init__(self, settings: EtcdSettings) -> None:
         if not settings.endpoints:
@@ -325,7 +325,7 @@ class EtcdStore:
 
     # ---- watches ------------------------------------------------------------------------------------------------
     async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:  # type: ignore[override]
-        """See `nodeagent.store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
+        """See `store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
         retry = 0.2
         epoch = self.epoch
         next_rev = from_revision

@@ -31,9 +31,9 @@ from loguru import logger
 
 from nodeagent import __version__
 from nodeagent.bindaddr import is_wildcard, url_host
-from nodeagent.consistency import ClockSamples, Expected, Finding, check_all
+from nodeagent.cluster.consistency import ClockSamples, Expected, Finding, check_all
+from nodeagent.cluster.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
 from nodeagent.host import Clock
-from nodeagent.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -199,7 +199,7 @@ class Membership:
     @property
     def store(self) -> Store:
         if self._store is None:
-            from nodeagent.etcdstore import EtcdStore
+            from nodeagent.cluster.etcdstore import EtcdStore
 
             self._store = EtcdStore.from_config(self.config.cluster)
         return self._store

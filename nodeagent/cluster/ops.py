@@ -14,22 +14,21 @@ coordinator only through `Coordination`, the few public things it needs of it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nodeagent import cluster_rules as rules
+from nodeagent.cluster import rules
+from nodeagent.cluster.store import KV, Store, StoreError
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.host import Clock
 from nodeagent.stackport import ComponentView, Hold, HoldKind, StackPort
-from nodeagent.store import KV, Store, StoreError
 
 if TYPE_CHECKING:
+    from nodeagent.cluster.membership import Membership
     from nodeagent.config_model import Config
-    from nodeagent.membership import Membership
 
 ACK_TIMEOUT_S = 180.0
 """How long the master waits for live members to ack before it wipes anyway (a dead one joins later)."""
@@ -65,8 +64,9 @@ class Coordination(Protocol):
 
 
 class ClusterOps:
-    def __init__(self, coordinator: Coordination) -> None:
+    def __init__(self, coordinator: Coordination, clock: Clock | None = None) -> None:
         self.co = coordinator
+        self.clock = clock or Clock()
         self.port = coordinator.port
         self.store = coordinator.store
         self.cluster = coordinator.cluster
@@ -147,7 +147,7 @@ class ClusterOps:
         record = rules.RedeployRecord.from_dict(current.json()) if current is not None else None
         if record is not None and record.phase != "done":
             return {"id": record.id, "already_in_progress": True, "phase": record.phase}
-        new = rules.RedeployRecord(uuid.uuid4().hex[:12], reason, by, time.time(), epoch=self.co.epoch or "")
+        new = rules.RedeployRecord(uuid.uuid4().hex[:12], reason, by, self.clock.time(), epoch=self.co.epoch or "")
         body = {**new.to_dict(), "planned": planned}
         result = await self.store.compare_and_swap(key, current.mod_revision if current else 0, json.dumps(body))
         if not result.succeeded:
@@ -170,7 +170,7 @@ class ClusterOps:
             self._spawn(self._stop_and_ack(self.record))
         elif duty == "stop" and self.phase == "acked" and self.is_master:
             live = {n for n, m in self.co.membership.members.items()} | {self.node}
-            if rules.may_wipe(self.acks, live, time.monotonic() - self.stop_began, ACK_TIMEOUT_S):
+            if rules.may_wipe(self.acks, live, self.clock.monotonic() - self.stop_began, ACK_TIMEOUT_S):
                 self._spawn(self._wipe(self.record))
         elif duty == "start":
             if self.phase is None:  # we were away while it ran: do our part now
@@ -192,7 +192,7 @@ class ClusterOps:
         self.co.spawn(guarded())
 
     async def _stop_and_ack(self, record: rules.RedeployRecord, ack: bool = True) -> None:
-        self.phase, self.stop_began = "stopping", time.monotonic()
+        self.phase, self.stop_began = "stopping", self.clock.monotonic()
         self.port.emit("cluster_redeploy_stop", f"cluster redeploy {record.id}: stopping vLLM, then the worker", None,
                        "warning")  # fmt: skip
         planned = bool((await self._raw(rules.redeploy_key(self.cluster))).get("planned"))
@@ -206,7 +206,7 @@ class ClusterOps:
         self.phase = "acked"
         if ack:
             key = rules.redeploy_ack_prefix(self.cluster, record.id) + self.node
-            await self.store.put(key, json.dumps({"at": time.time()}), lease=self.co.membership.lease)
+            await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.co.membership.lease)
             self.ack_map.setdefault(record.id, set()).add(self.node)
         self.port.emit("cluster_redeploy_stopped", f"cluster redeploy {record.id}: stopped and cleaned here"
                        + ("" if ack else " (late: it is already done elsewhere)"))  # fmt: skip
@@ -258,15 +258,15 @@ class ClusterOps:
             raise UnknownComponentError(f"node {node!r} has no agent in the cluster now (members: {known})")
         key = rules.command_prefix(self.cluster, node) + uuid.uuid4().hex[:12]
         body = {"action": action, "component": component, "drain": drain, "by": f"{by} via {self.node}",
-                "at": time.time(), "state": "pending"}  # fmt: skip
+                "at": self.clock.time(), "state": "pending"}  # fmt: skip
         await self.store.put(key, json.dumps(body), lease=self.co.membership.lease)
         try:
-            deadline = time.monotonic() + COMMAND_TIMEOUT_S
-            while time.monotonic() < deadline:
+            deadline = self.clock.monotonic() + COMMAND_TIMEOUT_S
+            while self.clock.monotonic() < deadline:
                 answer = await self._raw(key)
                 if answer.get("state") == "done":
                     return dict(answer.get("result") or {})
-                await asyncio.sleep(0.1)
+                await self.clock.sleep(0.1)
             return {"ok": False, "code": 1, "message": f"node {node} did not answer within {COMMAND_TIMEOUT_S:g}s"}
         finally:
             with contextlib.suppress(StoreError):

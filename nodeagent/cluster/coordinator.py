@@ -1,6 +1,6 @@
 """The cluster layer's etcd I/O: gang restarts of a data-parallel group, start barriers, the cluster-wide pause.
 
-The rules are `cluster_rules` (pure); this module reads and writes the keys and sees the node only through its
+The rules are `cluster.rules` (pure); this module reads and writes the keys and sees the node only through its
 `stackport.StackPort`: frozen views of the components, and the port's few commands (restart these, wake the
 gates). It attaches to the node once, as its `NodeLayer`: a start gate, a say on failures and operator
 commands, and a /status section. Losing etcd freezes coordination and never stops a serving stack: a group that needs
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -23,19 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent import cluster_rules as rules
+from nodeagent.cluster import rules
+from nodeagent.cluster.ops import ClusterOps
+from nodeagent.cluster.proxy_sync import ProxyPost, ProxySync
+from nodeagent.cluster.store import KV, Change, Resync, StoreError
 from nodeagent.errors import CoordinationUnavailable
+from nodeagent.host import Clock
 from nodeagent.layout import Group, cluster_layout
-from nodeagent.proxy_sync import ProxySync
 from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort, first_hold
 from nodeagent.statefile import read_json, write_json_atomic
-from nodeagent.store import KV, Change, Resync, StoreError
 
 if TYPE_CHECKING:
-    from nodeagent.cluster_ops import ClusterOps
+    from nodeagent.cluster.membership import Membership
+    from nodeagent.cluster.ops import ClusterOps
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
-    from nodeagent.membership import Membership
 
 BARRIER_TIMEOUT_S = 300.0
 """vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
@@ -80,8 +81,12 @@ class GangState:
 class Coordinator:
     """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
 
-    def __init__(self, config: Config, port: StackPort, membership: Membership) -> None:
+    def __init__(self, config: Config, port: StackPort, membership: Membership, *, clock: Clock | None = None,
+                 operations: bool = True, proxy_post: ProxyPost | None = None) -> None:  # fmt: skip
+        """operations: run the cluster redeploy and remote commands too (`ops.ClusterOps`; the scale simulation
+        leaves them out). proxy_post: how the PD proxy is called (tests give a fake proxy)."""
         self.config = config
+        self.clock = clock or Clock()
         self.port = port
         self.membership = membership
         self.store = membership.store
@@ -93,6 +98,8 @@ class Coordinator:
         here = port.snapshot()
         adoptable = here.adoptable
         self.epoch: str | None = None
+        self._epoch_before_reset: str | None = None
+        """The epoch we knew when a watch said etcd was reset: a different one then means etcd lost our keys."""
         self.gangs: dict[str, GangState] = {}
         for group in self.layout.groups:
             if self.node not in group.nodes:
@@ -112,13 +119,13 @@ class Coordinator:
         self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: port.component(c),
                                   lambda: {n: m.record for n, m in membership.members.items()},
                                   lambda: self.records, port.emit,
-                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason))
+                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason),
+                                  self.clock, proxy_post)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip
         self._tasks: list[asyncio.Future[Any]] = []
         self._wake = asyncio.Event()
-        self.ops: ClusterOps | None = None
-        """cluster_ops.ClusterOps, attached by the agent (redeploy, remote commands)."""
+        self.ops = ClusterOps(self, self.clock) if operations else None
         port.attach(self)
 
     # ---- persistence ------------------------------------------------------------------------------------------
@@ -176,13 +183,12 @@ class Coordinator:
                         self.wake()
             except Exception:  # the store retries outages itself: this is a bug's last resort
                 logger.exception(f"cluster: the watch of {prefix} failed; restarting it")
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
     async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
-        if item.reason == "reset" and self.epoch is not None:  # once, not once per watch
-            self.port.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
-                           "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
-            self.epoch = None
+        if item.reason == "reset" and self.epoch is not None:
+            # The store re-read everything: whether etcd really lost our keys, its epoch key says (ensure_epoch)
+            self._epoch_before_reset, self.epoch = self.epoch, None
         if prefix.endswith("/gangs/"):
             self.records.clear()
             for gs in self.gangs.values():
@@ -227,17 +233,15 @@ class Coordinator:
         last_settle = 0.0
         while True:
             busy = not self.reachable or any(g.pending or g.released != g.acted for g in self.gangs.values())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RETRY_S if busy else IDLE_TICK_S):
-                    await self._wake.wait()
+            await self.clock.wait(self._wake, RETRY_S if busy else IDLE_TICK_S)
             self._wake.clear()
             try:
                 if self.reachable:
                     await self.ensure_epoch()
                     for gs in self.gangs.values():
                         await self._step(gs)
-                    if time.monotonic() - last_settle >= SETTLE_EVERY_S:
-                        last_settle = time.monotonic()
+                    if self.clock.monotonic() - last_settle >= SETTLE_EVERY_S:
+                        last_settle = self.clock.monotonic()
                         for gs in self.gangs.values():
                             await self._settle(gs)
                     if self.ops is not None:
@@ -248,7 +252,7 @@ class Coordinator:
                 logger.debug(f"cluster: deferred: {exc}")
             except Exception:
                 logger.exception("cluster: coordination step failed")
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
     async def ensure_epoch(self) -> None:
         """Read (or create) the store's epoch: generations count within one epoch of one etcd's data."""
@@ -262,6 +266,10 @@ class Coordinator:
             current = result.current
         if current is not None:
             self.epoch = current.text()
+            before, self._epoch_before_reset = self._epoch_before_reset, None
+            if before is not None and before != self.epoch:  # once per wipe, however many watches re-read
+                self.port.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): generations "
+                               "start again, nothing is restarted for it", None, "warning")  # fmt: skip
 
     async def renew_epoch(self, attempts: int = 600, every_s: float = 0.5) -> None:
         """etcd's data was wiped (a cluster redeploy): forget the epoch and create the new one, once etcd answers."""
@@ -270,7 +278,7 @@ class Coordinator:
             with contextlib.suppress(StoreError):
                 await self.ensure_epoch()
                 return
-            await asyncio.sleep(every_s)
+            await self.clock.sleep(every_s)
 
     def restart_every_group(self, reason: str) -> None:
         """Every group starts again as a new generation, through its barrier (after a cluster redeploy)."""
@@ -321,7 +329,7 @@ class Coordinator:
     async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
         """First contact with this store: take its generation as ours, or create generation 1."""
         if gs.record is None or gs.record.epoch != epoch:
-            first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=time.time(),
+            first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=self.clock.time(),
                                      epoch=epoch)  # fmt: skip
             result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
                                                        json.dumps(first.to_dict()))  # fmt: skip
@@ -354,7 +362,7 @@ class Coordinator:
         assert gs.pending is not None
         seen, reason, planned = gs.pending
         spec = self.port.component(gs.components[0]).restart
-        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=time.time(), epoch=epoch, spec=spec,
+        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=self.clock.time(), epoch=epoch, spec=spec,
                          planned=planned)  # fmt: skip
         if out is None:
             gs.pending = None  # someone else already moved the group on: we follow theirs
@@ -385,28 +393,28 @@ class Coordinator:
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted
         key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
-        await self.store.put(key, json.dumps({"at": time.time()}), lease=self.membership.lease)
+        await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.membership.lease)
         if gs.arrived_for:
             with contextlib.suppress(StoreError):
                 await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
         gs.arrived_for = gen
         gs.arrivals.add(self.node)
-        gs.waiting_since = time.monotonic()
+        gs.waiting_since = self.clock.monotonic()
         snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
         gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
 
     def _check_barrier(self, gs: GangState) -> None:
         if gs.released == gs.acted or gs.arrived_for != gs.acted:
             return
-        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
         if state.released:
             gs.released = gs.acted
             self.port.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
                            group=gs.group.name, generation=gs.acted)  # fmt: skip
             self.port.wake()
-        elif state.overdue and time.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
-            gs.last_late_event = time.monotonic()
+        elif state.overdue and self.clock.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
+            gs.last_late_event = self.clock.monotonic()
             self.port.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
                            "half a group", None, "error", missing=list(state.missing))  # fmt: skip
 
@@ -419,9 +427,9 @@ class Coordinator:
         if not all(r.up for r in ranks):
             gs.up_since = None
             return
-        gs.up_since = gs.up_since or time.time()
+        gs.up_since = gs.up_since or self.clock.time()
         spec = ranks[0].restart
-        settled = rules.settle(gs.record, time.time(), spec, max(gs.up_since, gs.record.at))
+        settled = rules.settle(gs.record, self.clock.time(), spec, max(gs.up_since, gs.record.at))
         if settled is not None:
             key = rules.gang_key(self.cluster, gs.group.name)
             result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
@@ -452,8 +460,8 @@ class Coordinator:
             return Hold(HoldKind.COORDINATION, f"group {name}: generation {gs.deferred} waits for the end of the pause",
                         resolves_itself=False)  # fmt: skip
         record = gs.record
-        if record is not None and record.not_before > time.time():
-            left = record.not_before - time.time()
+        if record is not None and record.not_before > self.clock.time():
+            left = record.not_before - self.clock.time()
             return Hold(HoldKind.GROUP_BACKOFF,
                         f"group {name}: backing off {left:.0f}s as one (generation {record.generation})")
         if gs.released == gs.acted:
@@ -461,7 +469,7 @@ class Coordinator:
         self.wake()
         if gs.arrived_for != gs.acted:
             return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
-        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
         return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
                     data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
@@ -518,7 +526,7 @@ class Coordinator:
                 kv = await self.store.get(key)
                 current = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
                 seen = current.generation if current is not None and current.epoch == self.epoch else 0
-                made = rules.bump(current, seen, node=self.node, reason=reason, now=time.time(), epoch=self.epoch,
+                made = rules.bump(current, seen, node=self.node, reason=reason, now=self.clock.time(), epoch=self.epoch,
                                   spec=spec, planned=planned)  # fmt: skip
                 assert made is not None
                 result = await self.store.compare_and_swap(key, kv.mod_revision if kv else 0,
@@ -536,7 +544,7 @@ class Coordinator:
         if not paused:
             await self.store.delete(key)
             return None
-        info = {"by": f"{self.node}: {by}", "at": time.time(), "reason": reason}
+        info = {"by": f"{self.node}: {by}", "at": self.clock.time(), "reason": reason}
         await self.store.put(key, json.dumps(info))
         return info
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from nodeagent.store import KV, CasResult, StoreError, StoreUnavailable
+from nodeagent.cluster.store import KV, CasResult, StoreError, StoreUnavailable
 
 
 class LeaseStore(Protocol):
