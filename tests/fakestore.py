@@ -92,6 +92,8 @@ class FakeStore:
         self._lease_objects: set[FakeLease] = set()
         self.requests = 0
         self._written_while_away: set[int] = set()
+        self._trimmed = 0
+        """Entries dropped from the front of `history` (compaction, wipe): a watch's cursor counts them too."""
         """Revisions written while this client was cut off: a watch replays them after the outage (not live)."""
 
     # ---- the test's controls -----------------------------------------------------------------------------------
@@ -117,7 +119,9 @@ class FakeStore:
 
     def compact(self, revision: int) -> None:
         self.compacted = max(self.compacted, revision)
-        self.history = [c for c in self.history if c.revision >= revision]
+        kept = [c for c in self.history if c.revision >= revision]
+        self._trimmed += len(self.history) - len(kept)  # (history is in revision order: the front went)
+        self.history = kept
 
     def write_from_elsewhere(self, key: str, value: bytes | str | None) -> int:
         """Another client, one that still reaches the store, writes `key` (None: deletes it): what peers do
@@ -129,6 +133,7 @@ class FakeStore:
     def wipe(self) -> None:
         """An empty store in its place: data, history and leases gone, revisions start again."""
         self.data.clear()
+        self._trimmed += len(self.history)
         self.history.clear()
         self._written_while_away.clear()
         self.revision = self.compacted = 0
@@ -269,6 +274,10 @@ class FakeStore:
                 snapshot = await self.get_prefix(prefix)
                 yield Resync("initial", snapshot)
                 next_rev = snapshot.revision + 1
+            cursor = self._trimmed + next(
+                (i for i, c in enumerate(self.history) if c.revision >= next_rev), len(self.history))
+            """The next entry of `history` to look at (counting the trimmed ones): each wakeup reads only what
+            is new, not the whole history."""
             live_after = self.revision
             while True:
                 if self.reachable and epoch != self._epoch:
@@ -276,20 +285,33 @@ class FakeStore:
                     snapshot = await self.get_prefix(prefix)
                     yield Resync("reset", snapshot)
                     next_rev, live_after = snapshot.revision + 1, self.revision
+                    cursor = self._trimmed + len(self.history)
                     continue
                 if self.reachable and next_rev < self.compacted:
                     snapshot = await self.get_prefix(prefix)
                     yield Resync("compacted", snapshot)
                     next_rev, live_after = snapshot.revision + 1, self.revision
+                    cursor = self._trimmed + len(self.history)
                     continue
-                pending = [c for c in self.history if c.revision >= next_rev and c.key.startswith(prefix)]
-                if self.reachable and pending:
-                    revision = pending[0].revision
+                batch: list[Change] = []
+                if self.reachable:
+                    i = max(cursor - self._trimmed, 0)
+                    while i < len(self.history):
+                        change = self.history[i]
+                        if batch and change.revision != batch[0].revision:
+                            break  # one transaction's changes at a time, all of them
+                        i += 1
+                        if change.key.startswith(prefix):
+                            batch.append(change)
+                    cursor = self._trimmed + i
+                    if not batch:
+                        next_rev = max(next_rev, self.revision + 1)  # caught up: a compaction now is no gap
+                if batch:
+                    revision = batch[0].revision
                     next_rev = revision + 1
                     live = revision > live_after and revision not in self._written_while_away
-                    for change in pending:
-                        if change.revision == revision:  # one transaction's changes, all of them
-                            yield replace(change, live=live)
+                    for change in batch:
+                        yield replace(change, live=live)
                     continue
                 wake.clear()
                 await wake.wait()

@@ -281,10 +281,12 @@ class Coordinator:
             await self.clock.sleep(every_s)
 
     def restart_every_group(self, reason: str) -> None:
-        """Every group starts again as a new generation, through its barrier (after a cluster redeploy)."""
+        """Every group starts again as a new generation, through its barrier (after a cluster redeploy). A group
+        another member already moved on for the same reason is followed, not bumped again (a member that finishes
+        late would otherwise make a second generation)."""
         for gs in self.gangs.values():
             gs.released = 0
-            if gs.pending is None:
+            if gs.pending is None and (gs.record is None or gs.record.reason != reason):
                 gs.pending = (gs.acted, reason, False)
         self.wake()
 
