@@ -6,6 +6,8 @@ the proxy following the gangs."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,18 @@ GROUPS = [
     {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
     {"name": "d0", "kind": "decode", "nodes": ["n4"]},
 ]
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked, not claimed: nothing here may start a process."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a cluster-layer test started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
 
 
 @pytest.fixture
