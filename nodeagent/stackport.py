@@ -4,11 +4,12 @@ The node (`Supervisor`) implements `StackPort`; the cluster layer (`nodeagent.cl
 through it: frozen snapshots of the components and of the node's intent, and the few commands the cluster may
 give. The cluster layer in turn is a `NodeLayer`: the node asks it, at one place each, whether a component may
 start (`gate`), what a failure means (`decide`), whether it carries out an operator command itself (`command`),
-and what to add to `/status` (`status_section`). `bench/cluster_sim.py` and the process-less cluster tests
+and what to add to `/status` (`status_section`). The start guards (preflight, NPU health) attach the same way.
+`nodeagent.nodeport` is the supervisor's side; `bench/cluster_sim.py` and the process-less cluster tests
 implement `StackPort` with fakes.
 
 Every reason a component may not start is a `Hold`: one type, compared by `kind`, never by its text. The node
-asks one ordered list of gates (`HOLD_ORDER`); the first that holds wins.
+asks one ordered list of gates (`HOLD_ORDER`: its own, then every layer's); the earliest kind that holds wins.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ class StackPort(Protocol):
         """Raises UnknownComponentError for a name this node does not run."""
 
     def restart(self, names: Sequence[str], reason: str, *, planned: bool) -> None:
-        """Restart these components once each. Planned: drained first and allowed while paused (an operator's
-        or a rollout's); unplanned: a gang restart after a failure."""
+        """Restart these components once each (the caller picks the running ones; a stopped one would start as
+        its gate allows). Planned: drained first and allowed while paused (an operator's or a rollout's);
+        unplanned: a gang restart after a failure."""
 
     def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
         """An operator's start/stop/restart, as the local API runs it (remote commands arrive here)."""
@@ -165,11 +167,12 @@ class StackPort(Protocol):
         """Report the component not ready for this reason (None clears it): the PD proxy without a backend."""
 
     def attach(self, layer: NodeLayer) -> None:
-        """The cluster layer attaches once; the node asks it at its gate, its decisions and its status."""
+        """A layer attaches once (again: ValueError); the node asks it at its gate, its decisions, operator
+        commands and its status, and tells it of every change."""
 
 
 class NodeLayer(Protocol):
-    """What the node asks the cluster layer."""
+    """What the node asks a layer above it (the cluster coordinator; the start guards)."""
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """Why this component may not start now (barrier, group backoff, coordination, cluster redeploy)."""
