@@ -282,7 +282,8 @@ async def test_concurrent_calls_through_an_outage_all_recover(own_etcd: EtcdServ
 
     workers = [asyncio.create_task(hammer()) for _ in range(4)]
     try:
-        await asyncio.sleep(2.5)
+        await wait_until("every caller, the leases' keepalives too, failed meanwhile", lambda: store.state.reachable is
+                         False and store.requests >= 40 and all(lease.last_error for lease in leases), timeout=10)
         await asyncio.to_thread(own_etcd.start)
         for lease in leases:
             assert await lease.wait_granted(10), "every lease is granted once etcd answers"
