@@ -18,11 +18,9 @@ MAX_LINES = 600
 KNOWN_EDGES: dict[tuple[str, str], str] = {
     # (importer, imported): owner. Edges of circles being removed on other branches of issue 15; the merger
     # empties this list as those branches land (an entry whose edge is gone fails the test: delete it).
-    ("nodeagent.host", "nodeagent.component"): "branch seam (Component owns its data; ComponentHost goes)",
 }
 KNOWN_LONG: dict[str, str] = {
     # module: owner. Modules over MAX_LINES being split on other branches of issue 15 (the merger empties it).
-    "nodeagent.supervisor": "branch seam (post-mortems and the cluster hooks out of supervisor.py)",
 }
 
 
