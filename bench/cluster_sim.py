@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent.cluster import Coordinator  # noqa: E402
+from nodeagent.cluster.coordinator import Coordinator  # noqa: E402
+from nodeagent.cluster.membership import Membership  # noqa: E402
 from nodeagent.config import parse_config  # noqa: E402
+from nodeagent.errors import UnknownComponentError  # noqa: E402
 from nodeagent.events import EventBus  # noqa: E402
 from nodeagent.failure import Failure  # noqa: E402
-from nodeagent.membership import Membership  # noqa: E402
-from nodeagent.process import ProcessRecord  # noqa: E402
-from nodeagent.statefile import StateStore  # noqa: E402
+from nodeagent.stackport import ComponentView, NodeLayer, NodeView  # noqa: E402
 
 TARGET_P99_MS = 500.0
 TARGET_RPS = 1.0
@@ -68,7 +69,7 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-# ---- a host that pretends: just enough of the supervisor for the cluster layer ---------------------------
+# ---- a host that pretends: the node's port (StackPort) for the cluster layer, nothing launched -------------
 
 
 @dataclass
@@ -76,50 +77,81 @@ class SimComponent:
     name: str
     cfg: Any
     kind: str = "vllm"
-    record: ProcessRecord | None = None
+    running: bool = True
     restarts_at: list[float] = field(default_factory=list)
-    up: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def signal(self, kind: str, gen: int | None = None, detail: str = "", **_: Any) -> None:
-        if kind == "restart":
-            self.restarts_at.append(time.monotonic())
 
 
 class SimHost:
-    """The Supervisor's face toward Membership and Coordinator; nothing is launched."""
+    """The node as the cluster layer sees it (`stackport.StackPort`), and as membership does (`MemberHost`):
+    its vLLM "runs"; a restart is recorded instead of acted on."""
 
     def __init__(self, config: Any, state: Path) -> None:
         self.config = config
         self.events = EventBus(replay=50)
         self.base_env: dict[str, str] = {}
         self.components = {n: SimComponent(n, c) for n, c in config.active_components().items() if c.kind == "vllm"}
-        for comp in self.components.values():
-            comp.record = ProcessRecord(1, 0.0, ("sim",), 1)
-            comp.up.set()
-        self.gates: list[Any] = []
-        self.deciders: list[Any] = []
-        self.command_hooks: list[Any] = []
-        self.status_extras: dict[str, Any] = {}
-        self.on_state_change: list[Any] = []
-        self.store = StateStore(state)
-        self.paused = False
-        self.cluster_pause: Any = None
+        self.layers: list[NodeLayer] = []
+        self._cluster_pause: Mapping[str, Any] | None = None
+        self.on_emit: Callable[[str, dict[str, Any]], None] | None = None
+        """Sees every event's kind and data (the worker reports each generation acted on)."""
 
-    def desired(self, name: str) -> str:
-        return "running"
+    def view(self, comp: SimComponent) -> ComponentView:
+        return ComponentView(name=comp.name, kind=comp.kind, state="ready" if comp.running else "stopped",
+                             running=comp.running, up=comp.running, ready=comp.running, desired="running", deps=(),
+                             deps_up=True, restart=comp.cfg.restart, pid=1 if comp.running else None)  # fmt: skip
 
-    def deps(self, comp: Any) -> list[str]:
-        return []
+    # ---- StackPort
+    def snapshot(self) -> NodeView:
+        return NodeView(node=self.config.node.name, paused=self._cluster_pause is not None,
+                        pause=self._cluster_pause, redeploying=False,
+                        components={n: self.view(c) for n, c in self.components.items()})  # fmt: skip
 
-    def poke(self) -> None:
+    def component(self, name: str) -> ComponentView:
+        if name not in self.components:
+            raise UnknownComponentError(f"unknown component {name!r}")
+        return self.view(self.components[name])
+
+    def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
+        for name in names:
+            self.components[name].restarts_at.append(time.monotonic())
+
+    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
+        return f"{action} {self.component(name).name}"
+
+    async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
         pass
 
-    def set_cluster_pause(self, info: Any) -> None:
-        self.cluster_pause = info
+    async def wait(self, name: str, condition: str, timeout: float | None = None) -> bool:
+        return self.component(name).running == (condition == "up")
 
+    def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
+             **data: Any) -> None:  # fmt: skip
+        self.events.emit(kind, message, component, level, **data)
+        if self.on_emit is not None:
+            self.on_emit(kind, data)
+
+    def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
+        self._cluster_pause = info
+
+    def cluster_pause(self) -> Mapping[str, Any] | None:
+        return self._cluster_pause
+
+    def wake(self) -> None:
+        pass
+
+    def block_ready(self, name: str, key: str, reason: str | None) -> None:
+        pass
+
+    def attach(self, layer: NodeLayer) -> None:
+        self.layers.append(layer)
+
+    # ---- MemberHost
     def status(self) -> dict[str, Any]:
+        sections: dict[str, Any] = {}
+        for layer in self.layers:
+            sections.update(layer.status_section())
         return {"components": {n: {"state": "ready", "pid": 1, "ready": True} for n in self.components},
-                "paused": False, **{k: f() for k, f in self.status_extras.items()}}  # fmt: skip
+                "paused": False, **sections}  # fmt: skip
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------------
@@ -166,8 +198,8 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str) -> list
         body = text.replace("NODE", node).replace("STATE", str(state))
         config = parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
         host = SimHost(config, state)
-        membership = Membership(config, host)  # type: ignore[arg-type]
-        coordinator = Coordinator(config, host, membership)  # type: ignore[arg-type]
+        membership = Membership(config, host)
+        coordinator = Coordinator(config, host, membership, operations=False)
         agents.append(SimAgent(node, host, membership, coordinator))
     for agent in agents:
         agent.membership.start()
@@ -192,13 +224,12 @@ async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -
         sys.stdout.flush()
 
     for agent in agents:  # report every generation acted on, with the machine-wide monotonic clock
-        original = agent.coordinator._act
 
-        def act(gs: Any, target: int, agent: SimAgent = agent, original: Any = original) -> None:
-            original(gs, target)
-            say(acted=agent.name, group=gs.group.name, generation=target, t=time.monotonic())
+        def acted(kind: str, data: dict[str, Any], agent: SimAgent = agent) -> None:
+            if kind == "gang_restart":
+                say(acted=agent.name, group=data["group"], generation=data["generation"], t=time.monotonic())
 
-        agent.coordinator._act = act  # type: ignore[method-assign]
+        agent.host.on_emit = acted
     while line := await reader.readline():
         cmd = json.loads(line)
         if cmd["op"] == "state":
@@ -210,13 +241,13 @@ async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -
         elif cmd["op"] == "fail":
             agent = by_name[cmd["node"]]
             comp = next(iter(agent.host.components.values()))
-            comp.record = None
+            comp.running = False
             t0 = time.monotonic()
-            agent.coordinator.decide(comp, Failure("exit", "process killed by SIGKILL", -9, 100.0))  # type: ignore[arg-type]
+            agent.coordinator.decide(agent.host.view(comp), Failure("exit", "process killed by SIGKILL", -9, 100.0))
             say(op="failed", node=agent.name, t=t0)
         elif cmd["op"] == "heal":
             for node in cmd["nodes"]:
-                next(iter(by_name[node].host.components.values())).record = ProcessRecord(1, 0.0, ("sim",), 1)
+                next(iter(by_name[node].host.components.values())).running = True
             say(op="healed")
         elif cmd["op"] == "stop":
             break

@@ -27,8 +27,8 @@ from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
 if TYPE_CHECKING:
     from nodeagent.api import ApiServer
-    from nodeagent.cluster import Coordinator
-    from nodeagent.membership import Membership
+    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.cluster.membership import Membership
     from nodeagent.mqtt import MqttPublisher
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
@@ -149,14 +149,12 @@ class Agent:
         """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
         if not self.config.cluster.nodes:
             return
-        from nodeagent.cluster import Coordinator
-        from nodeagent.cluster_ops import ClusterOps
-        from nodeagent.membership import Membership
+        from nodeagent.cluster.coordinator import Coordinator
+        from nodeagent.cluster.membership import Membership
 
         self.membership = Membership(self.config, self.supervisor)
         self.supervisor.on_state_change.append(self.membership.changed)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
-        self.coordinator.ops = ClusterOps(self.coordinator)
         self.membership.start()
         self.coordinator.start()
 

@@ -39,9 +39,9 @@ from nodeagent.ui.history import CacheSampler
 from nodeagent.ui.routes import UI_ROUTES, UiRoutes
 
 if TYPE_CHECKING:
+    from nodeagent.cluster.membership import Membership
     from nodeagent.config_model import Config
     from nodeagent.guards import StartGuards
-    from nodeagent.membership import Membership
     from nodeagent.mqtt import MqttPublisher
     from nodeagent.supervisor import Supervisor
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
+from nodeagent.cluster.store import StoreError
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
 from nodeagent.httpbase import COMPONENT_ACTIONS, ApiError, Handlers, json_response
-from nodeagent.store import StoreError
 
 CLUSTER_ROUTES = (
     ("POST", "/cluster/pause", "cluster_pause"),
@@ -94,7 +94,7 @@ class ClusterRoutes(Handlers):
         co = self._coordinator()
         if node == co.node:
             try:
-                message = co.sup.command(name, action, drain=drain, by=f"operator ({who})")
+                message = co.port.command(name, action, drain=drain, by=f"operator ({who})")
             except UnknownComponentError as exc:
                 raise ApiError(404, str(exc)) from None
             except AgentError as exc:

@@ -10,28 +10,100 @@ operator commands are handled strictly in order and never race each other.
                            failure ──▶ backoff ──delay──▶ starting
                                     ╲─▶ failed: permanent (retry at the cap) · node redeploy · node failed
 
-The component decides nothing about policy: it asks its host (`host.ComponentHost`) whether it may start,
-how to launch, and what a failure means, and reports what it observes.
+The component decides nothing about policy: it asks its host (`ComponentHost`, below) whether it may start,
+how to launch, and what a failure means, and reports what it observes. It owns its data: the host reads it and
+changes it only through the methods here (`reconfigure`, `refresh_record`, `attach_prober`, `restore_history`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
-from nodeagent.host import ComponentHost, Process, StartHeld
+from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 
-__all__ = ["COMMANDS", "Component", "Signal", "State"]
+if TYPE_CHECKING:
+    from nodeagent.events import EventBus
+    from nodeagent.policy import RestartDecision
+
+__all__ = ["COMMANDS", "Component", "ComponentHost", "Signal", "State"]
 
 HOLD_RECHECK_S = 2.0
 HOLD_LOG_EVERY_S = 60.0
 DRAIN_POLL_S = 1.0
+
+
+class ComponentHost(Protocol):
+    """What a component needs from whoever runs it: a small interface instead of the whole supervisor.
+
+    Four jobs: **gate** (may it start now, and what to wait on), **launch** (clean residue, spawn, stop),
+    **decide** (what a failure means), **observe** (bookkeeping: persist, probe, tell dependents). The supervisor
+    implements it; tests replace its OS work with a fake launcher and a fake clock, so the state machine is
+    exercised without processes or sleeps."""
+
+    events: EventBus
+    clock: Clock
+
+    # ---- gate
+    def start_gate(self, comp: Component, operator: bool) -> Hold | None:
+        """Why it may not start now (desired stopped, paused, dependency down, held...), or None."""
+
+    def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
+        """Awaitables that complete when the gate's answer may have changed."""
+
+    # ---- launch
+    async def prepare(self, comp: Component) -> None:
+        """Prerequisites and residue before a start; raises StartHeld, or LaunchError(permanent=...)"""
+
+    async def launch(self, comp: Component) -> Process: ...
+
+    async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
+        """Watch a process a previous agent started; raises AdoptError when it is not the recorded one."""
+
+    async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
+        """Stop the process's whole tree."""
+
+    def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
+        """The last lines it printed (for a failure's reason)."""
+
+    def drain_timeout(self, comp: Component) -> float | None:
+        """How long a planned stop may wait for in-flight requests; None: this kind is not drained."""
+
+    async def inflight(self, comp: Component) -> tuple[int, int] | None:
+        """(running, waiting) requests right now; None when they cannot be read."""
+
+    # ---- decide
+    def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
+        """What a failure leads to; None: no automatic action (paused, held)."""
+
+    def capture(self, comp: Component, failure: Failure) -> Any:
+        """What explains a failure, taken before anything is stopped or cleaned (fast: no file reads)."""
+
+    def archive(self, comp: Component, failure: Failure, evidence: Any, tree: Any,
+                decision: RestartDecision | None) -> None:  # fmt: skip
+        """Write the failure's post-mortem bundle in the background (off the crash path)."""
+
+    def request_redeploy(self, reason: str) -> bool: ...
+
+    # ---- observe
+    def on_process(self, comp: Component) -> None:
+        """Its process record changed (started, adopted, refreshed, gone): persist it, probe it or stop probing."""
+
+    def on_up(self, comp: Component) -> None:
+        """The startup probes passed."""
+
+    def on_going_down(self, comp: Component) -> None:
+        """Its process is about to be stopped: dependents follow per their edges."""
+
+    def on_state(self, comp: Component) -> None:
+        """Its state changed: persist status, tell listeners."""
 
 
 class Component:
@@ -45,6 +117,10 @@ class Component:
         self.ready_blockers: dict[str, str] = {}
         """Reasons besides its probes why it must not be reported ready (draining, no healthy backend...)."""
         self.up = asyncio.Event()
+        self.gone = asyncio.Event()
+        """Set while no process of ours exists: cleared at a launch or adoption, set again only once the stop of
+        its whole tree returned (not when the stop began)."""
+        self.gone.set()
         self.signals: asyncio.Queue[Signal] = asyncio.Queue()
         self.gen = 0
         self.proc: Process | None = None
@@ -64,7 +140,6 @@ class Component:
         """An operator asked for a start: it passes the pause gate (operator commands work while paused)."""
         self.fingerprint: str | None = None
         self.prober: Any = None
-        self._terminating = False
         self.stopped_cleanly = False
         """The last process was stopped by us, whole, and nothing of it survived: the next start may skip the
         scan of every process for leftovers."""
@@ -99,9 +174,34 @@ class Component:
 
     @property
     def running(self) -> bool:
-        """A process of ours exists — also while its tree is being stopped. False only once the whole tree is
-        gone: a new generation of a DP group must not start next to a dying old head (issue 16)."""
-        return self.proc is not None or self._terminating
+        """A process of ours exists, also while it is being stopped (until its whole tree is gone)."""
+        return self.proc is not None
+
+    # ---- what the host may change ----------------------------------------------------------------------------
+    def reconfigure(self, spec: Any) -> None:
+        """A reloaded config: the next start uses it (a running process keeps what it was launched with)."""
+        self.cfg = spec
+
+    def refresh_record(self, record: ProcessRecord) -> bool:
+        """The same process, re-read (a launcher exec'd the real binary after we recorded it); False if not ours."""
+        if self.proc is None or self.proc.record.pid != record.pid:
+            return False
+        self.proc.record = record
+        return True
+
+    def attach_prober(self, prober: Any) -> Any:
+        """Probe this process with `prober` (None: no longer probed); returns the previous one, to stop it."""
+        old, self.prober = self.prober, prober
+        return old
+
+    def restore_history(self, saved: dict[str, Any]) -> None:
+        """Restart count, last exit and failure as the previous agent left them."""
+        self.restarts = int(saved.get("restarts") or 0)
+        by_cause = saved.get("restarts_by_cause")
+        self.restarts_by_cause = {str(k): int(v) for k, v in by_cause.items()} if isinstance(by_cause, dict) else {}
+        self.last_exit = saved.get("last_exit")
+        if saved.get("failure"):
+            self.failure = Failure.from_dict(saved["failure"])
 
     # ---- signals -------------------------------------------------------------------------------------------
     def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
@@ -205,6 +305,8 @@ class Component:
                 self.host.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
                 return False
             self.hold = None
+            self.gone.clear()
+            self.fingerprint = self.proc.fingerprint
             self.started_at = adopt.create_time
             self._set(State.STARTING, f"adopted running pid {adopt.pid}", pid=adopt.pid)
         else:
@@ -226,6 +328,8 @@ class Component:
                 await self._after_failure(failure, self.host.capture(self, failure))
                 return False
             self.hold = None
+            self.gone.clear()
+            self.fingerprint = self.proc.fingerprint
             self.started_at = self.proc.record.create_time
             self.host.events.emit("started", f"started pid {self.proc.record.pid} (output: {self.proc.output})",
                                   self.name, pid=self.proc.record.pid)  # fmt: skip
@@ -358,20 +462,22 @@ class Component:
 
     async def stop_process(self, why: str) -> dict[str, Any]:
         """Stop this component's whole tree (if any) and forget it; dependents follow per their edges.
-        Returns what the stop did, with the tree as it was (for a post-mortem)."""
+        Returns what the stop did, with the tree as it was (for a post-mortem).
+
+        The process stays ours (`running`, `record`) until the stop returned: a stop cancelled half-way (a node
+        redeploy, the agent stopping) leaves it to the next stop instead of forgetting a tree that still dies."""
         self.up.clear()
         self.ready = False
         self.host.on_going_down(self)
-        self._terminating = self.proc is not None
-        proc, self.proc = self.proc, None
+        proc = self.proc
         if proc is not None:
             if proc.close is not None:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
-            try:
-                result = await self.host.terminate(self, proc, why)
-            finally:
-                self._terminating = False
+            result = await self.host.terminate(self, proc, why)
+            self.proc = None
+            self.gen += 1  # what the old process's probes still report is stale now
+            self.gone.set()
             self.stopped_cleanly = result.get("survivors", 1) == 0
             tree = result.pop("tree", [])
             self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)

@@ -84,7 +84,7 @@ class PdConfig(Strict):
 
 
 def _check_endpoint(value: str) -> str:
-    from nodeagent.store import parse_endpoint
+    from nodeagent.cluster.store import parse_endpoint
 
     parse_endpoint(value)
     return value

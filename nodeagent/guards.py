@@ -1,6 +1,7 @@
 """What holds a start besides the supervisor's own gate: a failed preflight, and broken NPU hardware.
 
-Both are start gates (`Supervisor.gates`), so they hold without counting failures or escalating. Preflight
+Both answer the node's start gate (the guards attach to the supervisor as a `stackport.NodeLayer`), so they hold
+without counting failures or escalating. Preflight
 runs before the stack first starts and again every minute while it fails (an operator fixing the host sees
 the stack start without restarting the agent); an operator's start of a component passes it, `--force` or
 `agent.preflight: warn|off` turns it off. The NPU monitor holds vLLM starts while a fault of hold level is
@@ -14,9 +15,10 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
-from nodeagent.stackport import Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind
 
 if TYPE_CHECKING:
+    from nodeagent.failure import Failure
     from nodeagent.preflight import PreflightReport
     from nodeagent.supervisor import Supervisor
 
@@ -35,28 +37,39 @@ class StartGuards:
         self.report: PreflightReport | None = None
         self.blocking: list[str] = []
         self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
-        self.npu.on_change.append(supervisor.poke)
-        supervisor.probe_ctx.npu = self.npu
-        supervisor.npu_status = self.npu.status
-        supervisor.gates.append(self.gate)
+        self.npu.on_change.append(supervisor.wake)
+        supervisor.use_npu_monitor(self.npu)
+        supervisor.attach(self)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 
     def _our_pids(self) -> set[int]:
-        return our_pids(c.record for c in self.sup.components.values() if c.record is not None)
+        return our_pids(self.sup.process_records().values())
 
     @property
     def has_vllm(self) -> bool:
-        return any(c.kind == "vllm" for c in self.sup.components.values())
+        return any(c.kind == "vllm" for c in self.sup.snapshot().components.values())
 
-    # ---- the gate -----------------------------------------------------------------------------------------
-    def gate(self, comp: Any, operator: bool) -> Hold | None:
+    # ---- what the node asks (NodeLayer) -------------------------------------------------------------------
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         if self.blocking and not operator:
             return Hold(HoldKind.PREFLIGHT, "preflight failed: " + "; ".join(self.blocking)
                         + " (nodeagentctl preflight for the fixes)", operator_passes=True,
                         resolves_itself=False)  # fmt: skip
         why = self.npu.start_gate(comp, operator)
         return Hold(HoldKind.NPU_FAULT, why, resolves_itself=False) if why else None
+
+    def decide(self, comp: ComponentView, failure: Failure) -> None:
+        return None  # a failure is the policy's (or the cluster's): the guards only hold starts
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> None:
+        return None
+
+    def status_section(self) -> dict[str, Any]:
+        return {}  # the API adds `status()` itself (the preflight report is not for status.json)
+
+    def on_node_change(self) -> None:
+        pass
 
     # ---- preflight ----------------------------------------------------------------------------------------
     async def run_preflight(self) -> None:
@@ -77,7 +90,7 @@ class StartGuards:
         for check in self.report.failed if self.mode == "warn" else ():
             self.sup.events.emit("preflight_warning", f"preflight {check.name}: {check.value}", None, "warning")
         self.blocking = blocking
-        self.sup.poke()
+        self.sup.wake()
 
     async def _recheck_preflight(self) -> None:
         while True:

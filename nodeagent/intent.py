@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from nodeagent.config_model import RestartSpec
-from nodeagent.policy import Intent, RedeployTracker, RestartTracker
+from nodeagent.policy import RedeployTracker, RestartTracker
 from nodeagent.statefile import StateStore
 
 HISTORY_FIELDS = ("restarts", "restarts_by_cause", "last_exit", "failure")
@@ -52,9 +52,6 @@ class NodeIntent:
             self.data.pop("paused_by", None)
             self.data.pop("paused_at", None)
         self.save()
-
-    def intent(self, name: str) -> Intent:
-        return Intent(desired=self.desired(name), paused=self.paused)  # type: ignore[arg-type]
 
     # ---- history ------------------------------------------------------------------------------------------
     def history(self, name: str) -> dict[str, Any]:

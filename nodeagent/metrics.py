@@ -28,9 +28,9 @@ from prometheus_client.core import (
 )
 
 from nodeagent import __version__
-from nodeagent.bindaddr import connect_host, url_host
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.states import RESTART_CAUSES, State
+from nodeagent.vllm_endpoints import vllm_metrics_urls
 
 if TYPE_CHECKING:
     import aiohttp
@@ -40,10 +40,8 @@ if TYPE_CHECKING:
     from nodeagent.process import ProcessRecord
 
 
-
 class Stack(Protocol):
-    """What the metrics read of the supervisor (`Supervisor` is it). A Protocol, not an import: the supervisor
-    imports this module (`vllm_metrics_urls`), and a type import back would be the same circle."""
+    """What the metrics read of the supervisor (`Supervisor` is it): a Protocol, so metrics import no supervisor."""
 
     config: Config
     components: Mapping[str, Any]
@@ -61,15 +59,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 VLLM_SCRAPE_TIMEOUT_S = 2.0
 PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_KINDS = ("local_total", "local_win", "ext_total", "ext_win", "eff_total")
-
-
-def vllm_metrics_urls(components: Mapping[str, Any]) -> dict[str, str]:
-    """Each vLLM component's /metrics (config name → URL): loopback, or its bind address if it binds one."""
-    urls = {}
-    for name, cfg in components.items():
-        if cfg.kind == "vllm" and not cfg.headless:  # a headless node serves no HTTP
-            urls[name] = f"http://{url_host(connect_host(cfg.host))}:{cfg.port}/metrics"
-    return urls
 
 
 def tree_usage(records: dict[str, ProcessRecord]) -> dict[str, tuple[float, int, int]]:

@@ -24,8 +24,6 @@ from typing import Any, Literal
 from nodeagent.config_model import DependencyEdge, RestartSpec
 
 Action = Literal["restart", "redeploy", "failed"]
-AutomaticAction = Literal["start", "stop", "restart", "redeploy", "failed"]
-AUTOMATIC_ACTIONS: tuple[str, ...] = ("start", "stop", "restart", "redeploy", "failed")
 
 _MAX_EXPONENT = 60  # 2**60 * any sane initial delay is far past any cap; avoids float overflow
 
@@ -279,20 +277,6 @@ class Intent:
         if desired not in ("running", "stopped"):
             raise ValueError(f"intent.desired must be 'running' or 'stopped', got {desired!r}")
         return cls(desired=desired, paused=bool(data.get("paused", False)))
-
-
-def may_act(intent: Intent, action: str) -> tuple[bool, str]:
-    """May the supervisor take this *automatic* action now? Re-check right before acting (pause races).
-
-    Paused: nothing. Desired stopped: only `stop` (converging on the intent). Desired running: anything.
-    """
-    if action not in AUTOMATIC_ACTIONS:
-        raise ValueError(f"unknown automatic action {action!r}; expected one of {AUTOMATIC_ACTIONS}")
-    if intent.paused:
-        return False, f"paused: no automatic {action}"
-    if intent.desired == "stopped" and action != "stop":
-        return False, f"desired state is stopped: no automatic {action}"
-    return True, f"desired {intent.desired}: {action} allowed"
 
 
 def hold_for_dependency(kind: str, etcd_reachable: bool, first_start: bool = False) -> str | None:

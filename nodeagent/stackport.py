@@ -4,16 +4,17 @@ The node (`Supervisor`) implements `StackPort`; the cluster layer (`nodeagent.cl
 through it: frozen snapshots of the components and of the node's intent, and the few commands the cluster may
 give. The cluster layer in turn is a `NodeLayer`: the node asks it, at one place each, whether a component may
 start (`gate`), what a failure means (`decide`), whether it carries out an operator command itself (`command`),
-and what to add to `/status` (`status_section`). `bench/cluster_sim.py` and the process-less cluster tests
+and what to add to `/status` (`status_section`). The start guards (preflight, NPU health) attach the same way.
+`nodeagent.nodeport` is the supervisor's side; `bench/cluster_sim.py` and the process-less cluster tests
 implement `StackPort` with fakes.
 
 Every reason a component may not start is a `Hold`: one type, compared by `kind`, never by its text. The node
-asks one ordered list of gates (`HOLD_ORDER`); the first that holds wins.
+asks one ordered list of gates (`HOLD_ORDER`: its own, then every layer's); the earliest kind that holds wins.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,6 +49,10 @@ class HoldKind(StrEnum):
 HOLD_ORDER: tuple[HoldKind, ...] = tuple(HoldKind)
 
 PAUSES = frozenset({HoldKind.NODE_PAUSE, HoldKind.CLUSTER_PAUSE})
+STOPS_AUTOMATIC = frozenset({HoldKind.DESIRED_STOPPED, *PAUSES})
+"""Holds under which no automatic action (a restart after a failure, a node redeploy) touches the component."""
+NODE_KINDS = HOLD_ORDER[: HOLD_ORDER.index(HoldKind.DEPENDENCY) + 1]
+"""The node's own gates (the supervisor's); the layers' gates (cluster, preflight, hardware) come after them."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,12 @@ class Hold:
                 "resolves_itself": self.resolves_itself, **({"data": dict(self.data)} if self.data else {})}
 
 
+def first_hold(holds: Iterable[Hold | None]) -> Hold | None:
+    """The hold that wins: the earliest kind in `HOLD_ORDER` (pure; None when nothing holds)."""
+    found = [h for h in holds if h is not None]
+    return min(found, key=lambda h: HOLD_ORDER.index(h.kind)) if found else None
+
+
 @dataclass(frozen=True)
 class ComponentView:
     """One component as the cluster layer sees it: a snapshot, never the live object."""
@@ -84,7 +95,8 @@ class ComponentView:
     kind: str
     state: str
     running: bool
-    """A process of ours exists — also while it is being stopped: `False` only once the whole tree is gone."""
+    """A process of ours exists — also while it is being stopped: `False` only once its whole tree is confirmed
+    stopped (a rank about to arrive at a start barrier must not see its old tree still dying as "stopped")."""
     up: bool
     """Its startup probes passed."""
     ready: bool
@@ -92,6 +104,7 @@ class ComponentView:
     """running | stopped (the operator's intent)."""
     deps: tuple[str, ...]
     deps_up: bool
+    """Every dependency is up (the node's dependency gate passes)."""
     restart: RestartSpec
     pid: int | None = None
     hold: Hold | None = None
@@ -108,8 +121,9 @@ class NodeView:
 
     node: str
     paused: bool
-    """This node's own maintenance pause (the cluster's is the cluster layer's)."""
+    """A maintenance pause holds automatic actions here: this node's or the cluster's (one store: the node's)."""
     pause: Mapping[str, Any] | None
+    """Who paused, when, and `scope` (cluster | node); None when not paused."""
     redeploying: bool
     components: Mapping[str, ComponentView]
     adoptable: frozenset[str] = frozenset()
@@ -124,9 +138,10 @@ class StackPort(Protocol):
     def component(self, name: str) -> ComponentView:
         """Raises UnknownComponentError for a name this node does not run."""
 
-    def restart(self, names: Sequence[str], reason: str, *, planned: bool) -> None:
-        """Restart these components once each. Planned: drained first and allowed while paused (an operator's
-        or a rollout's); unplanned: a gang restart after a failure."""
+    def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
+        """Restart these components once each (the caller picks the running ones; a stopped one would start as
+        its gate allows). Planned: drained first and allowed while paused (an operator's or a rollout's);
+        unplanned: a gang restart after a failure. `cause` is what the restart counts as (`RESTART_CAUSES`)."""
 
     def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
         """An operator's start/stop/restart, as the local API runs it (remote commands arrive here)."""
@@ -148,12 +163,16 @@ class StackPort(Protocol):
     def wake(self) -> None:
         """Something a gate reads changed: waiting components re-check their gate now."""
 
+    def block_ready(self, name: str, key: str, reason: str | None) -> None:
+        """Report the component not ready for this reason (None clears it): the PD proxy without a backend."""
+
     def attach(self, layer: NodeLayer) -> None:
-        """The cluster layer attaches once; the node asks it at its gate, its decisions and its status."""
+        """A layer attaches once (again: ValueError); the node asks it at its gate, its decisions, operator
+        commands and its status, and tells it of every change."""
 
 
 class NodeLayer(Protocol):
-    """What the node asks the cluster layer."""
+    """What the node asks a layer above it (the cluster coordinator; the start guards)."""
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """Why this component may not start now (barrier, group backoff, coordination, cluster redeploy)."""

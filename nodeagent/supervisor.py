@@ -1,10 +1,11 @@
 """Ties components together: dependency order, adoption after an agent restart, operator intent, probes,
 restart policy, residue cleanup, node redeploys, and an orderly (or detached) shutdown.
 
-The Supervisor is each component's host (`host.ComponentHost`): it answers the start gate, launches and
+The Supervisor is each component's host (`component.ComponentHost`): it answers the start gate, launches and
 stops processes, turns failures into decisions with the pure policy, and keeps the books (state files, probes,
-dependents). Layers above it (the cluster coordinator, preflight, hardware health) add start gates and drive
-components only through the operator's commands.
+dependents). To the layers above it (the cluster coordinator, preflight and hardware health) it is a
+`stackport.StackPort` (`nodeport.NodePort`): they attach once, read frozen views, give the port's few commands,
+and answer its gate, its decisions and its status.
 """
 
 from __future__ import annotations
@@ -12,46 +13,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-import aiohttp
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component
 from nodeagent.config_model import Config
-from nodeagent.errors import AgentError, LaunchError, MissingPrerequisite, UnknownComponentError
+from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
 from nodeagent.events import EventBus
+from nodeagent.evidence import PostMortems
 from nodeagent.failure import Failure
 from nodeagent.graph import start_order
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
-from nodeagent.metrics import vllm_metrics_urls
-from nodeagent.npu import npu_info_text
+from nodeagent.nodeport import NodePort
 from nodeagent.output_tail import read_tail
-from nodeagent.policy import Intent, RestartDecision, hold_for_dependency, may_act, restarts_with
-from nodeagent.postmortem import Evidence, write_bundle
+from nodeagent.policy import RestartDecision, restarts_with
+from nodeagent.postmortem import Evidence
 from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, render_component
-from nodeagent.stackport import HOLD_ORDER, Hold, HoldKind
+from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
-from nodeagent.vllm_progress import parse_progress
+from nodeagent.states import State
+from nodeagent.vllm_endpoints import vllm_inflight
 
-StartGate = Callable[[Component, bool], "Hold | None"]
-Decider = Callable[[Component, Failure], "RestartDecision | str | None"]
-"""A layer's say on a failure: a decision, a message (handled there: no local action), or None (not mine)."""
-CommandHook = Callable[[Component, str, bool, str], "str | None"]
-"""(component, action, drain, by) → a message when the layer carries the command out itself (a gang restart)."""
+if TYPE_CHECKING:
+    from nodeagent.npu_monitor import NpuMonitor
+
 STABILITY_TICK_S = 30.0
 STATE_FLUSH_S = 0.02
 
 
-class Supervisor:
+class Supervisor(NodePort):
     def __init__(self, config: Config, events: EventBus | None = None, clock: Clock | None = None) -> None:
         self.config = config
         self.events = events or EventBus()
@@ -59,25 +56,19 @@ class Supervisor:
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
         self.on_state_change: list[Callable[[], None]] = []
+        """Observers of every change outside the layers (sd_notify, MQTT, the member record); keep them cheap."""
         self.on_probe_result: list[Any] = []
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
-        self.gates: list[StartGate] = []
-        """Extra start gates of the layers above (cluster barrier, preflight, hardware): a reason blocks."""
-        self.status_extras: dict[str, Callable[[], Any]] = {}
-        """Sections the layers above add to /status (the cluster's gangs, barriers, redeploy)."""
-        self._gate_poked = asyncio.Event()
-        self.deciders: list[Decider] = []
-        self.command_hooks: list[CommandHook] = []
-        self.npu_status: Callable[[], dict[str, Any]] | None = None
-        """The NPU monitor's view, for post-mortems (set by the start guards)."""
-        self.cluster_pause: dict[str, Any] | None = None
-        """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
+        self.npu: NpuMonitor | None = None
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
         self.intent_store = NodeIntent(self.store, {n: active[n].restart for n in self.order})
         self.components = {name: Component(name, active[name], self) for name in self.order}
         for name, comp in self.components.items():
-            self._restore_history(comp, self.intent_store.history(name))
+            comp.restore_history(self.intent_store.history(name))
+        self._init_port(self.store.load_children())  # the node's gates and the layers' (nodeport)
+        self.postmortems = PostMortems(lambda: self.config, self.events, self._keep,
+                                       lambda: self.npu.status() if self.npu is not None else None)  # fmt: skip
         self.probe_ctx = ProbeContext()
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -86,15 +77,6 @@ class Supervisor:
         self.remote_etcd_ok = True
         self._flush_handle: asyncio.TimerHandle | None = None
         self._history_dirty = False
-
-    @staticmethod
-    def _restore_history(comp: Component, saved: dict[str, Any]) -> None:
-        comp.restarts = int(saved.get("restarts") or 0)
-        by_cause = saved.get("restarts_by_cause")
-        comp.restarts_by_cause = {str(k): int(v) for k, v in by_cause.items()} if isinstance(by_cause, dict) else {}
-        comp.last_exit = saved.get("last_exit")
-        if saved.get("failure"):
-            comp.failure = Failure.from_dict(saved["failure"])
 
     # ---- intent (persisted; re-checked before every automatic action) --------------------------------------
     @property
@@ -108,28 +90,6 @@ class Supervisor:
     def desired(self, name: str) -> str:
         return self.intent_store.desired(name)
 
-    @property
-    def paused(self) -> bool:
-        return self.intent_store.paused or self.cluster_pause is not None
-
-    def pause_info(self) -> dict[str, Any] | None:
-        """Who paused and when: the cluster's pause first (it is wider), then this node's."""
-        if self.cluster_pause is not None:
-            return {**self.cluster_pause, "scope": "cluster"}
-        info = self.intent_store.pause_info()
-        return {**info, "scope": "node"} if info else None
-
-    def set_cluster_pause(self, info: dict[str, Any] | None) -> None:
-        if info == self.cluster_pause:
-            return
-        self.cluster_pause = info
-        if info is None:
-            self.events.emit("resume", "cluster maintenance pause off")
-        else:
-            self.events.emit("pause", f"cluster maintenance pause on ({info.get('by', '?')})")
-        self.intent_store.notify()
-        self.on_state(None)
-
     def set_desired(self, name: str, desired: str) -> None:
         self.intent_store.set_desired(name, desired)
 
@@ -139,16 +99,8 @@ class Supervisor:
                          + f" ({by})")  # fmt: skip
         self.on_state(None)
 
-    def intent(self, name: str) -> Any:
-        return Intent(desired=self.desired(name), paused=self.paused)  # type: ignore[arg-type]
-
     def _save_intent(self, durable: bool = True) -> None:
         self.intent_store.save(durable)
-
-    def poke(self) -> None:
-        """Something an extra gate reads changed: every waiting component re-checks its gate now."""
-        self._gate_poked.set()
-        self._gate_poked = asyncio.Event()
 
     def deps(self, comp: Component) -> list[str]:
         return [d for d in comp.cfg.depends_on if d in self.components]
@@ -176,41 +128,14 @@ class Supervisor:
                 self.intent_store.notify()
             await asyncio.sleep(2.0)
 
-    def dependency_hold(self, comp: Component) -> Hold | None:
-        why = hold_for_dependency(comp.kind, self.etcd_reachable(), first_start=comp.started_at is None)
-        return Hold(HoldKind.ETCD_UNREACHABLE, why) if why else None
+    def process_records(self) -> dict[str, ProcessRecord]:
+        """The process of each component that runs one (also while it is being stopped)."""
+        return {n: c.record for n, c in self.components.items() if c.record is not None}
 
-    # ---- host: gate -------------------------------------------------------------------------------------------
-    def start_gate(self, comp: Component, operator: bool = False) -> Hold | None:
-        """The one gate every start passes, automatic or not (re-checked right before acting): the holds in
-        `stackport.HOLD_ORDER`, the first that holds wins."""
-        if self.desired(comp.name) != "running":
-            return Hold(HoldKind.DESIRED_STOPPED, "desired state is stopped", resolves_itself=False)
-        if self.paused and not operator:
-            info = self.pause_info() or {}
-            cluster = info.get("scope") == "cluster"
-            scope = "cluster paused" if cluster else "paused"
-            return Hold(HoldKind.CLUSTER_PAUSE if cluster else HoldKind.NODE_PAUSE,
-                        f"{scope} by {info.get('by', '?')}: no automatic start (an operator start/restart still works)",
-                        operator_passes=True, resolves_itself=False, data=dict(info))  # fmt: skip
-        hold = self.dependency_hold(comp)
-        if hold:
-            return hold
-        if self.redeploying is not None and not self.redeploying.done():
-            return Hold(HoldKind.NODE_REDEPLOY, "node redeploy in progress")
-        waiting = [d for d in self.deps(comp) if not self.components[d].up.is_set()]
-        if waiting:
-            return Hold(HoldKind.DEPENDENCY, "dependencies not up: " + ", ".join(waiting), data={"waiting": waiting})
-        found = [hold for gate in self.gates if (hold := gate(comp, operator)) is not None]
-        return min(found, key=lambda h: HOLD_ORDER.index(h.kind)) if found else None
-
-    def blocked(self, comp: Component) -> Hold | None:
-        return self.start_gate(comp, False)
-
-    def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
-        waiters: list[Awaitable[Any]] = [self.intent_store.changed.wait(), self._gate_poked.wait()]
-        waiters += [self.components[d].up.wait() for d in self.deps(comp)]
-        return waiters
+    def use_npu_monitor(self, npu: NpuMonitor) -> None:
+        """The hardware monitor's view, for the `npu` probe and post-mortems."""
+        self.npu = npu
+        self.probe_ctx.npu = npu
 
     # ---- host: launch -----------------------------------------------------------------------------------------
     def _last_records(self, name: str) -> list[tuple[int, float]]:
@@ -254,7 +179,6 @@ class Supervisor:
 
     async def launch(self, comp: Component) -> Process:
         spec = render_component(comp.name, self.config, self.base_env)
-        comp.fingerprint = launch_fingerprint(spec)
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
@@ -263,14 +187,15 @@ class Supervisor:
                                          component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         watch = ExitWatch(launched.record.pid, launched.popen)
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
-                       {"log_offset": log_offset, "tail_file": tail})  # fmt: skip
+                       {"log_offset": log_offset, "tail_file": tail}, launch_fingerprint(spec))  # fmt: skip
 
     async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
         verify(record)
         watch = ExitWatch(record.pid, None)
         tail = component_dir(self.config, comp.name) / "output.tail"
+        fingerprint = self.store.load_children().get(comp.name, {}).get("fingerprint")
         return Process(record, watch.done, None, "adopted", watch.close,
-                       {"log_offset": None, "tail_file": tail, "adopted": True})  # fmt: skip
+                       {"log_offset": None, "tail_file": tail, "adopted": True}, fingerprint)  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
         return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
@@ -280,22 +205,7 @@ class Supervisor:
         return timeout if timeout else None
 
     async def inflight(self, comp: Component) -> tuple[int, int] | None:
-        url = vllm_metrics_urls({comp.name: comp.cfg}).get(comp.name)
-        if url is None:
-            return None
-        try:
-            async with asyncio.timeout(5):
-                async with self.probe_ctx.session().get(url) as response:
-                    if response.status != 200:
-                        return None
-                    text = await response.text(errors="replace")
-        except (OSError, TimeoutError, aiohttp.ClientError):
-            return None
-        try:
-            engines = parse_progress(text)
-        except AgentError:
-            return None
-        return (round(sum(e.running for e in engines.values())), round(sum(e.waiting for e in engines.values())))
+        return await vllm_inflight(self.probe_ctx.session(), comp.name, comp.cfg)
 
     def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
         return read_tail(logsink.log_path(self.config.agent.log_dir, comp.name), proc.extra.get("log_offset"),
@@ -315,6 +225,7 @@ class Supervisor:
                 self._flush_handle = asyncio.get_running_loop().call_later(STATE_FLUSH_S, self.flush_state)
         for callback in self.on_state_change:
             callback()
+        self.tell_layers()
 
     def flush_state(self) -> None:
         self._flush_handle = None
@@ -333,7 +244,6 @@ class Supervisor:
             self._save_children()
             self.start_probes(comp)
         else:
-            comp.gen += 1
             self._save_children(durable=False)  # a stale record is harmless: adoption verifies pid + create_time
 
     def on_up(self, comp: Component) -> None:
@@ -348,13 +258,13 @@ class Supervisor:
     def _refresh_record(self, comp: Component) -> None:
         """Re-read the cmdline once up: launchers such as the venv's `etcd` wrapper exec the real binary
         after we recorded the PID, and adoption compares the cmdline."""
-        if comp.proc is None:
+        record = comp.record
+        if record is None:
             return
-        record = comp.proc.record
         with contextlib.suppress(LaunchError):
             fresh = record_of(record.pid)
-            if abs(fresh.create_time - record.create_time) < 0.05 and fresh.cmdline != record.cmdline:
-                comp.proc.record = fresh
+            same = abs(fresh.create_time - record.create_time) < 0.05
+            if same and fresh.cmdline != record.cmdline and comp.refresh_record(fresh):
                 self._save_children()
 
     def on_going_down(self, comp: Component) -> None:
@@ -367,9 +277,9 @@ class Supervisor:
                 other.signal("dep_restart", None, f"dependency {comp.name} restarts", cause="dependency")
 
     def _save_children(self, detached: bool = False, durable: bool = True) -> None:
-        children = {
+        children = {  # not one being stopped: the next agent must not adopt a tree that dies
             name: {**c.record.to_dict(), "started_at": c.started_at, "fingerprint": c.fingerprint}
-            for name, c in self.components.items() if c.record is not None
+            for name, c in self.components.items() if c.record is not None and c.state != State.STOPPING
         }  # fmt: skip
         self.store.save_children(children, detached=detached, durable=durable)
 
@@ -392,18 +302,22 @@ class Supervisor:
             for callback in self.on_probe_result:
                 callback(comp.name, role, result)
 
-        comp.prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
+        prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
+        self._stop_prober(comp.attach_prober(prober))
         # the prober schedules in real time; initial delays count from the process's start
         age = self.clock.time() - comp.started_at if comp.started_at else 0.0
-        comp.prober.start(time.time() - max(0.0, age))
+        prober.start(time.time() - max(0.0, age))
 
     def _keep(self, task: asyncio.Task[Any] | asyncio.Future[Any]) -> None:
         self._background.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._background.discard)
 
     def stop_probes(self, comp: Component) -> None:
-        if comp.prober is not None:
-            self._keep(asyncio.ensure_future(comp.prober.stop()))
+        self._stop_prober(comp.prober)
+
+    def _stop_prober(self, prober: ComponentProber | None) -> None:
+        if prober is not None:
+            self._keep(asyncio.ensure_future(prober.stop()))
 
     # ---- host: decide -----------------------------------------------------------------------------------------
     def policy_healthy(self, comp: Component) -> None:
@@ -426,31 +340,7 @@ class Supervisor:
                     self.policy_healthy(comp)
 
     def capture(self, comp: Component, failure: Failure) -> Evidence:
-        """The in-memory part of the post-mortem, before anything is stopped or cleaned."""
-        command: dict[str, Any] = {}
-        with contextlib.suppress(TypeError, ValueError):
-            command = json.loads(comp.fingerprint or "{}")
-        log_file = logsink.log_path(self.config.agent.log_dir, comp.name)
-        log_range = None
-        start = comp.proc.extra.get("log_offset") if comp.proc is not None else None
-        if start is not None:
-            with contextlib.suppress(OSError):
-                log_range = (int(start), log_file.stat().st_size)
-        metrics = None
-        if comp.prober is not None:
-            for states in comp.prober.states.values():
-                for state in states:
-                    metrics = getattr(state, "last_metrics", None) or metrics
-        events = [e.to_dict() for e in self.events.recent if e.component == comp.name][-40:]
-        own = residue_plan.own_log_files(comp.name, comp.cfg, self.config)
-        return Evidence(
-            component=comp.name, kind=comp.kind, at=self.clock.time(), failure=failure.to_dict(),
-            probes=comp.prober.snapshot() if comp.prober is not None else {}, events=events, command=command,
-            log_file=str(log_file), log_range=log_range, output_tail=list(self._tail_now(comp)), metrics=metrics,
-            npu=self.npu_status() if self.npu_status is not None else None,
-            core_dirs=[command["cwd"]] if command.get("cwd") else [],
-            extra_files=[str(own[0].parent)] if own else [],
-        )  # fmt: skip
+        return self.postmortems.capture(comp, failure, self._tail_now(comp), self.clock.time())
 
     def _tail_now(self, comp: Component) -> tuple[str, ...]:
         with contextlib.suppress(Exception):
@@ -460,43 +350,28 @@ class Supervisor:
 
     def archive(self, comp: Component, failure: Failure, evidence: Evidence | None, tree: Any,
                 decision: RestartDecision | None) -> None:  # fmt: skip
-        if evidence is None:
-            return
-        evidence.failure = failure.to_dict()
-        evidence.tree = list(tree or [])
-        evidence.decision = "no automatic action" if decision is None else (
-            f"{decision.action} in {decision.delay_s:.0f}s: {decision.reason}")  # fmt: skip
-        self._keep(asyncio.create_task(self._write_postmortem(comp.name, evidence), name=f"postmortem:{comp.name}"))
-
-    async def _write_postmortem(self, name: str, evidence: Evidence) -> None:
-        try:
-            npu_text = await npu_info_text()
-            path = await write_bundle(evidence, self.config.agent.state_dir / "postmortem" / name,
-                                      self.config.agent.archive_keep, npu_text)  # fmt: skip
-        except Exception as exc:  # evidence is best effort: it must never take the agent down
-            self.events.emit("postmortem_failed", f"cannot write the post-mortem: {exc}", name, "warning")
-            return
-        self.events.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written", name, path=str(path))
+        self.postmortems.archive(comp.name, failure, evidence, tree, decision)
 
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
-        hold = self.dependency_hold(comp)
-        if hold:
+        """What a failure leads to. The node's gates first (a desired stop or a pause leaves it alone; the
+        worker's restart waits for etcd), then the layers (a rank's failure restarts its whole group), then the
+        policy."""
+        hold = self.node_hold(comp, False)
+        if hold is not None and hold.kind in STOPS_AUTOMATIC:
+            self.events.emit("no_action", f"{failure.detail}; not restarting: {hold}", comp.name, "warning")
+            return None
+        if hold is not None and hold.kind == HoldKind.ETCD_UNREACHABLE:
             self.events.emit("held", f"{failure.detail}; {hold}", comp.name, "error")
             return None
-        ok, why = may_act(self.intent(comp.name), "restart")
-        if not ok:
-            self.events.emit("no_action", f"{failure.detail}; not restarting: {why}", comp.name, "warning")
+        verdict = self.layer_decision(comp, failure)
+        if isinstance(verdict, str):
+            comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
+            self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",
+                             action="delegated", permanent=failure.permanent is not None,
+                             output_tail=list(failure.output_tail))  # fmt: skip
             return None
-        for decider in self.deciders:
-            verdict = decider(comp, failure)
-            if isinstance(verdict, str):
-                comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
-                self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",
-                                 action="delegated", permanent=failure.permanent is not None,
-                                 output_tail=list(failure.output_tail))  # fmt: skip
-                return None
-            if verdict is not None:
-                return verdict
+        if verdict is not None:
+            return verdict
         now = self.clock.time()
         tracker = self.trackers[comp.name]
         if failure.permanent:
@@ -551,12 +426,8 @@ class Supervisor:
         if "datasystem" in kinds and "etcd" not in kinds:
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
         adopt = self._adoptable()
-        saved = self.store.load_children()
         for name in self.order:
-            comp = self.components[name]
-            if name in adopt:
-                comp.fingerprint = saved.get(name, {}).get("fingerprint")
-            self.tasks[name] = asyncio.create_task(comp.run(adopt.get(name)), name=f"component:{name}")
+            self.tasks[name] = asyncio.create_task(self.components[name].run(adopt.get(name)), name=f"component:{name}")
 
     def get(self, name: str) -> Component:
         try:
@@ -568,11 +439,10 @@ class Supervisor:
     def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
         """An operator's start/stop/restart: always honoured, paused or not. Returns what will happen."""
         comp = self.get(name)
-        for hook in self.command_hooks:
-            message = hook(comp, action, drain, by)
-            if message:
-                self.events.emit("command", f"{by}: {action}: {message}", name)
-                return message
+        message = self.layer_command(comp, action, drain, by)
+        if message:
+            self.events.emit("command", f"{by}: {action}: {message}", name)
+            return message
         if action == "stop":
             self.set_desired(name, "stopped")
             comp.signal("stop", operator=True, drain=drain)
@@ -598,9 +468,9 @@ class Supervisor:
         await self._stop_all_processes(f"node redeploy: {reason}")
         for name in self.order:
             comp = self.components[name]
-            ok, why = may_act(self.intent(name), "redeploy")
-            if not ok:
-                self.events.emit("no_action", f"redeploy leaves it alone: {why}", name)
+            hold = self.node_hold(comp, False)
+            if hold is not None and hold.kind in STOPS_AUTOMATIC:
+                self.events.emit("no_action", f"redeploy leaves it alone: {hold}", name)
                 continue
             with contextlib.suppress(StartHeld, LaunchError):
                 await self.cleanup(comp, scope="redeploy", reason=reason)
@@ -660,7 +530,7 @@ class Supervisor:
         self.config = config
         changed, unchanged = [], []
         for name, comp in self.components.items():
-            comp.cfg = config.components[name]
+            comp.reconfigure(config.components[name])
             self.trackers[name].spec = comp.cfg.restart
             fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
             if comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
@@ -687,6 +557,6 @@ class Supervisor:
             "node_policy": {"failed": self.redeploys.failed, "failed_reason": self.redeploys.failed_reason,
                             "redeploys_total": self.redeploys.redeploys_total},
             "components": components,
-            **{key: extra() for key, extra in self.status_extras.items()},
+            **self.layer_status(),
         }  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""An in-memory `nodeagent.store.Store` with etcd's semantics, for pure tests of the cluster's rules.
+"""An in-memory `nodeagent.cluster.store.Store` with etcd's semantics, for pure tests of the cluster's rules.
+`tests/test_store_contract.py` runs the same tests on it and on real etcd: what it claims is checked there.
 
 One global revision bumped by every write; create/mod revisions per key; compare-and-swap on mod_revision
 (0 = absent); leases with a TTL on a settable clock (`advance`); watches from a revision, with compaction,
@@ -8,6 +9,8 @@ marked not live) and a wipe (`wipe()`: history gone, watches get Resync("reset")
 Leases are kept alive by the fake itself while reachable (the real store's keepalive task); `abandon()` stops
 that, as an agent's death does, and the lease then expires `ttl` seconds of fake time later. A kept lease that
 expired during an outage is granted anew once reachable again and its keys are written again if still absent.
+`write_from_elsewhere` is another client writing while this one is cut off. A lease's keys expire in one
+transaction (one revision), as etcd's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from nodeagent.store import (
+from nodeagent.cluster.store import (
     KV,
     CasResult,
     Change,
@@ -81,12 +84,17 @@ class FakeStore:
         self.leases: dict[int, tuple[FakeLease, float]] = {}
         """lease id → (lease, deadline on the fake clock)"""
         self.reachable = True
-        self._state = ConnectionState(True, endpoint, None, now)
+        self._state = ConnectionState(None, endpoint, None, now)
+        """Unknown until the first request is answered, as etcd's."""
         self._ids = itertools.count(0x1000)
         self._epoch = 0
         self._wakeups: set[asyncio.Event] = set()
         self._lease_objects: set[FakeLease] = set()
         self.requests = 0
+        self._written_while_away: set[int] = set()
+        self._trimmed = 0
+        """Entries dropped from the front of `history` (compaction, wipe): a watch's cursor counts them too."""
+        """Revisions written while this client was cut off: a watch replays them after the outage (not live)."""
 
     # ---- the test's controls -----------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -102,9 +110,7 @@ class FakeStore:
 
     def set_reachable(self, reachable: bool, error: str = "connection refused") -> None:
         self.reachable = reachable
-        self._state = ConnectionState(reachable, self.endpoint, None if reachable else error, self.now)
-        for callback in self.on_state_change:
-            callback(self._state)
+        self._set_state(ConnectionState(reachable, self.endpoint, None if reachable else error, self.now))
         if reachable:
             for lease in self._all_leases():
                 if lease.kept and lease.id not in self.leases:
@@ -113,12 +119,23 @@ class FakeStore:
 
     def compact(self, revision: int) -> None:
         self.compacted = max(self.compacted, revision)
-        self.history = [c for c in self.history if c.revision >= revision]
+        kept = [c for c in self.history if c.revision >= revision]
+        self._trimmed += len(self.history) - len(kept)  # (history is in revision order: the front went)
+        self.history = kept
+
+    def write_from_elsewhere(self, key: str, value: bytes | str | None) -> int:
+        """Another client, one that still reaches the store, writes `key` (None: deletes it): what peers do
+        while this one is cut off (`set_reachable(False)`). The store's revision afterwards."""
+        if value is None:
+            return self._write(key, None) if key in self.data else self.revision
+        return self._write(key, encode(value))
 
     def wipe(self) -> None:
         """An empty store in its place: data, history and leases gone, revisions start again."""
         self.data.clear()
+        self._trimmed += len(self.history)
         self.history.clear()
+        self._written_while_away.clear()
         self.revision = self.compacted = 0
         self.leases.clear()
         self._epoch += 1
@@ -140,9 +157,21 @@ class FakeStore:
         self.requests += 1
         if not self.reachable:
             raise StoreUnavailable(f"etcd {self.endpoint}: {self._state.last_error}")
+        if self._state.reachable is None:
+            self._set_state(ConnectionState(True, self.endpoint, None, self.now))
 
-    def _write(self, key: str, value: bytes | None, lease_id: int = 0) -> int:
-        self.revision += 1
+    def _set_state(self, state: ConnectionState) -> None:
+        self._state = state
+        for callback in self.on_state_change:
+            callback(state)
+
+    def _write(self, key: str, value: bytes | None, lease_id: int = 0, *, same_revision: bool = False) -> int:
+        """One write; `same_revision`: part of the transaction the previous write began (etcd deletes a lease's
+        keys in one transaction: one revision, one event per key)."""
+        if not same_revision:
+            self.revision += 1
+        if not self.reachable:
+            self._written_while_away.add(self.revision)
         if value is None:
             self.data.pop(key, None)
             self.history.append(Change("delete", key, self.revision))
@@ -175,8 +204,8 @@ class FakeStore:
 
     def _expire(self, lease_id: int) -> None:
         lease, _ = self.leases.pop(lease_id)
-        for key in [k for k, kv in self.data.items() if kv.lease == lease_id]:
-            self._write(key, None)
+        for i, key in enumerate(sorted(k for k, kv in self.data.items() if kv.lease == lease_id)):
+            self._write(key, None, same_revision=i > 0)
         if lease.id == lease_id:
             lease._id = None
             lease._granted.clear()
@@ -199,11 +228,11 @@ class FakeStore:
 
     async def get_prefix(self, prefix: str) -> Snapshot:
         self._check()
-        return Snapshot(self.revision, {k: v for k, v in self.data.items() if k.startswith(prefix)})
+        return Snapshot(self.revision, {k: self.data[k] for k in sorted(self.data) if k.startswith(prefix)})
 
     async def put(self, key: str, value: bytes | str, lease: Any = None) -> int:
-        self._check()
         lease_id = self._lease_id(lease)
+        self._check()
         revision = self._write(key, encode(value), lease_id)
         if lease is not None:
             lease.attached[key] = encode(value)
@@ -220,13 +249,14 @@ class FakeStore:
 
     async def compare_and_swap(self, key: str, mod_revision: int, value: bytes | str | None,
                                lease: Any = None) -> CasResult:  # fmt: skip
+        lease_id = self._lease_id(lease) if value is not None else 0
         self._check()
         current = self.data.get(key)
         if (current.mod_revision if current else 0) != mod_revision:
             return CasResult(False, self.revision, current)
         if value is None:
             return CasResult(True, self._write(key, None) if current else self.revision)
-        revision = self._write(key, encode(value), self._lease_id(lease))
+        revision = self._write(key, encode(value), lease_id)
         if lease is not None:
             lease.attached[key] = encode(value)
         return CasResult(True, revision)
@@ -244,6 +274,10 @@ class FakeStore:
                 snapshot = await self.get_prefix(prefix)
                 yield Resync("initial", snapshot)
                 next_rev = snapshot.revision + 1
+            cursor = self._trimmed + next(
+                (i for i, c in enumerate(self.history) if c.revision >= next_rev), len(self.history))
+            """The next entry of `history` to look at (counting the trimmed ones): each wakeup reads only what
+            is new, not the whole history."""
             live_after = self.revision
             while True:
                 if self.reachable and epoch != self._epoch:
@@ -251,22 +285,34 @@ class FakeStore:
                     snapshot = await self.get_prefix(prefix)
                     yield Resync("reset", snapshot)
                     next_rev, live_after = snapshot.revision + 1, self.revision
+                    cursor = self._trimmed + len(self.history)
                     continue
                 if self.reachable and next_rev < self.compacted:
                     snapshot = await self.get_prefix(prefix)
                     yield Resync("compacted", snapshot)
                     next_rev, live_after = snapshot.revision + 1, self.revision
+                    cursor = self._trimmed + len(self.history)
                     continue
-                pending = [c for c in self.history if c.revision >= next_rev and c.key.startswith(prefix)]
-                if self.reachable and pending:
-                    change = pending[0]
-                    next_rev = change.revision + 1
-                    yield replace(change, live=change.revision > live_after)
+                batch: list[Change] = []
+                if self.reachable:
+                    i = max(cursor - self._trimmed, 0)
+                    while i < len(self.history):
+                        change = self.history[i]
+                        if batch and change.revision != batch[0].revision:
+                            break  # one transaction's changes at a time, all of them
+                        i += 1
+                        if change.key.startswith(prefix):
+                            batch.append(change)
+                    cursor = self._trimmed + i
+                    if not batch:
+                        next_rev = max(next_rev, self.revision + 1)  # caught up: a compaction now is no gap
+                if batch:
+                    revision = batch[0].revision
+                    next_rev = revision + 1
+                    live = revision > live_after and revision not in self._written_while_away
+                    for change in batch:
+                        yield replace(change, live=live)
                     continue
-                if not self.reachable:
-                    live_after = self.revision + 10**12  # what arrives after an outage is replayed
-                elif live_after > self.revision:
-                    live_after = self.revision
                 wake.clear()
                 await wake.wait()
         finally:

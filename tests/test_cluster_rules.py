@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nodeagent.cluster_rules import (
+from nodeagent.cluster.rules import (
     GangRecord,
     GangView,
     RedeployRecord,

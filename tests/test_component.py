@@ -322,8 +322,7 @@ async def test_running_stays_true_until_the_whole_tree_is_gone(tmp_path: Path) -
         b = r.sup.components["b"]
         r.sup.command("b", "restart", drain=False)
         await until("stopping", lambda: str(b.state) == "stopping")
-        assert b.record is None, "the process record is already dropped while the tree dies"
-        assert b.running, "but the component still counts as running: its tree is not gone"
+        assert b.running, "the component still counts as running while its tree is being stopped"
         await asyncio.sleep(0.05)
         assert b.running and r.count("b") == 1, "no new start next to the dying tree"
         release.set()
@@ -356,11 +355,138 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
         await stop(r)
 
 
+class FakeLayer:
+    """A layer above the node (`stackport.NodeLayer`) whose answers the test sets."""
+
+    def __init__(self) -> None:
+        self.holds: list[Any] = []
+        self.verdict: Any = None
+        self.message: str | None = None
+        self.asked: list[tuple[str, str]] = []
+        self.changes = 0
+
+    def gate(self, comp: Any, operator: bool) -> Any:
+        from nodeagent.stackport import first_hold
+
+        self.asked.append(("gate", comp.name))
+        return first_hold(self.holds) if comp.name == "b" else None
+
+    def decide(self, comp: Any, failure: Any) -> Any:
+        self.asked.append(("decide", comp.name))
+        return self.verdict
+
+    def command(self, comp: Any, action: str, drain: bool, by: str) -> str | None:
+        self.asked.append(("command", comp.name))
+        return self.message
+
+    def status_section(self) -> dict[str, Any]:
+        return {"fake_layer": {"asked": len(self.asked)}}
+
+    def on_node_change(self) -> None:
+        self.changes += 1
+
+
+async def test_every_gate_is_asked_and_the_earliest_hold_wins(tmp_path: Path) -> None:
+    """One ordered list: the node's gates (desired stop, pauses, ...) then the layers'; whatever holds at once,
+    the earliest kind of HOLD_ORDER is what the component waits on, and removing it shows the next."""
+    from nodeagent.stackport import Hold, HoldKind
+
+    r = await rig(tmp_path)
+    try:
+        layer = FakeLayer()
+        r.sup.attach(layer)
+        b = r.sup.components["b"]
+        layer.holds = [Hold(HoldKind.BARRIER, "group g1: barrier"), Hold(HoldKind.PREFLIGHT, "preflight failed")]
+        r.sup.set_paused(True, "test")
+        r.sup.set_cluster_pause({"by": "n1: test", "at": 0.0, "reason": ""})
+        r.sup.set_desired("b", "stopped")
+        seen = []
+        undos = [lambda: r.sup.set_desired("b", "running"), lambda: r.sup.set_cluster_pause(None),
+                 lambda: r.sup.set_paused(False), lambda: layer.holds.pop(), lambda: layer.holds.pop()]
+        for undo in undos:
+            hold = r.sup.start_gate(b, False)
+            seen.append(hold.kind if hold is not None else None)
+            undo()
+        seen.append(r.sup.start_gate(b, False))
+        assert seen == [HoldKind.DESIRED_STOPPED, HoldKind.CLUSTER_PAUSE, HoldKind.NODE_PAUSE, HoldKind.PREFLIGHT,
+                        HoldKind.BARRIER, None]  # fmt: skip
+        layer.holds = [Hold(HoldKind.BARRIER, "group g1: barrier")]
+        r.sup.set_paused(True, "test")
+        assert r.sup.start_gate(b, True).kind == HoldKind.BARRIER, "an operator passes the pause, not the barrier"
+        assert r.sup.component("b").deps_up and r.sup.snapshot().paused
+    finally:
+        await stop(r)
+
+
+async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: Path) -> None:
+    """The cluster layer arrives at a start barrier once every local rank is stopped: the view must not say
+    stopped while the old tree still dies (once the record went before the stop was awaited)."""
+    r = await rig(tmp_path)
+    try:
+        release = asyncio.Event()
+        order: list[str] = []
+        terminate = r.terminate
+
+        async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
+            order.append("terminating")
+            await release.wait()
+            order.append("terminated")
+            return await terminate(comp, proc, why)
+
+        r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+        layer = FakeLayer()
+        from nodeagent.stackport import Hold, HoldKind
+
+        layer.holds = [Hold(HoldKind.BARRIER, "group g1: barrier")]  # b stays down once stopped
+        r.sup.attach(layer)
+        r.sup.restart(["b"], "gang g1 generation 2", planned=False)
+        await until("stopping", lambda: order == ["terminating"])
+        view = r.sup.component("b")
+        assert str(view.state) == "stopping" and view.running and not view.up and view.pid is not None
+        assert not await r.sup.wait("b", "stopped", timeout=0.05), "still dying: not stopped"
+        waiter = asyncio.ensure_future(r.sup.wait("b", "stopped", timeout=5))
+        await asyncio.sleep(0.01)
+        release.set()
+        assert await waiter and order == ["terminating", "terminated"]
+        view = r.sup.component("b")
+        assert not view.running and view.pid is None and view.hold is not None
+        assert view.hold.kind == HoldKind.BARRIER
+        layer.holds = []
+        r.sup.wake()
+        assert await r.sup.wait("b", "up", timeout=5)
+        assert r.count("b") == 2
+    finally:
+        await stop(r)
+
+
+async def test_a_layer_is_asked_at_its_gate_its_decision_its_command_and_status(tmp_path: Path) -> None:
+    r = await rig(tmp_path)
+    try:
+        layer = FakeLayer()
+        r.sup.attach(layer)
+        with pytest.raises(ValueError, match="attached already"):
+            r.sup.attach(layer)
+        layer.verdict = "group g1 restarts as one"
+        r.crash("b")
+        await until("delegated", lambda: any("next: group g1 restarts as one" in m for m in r.events("failure")))
+        await asyncio.sleep(0.05)
+        assert ("decide", "b") in layer.asked and not r.events("no_action")
+        assert r.sup.trackers["b"].status(r.clock.now)["consecutive_failures"] == 0, "the policy did not count it"
+        assert layer.changes > 0, "told of every change"
+        layer.message = "restarting group g1 as generation 3"
+        assert r.sup.command("b", "restart") == layer.message and ("command", "b") in layer.asked
+        assert r.sup.status()["fake_layer"]["asked"] == len(layer.asked)
+    finally:
+        await stop(r)
+
+
 async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_path: Path) -> None:
     """In a gang restart the rank that crashed showed RESTARTS 0 and its peers 1: the crash is counted where it
     happened, the peers' restarts as `gang`."""
     r = await rig(tmp_path)
-    r.sup.deciders.append(lambda comp, failure: "group g restarts as one" if comp.name == "b" else None)
+    layer = FakeLayer()
+    layer.verdict = "group g restarts as one"  # the layer restarts the group itself
+    r.sup.attach(layer)
     try:
         b = r.sup.components["b"]
         r.crash("b")
@@ -408,3 +534,18 @@ async def test_a_crash_loop_clears_after_a_stable_run_across_an_adoption(tmp_pat
         assert again.status()["components"]["b"]["policy"]["crash_loop"] is False
     finally:
         await again.shutdown()
+
+
+async def test_no_automatic_restart_of_a_component_desired_stopped(tmp_path: Path) -> None:
+    """decide asks the same gates: a desired stop (set while it ran) leaves its failure alone."""
+    r = await rig(tmp_path)
+    try:
+        b = r.sup.components["b"]
+        r.sup.set_desired("b", "stopped")
+        r.crash("b")
+        await until("no action", lambda: any("not restarting: desired state is stopped" in m
+                                              for m in r.events("no_action")))  # fmt: skip
+        await until("held", lambda: b.hold is not None and str(b.hold.kind) == "desired_stopped")
+        assert r.count("b") == 1
+    finally:
+        await stop(r)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nodeagent.consistency import ClockSamples, Expected, check_all, check_clock, relative_offsets
+from nodeagent.cluster.consistency import ClockSamples, Expected, check_all, check_clock, relative_offsets
 
 FILE = [Expected("a2-0", "10.0.0.1", "master", "g", (0, 8)), Expected("a2-1", "10.0.0.2", "worker", "g", (8, 8)),
         Expected("a2-2", "10.0.0.3", "worker", "g", (16, 8))]  # fmt: skip
@@ -104,7 +104,7 @@ def test_clock_samples_keep_the_tightest_recent_bound() -> None:
 
 
 def test_preflight_peers_from_a_cluster_view() -> None:
-    from nodeagent.consistency import preflight_peers
+    from nodeagent.cluster.consistency import preflight_peers
 
     view = {"self": "a", "members": [
         {"name": "a", "present": True, "pythonhashseed": {"vllm": "0"}, "clock_offset_s": 0.0},

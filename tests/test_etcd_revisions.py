@@ -8,9 +8,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from nodeagent.etcdclient import EtcdSettings
-from nodeagent.etcdstore import EtcdStore
-from nodeagent.store import parse_endpoint
+from nodeagent.cluster.etcdclient import EtcdSettings
+from nodeagent.cluster.etcdstore import EtcdStore
+from nodeagent.cluster.store import parse_endpoint
 
 
 def header(revision: int, term: int = 2) -> Any:

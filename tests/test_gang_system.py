@@ -1,7 +1,12 @@
 """Act as one cluster, as an operator would see it: four agents on one machine (own ports and folders), the
 master running etcd and vllm-ascend's real PD proxy, real datasystem workers, the vLLM stand-in (whose
 multi-node DP group is one unit, like vLLM's). Groups: p0 (prefill, n0 + n1) and p1 (prefill, n2 + n3), each a
-2-node data-parallel group, and d0 (decode, n4). One cluster for the module; each test leaves it all up."""
+2-node data-parallel group, and d0 (decode, n4). One cluster for the module; each test leaves it all up.
+
+What needs real processes stays here: a killed rank with traffic through the real proxy, a remote restart through
+`nodeagentctl --node`, a wiped etcd under real workers, the cluster redeploy's archives. Every other gang
+scenario (two ranks at once, barriers, a dead agent's rank and its successor, pause, a generation deferred by a
+pause, an etcd outage, the proxy without a healthy group) is `tests/test_cluster_layer.py`, without processes."""
 
 from __future__ import annotations
 
@@ -135,7 +140,8 @@ def test_a_lost_rank_restarts_its_group_once_and_the_proxy_routes_around_it(cl: 
     out_at = time.monotonic()
     replaced(cl, before, ["n2", "n3"])
     wait_for("p1 back in the proxy", lambda: "p1 back in the proxy" in proxy_log(), 60)
-    time.sleep(1.0)
+    back_at = time.monotonic()
+    wait_for("requests answered after p1 is back", lambda: sum(1 for sent, _ in results if sent >= back_at) >= 2, 60)
     stop.set()
     worker.join(30)
     during = [code for sent, code in results if sent >= out_at]
@@ -166,54 +172,6 @@ def test_restarting_a_remote_rank_restarts_its_group(cl: ClusterHarness) -> None
     assert gone.returncode == 4 and "node 'n9' has no agent" in gone.stderr, gone
 
 
-def test_a_cluster_pause_holds_every_automatic_action(cl: ClusterHarness) -> None:
-    out = cl.ctl("n1", "cluster", "pause", "--reason", "switch maintenance")
-    assert out.returncode == 0, out.stderr
-    for node in NODES:
-        wait_for(f"{node} paused", lambda node=node: status(cl, node)["paused"], 15)
-        pause = status(cl, node)["pause"]
-        assert pause["scope"] == "cluster" and pause["by"].startswith("n1")
-    before = pids(cl)
-    os.kill(before["n0"], signal.SIGKILL)
-    wait_for("held", lambda: "cluster paused by n1" in (component(cl, "n0", "vllm")["held"] or ""), 30)
-    time.sleep(3)
-    assert cl.agents["n0"].children().get("vllm") is None, "nothing restarts while paused"
-    assert cl.ctl("n0", "cluster", "resume").returncode == 0
-    replaced(cl, before, ["n0", "n1"])  # n0 is a rank of p0: its group restarts as one
-    assert not status(cl, "n2")["paused"]
-
-
-def test_an_agent_killed_during_a_gang_restart_joins_it_when_back(cl: ClusterHarness) -> None:
-    before = pids(cl)
-    gen = gang(cl, "n2", "p1")["generation"]
-    cl.kill("n3")  # the agent alone: its vLLM runs on
-    os.kill(before["n2"], signal.SIGKILL)
-    wait_for("n2 waits at the barrier for n3", lambda: "at the start barrier for n3" in (
-        component(cl, "n2", "vllm")["held"] or ""), 60)  # fmt: skip
-    cl.agents["n3"].start()
-    replaced(cl, before, ["n2", "n3"])
-    assert gang(cl, "n3", "p1")["generation"] == gen + 1
-
-
-def test_etcd_stopped_for_a_while_stops_nothing(cl: ClusterHarness) -> None:
-    before = pids(cl)
-    workers = {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES}
-    assert cl.ctl("n0", "stop", "etcd").returncode == 0
-    wait_for("unreachable", lambda: status(cl, "n1")["cluster"]["etcd"]["state"] == "unreachable", 30)
-    # 10 s in CI: each etcd-less real worker spins ~80 % of a core and logs ~400 MB per 55 s (DESIGN §10).
-    # DSV4_TEST_ETCD_OUTAGE_S=60 shows the issue's full minute.
-    time.sleep(float(os.environ.get("DSV4_TEST_ETCD_OUTAGE_S", "10")))
-    assert pids(cl) == before, "losing etcd never stops a serving stack"
-    assert {n: cl.agents[n].children()["datasystem"]["pid"] for n in NODES} == workers
-    # Without etcd each datasystem worker spins at ~80 % of a core (DESIGN §10): five of them on a 2-core test
-    # machine starve the stand-ins, so a request may time out once; it must go through.
-    assert any(ask(cl, timeout=60) == 200 for _ in range(3)), "the proxy keeps serving"
-    assert cl.ctl("n0", "start", "etcd").returncode == 0
-    for node in NODES:
-        cl.wait_members(node, set(NODES), timeout=60)
-    assert pids(cl) == before
-
-
 def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHarness) -> None:
     before = pids(cl)
     epoch = status(cl, "n1")["cluster"]["epoch"]
@@ -226,6 +184,8 @@ def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHar
         cl.wait_members(node, set(NODES), timeout=60)
     assert gang(cl, "n2", "p1")["generation"] == 1
     assert pids(cl) == before, "an empty etcd is no reason to restart anything"
+    for node in NODES:  # issue 17: none on the fresh cluster's start, one for the wipe (not one per watch)
+        assert cl.agents[node].log().count("etcd came back without our keys") == 1, node
 
 
 def test_a_cluster_redeploy_runs_once_and_starts_everything_through_the_barriers(cl: ClusterHarness) -> None:

@@ -13,9 +13,10 @@ import pytest
 from cluster_harness import ClusterHarness
 from fakestore import FakeStore
 
+from nodeagent.cluster.membership import Identity, Membership, member_key
 from nodeagent.config import load_config
 from nodeagent.events import EventBus
-from nodeagent.membership import Identity, Membership, member_key
+from nodeagent.host import Clock
 
 
 class Host:
@@ -44,6 +45,16 @@ async def until(what: str, check: Callable[[], Any], timeout: float = 5.0) -> An
     raise AssertionError(f"timed out waiting for {what}")
 
 
+class StoreClock(Clock):
+    """The fake store's wall clock, `ahead_s` seconds off (a skewed node); monotonic time and sleeps are real."""
+
+    def __init__(self, store: FakeStore, ahead_s: float = 0.0) -> None:
+        self.store, self.ahead_s = store, ahead_s
+
+    def time(self) -> float:
+        return self.store.clock() + self.ahead_s
+
+
 class Cluster:
     def __init__(self, tmp_path: Path, names: list[str], edit: Callable[[ClusterHarness], None] | None = None) -> None:
         self.harness = ClusterHarness(tmp_path, "127.0.0.1:2379", names, ttl_s=10, heartbeat_s=3600)
@@ -53,10 +64,10 @@ class Cluster:
         self.members: dict[str, Membership] = {}
         self.hosts: dict[str, Host] = {}
 
-    def join(self, name: str, clock: Callable[[], float] | None = None, state_dir: str | None = None) -> Membership:
+    def join(self, name: str, ahead_s: float = 0.0, state_dir: str | None = None) -> Membership:
         config = load_config(self.harness.write(name))
         host = Host(name)
-        m = Membership(config, host, self.store, clock=clock or self.store.clock)  # type: ignore[arg-type]
+        m = Membership(config, host, self.store, clock=StoreClock(self.store, ahead_s))  # type: ignore[arg-type]
         if state_dir is not None:
             m.identity = Identity(m.identity.host, state_dir)
         m.start()
@@ -162,9 +173,7 @@ async def test_a_burst_of_member_events_costs_one_consistency_check(cluster: Any
         original()
 
     n0._recheck = counted  # type: ignore[method-assign]
-    if n0._recheck_timer is not None:  # re-arm with the counting check
-        n0._recheck_timer.cancel()
-        n0._recheck_timer = None
+    n0._cancel_recheck()  # re-arm with the counting check
     for pid in range(20):
         c.hosts["n1"].components["vllm"] = {"state": "ready", "pid": 100 + pid}
         await n1._write(n1_record(n1))
@@ -175,14 +184,15 @@ async def test_a_burst_of_member_events_costs_one_consistency_check(cluster: Any
     c.store.advance(1)
     await n1._write(n1_record(n1))  # a heartbeat: only the clock sample is new
     await until("the heartbeat seen", lambda: n0._recheck_timer is not None)
-    left = n0._recheck_timer.when() - asyncio.get_running_loop().time()
+    assert n0._recheck_due is not None
+    left = n0._recheck_due - n0.clock.monotonic()
     assert left > 10, f"a heartbeat alone is checked late ({left:.1f}s), with the other heartbeats"
 
 
 def n1_record(m: Membership) -> dict[str, Any]:
-    from nodeagent.membership import member_record
+    from nodeagent.cluster.membership import member_record
 
-    return member_record(m.static, m.host.status(), m.identity, m.clock())
+    return member_record(m.static, m.host.status(), m.identity, m.clock.time())
 
 
 async def test_a_duplicate_name_is_not_overwritten_and_takes_over_once_free(cluster: Any) -> None:
@@ -190,7 +200,7 @@ async def test_a_duplicate_name_is_not_overwritten_and_takes_over_once_free(clus
     n0, first = c.join("n0"), c.join("n1")
     await until("both", lambda: present(n0) == {"n0", "n1"})
     holder = (await c.store.get(first.key)).mod_revision  # type: ignore[union-attr]
-    imposter = Membership(load_config(c.harness.config_path("n1")), Host("n1"), c.store, clock=c.store.clock)
+    imposter = Membership(load_config(c.harness.config_path("n1")), Host("n1"), c.store, clock=StoreClock(c.store))
     imposter.identity = Identity("another-host", "/elsewhere")
     imposter.start()
     await until("the duplicate reported", lambda: ("duplicate_name", "n1") in {
@@ -237,7 +247,7 @@ async def test_an_outage_neither_raises_nor_blocks_and_is_shown(cluster: Any) ->
 async def test_clock_skew_is_measured_on_live_writes(cluster: Any) -> None:
     c = cluster(["n0", "n1", "n2"])
     n0, n1 = c.join("n0"), c.join("n1")
-    n2 = c.join("n2", clock=lambda: c.store.clock() + 5.0)
+    n2 = c.join("n2", ahead_s=5.0)
     await until("all", lambda: present(n0) == {"n0", "n1", "n2"})
     n2.changed()  # a fresh write
     await until("skew flagged", lambda: ("clock_skew", "n2") in {(w["code"], w["node"]) for w in n0.view()["warnings"]})

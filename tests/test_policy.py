@@ -14,7 +14,6 @@ from nodeagent.policy import (
     RestartTracker,
     backoff_delay,
     hold_for_dependency,
-    may_act,
     restarts_with,
 )
 
@@ -213,28 +212,8 @@ def test_old_state_files_load_with_defaults() -> None:
     assert RedeployTracker.from_dict({}) == RedeployTracker()
 
 
-@pytest.mark.parametrize(
-    ("intent", "action", "allowed"),
-    [
-        (Intent("running", False), "restart", True),
-        (Intent("running", False), "redeploy", True),
-        (Intent("running", True), "restart", False),
-        (Intent("running", True), "stop", False),
-        (Intent("stopped", False), "restart", False),
-        (Intent("stopped", False), "start", False),
-        (Intent("stopped", False), "stop", True),
-        (Intent("stopped", True), "stop", False),
-    ],
-)
-def test_intent_gate(intent: Intent, action: str, allowed: bool) -> None:
-    ok, why = may_act(intent, action)
-    assert ok is allowed
-    assert action in why
-
-
-def test_intent_gate_rejects_unknown_actions_and_round_trips() -> None:
-    with pytest.raises(ValueError, match="unknown automatic action"):
-        may_act(Intent(), "reboot")
+def test_intent_round_trips() -> None:
+    """Which automatic action an intent allows is the node's gate list now (tests/test_holds.py)."""
     intent = Intent("stopped", True)
     assert Intent.from_dict(json.loads(json.dumps(intent.to_dict()))) == intent
     with pytest.raises(ValueError, match="desired"):

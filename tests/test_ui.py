@@ -202,9 +202,11 @@ async def test_a_node_live_restarts_cache_rates_and_the_agent_going_away(tmp_pat
         await page.goto(stack.url + "/ui")
 
         # The components as /status has them, the probes' last results, the single-node note.
-        comps = await page.wait_js("three component rows with pids", f"""(() => {{
+        comps = await page.wait_js("three component rows with pids, drawn live", f"""(() => {{
             const rows = {rows_js('components', 'component')};
-            return Object.keys(rows).length === 3 && Object.values(rows).every(r => /^\\d+$/.test(r.pid)) && rows;
+            const live = document.getElementById("conn").textContent.startsWith("live");  // not the server's paint
+            return live && Object.keys(rows).length === 3 && Object.values(rows).every(r => /^\\d+$/.test(r.pid))
+                && rows;
         }})()""")
         for name, comp in sup.components.items():
             assert comps[name]["pid"] == str(comp.record.pid) and comps[name]["restarts"] == "0"

@@ -17,7 +17,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     config = full_config(args)
     peers = None
     if config.cluster.nodes:  # peers as the running agent sees them through etcd (none when it is not running)
-        from nodeagent.consistency import preflight_peers
+        from nodeagent.cluster.consistency import preflight_peers
 
         try:
             status, view = Client(light_config(args), timeout=3.0).request("GET", "/cluster")

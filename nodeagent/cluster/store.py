@@ -1,5 +1,5 @@
 """The coordination store as the cluster code sees it: a small interface with two implementations —
-`nodeagent.etcdstore.EtcdStore` (real etcd through aetcd) and `tests/fakestore.FakeStore` (in memory, a
+`nodeagent.cluster.etcdstore.EtcdStore` (real etcd through aetcd) and `tests/fakestore.FakeStore` (in memory, a
 settable clock) — so the cluster's rules are tested without processes.
 
 Standard library only: importing it costs nothing on a node without `cluster.nodes`.

@@ -4,7 +4,7 @@ A multi-node data-parallel vLLM cannot lose a rank, so its group restarts togeth
 rules here answer, for one agent and from the keys it read: does my group need a new generation (and which
 transaction creates exactly one however many members fail at once), must I act on a generation, may my vLLM
 start (barrier), what does the group's restart policy say, is the cluster paused, does a cluster redeploy need
-me. `cluster.py` does the etcd I/O and carries the answers out through a component's ordinary commands.
+me. `coordinator` does the etcd I/O and carries the answers out through the node's `StackPort`.
 
 Keys, under `/dsv4-agent/<cluster>/`:
     gangs/<group>                    GangRecord: generation, reason, who asked, when, planned, policy counters

@@ -7,25 +7,28 @@
   that was down meanwhile does its part when it comes back.
 - **Remote commands**: `commands/<node>/<id>` carries an operator's start/stop/restart; the target writes the
   result back into the same key, and the asking agent returns it.
+
+It sees the node only through its `stackport.StackPort` (views, restart, wait, clean, command) and the
+coordinator only through `Coordination`, the few public things it needs of it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from nodeagent import cluster_rules as rules
+from nodeagent.cluster import rules
+from nodeagent.cluster.store import KV, Store, StoreError
 from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
-from nodeagent.stackport import Hold, HoldKind
-from nodeagent.store import KV, StoreError
+from nodeagent.host import Clock
+from nodeagent.stackport import ComponentView, Hold, HoldKind, StackPort
 
 if TYPE_CHECKING:
-    from nodeagent.cluster import Coordinator
-    from nodeagent.component import Component
+    from nodeagent.cluster.membership import Membership
+    from nodeagent.config_model import Config
 
 ACK_TIMEOUT_S = 180.0
 """How long the master waits for live members to ack before it wipes anyway (a dead one joins later)."""
@@ -34,10 +37,37 @@ COMMAND_TIMEOUT_S = 60.0
 DATASYSTEM_PREFIXES = ("/datasystem/",)
 
 
+class Coordination(Protocol):
+    """What ClusterOps needs of the coordinator that runs it (`cluster.Coordinator` is it)."""
+
+    config: Config
+    port: StackPort
+    membership: Membership
+    store: Store
+    cluster: str
+    node: str
+    epoch: str | None
+    done_redeploys: list[str]
+
+    @property
+    def reachable(self) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def spawn(self, work: Awaitable[Any]) -> None: ...
+
+    def restart_every_group(self, reason: str) -> None: ...
+
+    def redeploy_done(self, rid: str) -> None: ...
+
+    async def renew_epoch(self, attempts: int = 600, every_s: float = 0.5) -> None: ...
+
+
 class ClusterOps:
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordination, clock: Clock | None = None) -> None:
         self.co = coordinator
-        self.sup = coordinator.sup
+        self.clock = clock or Clock()
+        self.port = coordinator.port
         self.store = coordinator.store
         self.cluster = coordinator.cluster
         self.node = coordinator.node
@@ -50,8 +80,6 @@ class ClusterOps:
         self.stop_began = 0.0
         self.handled: set[str] = set()
         self._busy = False
-        self.sup.gates.append(self.gate)
-        self.sup.command_hooks.insert(0, self._refuse_while_redeploying)
 
     def watches(self) -> list[tuple[str, Any]]:
         p = rules.prefix(self.cluster)
@@ -81,18 +109,17 @@ class ClusterOps:
         body = kv.json()
         if isinstance(body, dict) and body.get("state") == "pending":
             self.handled.add(key)
-            task = asyncio.ensure_future(self._execute(key, kv, body))
-            self.co._tasks.append(task)  # cancelled with the coordinator
+            self.co.spawn(self._execute(key, kv, body))
 
     # ---- redeploy -----------------------------------------------------------------------------------------------
     @property
     def is_master(self) -> bool:
         return self.co.config.node.role == "master"
 
-    def _local(self, kinds: tuple[str, ...] = ("etcd",), exclude: bool = True) -> list[Component]:
-        return [c for c in self.sup.components.values() if (c.kind in kinds) != exclude]
+    def _local(self, kinds: tuple[str, ...] = ("etcd",), exclude: bool = True) -> list[ComponentView]:
+        return [c for c in self.port.snapshot().components.values() if (c.kind in kinds) != exclude]
 
-    def gate(self, comp: Component, operator: bool) -> Hold | None:
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         if self.phase is None:
             return None
         if comp.kind != "etcd":
@@ -103,10 +130,10 @@ class ClusterOps:
             return Hold(HoldKind.CLUSTER_REDEPLOY, "cluster redeploy: archiving and wiping etcd's data")
         return None
 
-    def _refuse_while_redeploying(self, comp: Component, action: str, drain: bool, by: str) -> str | None:
+    def refuse_while_redeploying(self, comp: ComponentView, action: str) -> None:
+        """An operator's start or restart waits for the cluster redeploy (raises AgentError)."""
         if self.phase is not None and action in ("start", "restart") and comp.kind != "etcd":
             raise AgentError(f"a cluster redeploy is running ({self.phase}): {comp.name} starts with it")
-        return None
 
     def request_redeploy(self, reason: str, by: str, planned: bool = False) -> None:
         self._spawn(self._request(reason, by, planned))
@@ -120,13 +147,12 @@ class ClusterOps:
         record = rules.RedeployRecord.from_dict(current.json()) if current is not None else None
         if record is not None and record.phase != "done":
             return {"id": record.id, "already_in_progress": True, "phase": record.phase}
-        new = rules.RedeployRecord(uuid.uuid4().hex[:12], reason, by, time.time(), epoch=self.co.epoch or "")
+        new = rules.RedeployRecord(uuid.uuid4().hex[:12], reason, by, self.clock.time(), epoch=self.co.epoch or "")
         body = {**new.to_dict(), "planned": planned}
         result = await self.store.compare_and_swap(key, current.mod_revision if current else 0, json.dumps(body))
         if not result.succeeded:
             return {"id": None, "already_in_progress": True, "phase": "another node asked at the same moment"}
-        self.sup.events.emit("cluster_redeploy", f"cluster redeploy {new.id} asked by {by}: {reason}", None,
-                             "warning")  # fmt: skip
+        self.port.emit("cluster_redeploy", f"cluster redeploy {new.id} asked by {by}: {reason}", None, "warning")
         self.co.wake()
         return {"id": new.id, "already_in_progress": False, "phase": "stopping"}
 
@@ -144,7 +170,7 @@ class ClusterOps:
             self._spawn(self._stop_and_ack(self.record))
         elif duty == "stop" and self.phase == "acked" and self.is_master:
             live = {n for n, m in self.co.membership.members.items()} | {self.node}
-            if rules.may_wipe(self.acks, live, time.monotonic() - self.stop_began, ACK_TIMEOUT_S):
+            if rules.may_wipe(self.acks, live, self.clock.monotonic() - self.stop_began, ACK_TIMEOUT_S):
                 self._spawn(self._wipe(self.record))
         elif duty == "start":
             if self.phase is None:  # we were away while it ran: do our part now
@@ -158,35 +184,32 @@ class ClusterOps:
             try:
                 await coro
             except (StoreError, CoordinationUnavailable) as exc:
-                self.sup.events.emit("cluster_redeploy_deferred", f"cluster redeploy waits for etcd: {exc}", None)
+                self.port.emit("cluster_redeploy_deferred", f"cluster redeploy waits for etcd: {exc}", None)
             finally:
                 self._busy = False
                 self.co.wake()
 
-        self.co._tasks.append(asyncio.ensure_future(guarded()))
+        self.co.spawn(guarded())
 
     async def _stop_and_ack(self, record: rules.RedeployRecord, ack: bool = True) -> None:
-        self.phase, self.stop_began = "stopping", time.monotonic()
-        self.sup.events.emit("cluster_redeploy_stop", f"cluster redeploy {record.id}: stopping vLLM, then the "
-                             "worker", None, "warning")  # fmt: skip
+        self.phase, self.stop_began = "stopping", self.clock.monotonic()
+        self.port.emit("cluster_redeploy_stop", f"cluster redeploy {record.id}: stopping vLLM, then the worker", None,
+                       "warning")  # fmt: skip
         planned = bool((await self._raw(rules.redeploy_key(self.cluster))).get("planned"))
         for comp in sorted(self._local(), key=lambda c: c.kind != "vllm"):  # vLLM first, then the worker
-            if comp.record is not None:
-                comp.signal("restart", None, f"cluster redeploy {record.id}", operator=planned, drain=planned,
-                            cause="redeploy")  # fmt: skip
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            while comp.running and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+            if self.port.component(comp.name).running:  # its restart waits at our gate until the redeploy is done
+                self.port.restart([comp.name], f"cluster redeploy {record.id}", planned=planned, cause="redeploy")
+            await self.port.wait(comp.name, "stopped", STOP_TIMEOUT_S)
         for comp in self._local():
             with contextlib.suppress(AgentError):
-                await self.sup.cleanup(comp, "redeploy", f"cluster-redeploy-{record.id}")
+                await self.port.clean(comp.name, "redeploy", f"cluster-redeploy-{record.id}")
         self.phase = "acked"
         if ack:
             key = rules.redeploy_ack_prefix(self.cluster, record.id) + self.node
-            await self.store.put(key, json.dumps({"at": time.time()}), lease=self.co.membership.lease)
+            await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.co.membership.lease)
             self.ack_map.setdefault(record.id, set()).add(self.node)
-        self.sup.events.emit("cluster_redeploy_stopped", f"cluster redeploy {record.id}: stopped and cleaned "
-                             "here" + ("" if ack else " (late: it is already done elsewhere)"))  # fmt: skip
+        self.port.emit("cluster_redeploy_stopped", f"cluster redeploy {record.id}: stopped and cleaned here"
+                       + ("" if ack else " (late: it is already done elsewhere)"))  # fmt: skip
 
     async def _raw(self, key: str) -> dict[str, Any]:
         kv = await self.store.get(key)
@@ -199,22 +222,15 @@ class ClusterOps:
         members = self.co.config.cluster.etcd_members
         if local and len(members) <= 1:
             self.phase = "wiping"
-            etcd = local[0]
-            etcd.signal("restart", None, f"cluster redeploy {record.id}: wiping etcd's data", operator=True,
-                        cause="redeploy")  # fmt: skip
-            while etcd.running:
-                await asyncio.sleep(0.2)
-            await self.sup.cleanup(etcd, "redeploy", f"cluster-redeploy-{record.id}", wipe_etcd=True)
+            etcd = local[0].name
+            self.port.restart([etcd], f"cluster redeploy {record.id}: wiping etcd's data", planned=True,
+                              cause="redeploy")  # fmt: skip
+            await self.port.wait(etcd, "stopped")  # our gate holds its start meanwhile
+            await self.port.clean(etcd, "redeploy", f"cluster-redeploy-{record.id}", wipe_etcd=True)
             self.phase = "acked"
-            self.sup.poke()
-            while not etcd.up.is_set():
-                await asyncio.sleep(0.2)
-            self.co.epoch = None
-            for _ in range(600):
-                with contextlib.suppress(StoreError):
-                    await self.co._ensure_epoch()
-                    break
-                await asyncio.sleep(0.5)
+            self.port.wake()
+            await self.port.wait(etcd, "up")
+            await self.co.renew_epoch()
         else:
             for prefix in DATASYSTEM_PREFIXES:
                 snap = await self.store.get_prefix(prefix)
@@ -226,18 +242,12 @@ class ClusterOps:
         self._finish(record.id)
 
     def _finish(self, rid: str) -> None:
-        for gs in self.co.gangs.values():  # every group starts again as a new generation, through its barrier
-            gs.released = 0
-            if gs.pending is None:
-                gs.pending = (gs.acted, f"cluster redeploy {rid}", False)
-        if rid not in self.co.done_redeploys:
-            self.co.done_redeploys.append(rid)
-            self.co.save()
+        self.co.restart_every_group(f"cluster redeploy {rid}")
+        self.co.redeploy_done(rid)
         self.phase = None
         self.ack_map.pop(rid, None)
-        self.sup.events.emit("cluster_redeploy_done", f"cluster redeploy {rid} done: starting in order through "
-                             "the barriers")  # fmt: skip
-        self.sup.poke()
+        self.port.emit("cluster_redeploy_done", f"cluster redeploy {rid} done: starting in order through the barriers")
+        self.port.wake()
 
     # ---- remote commands ----------------------------------------------------------------------------------------
     async def remote(self, node: str, component: str, action: str, drain: bool, by: str) -> dict[str, Any]:
@@ -249,27 +259,27 @@ class ClusterOps:
             raise UnknownComponentError(f"node {node!r} has no agent in the cluster now (members: {known})")
         key = rules.command_prefix(self.cluster, node) + uuid.uuid4().hex[:12]
         body = {"action": action, "component": component, "drain": drain, "by": f"{by} via {self.node}",
-                "at": time.time(), "state": "pending"}  # fmt: skip
+                "at": self.clock.time(), "state": "pending"}  # fmt: skip
         await self.store.put(key, json.dumps(body), lease=self.co.membership.lease)
         try:
-            deadline = time.monotonic() + COMMAND_TIMEOUT_S
-            while time.monotonic() < deadline:
+            deadline = self.clock.monotonic() + COMMAND_TIMEOUT_S
+            while self.clock.monotonic() < deadline:
                 answer = await self._raw(key)
                 if answer.get("state") == "done":
                     return dict(answer.get("result") or {})
-                await asyncio.sleep(0.1)
+                await self.clock.sleep(0.1)
             return {"ok": False, "code": 1, "message": f"node {node} did not answer within {COMMAND_TIMEOUT_S:g}s"}
         finally:
             with contextlib.suppress(StoreError):
                 await self.store.delete(key)
 
     async def _execute(self, key: str, kv: KV, body: dict[str, Any]) -> None:
-        error = rules.command_error(body, list(self.sup.components))
+        error = rules.command_error(body, list(self.port.snapshot().components))
         if error:
             result = {"ok": False, "code": 4 if "component" in error else 2, "message": error}
         else:
             try:
-                message = self.sup.command(body["component"], body["action"], drain=bool(body.get("drain", True)),
+                message = self.port.command(body["component"], body["action"], drain=bool(body.get("drain", True)),
                                            by=f"remote {body.get('by', '?')}")  # fmt: skip
                 result = {"ok": True, "code": 0, "message": f"{self.node}: {message}"}
             except AgentError as exc:

@@ -7,7 +7,7 @@ What aetcd leaves to its user, done here:
 - a watch ends on a lost stream or a compacted revision: `watch_prefix` re-creates it from the last revision it
   delivered, re-reads the prefix when that revision was compacted, and re-reads it when etcd went back in time
   (wiped and restarted empty), telling the consumer with a `Resync`.
-- `Client.connect` only opens plaintext channels: `nodeagent.etcdclient.Client` opens TLS ones too.
+- `Client.connect` only opens plaintext channels: `nodeagent.cluster.etcdclient.Client` opens TLS ones too.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from aetcd import exceptions as aexc
 from aetcd import rpc, utils
 from loguru import logger
 
-from nodeagent.etcdclient import UNREACHABLE, Client, EtcdSettings, error_text, to_kv
-from nodeagent.etcdlease import KeptLease
-from nodeagent.store import (
+from nodeagent.cluster.etcdclient import UNREACHABLE, Client, EtcdSettings, error_text, to_kv
+from nodeagent.cluster.etcdlease import KeptLease
+from nodeagent.cluster.store import (
     KV,
     CasResult,
     Change,
@@ -47,6 +47,9 @@ T = TypeVar("T")
 
 WATCH_RETRY_MAX_S = 2.0
 
+_KNOWN_AT_SEND: contextvars.ContextVar[tuple[int, tuple[int, int]]] = contextvars.ContextVar("etcd_known_at_send")
+"""(store epoch, highest (revision, term) answered) when the request now running was sent: see `_observe`."""
+
 
 def _cancelled_by_grpc() -> bool:
     """A CancelledError that nobody asked our task for: gRPC cancels the calls of a channel being closed."""
@@ -54,13 +57,8 @@ def _cancelled_by_grpc() -> bool:
     return task is not None and task.cancelling() == 0
 
 
-_CALL_FLOOR: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("etcd_call_floor", default=None)
-"""The highest (revision, term) seen before the running call was sent: only an answer below *that* is history
-going back. Answers of concurrent calls arrive in any order (a put answered at 14 may land after one at 15)."""
-
-
 class EtcdStore:
-    """`nodeagent.store.Store` on etcd. Create it inside the event loop; `close()` it when done."""
+    """`nodeagent.cluster.store.Store` on etcd. Create it inside the event loop; `close()` it when done."""
 
     def __init__(self, settings: EtcdSettings) -> None:
         if not settings.endpoints:
@@ -142,11 +140,15 @@ class EtcdStore:
                 await client.close()
 
     def _observe(self, header: Any) -> None:
-        """Track etcd's revision and term; going back means a wiped store (same cluster id, history gone)."""
+        """Track etcd's revision and term; going back means a wiped store (same cluster id, history gone).
+
+        An answer is compared with what was known when its request was *sent*, not with the highest answer so
+        far: concurrent requests are answered in any order (a read served at revision 14 may arrive after a
+        write's answer at 15), and only a request sent after etcd said 15 must be answered at 15 or later."""
         seen = (header.revision, header.raft_term)
-        floor = _CALL_FLOOR.get()
-        floor = self._high if floor is None else floor
-        if seen[0] < floor[0] or (seen[1] < floor[1] and seen[0] <= floor[0]):
+        epoch, floor = _KNOWN_AT_SEND.get((self.epoch, self._high))
+        went_back = seen[0] < floor[0] or (seen[1] < floor[1] and seen[0] <= floor[0])
+        if went_back and epoch == self.epoch:  # (a request sent before a reset was noticed says nothing new)
             self.suspect_reset(f"etcd revision went back from {floor[0]} to {seen[0]}")
             self._high = seen
         else:
@@ -162,15 +164,7 @@ class EtcdStore:
             task.add_done_callback(self._closing.discard)
 
     async def call(self, what: str, op: Callable[[Client], Awaitable[T]]) -> T:
-        """Run `op` on the current endpoint, failing over to the next ones within one timeout overall. Its answers
-        are judged against the revision known when it was sent (`_CALL_FLOOR`)."""
-        token = _CALL_FLOOR.set(self._high)
-        try:
-            return await self._call(what, op)
-        finally:
-            _CALL_FLOOR.reset(token)
-
-    async def _call(self, what: str, op: Callable[[Client], Awaitable[T]]) -> T:
+        """Run `op` on the current endpoint, failing over to the next ones within one timeout overall."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         last: str = "no endpoint tried"
@@ -179,6 +173,7 @@ class EtcdStore:
         while attempt < len(self.settings.endpoints) and loop.time() < deadline:
             client = self._current()
             self.requests += 1
+            _KNOWN_AT_SEND.set((self.epoch, self._high))  # this task runs one request at a time
             try:
                 async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
                     result = await op(client)
@@ -330,10 +325,12 @@ class EtcdStore:
 
     # ---- watches ------------------------------------------------------------------------------------------------
     async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:  # type: ignore[override]
-        """See `nodeagent.store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
+        """See `store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
         retry = 0.2
         epoch = self.epoch
         next_rev = from_revision
+        known_at: int | None = None
+        """After a re-read: the snapshot's revision (what comes later arrives as it happens, not replayed)."""
         while True:
             try:
                 if next_rev is None or epoch != self.epoch:
@@ -341,20 +338,21 @@ class EtcdStore:
                     epoch = self.epoch
                     snapshot = await self.get_prefix(prefix)
                     yield Resync(reason, snapshot)  # type: ignore[arg-type]
-                    next_rev = snapshot.revision + 1
+                    next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 revision, _term = await self._head(prefix)
                 if epoch != self.epoch or revision < next_rev - 1:
                     if epoch == self.epoch:
                         self.suspect_reset(f"etcd is at revision {revision}, the watch was at {next_rev - 1}")
                     continue
-                async for item in self._stream(prefix, next_rev, revision):
+                live_after, known_at = (revision if known_at is None else known_at), None
+                async for item in self._stream(prefix, next_rev, live_after):
                     yield item
                     next_rev = item.revision + 1
                     retry = 0.2
             except aexc.RevisionCompactedError:
                 snapshot = await self._read_retrying(prefix)
                 yield Resync("compacted", snapshot)
-                next_rev = snapshot.revision + 1
+                next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 continue
             except StoreUnavailable:
                 pass

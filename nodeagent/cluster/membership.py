@@ -31,8 +31,9 @@ from loguru import logger
 
 from nodeagent import __version__
 from nodeagent.bindaddr import is_wildcard, url_host
-from nodeagent.consistency import ClockSamples, Expected, Finding, check_all
-from nodeagent.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
+from nodeagent.cluster.consistency import ClockSamples, Expected, Finding, check_all
+from nodeagent.cluster.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
+from nodeagent.host import Clock
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -157,10 +158,10 @@ class MemberView:
 
 class Membership:
     def __init__(self, config: Config, host: MemberHost, store: Store | None = None,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 clock: Clock | None = None) -> None:  # fmt: skip
         self.config = config
         self.host = host
-        self.clock = clock
+        self.clock = clock or Clock()
         self.cluster = config.cluster.name
         self.name = config.node.name
         self.key = member_key(self.cluster, self.name)
@@ -184,7 +185,9 @@ class Membership:
         self._last_write = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: Any = None
-        self._recheck_timer: asyncio.TimerHandle | None = None
+        self._recheck_timer: asyncio.Task[None] | None = None
+        self._recheck_due: float | None = None
+        """When the armed check runs (this clock's monotonic time)."""
         self._content_changed = False
         """A member record changed beyond its clock sample since the last check."""
 
@@ -196,7 +199,7 @@ class Membership:
     @property
     def store(self) -> Store:
         if self._store is None:
-            from nodeagent.etcdstore import EtcdStore
+            from nodeagent.cluster.etcdstore import EtcdStore
 
             self._store = EtcdStore.from_config(self.config.cluster)
         return self._store
@@ -247,26 +250,24 @@ class Membership:
             # jittered ±20 %: agents started together (a cluster cold start) would otherwise beat in step, and
             # every beat is a write every other agent's watch receives — N² events in one burst
             heartbeat = self.config.cluster.member_heartbeat_s * random.uniform(0.8, 1.2)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(heartbeat):
-                    await self._dirty.wait()
-            wait = self._last_write + MIN_WRITE_INTERVAL_S - time.monotonic()
+            await self.clock.wait(self._dirty, heartbeat)
+            wait = self._last_write + MIN_WRITE_INTERVAL_S - self.clock.monotonic()
             if wait > 0:
-                await asyncio.sleep(wait)
+                await self.clock.sleep(wait)
             self._dirty.clear()
-            self._last_write = time.monotonic()
+            self._last_write = self.clock.monotonic()
             try:
                 if self._lease.id is None and not await self._lease.wait_granted(RETRY_S):
                     raise StoreUnavailable("no lease yet")
-                await self._write(member_record(self.static, self.host.status(), self.identity, self.clock()))
+                await self._write(member_record(self.static, self.host.status(), self.identity, self.clock.time()))
             except StoreError as exc:
                 logger.debug(f"membership: write deferred: {exc}")
                 self._dirty.set()
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
             except Exception:  # a bug must not end membership (the key would expire): log, retry
                 logger.exception("membership: writing the member record failed")
                 self._dirty.set()
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
     async def _write(self, record: dict[str, Any]) -> None:
         import json
@@ -328,7 +329,7 @@ class Membership:
                         self._apply(prefix, item, apply)
             except Exception:  # the watch retries outages itself: this is a bug's last resort
                 logger.exception(f"membership: the watch of {prefix} failed; restarting it")
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
     def _apply(self, prefix: str, item: WatchItem, apply: Callable[[str, KV | None, bool], None]) -> None:
         if isinstance(item, Resync):
@@ -340,7 +341,7 @@ class Membership:
             for key, kv in item.snapshot.items.items():
                 apply(key, kv, False)
             if self.view_since is None and prefix.endswith("/nodes/"):
-                self.view_since = time.monotonic()
+                self.view_since = self.clock.monotonic()
         else:
             assert isinstance(item, Change)
             apply(item.key, item.kv, item.live)
@@ -349,13 +350,17 @@ class Membership:
         self._recheck_soon(RECHECK_DELAY_S if self._content_changed else CLOCK_RECHECK_S)
 
     def _recheck_soon(self, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        timer = self._recheck_timer
-        if timer is not None and timer.when() <= loop.time() + delay:
+        due = self.clock.monotonic() + delay
+        if self._recheck_timer is not None and self._recheck_due is not None and self._recheck_due <= due:
             return
-        if timer is not None:
-            timer.cancel()
-        self._recheck_timer = loop.call_later(delay, self._recheck)
+        self._cancel_recheck()
+        self._recheck_due = due
+        self._recheck_timer = asyncio.ensure_future(self._recheck_after(delay))
+
+    async def _recheck_after(self, delay: float) -> None:
+        await self.clock.sleep(delay)
+        self._recheck_timer = None  # (so the check does not cancel its own task)
+        self._recheck()
 
     def _known(self, prefix: str) -> list[str]:
         if prefix.endswith("/nodes/"):
@@ -376,7 +381,7 @@ class Membership:
         old = self.members.get(name)
         if old is None or not _same_beyond_clock(old.record, record):
             self._content_changed = True
-        now = self.clock()
+        now = self.clock.time()
         self.members[name] = MemberView(record, kv, now if live else None)
         wall = record.get("wall_clock")
         if live and name != self.name and isinstance(wall, int | float):
@@ -395,7 +400,7 @@ class Membership:
 
     # ---- consistency ----------------------------------------------------------------------------------------
     def offsets(self) -> dict[str, float]:
-        now = self.clock()
+        now = self.clock.time()
         out = {self.name: 0.0} if self.name in self.members else {}
         for name, samples in self.clocks.items():
             estimate = samples.estimate(now)
@@ -407,11 +412,12 @@ class Membership:
         if self._recheck_timer is not None:
             self._recheck_timer.cancel()
             self._recheck_timer = None
+        self._recheck_due = None
 
     def _recheck(self) -> None:
         self._cancel_recheck()
         self._content_changed = False
-        grace = self.view_since is None or time.monotonic() - self.view_since < self.config.cluster.member_ttl_s
+        grace = self.view_since is None or self.clock.monotonic() - self.view_since < self.config.cluster.member_ttl_s
         duplicates = {n: list(c.values()) for n, c in self.duplicates.items() if c}
         found = check_all(self.expected, {n: v.record for n, v in self.members.items()}, duplicates, self.offsets(),
                           self.config.cluster.clock_skew_max_s, missing_ok=grace)  # fmt: skip
@@ -439,7 +445,7 @@ class Membership:
     def view(self) -> dict[str, Any]:
         """`GET /cluster`: every member (listed and not, present and not), etcd's state, the findings."""
         self._recheck_if_pending()
-        now = self.clock()
+        now = self.clock.time()
         offsets = self.offsets()
         rows = []
         listed = {e.name: e for e in self.expected}

@@ -14,18 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.bindaddr import connect_host
+from nodeagent.host import Clock
 from nodeagent.layout import Group, ProxyPlan
 
 if TYPE_CHECKING:
-    from nodeagent.component import Component
+    from nodeagent.stackport import ComponentView
 
 PERIOD_S = 1.0
 RECONCILE_S = 10.0
@@ -58,16 +58,40 @@ def desired_backends(groups: list[Group], health: dict[str, bool]) -> dict[str, 
     return out
 
 
-class ProxySync:
-    """Takes what it reads as callables (the proxy component, the member records, the groups' generation
-    records) and one `emit`: it knows nothing of the coordinator that owns it."""
+ProxyPost = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+"""POST a JSON body to the proxy: its JSON answer ({} when none), None on a non-2xx status; raises OSError or
+ValueError when it does not answer (tests give a fake proxy)."""
 
-    def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], Component | None],
+
+async def http_post(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    data = json.dumps(body).encode()
+
+    def call() -> dict[str, Any] | None:
+        request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            if not 200 <= response.status < 300:
+                return None
+            answer = json.loads(response.read() or b"{}")
+            return answer if isinstance(answer, dict) else {}
+
+    return await asyncio.to_thread(call)
+
+
+class ProxySync:
+    """Takes what it reads as callables (a view of the proxy component, the member records, the groups'
+    generation records) and what it does as two (`emit` an event, `block_ready` the proxy with a reason or clear
+    it with None): it knows nothing of the coordinator that owns it, nor of the node's internals."""
+
+    def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], ComponentView | None],
                  members: Callable[[], Mapping[str, Any]], records: Callable[[], Mapping[str, Any]],
-                 emit: Callable[..., Any]) -> None:  # fmt: skip
+                 emit: Callable[..., Any], block_ready: Callable[[str | None], None], clock: Clock | None = None,
+                 post: ProxyPost | None = None) -> None:  # fmt: skip
         self.plan = plan
+        self.clock = clock or Clock()
+        self._send = post or http_post
         self.groups = [g for g in groups if g.kind in ("prefill", "decode")]
         self._component, self._members, self._records, self._emit = component, members, records, emit
+        self._block_ready = block_ready
         self.applied: dict[str, set[str]] | None = None
         self.proxy_pid: int | None = None
         self.active: dict[str, set[str]] | None = None
@@ -86,13 +110,13 @@ class ProxySync:
                 await self.step()
             except Exception:  # a bug must not end the sync
                 logger.exception("proxy sync step failed")
-            await asyncio.sleep(PERIOD_S)
+            await self.clock.sleep(PERIOD_S)
 
     async def step(self) -> None:
         comp = self._component()
         if comp is None:
             return
-        pid = comp.record.pid if comp.record is not None else None
+        pid = comp.pid
         if pid != self.proxy_pid:
             self.proxy_pid = pid
             all_in = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
@@ -106,12 +130,12 @@ class ProxySync:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
-        if self.applied is not None and comp.up.is_set():
+        if self.applied is not None and comp.up:
             await self._apply(want)
         self._report(health)
         routed = self.active if self.active is not None else want
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
-        comp.block_ready("backends", f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
+        self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
 
     async def _apply(self, want: dict[str, set[str]]) -> None:
         assert self.applied is not None
@@ -122,7 +146,7 @@ class ProxySync:
             if back and await self._post("add", kind, back):
                 self.applied[kind] |= back
         pending = {k: self.applied[k] - (self.active or {}).get(k, set()) for k in self.applied}
-        due = time.monotonic() - self._reconciled_at >= RECONCILE_S
+        due = self.clock.monotonic() - self._reconciled_at >= RECONCILE_S
         if any(pending.values()) or due:
             # An added instance waits for the proxy's own activation check (its /v1/models); one that failed
             # that check too often is dropped by the proxy. Re-adding is idempotent and answers what it routes to.
@@ -131,7 +155,7 @@ class ProxySync:
                     await self._post("add", kind, missing, quiet=True)
             if not any(pending.values()):
                 await self._post("add", "prefill", set(), quiet=True)
-            self._reconciled_at = time.monotonic()
+            self._reconciled_at = self.clock.monotonic()
 
     def _report(self, health: dict[str, tuple[bool, str]]) -> None:
         for group in self.groups:
@@ -154,19 +178,9 @@ class ProxySync:
             self.health[group.name] = now
 
     async def _post(self, what: str, kind: str, instances: set[str], quiet: bool = False) -> bool:
-        body = json.dumps({"type": kind, "instances": sorted(instances)}).encode()
-
-        def call() -> dict[str, Any] | None:
-            request = urllib.request.Request(f"{self.url}/instances/{what}", body,
-                                             {"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(request, timeout=5) as response:
-                if not 200 <= response.status < 300:
-                    return None
-                answer = json.loads(response.read() or b"{}")
-                return answer if isinstance(answer, dict) else {}
-
+        body = {"type": kind, "instances": sorted(instances)}
         with contextlib.suppress(OSError, ValueError):
-            answer = await asyncio.to_thread(call)
+            answer = await self._send(f"{self.url}/instances/{what}", body)
             if answer is None:
                 return False
             lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
@@ -174,7 +188,7 @@ class ProxySync:
                 self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
             if not quiet:
                 self._emit("proxy_instances", f"proxy: {what} {kind} {', '.join(sorted(instances))}",
-                                        self.plan.component)  # fmt: skip
+                           self.plan.component)
             return True
         return False
 

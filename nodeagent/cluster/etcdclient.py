@@ -13,7 +13,7 @@ import grpc
 from aetcd import exceptions as aexc
 from aetcd import rpc, watcher
 
-from nodeagent.store import KV, Endpoint, parse_endpoint
+from nodeagent.cluster.store import KV, Endpoint, parse_endpoint
 
 if TYPE_CHECKING:
     from nodeagent.config_cluster import ClusterConfig

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from nodeagent.store import KV, CasResult, StoreError, StoreUnavailable
+from nodeagent.cluster.store import KV, CasResult, StoreError, StoreUnavailable
 
 
 class LeaseStore(Protocol):
@@ -120,8 +120,9 @@ class KeptLease:
         self._granted.set()
         if self._pending:
             await self._reput()
-        for callback in self.on_regrant:
-            callback(self._id)
+        if self.grants > 1:  # the first grant is no re-grant
+            for callback in self.on_regrant:
+                callback(self._id)
 
     async def _reput(self) -> None:
         for key in sorted(self._pending):

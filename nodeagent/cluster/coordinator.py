@@ -1,8 +1,9 @@
 """The cluster layer's etcd I/O: gang restarts of a data-parallel group, start barriers, the cluster-wide pause.
 
-The rules are `cluster_rules` (pure); this module reads and writes the keys and drives components only
-through what an operator has — a restart signal, a start gate that holds — never by reaching into the
-supervisor's decisions. Losing etcd freezes coordination and never stops a serving stack: a group that needs
+The rules are `cluster.rules` (pure); this module reads and writes the keys and sees the node only through its
+`stackport.StackPort`: frozen views of the components, and the port's few commands (restart these, wake the
+gates). It attaches to the node once, as its `NodeLayer`: a start gate, a say on failures and operator
+commands, and a /status section. Losing etcd freezes coordination and never stops a serving stack: a group that needs
 a restart while etcd is down waits (a single-node group restarts locally as before).
 
 Per group this node belongs to: `acted` — the generation its vLLM was (re)started for — is persisted in
@@ -14,27 +15,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent import cluster_rules as rules
+from nodeagent.cluster import rules
+from nodeagent.cluster.ops import ClusterOps
+from nodeagent.cluster.proxy_sync import ProxyPost, ProxySync
+from nodeagent.cluster.store import KV, Change, Resync, StoreError
 from nodeagent.errors import CoordinationUnavailable
+from nodeagent.host import Clock
 from nodeagent.layout import Group, cluster_layout
-from nodeagent.proxy_sync import ProxySync
-from nodeagent.stackport import Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort, first_hold
 from nodeagent.statefile import read_json, write_json_atomic
-from nodeagent.store import KV, Change, Resync, StoreError
 
 if TYPE_CHECKING:
-    from nodeagent.component import Component
+    from nodeagent.cluster.membership import Membership
+    from nodeagent.cluster.ops import ClusterOps
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
-    from nodeagent.membership import Membership
-    from nodeagent.supervisor import Supervisor
 
 BARRIER_TIMEOUT_S = 300.0
 """vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
@@ -77,9 +79,15 @@ class GangState:
 
 
 class Coordinator:
-    def __init__(self, config: Config, supervisor: Supervisor, membership: Membership) -> None:
+    """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
+
+    def __init__(self, config: Config, port: StackPort, membership: Membership, *, clock: Clock | None = None,
+                 operations: bool = True, proxy_post: ProxyPost | None = None) -> None:  # fmt: skip
+        """operations: run the cluster redeploy and remote commands too (`ops.ClusterOps`; the scale simulation
+        leaves them out). proxy_post: how the PD proxy is called (tests give a fake proxy)."""
         self.config = config
-        self.sup = supervisor
+        self.clock = clock or Clock()
+        self.port = port
         self.membership = membership
         self.store = membership.store
         self.cluster = config.cluster.name
@@ -87,13 +95,16 @@ class Coordinator:
         self.layout = cluster_layout(config)
         self.state_path = config.agent.state_dir / "cluster.json"
         saved = read_json(self.state_path, {})
-        adoptable = set(supervisor.store.load_children())
+        here = port.snapshot()
+        adoptable = here.adoptable
         self.epoch: str | None = None
+        self._epoch_before_reset: str | None = None
+        """The epoch we knew when a watch said etcd was reset: a different one then means etcd lost our keys."""
         self.gangs: dict[str, GangState] = {}
         for group in self.layout.groups:
             if self.node not in group.nodes:
                 continue
-            mine = tuple(c for c in group.components(self.node) if c in supervisor.components)
+            mine = tuple(c for c in group.components(self.node) if c in here.components)
             if not mine:
                 continue
             gs = GangState(group, mine)
@@ -105,21 +116,17 @@ class Coordinator:
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
-        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: supervisor.components.get(c),
+        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: port.component(c),
                                   lambda: {n: m.record for n, m in membership.members.items()},
-                                  lambda: self.records, supervisor.events.emit)
+                                  lambda: self.records, port.emit,
+                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason),
+                                  self.clock, proxy_post)
                         for plan in self.layout.proxies
-                        if plan.node == self.node and plan.component in supervisor.components]  # fmt: skip
-        self._tasks: list[asyncio.Task[Any]] = []
+                        if plan.node == self.node and plan.component in here.components]  # fmt: skip
+        self._tasks: list[asyncio.Future[Any]] = []
         self._wake = asyncio.Event()
-        self.ops: Any = None
-        """cluster_ops.ClusterOps, attached by the agent (redeploy, remote commands)."""
-        supervisor.gates.append(self.gate)
-        supervisor.deciders.append(self.decide)
-        supervisor.command_hooks.append(self.command)
-        supervisor.status_extras["cluster"] = self.status
-        supervisor.status_extras["gangs"] = self.acks
-        supervisor.on_state_change.append(self.wake)  # a rank stopped, a pause ended: look again now
+        self.ops = ClusterOps(self, self.clock) if operations else None
+        port.attach(self)
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -156,6 +163,13 @@ class Coordinator:
     def wake(self) -> None:
         self._wake.set()
 
+    def on_node_change(self) -> None:
+        self.wake()  # a rank stopped, a pause ended: look again now
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run `work` beside the loop; it is cancelled when the coordinator stops."""
+        self._tasks.append(asyncio.ensure_future(work))
+
     async def _watch(self, prefix: str, apply: Any) -> None:
         while True:
             try:
@@ -169,13 +183,12 @@ class Coordinator:
                         self.wake()
             except Exception:  # the store retries outages itself: this is a bug's last resort
                 logger.exception(f"cluster: the watch of {prefix} failed; restarting it")
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
     async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
-        if item.reason == "reset" and self.epoch is not None:  # once, not once per watch
-            self.sup.events.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): "
-                                 "generations start again, nothing is restarted for it", None, "warning")  # fmt: skip
-            self.epoch = None
+        if item.reason == "reset" and self.epoch is not None:
+            # The store re-read everything: whether etcd really lost our keys, its epoch key says (ensure_epoch)
+            self._epoch_before_reset, self.epoch = self.epoch, None
         if prefix.endswith("/gangs/"):
             self.records.clear()
             for gs in self.gangs.values():
@@ -213,24 +226,22 @@ class Coordinator:
 
     def _on_pause(self, key: str, kv: KV | None) -> None:
         info = kv.json() if kv is not None else None
-        self.sup.set_cluster_pause(info if isinstance(info, dict) else None)
+        self.port.set_cluster_pause(info if isinstance(info, dict) else None)
 
     # ---- the work loop: everything that writes -----------------------------------------------------------
     async def _work(self) -> None:
         last_settle = 0.0
         while True:
             busy = not self.reachable or any(g.pending or g.released != g.acted for g in self.gangs.values())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(RETRY_S if busy else IDLE_TICK_S):
-                    await self._wake.wait()
+            await self.clock.wait(self._wake, RETRY_S if busy else IDLE_TICK_S)
             self._wake.clear()
             try:
                 if self.reachable:
-                    await self._ensure_epoch()
+                    await self.ensure_epoch()
                     for gs in self.gangs.values():
                         await self._step(gs)
-                    if time.monotonic() - last_settle >= SETTLE_EVERY_S:
-                        last_settle = time.monotonic()
+                    if self.clock.monotonic() - last_settle >= SETTLE_EVERY_S:
+                        last_settle = self.clock.monotonic()
                         for gs in self.gangs.values():
                             await self._settle(gs)
                     if self.ops is not None:
@@ -241,9 +252,10 @@ class Coordinator:
                 logger.debug(f"cluster: deferred: {exc}")
             except Exception:
                 logger.exception("cluster: coordination step failed")
-                await asyncio.sleep(RETRY_S)
+                await self.clock.sleep(RETRY_S)
 
-    async def _ensure_epoch(self) -> None:
+    async def ensure_epoch(self) -> None:
+        """Read (or create) the store's epoch: generations count within one epoch of one etcd's data."""
         if self.epoch is not None:
             return
         key = rules.epoch_key(self.cluster)
@@ -254,6 +266,35 @@ class Coordinator:
             current = result.current
         if current is not None:
             self.epoch = current.text()
+            before, self._epoch_before_reset = self._epoch_before_reset, None
+            if before is not None and before != self.epoch:  # once per wipe, however many watches re-read
+                self.port.emit("cluster_reset", "etcd came back without our keys (wiped or replaced): generations "
+                               "start again, nothing is restarted for it", None, "warning")  # fmt: skip
+
+    async def renew_epoch(self, attempts: int = 600, every_s: float = 0.5) -> None:
+        """etcd's data was wiped (a cluster redeploy): forget the epoch and create the new one, once etcd answers."""
+        self.epoch = None
+        for _ in range(attempts):
+            with contextlib.suppress(StoreError):
+                await self.ensure_epoch()
+                return
+            await self.clock.sleep(every_s)
+
+    def restart_every_group(self, reason: str) -> None:
+        """Every group starts again as a new generation, through its barrier (after a cluster redeploy). A group
+        another member already moved on for the same reason is followed, not bumped again (a member that finishes
+        late would otherwise make a second generation)."""
+        for gs in self.gangs.values():
+            gs.released = 0
+            if gs.pending is None and (gs.record is None or gs.record.reason != reason):
+                gs.pending = (gs.acted, reason, False)
+        self.wake()
+
+    def redeploy_done(self, rid: str) -> None:
+        """This node did its part of cluster redeploy `rid` (persisted: it is not done twice)."""
+        if rid not in self.done_redeploys:
+            self.done_redeploys.append(rid)
+            self.save()
 
     async def _step(self, gs: GangState) -> None:
         assert self.epoch is not None
@@ -274,22 +315,23 @@ class Coordinator:
                 self.wake()
                 return
         target = rules.must_restart_for(view, epoch)
+        here = self.port.snapshot()
         if target is not None:
             assert gs.record is not None
-            if self.sup.paused and not gs.record.planned:
+            if here.paused and not gs.record.planned:
                 if gs.deferred != target:
                     gs.deferred = target
-                    self.sup.events.emit("gang_deferred", f"group {gs.group.name} generation {target} asked by "
-                                         f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
+                    self.port.emit("gang_deferred", f"group {gs.group.name} generation {target} asked by "
+                                   f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
                 return
-            self._act(gs, target)
-        if gs.arrived_for != gs.acted and self._wants_start(gs):
+            self._act(gs, target, here)
+        if gs.arrived_for != gs.acted and self._wants_start(gs, here):
             await self._arrive(gs)
 
     async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
         """First contact with this store: take its generation as ours, or create generation 1."""
         if gs.record is None or gs.record.epoch != epoch:
-            first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=time.time(),
+            first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=self.clock.time(),
                                      epoch=epoch)  # fmt: skip
             result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
                                                        json.dumps(first.to_dict()))  # fmt: skip
@@ -299,32 +341,30 @@ class Coordinator:
             gs.record, gs.mod_revision = first, result.revision
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
-        gs.released = gs.acted if any(self.sup.components[c].record is not None for c in gs.components) else 0
+        here = self.port.snapshot().components
+        gs.released = gs.acted if any(here[c].running for c in gs.components) else 0
         self.save()
-        self.sup.poke()
+        self.port.wake()
 
-    def _act(self, gs: GangState, target: int) -> None:
+    def _act(self, gs: GangState, target: int, here: NodeView) -> None:
         """A new generation: persist it, then restart every local rank of the group once."""
         assert gs.record is not None
         record = gs.record
         gs.acted, gs.deferred, gs.arrivals, gs.arrived_for = target, None, set(), 0
         self.save()
         planned = record.planned
-        running = [c for c in gs.components if self.sup.components[c].record is not None]
-        self.sup.events.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
-                             f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
-                             None, "warning", group=gs.group.name, generation=target)  # fmt: skip
-        for name in running:
-            self.sup.components[name].signal("restart", None, f"gang {gs.group.name} generation {target}: "
-                                             f"{record.reason}", operator=planned, drain=planned,
-                                             cause="gang")  # fmt: skip
-        self.sup.poke()
+        running = [c for c in gs.components if here.components[c].running]
+        self.port.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
+                       f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
+                       None, "warning", group=gs.group.name, generation=target)  # fmt: skip
+        self.port.restart(running, f"gang {gs.group.name} generation {target}: {record.reason}", planned=planned)
+        self.port.wake()
 
     async def _bump(self, gs: GangState, epoch: str) -> None:
         assert gs.pending is not None
         seen, reason, planned = gs.pending
-        spec = self.sup.components[gs.components[0]].cfg.restart
-        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=time.time(), epoch=epoch, spec=spec,
+        spec = self.port.component(gs.components[0]).restart
+        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=self.clock.time(), epoch=epoch, spec=spec,
                          planned=planned)  # fmt: skip
         if out is None:
             gs.pending = None  # someone else already moved the group on: we follow theirs
@@ -339,67 +379,74 @@ class Coordinator:
         gs.pending = None
         gs.record, gs.mod_revision = record, result.revision
         when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
-        self.sup.events.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
-                             f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
-                             generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
+        self.port.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
+                       f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
+                       generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
         if decision.action == "redeploy" and self.ops is not None:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
 
-    def _wants_start(self, gs: GangState) -> bool:
-        """Every local rank is waiting to start — its old tree confirmed gone, not only signalled — and its
-        dependencies are up (the worker is ready). So the barrier means "stopped everywhere", not "arrived"."""
-        comps = [self.sup.components[c] for c in gs.components]
-        return all(not c.running and self.sup.desired(c.name) == "running" for c in comps) and all(
-            self.sup.components[d].up.is_set() for c in comps for d in self.sup.deps(c))
+    @staticmethod
+    def _wants_start(gs: GangState, here: NodeView) -> bool:
+        """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
+        its dependencies up (the worker is ready): this node may arrive at the group's start barrier."""
+        ranks = [here.components[c] for c in gs.components]
+        return all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
 
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted
         key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
-        await self.store.put(key, json.dumps({"at": time.time()}), lease=self.membership.lease)
+        await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.membership.lease)
         if gs.arrived_for:
             with contextlib.suppress(StoreError):
                 await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
         gs.arrived_for = gen
         gs.arrivals.add(self.node)
-        gs.waiting_since = time.monotonic()
+        gs.waiting_since = self.clock.monotonic()
         snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
         gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
 
     def _check_barrier(self, gs: GangState) -> None:
         if gs.released == gs.acted or gs.arrived_for != gs.acted:
             return
-        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
         if state.released:
             gs.released = gs.acted
-            self.sup.events.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
-                                 group=gs.group.name, generation=gs.acted)  # fmt: skip
-            self.sup.poke()
-        elif state.overdue and time.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
-            gs.last_late_event = time.monotonic()
-            self.sup.events.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
-                                 "half a group", None, "error", missing=list(state.missing))  # fmt: skip
+            self.port.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
+                           group=gs.group.name, generation=gs.acted)  # fmt: skip
+            self.port.wake()
+        elif state.overdue and self.clock.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
+            gs.last_late_event = self.clock.monotonic()
+            self.port.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
+                           "half a group", None, "error", missing=list(state.missing))  # fmt: skip
 
     async def _settle(self, gs: GangState) -> None:
         """The group ran stably: clear its crash loop in etcd (the head writes; only when it changes)."""
         if gs.record is None or gs.group.head != self.node:
             return
-        comps = [self.sup.components[c] for c in gs.components]
-        if not all(c.up.is_set() for c in comps):
+        here = self.port.snapshot().components
+        ranks = [here[c] for c in gs.components]
+        if not all(r.up for r in ranks):
             gs.up_since = None
             return
-        gs.up_since = gs.up_since or time.time()
-        spec = comps[0].cfg.restart
-        settled = rules.settle(gs.record, time.time(), spec, max(gs.up_since, gs.record.at))
+        gs.up_since = gs.up_since or self.clock.time()
+        spec = ranks[0].restart
+        settled = rules.settle(gs.record, self.clock.time(), spec, max(gs.up_since, gs.record.at))
         if settled is not None:
             key = rules.gang_key(self.cluster, gs.group.name)
             result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
             if result.succeeded:
                 gs.record, gs.mod_revision = settled, result.revision
-                self.sup.events.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
+                self.port.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
 
-    # ---- hooks the supervisor calls --------------------------------------------------------------------------
-    def gate(self, comp: Component, operator: bool) -> Hold | None:
+    # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
+        backoff and barrier."""
+        return first_hold((self.ops.gate(comp, operator) if self.ops is not None else None,
+                           self._group_gate(comp)))  # fmt: skip
+
+    def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)
         if gs is None:
             return None
@@ -415,8 +462,8 @@ class Coordinator:
             return Hold(HoldKind.COORDINATION, f"group {name}: generation {gs.deferred} waits for the end of the pause",
                         resolves_itself=False)  # fmt: skip
         record = gs.record
-        if record is not None and record.not_before > time.time():
-            left = record.not_before - time.time()
+        if record is not None and record.not_before > self.clock.time():
+            left = record.not_before - self.clock.time()
             return Hold(HoldKind.GROUP_BACKOFF,
                         f"group {name}: backing off {left:.0f}s as one (generation {record.generation})")
         if gs.released == gs.acted:
@@ -424,12 +471,12 @@ class Coordinator:
         self.wake()
         if gs.arrived_for != gs.acted:
             return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
-        waited = time.monotonic() - (gs.waiting_since or time.monotonic())
+        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
         return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
                     data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
 
-    def decide(self, comp: Component, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""
         gs = self.by_component.get(comp.name)
         if gs is None or failure.permanent:
@@ -445,8 +492,11 @@ class Coordinator:
         self.wake()
         return f"group {gs.group.name} restarts as one: generation {gs.acted + 1} on {', '.join(gs.group.nodes)}"
 
-    def command(self, comp: Component, action: str, drain: bool, by: str) -> str | None:
-        """An operator's restart of a rank restarts its group (a planned generation: drained first)."""
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        """An operator's restart of a rank restarts its group (a planned generation: drained first). Refused while a
+        cluster redeploy runs (ClusterOps)."""
+        if self.ops is not None:
+            self.ops.refuse_while_redeploying(comp, action)
         gs = self.by_component.get(comp.name)
         if gs is None or action != "restart" or (not gs.multi and not self.reachable):
             return None
@@ -472,13 +522,13 @@ class Coordinator:
             raise CoordinationUnavailable(f"etcd unreachable ({self.store.state.endpoint})")
         out = {}
         for group in groups:
-            spec = next(iter(self.sup.components.values())).cfg.restart
+            spec = next(iter(self.port.snapshot().components.values())).restart
             for _attempt in range(5):
                 key = rules.gang_key(self.cluster, group)
                 kv = await self.store.get(key)
                 current = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
                 seen = current.generation if current is not None and current.epoch == self.epoch else 0
-                made = rules.bump(current, seen, node=self.node, reason=reason, now=time.time(), epoch=self.epoch,
+                made = rules.bump(current, seen, node=self.node, reason=reason, now=self.clock.time(), epoch=self.epoch,
                                   spec=spec, planned=planned)  # fmt: skip
                 assert made is not None
                 result = await self.store.compare_and_swap(key, kv.mod_revision if kv else 0,
@@ -496,15 +546,19 @@ class Coordinator:
         if not paused:
             await self.store.delete(key)
             return None
-        info = {"by": f"{self.node}: {by}", "at": time.time(), "reason": reason}
+        info = {"by": f"{self.node}: {by}", "at": self.clock.time(), "reason": reason}
         await self.store.put(key, json.dumps(info))
         return info
 
     # ---- views --------------------------------------------------------------------------------------------------
+    def status_section(self) -> dict[str, Any]:
+        return {"cluster": self.status(), "gangs": self.acks()}
+
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""
+        here = self.port.snapshot().components
         return {n: {"generation": g.acted, "released": g.released == g.acted,
-                    "running": [c for c in g.components if self.sup.components[c].record is not None]}
+                    "running": [c for c in g.components if here[c].running]}
                 for n, g in self.gangs.items()}  # fmt: skip
 
     def status(self) -> dict[str, Any]:
@@ -518,6 +572,6 @@ class Coordinator:
                            "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
                            "pending": gs.pending is not None}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
-                "pause": self.sup.cluster_pause, "gangs": gangs,
+                "pause": self.port.cluster_pause(), "gangs": gangs,
                 "redeploy": self.ops.status() if self.ops is not None else None,
                 "proxies": [p.status() for p in self.proxies]}  # fmt: skip

@@ -1,0 +1,84 @@
+"""A failure's post-mortem, as the supervisor takes it: `capture` on the crash path (in memory, before anything
+is stopped or cleaned), `archive` off it (the bundle is written in the background by `postmortem.write_bundle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from nodeagent import logsink, residue_plan
+from nodeagent.npu import npu_info_text
+from nodeagent.postmortem import Evidence, write_bundle
+
+if TYPE_CHECKING:
+    from nodeagent.component import Component
+    from nodeagent.config_model import Config
+    from nodeagent.events import EventBus
+    from nodeagent.failure import Failure
+    from nodeagent.policy import RestartDecision
+
+EVENTS_KEPT = 40
+
+
+class PostMortems:
+    """Takes what it reads as callables: the current config (it changes on a reload) and the NPU monitor's view
+    (None where none runs); `spawn` keeps a background task alive until the agent stops."""
+
+    def __init__(self, config: Callable[[], Config], events: EventBus, spawn: Callable[[Any], None],
+                 npu_status: Callable[[], dict[str, Any] | None]) -> None:  # fmt: skip
+        self._config = config
+        self.events = events
+        self._spawn = spawn
+        self._npu_status = npu_status
+
+    def capture(self, comp: Component, failure: Failure, tail: tuple[str, ...], at: float) -> Evidence:
+        """The in-memory part of the post-mortem, before anything is stopped or cleaned (no file reads)."""
+        command: dict[str, Any] = {}
+        with contextlib.suppress(TypeError, ValueError):
+            command = json.loads(comp.fingerprint or "{}")
+        log_file = logsink.log_path(self._config().agent.log_dir, comp.name)
+        log_range = None
+        start = comp.proc.extra.get("log_offset") if comp.proc is not None else None
+        if start is not None:
+            with contextlib.suppress(OSError):
+                log_range = (int(start), log_file.stat().st_size)
+        metrics = None
+        if comp.prober is not None:
+            for states in comp.prober.states.values():
+                for state in states:
+                    metrics = getattr(state, "last_metrics", None) or metrics
+        events = [e.to_dict() for e in self.events.recent if e.component == comp.name][-EVENTS_KEPT:]
+        own = residue_plan.own_log_files(comp.name, comp.cfg, self._config())
+        return Evidence(
+            component=comp.name, kind=comp.kind, at=at, failure=failure.to_dict(),
+            probes=comp.prober.snapshot() if comp.prober is not None else {}, events=events, command=command,
+            log_file=str(log_file), log_range=log_range, output_tail=list(tail), metrics=metrics,
+            npu=self._npu_status(),
+            core_dirs=[command["cwd"]] if command.get("cwd") else [],
+            extra_files=[str(own[0].parent)] if own else [],
+        )  # fmt: skip
+
+    def archive(self, name: str, failure: Failure, evidence: Evidence | None, tree: Any,
+                decision: RestartDecision | None) -> None:  # fmt: skip
+        """Complete the evidence with the stop's tree and the decision, and write the bundle in the background."""
+        if evidence is None:
+            return
+        evidence.failure = failure.to_dict()
+        evidence.tree = list(tree or [])
+        evidence.decision = "no automatic action" if decision is None else (
+            f"{decision.action} in {decision.delay_s:.0f}s: {decision.reason}")  # fmt: skip
+        self._spawn(asyncio.create_task(self._write(name, evidence), name=f"postmortem:{name}"))
+
+    async def _write(self, name: str, evidence: Evidence) -> None:
+        try:
+            npu_text = await npu_info_text()
+            agent = self._config().agent
+            path = await write_bundle(evidence, agent.state_dir / "postmortem" / name, agent.archive_keep, npu_text)
+        except Exception as exc:  # evidence is best effort: it must never take the agent down
+            self.events.emit("postmortem_failed", f"cannot write the post-mortem: {exc}", name, "warning")
+            return
+        self.events.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written", name, path=str(path))

@@ -1,0 +1,567 @@
+"""The cluster layer without processes: a virtual clock, a fake node stack behind the `StackPort`, a fake PD proxy,
+and a world of several agents (Membership + Coordinator with its ClusterOps and ProxySync) on ONE FakeStore.
+
+- `VirtualClock`: time moves only when the test says so (`advance`, `until`), and then from one sleeper's deadline
+  to the next, letting the event loop run everything that is ready in between. Nothing waits for real.
+- `FakeStack`: the node as the cluster layer sees it. Components start through the same ordered gates as the
+  supervisor's (desired stop, pause, etcd for the worker, dependencies, then the layers'), are up `start_s` later,
+  and a restart stops the old tree first — `running` stays True for `stop_s` (a slow-to-die tree) — then starts
+  again through the gates. `crash()` is a process dying; the failure is decided as the supervisor does.
+- `World`: agents over their config files (`tests/cluster_harness.py` writes them), their stacks, the store and
+  the proxy; `kill_agent` / `start_agent` are an agent's death and its successor over the same state folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster_harness import ClusterHarness
+from fakestore import FakeStore
+
+from nodeagent.cluster.coordinator import Coordinator
+from nodeagent.cluster.membership import Membership
+from nodeagent.component import HOLD_RECHECK_S
+from nodeagent.config import load_config
+from nodeagent.config_model import Config
+from nodeagent.errors import UnknownComponentError
+from nodeagent.events import EventBus
+from nodeagent.failure import Failure
+from nodeagent.host import Clock
+from nodeagent.stackport import (
+    STOPS_AUTOMATIC,
+    ComponentView,
+    Hold,
+    HoldKind,
+    NodeLayer,
+    NodeView,
+    first_hold,
+)
+
+# ---- time -------------------------------------------------------------------------------------------------------
+
+
+class VirtualClock(Clock):
+    """Wall and monotonic time that move together, only in `advance`/`until`; sleepers wake at their deadline."""
+
+    def __init__(self, wall: float = 1_800_000_000.0) -> None:
+        self.wall = wall
+        self.mono = 10_000.0
+        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self.on_tick: list[Callable[[float], None]] = []
+        """Called with the seconds that just passed (the store's leases follow)."""
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._timers, (self.mono + seconds, next(self._seq), future))
+        await future
+
+    async def wait(self, event: asyncio.Event, timeout: float) -> bool:
+        if event.is_set():
+            return True
+        waiter = asyncio.ensure_future(event.wait())
+        sleeper = asyncio.ensure_future(self.sleep(timeout))
+        try:
+            await asyncio.wait((waiter, sleeper), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            sleeper.cancel()
+        return event.is_set()
+
+    @staticmethod
+    async def settle() -> None:
+        """Let the event loop run until nothing is ready any more (every task waits for a timer or an event)."""
+        loop = asyncio.get_running_loop()
+        ready = getattr(loop, "_ready", None)
+        quiet = 0
+        for _ in range(100_000):
+            await asyncio.sleep(0)
+            quiet = quiet + 1 if ready is not None and not ready else 0
+            if quiet >= 3 or (ready is None and _ >= 200):
+                return
+        raise AssertionError("the event loop never settles: something spins without waiting")
+
+    def _move(self, to: float) -> None:
+        if to > self.mono:
+            delta = to - self.mono
+            self.mono, self.wall = to, self.wall + delta
+            for tick in self.on_tick:
+                tick(delta)
+
+    def _next_deadline(self) -> float | None:
+        while self._timers and self._timers[0][2].done():
+            heapq.heappop(self._timers)  # cancelled sleepers
+        return self._timers[0][0] if self._timers else None
+
+    async def _step_to(self, limit: float) -> bool:
+        """Wake the sleepers due by `limit`, earliest first; False when none was due."""
+        await self.settle()
+        due = self._next_deadline()
+        if due is None or due > limit:
+            return False
+        self._move(due)
+        while self._timers and self._timers[0][0] <= self.mono:
+            _, _, future = heapq.heappop(self._timers)
+            if not future.done():
+                future.set_result(None)
+        await self.settle()
+        return True
+
+    async def advance(self, seconds: float) -> None:
+        target = self.mono + seconds
+        while await self._step_to(target):
+            pass
+        self._move(target)
+        await self.settle()
+
+    async def until(self, what: str, check: Callable[[], Any], within: float = 600.0) -> Any:
+        """Run the world until `check()` is true (its value), at most `within` seconds of virtual time."""
+        limit = self.mono + within
+        while True:
+            await self.settle()
+            result = check()
+            if result:
+                return result
+            if not await self._step_to(limit):
+                self._move(limit)
+                await self.settle()
+                result = check()
+                if result:
+                    return result
+                raise AssertionError(f"not within {within:g}s of virtual time: {what}")
+
+
+# ---- the node stack ------------------------------------------------------------------------------------------------
+
+_PIDS = itertools.count(50_000)
+
+
+@dataclass
+class FakeComponent:
+    name: str
+    kind: str
+    deps: tuple[str, ...]
+    restart_spec: Any
+    start_s: float = 1.0
+    """From start to up (startup probes passed)."""
+    stop_s: float = 0.5
+    """From a stop to the whole tree gone: `running` stays True meanwhile."""
+    desired: str = "running"
+    running: bool = False
+    up: bool = False
+    pid: int | None = None
+    state: str = "stopped"
+    hold: Hold | None = None
+    stopping: bool = False
+    operator_start: bool = False
+    blocks: dict[str, str] = field(default_factory=dict)
+    starts: list[float] = field(default_factory=list)
+    """The virtual monotonic time of each start."""
+    gone: list[float] = field(default_factory=list)
+    """The virtual monotonic time each run's whole tree was gone (stopped or crashed)."""
+
+    @property
+    def ready(self) -> bool:
+        return self.up and not self.blocks
+
+
+class FakeStack:
+    """`stackport.StackPort` and membership's `MemberHost` for one node, over fake components."""
+
+    def __init__(self, config: Config, clock: VirtualClock, etcd_reachable: Callable[[], bool]) -> None:
+        self.config = config
+        self.node = config.node.name
+        self.clock = clock
+        self.etcd_reachable = etcd_reachable
+        self.events = EventBus(replay=500)
+        self.base_env: dict[str, str] = {}
+        self.components: dict[str, FakeComponent] = {}
+        active = config.active_components()
+        for name, cfg in active.items():
+            deps = tuple(d for d in cfg.depends_on if d in active)
+            self.components[name] = FakeComponent(name, cfg.kind, deps, cfg.restart,
+                                                  start_s={"vllm": 2.0}.get(cfg.kind, 1.0))  # fmt: skip
+        self.layers: list[NodeLayer] = []
+        self.listeners: list[Callable[[], None]] = []
+        """Told of every change (the agent's membership publishes its record)."""
+        self.node_pause: dict[str, Any] | None = None
+        self._cluster_pause: dict[str, Any] | None = None
+        self.restarts: list[tuple[str, str, bool]] = []
+        """Every restart the cluster layer asked: (component, reason, planned)."""
+        self.cleaned: list[tuple[str, str, bool]] = []
+        self.commands: list[tuple[str, str, str]] = []
+        self.on_wipe_etcd: Callable[[], None] | None = None
+        self.adoptable: frozenset[str] = frozenset()
+        self.agent_alive = True
+        """False between an agent's death and its successor: nothing starts a process then."""
+        self._poked = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._starting: set[asyncio.Future[None]] = set()
+
+    # ---- the test's controls -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The stack's processes begin (once: they outlive an agent that dies)."""
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._life(c), name=f"{self.node}:{c.name}")
+                           for c in self.components.values()]  # fmt: skip
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._starting]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def crash(self, name: str, detail: str = "killed by SIGKILL") -> str | None:
+        """The process of `name` dies at once; what the node decides (the layer's message when it took it)."""
+        comp = self.components[name]
+        assert comp.running, f"{self.node}/{name} is not running"
+        self._gone(comp, "failed")
+        failure = Failure("exit", detail, code=-9, was_up=True)
+        verdict = self.decide(comp, failure)
+        self.notify()
+        return verdict
+
+    def detach(self) -> None:
+        """The agent died: nobody decides for this stack until the next agent attaches."""
+        self.layers.clear()
+        self.listeners.clear()
+        self.agent_alive = False
+        self.adoptable = frozenset(n for n, c in self.components.items() if c.running)
+
+    def started(self, name: str) -> int:
+        return len(self.components[name].starts)
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events.recent if e.event == kind]
+
+    # ---- what the supervisor does --------------------------------------------------------------------------------
+    def node_hold(self, comp: FakeComponent, operator: bool) -> Hold | None:
+        if comp.desired != "running":
+            return Hold(HoldKind.DESIRED_STOPPED, "desired state is stopped", resolves_itself=False)
+        pause = self.pause_info()
+        if pause is not None and not operator:
+            cluster = pause["scope"] == "cluster"
+            return Hold(HoldKind.CLUSTER_PAUSE if cluster else HoldKind.NODE_PAUSE, f"paused by {pause.get('by')}",
+                        operator_passes=True, resolves_itself=False)  # fmt: skip
+        if comp.kind == "datasystem" and comp.starts and not self.etcd_reachable():
+            return Hold(HoldKind.ETCD_UNREACHABLE, "holding the datasystem worker restart until etcd is back")
+        waiting = [d for d in comp.deps if not self.components[d].up]
+        if waiting:
+            return Hold(HoldKind.DEPENDENCY, "dependencies not up: " + ", ".join(waiting))
+        return None
+
+    def start_gate(self, comp: FakeComponent, operator: bool) -> Hold | None:
+        view = self.view(comp)
+        return self.node_hold(comp, operator) or first_hold(layer.gate(view, operator) for layer in self.layers)
+
+    def decide(self, comp: FakeComponent, failure: Failure) -> str | None:
+        """The supervisor's order: a pause or a desired stop leaves it alone; then the layers; then the policy
+        (here: start again as soon as the gate opens)."""
+        hold = self.node_hold(comp, False)
+        if hold is not None and hold.kind in STOPS_AUTOMATIC:
+            self.emit("no_action", f"{failure.detail}; not restarting: {hold}", comp.name, "warning")
+            return None
+        view = self.view(comp)
+        for layer in self.layers:
+            verdict = layer.decide(view, failure)
+            if isinstance(verdict, str):
+                self.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning", action="delegated")
+                return verdict
+        self.emit("failure", f"{failure.detail}; next: restart now", comp.name, "warning", action="restart")
+        return None
+
+    async def _life(self, comp: FakeComponent) -> None:
+        while True:
+            poked = self._poked
+            if comp.stopping:
+                comp.state = "stopping"
+                self.notify()
+                await self.clock.sleep(comp.stop_s)  # the old tree takes its time to die
+                self._gone(comp, "stopped")
+                comp.stopping = False
+                self.notify()
+                continue
+            if not comp.running and self.agent_alive:
+                hold = self.start_gate(comp, comp.operator_start)
+                if hold != comp.hold:
+                    comp.hold = hold
+                    self.notify()
+                if hold is None:
+                    self._launch(comp)
+                    continue
+                await self.clock.wait(poked, HOLD_RECHECK_S)  # as the component: a backoff ends by itself
+                continue
+            await poked.wait()
+
+    def _launch(self, comp: FakeComponent) -> None:
+        comp.running, comp.up, comp.pid, comp.state = True, False, next(_PIDS), "starting"
+        comp.operator_start, comp.hold = False, None
+        comp.starts.append(self.clock.monotonic())
+        self.emit("started", f"started pid {comp.pid}", comp.name)
+        self.notify()
+        task = asyncio.ensure_future(self._come_up(comp, comp.pid))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _come_up(self, comp: FakeComponent, pid: int) -> None:
+        await self.clock.sleep(comp.start_s)
+        if comp.pid == pid and comp.running and not comp.stopping:
+            comp.up, comp.state = True, "ready"
+            self.notify()
+
+    def _gone(self, comp: FakeComponent, state: str) -> None:
+        comp.running = comp.up = False
+        comp.pid, comp.state = None, state
+        comp.gone.append(self.clock.monotonic())
+
+    def notify(self) -> None:
+        for layer in self.layers:
+            layer.on_node_change()
+        for listener in self.listeners:
+            listener()
+        self.wake()
+
+    # ---- StackPort ---------------------------------------------------------------------------------------------
+    def view(self, comp: FakeComponent) -> ComponentView:
+        return ComponentView(name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up,
+                             ready=comp.ready, desired=comp.desired, deps=comp.deps,
+                             deps_up=all(self.components[d].up for d in comp.deps), restart=comp.restart_spec,
+                             pid=comp.pid, hold=comp.hold)  # fmt: skip
+
+    @property
+    def paused(self) -> bool:
+        return self.pause_info() is not None
+
+    def pause_info(self) -> dict[str, Any] | None:
+        if self._cluster_pause is not None:
+            return {**self._cluster_pause, "scope": "cluster"}
+        return {**self.node_pause, "scope": "node"} if self.node_pause is not None else None
+
+    def snapshot(self) -> NodeView:
+        return NodeView(node=self.node, paused=self.paused, pause=self.pause_info(), redeploying=False,
+                        components={n: self.view(c) for n, c in self.components.items()},
+                        adoptable=self.adoptable)  # fmt: skip
+
+    def component(self, name: str) -> ComponentView:
+        if name not in self.components:
+            raise UnknownComponentError(f"unknown component {name!r}")
+        return self.view(self.components[name])
+
+    def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
+        for name in names:
+            comp = self.components[name]
+            self.restarts.append((name, reason, planned))
+            comp.operator_start = comp.operator_start or planned
+            if comp.running:
+                comp.stopping = True
+        self.wake()
+
+    def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
+        comp = self.components.get(name)
+        if comp is None:
+            raise UnknownComponentError(f"unknown component {name!r}")
+        self.commands.append((name, action, by))
+        view = self.view(comp)
+        for layer in self.layers:
+            message = layer.command(view, action, drain, by)
+            if message:
+                return message
+        comp.desired = "stopped" if action == "stop" else "running"
+        if action in ("stop", "restart") and comp.running:
+            comp.stopping = True
+        comp.operator_start = action != "stop"
+        self.wake()
+        return f"{action} {name}"
+
+    async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
+        self.cleaned.append((name, scope, wipe_etcd))
+        if wipe_etcd and self.on_wipe_etcd is not None:
+            self.on_wipe_etcd()
+
+    async def wait(self, name: str, condition: str, timeout: float | None = None) -> bool:
+        comp = self.components[name]
+        deadline = None if timeout is None else self.clock.monotonic() + timeout
+        while not (not comp.running if condition == "stopped" else comp.up):
+            poked = self._poked
+            if deadline is None:
+                await poked.wait()
+            elif deadline <= self.clock.monotonic() or not await self.clock.wait(
+                    poked, deadline - self.clock.monotonic()):  # fmt: skip
+                return not comp.running if condition == "stopped" else comp.up
+        return True
+
+    def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
+             **data: Any) -> None:  # fmt: skip
+        self.events.emit(kind, message, component, level, **data)
+
+    def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
+        info = dict(info) if info is not None else None
+        if info != self._cluster_pause:
+            self._cluster_pause = info
+            self.notify()
+
+    def cluster_pause(self) -> Mapping[str, Any] | None:
+        return self._cluster_pause
+
+    def wake(self) -> None:
+        self._poked.set()
+        self._poked = asyncio.Event()
+
+    def block_ready(self, name: str, key: str, reason: str | None) -> None:
+        comp = self.components[name]
+        before = comp.ready
+        if reason is None:
+            comp.blocks.pop(key, None)
+        else:
+            comp.blocks[key] = reason
+        if comp.ready != before:
+            self.notify()
+
+    def attach(self, layer: NodeLayer) -> None:
+        self.layers.append(layer)
+        self.agent_alive = True
+
+    # ---- MemberHost ----------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        sections: dict[str, Any] = {}
+        for layer in self.layers:
+            sections.update(layer.status_section())
+        comps = {n: {"state": c.state, "pid": c.pid, "ready": c.ready} for n, c in self.components.items()}
+        return {"paused": self.paused, "components": comps, **sections}
+
+
+# ---- the PD proxy ------------------------------------------------------------------------------------------------
+
+
+class FakeProxy:
+    """vllm-ascend's proxy as the sync sees it: `/instances/remove|add`, answering what it routes to."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        self.routed = {"prefill": set(prefill), "decode": set(decode)}
+        self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+
+    async def post(self, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        what = url.rsplit("/", 1)[-1]
+        kind, instances = body["type"], set(body["instances"])
+        if instances:
+            self.calls.append((what, kind, tuple(sorted(instances))))
+        if what == "remove":
+            self.routed[kind] -= instances
+        else:
+            self.routed[kind] |= instances
+        return {f"current_{k}_instances": sorted(v) for k, v in self.routed.items()}
+
+
+# ---- several agents on one store ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Agent:
+    name: str
+    stack: FakeStack
+    membership: Membership
+    coordinator: Coordinator
+
+
+class World:
+    """Agents of one cluster on one FakeStore, one virtual clock and (optionally) one fake proxy."""
+
+    def __init__(self, home: Path, names: Sequence[str], groups: list[dict[str, Any]] | None = None,
+                 proxy: bool = False) -> None:  # fmt: skip
+        self.clock = VirtualClock()
+        self.store = FakeStore(now=self.clock.time())
+        self.clock.on_tick.append(self.store.advance)
+        self.harness = ClusterHarness(home, "127.0.0.1:2379", names, ttl_s=3.0, heartbeat_s=5.0)
+        if groups is not None:
+            self.harness.data["cluster"]["vllm_groups"] = groups
+        self.proxy: FakeProxy | None = None
+        if proxy:
+            self.harness.data["cluster"]["pd"] = {"kv_port_base": 41000}
+            self.harness.data["components"]["proxy"] = {"kind": "proxy", "command": "python3", "script": __file__,
+                                                        "port": 42000, "host": "127.0.0.1"}  # fmt: skip
+        self.stacks: dict[str, FakeStack] = {}
+        self.agents: dict[str, Agent] = {}
+
+    def config(self, name: str) -> Config:
+        return load_config(self.harness.write(name))
+
+    def start_agent(self, name: str) -> Agent:
+        """An agent (its first, or the next over the same state folder: its stack's processes ran on)."""
+        config = self.config(name)
+        stack = self.stacks.get(name)
+        if stack is None:
+            stack = self.stacks[name] = FakeStack(config, self.clock, lambda: self.store.reachable)
+        membership = Membership(config, stack, self.store, clock=self.clock)  # type: ignore[arg-type]
+        stack.listeners.append(membership.changed)
+        if self.proxy is None and "proxy" in stack.components:
+            from nodeagent.layout import cluster_layout
+
+            plan = cluster_layout(config).proxies[0]
+            self.proxy = FakeProxy(plan.prefillers, plan.decoders)
+        post = self.proxy.post if self.proxy is not None else None
+        coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post)
+        agent = self.agents[name] = Agent(name, stack, membership, coordinator)
+        membership.start()
+        coordinator.start()
+        stack.start()
+        return agent
+
+    def start(self) -> None:
+        for name in self.harness.names:
+            self.start_agent(name)
+
+    async def kill_agent(self, name: str) -> None:
+        """kill -9 of the agent alone: its stack runs on, its lease is no longer kept."""
+        agent = self.agents.pop(name)
+        agent.membership.lease.abandon()
+        await agent.coordinator.stop()
+        await agent.membership.stop(leave=False)
+        agent.stack.detach()
+        await self.clock.settle()
+
+    async def until(self, what: str, check: Callable[[], Any], within: float = 600.0) -> Any:
+        return await self.clock.until(what, check, within)
+
+    async def advance(self, seconds: float) -> None:
+        await self.clock.advance(seconds)
+
+    async def run(self, work: Any, within: float = 600.0) -> Any:
+        """Await `work` while the clock moves (what it waits for may be a sleep of the agents)."""
+        task = asyncio.ensure_future(work)
+        try:
+            await self.until("the call to return", task.done, within)
+        finally:
+            if not task.done():
+                task.cancel()
+        return task.result()
+
+    def all_up(self, names: Sequence[str] | None = None) -> bool:
+        return all(c.up for n in (names or self.harness.names) for c in self.stacks[n].components.values())
+
+    def gang(self, node: str, group: str) -> Any:
+        return self.agents[node].coordinator.gangs[group]
+
+    async def close(self) -> None:
+        for agent in list(self.agents.values()):
+            await agent.coordinator.stop()
+            await agent.membership.stop(leave=False)
+        for stack in self.stacks.values():
+            await stack.close()

@@ -1,0 +1,268 @@
+"""The cluster layer without processes: several agents (Membership, Coordinator, ClusterOps, ProxySync) on one
+FakeStore, fake stacks behind the StackPort, one virtual clock (`tests/cluster_fakes.py`). Every gang scenario
+of the system tests (test_gang_system.py, test_cluster_system.py) in milliseconds: a lost rank, two at once,
+barriers, pause, remote restart, an agent killed mid-restart, an etcd outage and a wipe, the cluster redeploy,
+the proxy following the gangs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_fakes import World
+
+NODES = ["n0", "n1", "n2", "n3", "n4"]
+GROUPS = [
+    {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+    {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+    {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+]
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked, not claimed: nothing here may start a process."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a cluster-layer test started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
+
+
+@pytest.fixture
+async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., World]]:
+    made: list[World] = []
+
+    def make(names: list[str] = NODES, groups: list[dict[str, Any]] | None = GROUPS, proxy: bool = True) -> World:
+        made.append(World(tmp_path / f"w{len(made)}", names, groups, proxy))
+        return made[-1]
+
+    yield make
+    for world in made:
+        await world.close()
+
+
+async def cold(make_world: Callable[..., World], **kw: Any) -> World:
+    world = make_world(**kw)
+    world.start()
+    await world.until("every component of every node up", world.all_up, within=120)
+    return world
+
+
+def vllm_starts(world: World) -> dict[str, int]:
+    return {n: s.started("vllm") for n, s in world.stacks.items()}
+
+
+async def test_cold_start_goes_through_the_barriers(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    for node in ("n2", "n3"):
+        gs = world.gang(node, "p1")
+        assert gs.record is not None and gs.record.generation == gs.acted == 1 and gs.released == 1
+        assert gs.arrivals == {"n2", "n3"}
+    assert vllm_starts(world) == dict.fromkeys(NODES, 1)
+    released = world.stacks["n2"].events_of("barrier_released")
+    assert len(released) == 1 and "every node arrived (n2, n3)" in released[0]["message"]
+
+
+def p1_endpoints(world: World) -> set[str]:
+    from nodeagent.layout import cluster_layout
+
+    layout = cluster_layout(world.agents["n0"].coordinator.config)
+    return set(layout.group("p1").endpoints)
+
+
+async def test_a_lost_rank_restarts_its_group_once_after_every_old_rank_stopped(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    world = await cold(make_world)
+    proxy = world.proxy
+    assert proxy is not None
+    await world.until("the proxy ready", lambda: world.stacks["n0"].components["proxy"].ready)
+    mark = len(proxy.calls)
+    world.stacks["n2"].components["vllm"].stop_s = 30.0  # the head's old tree takes 30 s to die
+
+    verdict = world.stacks["n3"].crash("vllm")  # a headless rank
+    assert verdict == "group p1 restarts as one: generation 2 on n2, n3"
+    await world.until("p1 out of the proxy", lambda: not p1_endpoints(world) & proxy.routed["prefill"], 10)
+    assert world.stacks["n0"].components["proxy"].ready, "p0 still serves prefill"
+    await world.until("p1's ranks both started again", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)  # noqa: E501
+    n2, n3 = world.stacks["n2"].components["vllm"], world.stacks["n3"].components["vllm"]
+    assert min(n2.starts[1], n3.starts[1]) >= n2.gone[-1], "no rank starts before every old rank has stopped"
+    await world.until("p1 back in the proxy", lambda: p1_endpoints(world) <= proxy.routed["prefill"], 60)
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}, "other groups untouched"
+    for node in ("n2", "n3"):
+        gs = world.gang(node, "p1")
+        assert gs.record.generation == gs.acted == 2, "one generation"
+        acted = [e for e in world.stacks[node].events_of("gang_restart") if e["data"]["generation"] == 2]
+        assert len(acted) == 1, "acted on exactly once"
+    assert world.stacks["n2"].restarts == [("vllm", "gang p1 generation 2: n3/vllm: killed by SIGKILL", False)]
+    assert world.stacks["n3"].restarts == [], "the crashed rank is not running: it only starts again"
+    p1 = tuple(sorted(p1_endpoints(world)))
+    assert proxy.calls[mark:] == [("remove", "prefill", p1), ("add", "prefill", p1)], "p1 out, then back in"
+
+
+async def test_two_ranks_lost_at_once_make_one_generation(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    world.stacks["n2"].crash("vllm")
+    world.stacks["n3"].crash("vllm")
+    await world.until("both back", lambda: world.all_up(["n2", "n3"]) and vllm_starts(world)["n2"] == 2)
+    await world.advance(30)
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}
+    assert {world.gang(n, "p1").record.generation for n in ("n2", "n3")} == {2}
+    generations = [e for n in ("n2", "n3") for e in world.stacks[n].events_of("gang_generation")]
+    assert len(generations) == 1, "exactly one of them wrote the next generation (the other followed)"
+
+
+async def test_a_rank_waits_at_the_barrier_for_a_dead_agent_which_acts_once_when_back(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    world = await cold(make_world)
+    await world.kill_agent("n3")  # the agent alone: its vLLM runs on
+    world.stacks["n2"].crash("vllm")
+    await world.until("n2 waits at the barrier for n3", lambda: "at the start barrier for n3" in (
+        world.stacks["n2"].components["vllm"].hold or "").__str__(), 30)  # fmt: skip
+    await world.advance(120)
+    assert vllm_starts(world)["n2"] == 1, "no rank starts before every node of its group arrived"
+    assert world.stacks["n3"].components["vllm"].running, "the dead agent's rank runs on"
+
+    world.start_agent("n3")  # over the same state folder
+    await world.until("p1 started again on both", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)
+    await world.until("up", lambda: world.all_up(["n2", "n3"]))
+    assert world.gang("n3", "p1").acted == 2
+    assert [r[0] for r in world.stacks["n3"].restarts] == ["vllm"], "n3's new agent acted on generation 2 once"
+
+    await world.kill_agent("n3")  # killed again right after acting: its successor must not act twice
+    world.start_agent("n3")
+    await world.advance(60)
+    assert [r[0] for r in world.stacks["n3"].restarts] == ["vllm"] and vllm_starts(world)["n3"] == 2
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}
+
+
+async def test_a_cluster_pause_holds_every_automatic_action_until_resume(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    await world.agents["n1"].coordinator.set_pause(True, "operator", "switch maintenance")
+    await world.until("every node paused", lambda: all(s.paused for s in world.stacks.values()), 5)
+    assert world.stacks["n3"].pause_info()["by"].startswith("n1")
+    world.stacks["n0"].crash("vllm")  # p0 is one unit: its other rank goes with it
+    world.stacks["n1"].crash("vllm")
+    await world.advance(300)
+    assert vllm_starts(world)["n0"] == vllm_starts(world)["n1"] == 1, "nothing restarts while paused"
+    assert world.stacks["n0"].events_of("no_action"), "the failure is seen and left alone"
+    await world.agents["n0"].coordinator.set_pause(False, "operator")
+    await world.until("p0 back", lambda: world.all_up(["n0", "n1"]) and vllm_starts(world)["n0"] == 2, 60)
+    assert vllm_starts(world) == {"n0": 2, "n1": 2, "n2": 1, "n3": 1, "n4": 1}
+
+
+async def test_a_generation_asked_while_paused_is_acted_on_at_resume(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    n3 = world.stacks["n3"]
+    n3.node_pause = {"by": "operator", "at": world.clock.time(), "reason": "disk swap"}
+    n3.notify()
+    world.stacks["n2"].crash("vllm")
+    await world.until("n3 defers generation 2", lambda: n3.events_of("gang_deferred"), 30)
+    await world.advance(120)
+    assert n3.restarts == [] and vllm_starts(world)["n2"] == 1, "n2 waits at the barrier for the paused n3"
+    n3.node_pause = None
+    n3.notify()
+    await world.until("p1 restarted as one", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)
+    assert [r[0] for r in n3.restarts] == ["vllm"] and world.gang("n3", "p1").acted == 2
+
+
+async def test_restarting_a_remote_rank_restarts_its_group(make_world: Callable[..., World]) -> None:
+    from nodeagent.errors import UnknownComponentError
+
+    world = await cold(make_world)
+    ops = world.agents["n4"].coordinator.ops
+    assert ops is not None
+    answer = await world.run(ops.remote("n2", "vllm", "restart", True, "operator"))
+    assert answer["ok"] and "restarting group p1 as generation 2" in answer["message"], answer
+    assert "n2, n3" in answer["message"]
+    await world.until("p1 restarted", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)
+    assert world.stacks["n2"].restarts[0][2] and world.stacks["n3"].restarts[0][2], "planned: drained first"
+    assert vllm_starts(world)["n4"] == 1
+    bad = await world.run(ops.remote("n2", "nope", "restart", True, "operator"))
+    assert bad["code"] == 4 and "unknown component 'nope'" in bad["message"], bad
+    with pytest.raises(UnknownComponentError, match="node 'n9' has no agent"):
+        await world.run(ops.remote("n9", "vllm", "restart", True, "operator"))
+
+
+async def test_an_etcd_outage_stops_nothing_and_a_group_failure_waits_for_it(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    world.store.set_reachable(False)
+    await world.advance(60)
+    assert vllm_starts(world) == dict.fromkeys(NODES, 1), "losing etcd never stops a serving stack"
+    assert all(c.running for s in world.stacks.values() for c in s.components.values())
+
+    verdict = world.stacks["n2"].crash("vllm")
+    assert verdict is not None and "etcd unreachable" in verdict
+    world.stacks["n4"].crash("vllm")  # a one-node group restarts locally while etcd is away
+    await world.until("d0 back", lambda: world.stacks["n4"].components["vllm"].up, 30)
+    await world.advance(120)
+    assert vllm_starts(world)["n2"] == 1 and world.stacks["n3"].restarts == [], "p1's restart waits for etcd"
+    assert world.stacks["n3"].components["vllm"].up, "the other rank keeps serving meanwhile"
+
+    world.store.set_reachable(True)
+    await world.until("p1 restarted as one", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)
+    assert world.gang("n3", "p1").record.generation == 2
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 2}
+
+
+async def test_a_wiped_etcd_starts_generations_again_without_restarting(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    epoch = world.agents["n1"].coordinator.epoch
+    world.stacks["n2"].crash("vllm")  # generation 2 of p1, so a new store's 1 is visibly "again"
+    await world.until("p1 at generation 2", lambda: world.all_up(["n2", "n3"]) and world.gang("n3", "p1").acted == 2)
+    starts = vllm_starts(world)
+
+    world.store.wipe()
+    await world.until("a new epoch everywhere", lambda: all(
+        a.coordinator.epoch not in (None, epoch) for a in world.agents.values()), 30)  # fmt: skip
+    await world.until("every member back", lambda: all(
+        len(a.membership.members) == len(NODES) for a in world.agents.values()), 30)  # fmt: skip
+    await world.advance(60)
+    assert vllm_starts(world) == starts, "an empty etcd is no reason to restart anything"
+    assert world.gang("n2", "p1").record.generation == 1
+    for name, stack in world.stacks.items():
+        assert len(stack.events_of("cluster_reset")) == 1, f"{name}: one alarm per wipe, not one per watch"
+
+
+async def test_no_false_alarm_on_a_fresh_store(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    await world.advance(60)
+    for stack in world.stacks.values():
+        assert stack.events_of("cluster_reset") == [] and stack.events_of("cluster_view_reread") == []
+
+
+async def test_a_cluster_redeploy_runs_once_and_starts_everything_through_the_barriers(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    world = await cold(make_world)
+    await world.store.put("/datasystem/cluster/key", "residue")
+    first = await world.agents["n2"].coordinator.ops.ask_redeploy("key not found", "operator")  # type: ignore[union-attr]
+    second = await world.agents["n4"].coordinator.ops.ask_redeploy("again", "operator")  # type: ignore[union-attr]
+    assert not first["already_in_progress"] and second["already_in_progress"], "it runs once however many ask"
+    await world.until("done everywhere", lambda: all(s.events_of("cluster_redeploy_done") for s in world.stacks.values()))  # noqa: E501
+    await world.until("everything up again", world.all_up, 120)
+    for name, stack in world.stacks.items():
+        assert stack.started("vllm") == stack.started("datasystem") == 2, name
+        assert {(c, scope) for c, scope, _ in stack.cleaned} >= {("vllm", "redeploy"), ("datasystem", "redeploy")}
+        vllm, worker = stack.components["vllm"], stack.components["datasystem"]
+        assert vllm.gone[0] <= worker.gone[0], "vLLM stops first, then the worker"
+    assert await world.store.get("/datasystem/cluster/key") is None, "the datasystem's keys in etcd are wiped"
+    for node in ("n0", "n2", "n4"):
+        assert all(gs.acted == 2 for gs in world.agents[node].coordinator.gangs.values()), "a new generation"
+    await world.until("the proxy ready again", lambda: world.stacks["n0"].components["proxy"].ready, 60)
+
+
+async def test_without_a_healthy_group_of_a_kind_the_proxy_is_not_ready(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    proxy = world.stacks["n0"].components["proxy"]
+    await world.until("the proxy ready", lambda: proxy.ready)
+    world.stacks["n4"].components["vllm"].start_s = 20.0  # the decode group takes a while to come back
+    world.stacks["n4"].crash("vllm")
+    await world.until("the proxy not ready", lambda: not proxy.ready, 10)
+    assert "no healthy decode group" in proxy.blocks["backends"]
+    await world.until("ready again", lambda: proxy.ready, 60)
