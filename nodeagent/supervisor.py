@@ -75,6 +75,8 @@ class Supervisor(NodePort):
         self.redeploying: asyncio.Task[None] | None = None
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
+        self._saved_fingerprints: dict[str, str | None] = {}
+        """Launch fingerprints from children.json as the previous agent left it (read once, at start)."""
         self._flush_handle: asyncio.TimerHandle | None = None
         self._history_dirty = False
 
@@ -193,7 +195,7 @@ class Supervisor(NodePort):
         verify(record)
         watch = ExitWatch(record.pid, None)
         tail = component_dir(self.config, comp.name) / "output.tail"
-        fingerprint = self.store.load_children().get(comp.name, {}).get("fingerprint")
+        fingerprint = self._saved_fingerprints.get(comp.name)
         return Process(record, watch.done, None, "adopted", watch.close,
                        {"log_offset": None, "tail_file": tail, "adopted": True}, fingerprint)  # fmt: skip
 
@@ -425,6 +427,9 @@ class Supervisor(NodePort):
         kinds = {c.kind for c in self.components.values()}
         if "datasystem" in kinds and "etcd" not in kinds:
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
+        # read once: each adoption rewrites children.json with the components adopted so far, so a later
+        # adoption must not read its launch fingerprint back from the file (a reload would then see none)
+        self._saved_fingerprints = {n: r.get("fingerprint") for n, r in self.store.load_children().items()}
         adopt = self._adoptable()
         for name in self.order:
             self.tasks[name] = asyncio.create_task(self.components[name].run(adopt.get(name)), name=f"component:{name}")
