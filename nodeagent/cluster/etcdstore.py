@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aetcd import exceptions as aexc
@@ -368,41 +368,40 @@ class EtcdStore:
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, WATCH_RETRY_MAX_S)
 
+    @contextlib.contextmanager
+    def _watch_errors(self, client: Client, prefix: str) -> Iterator[None]:
+        """A watch's failures as the store's: a lost endpoint (or a channel gRPC closed) is StoreUnavailable; a
+        compacted revision goes out as it is (the caller re-reads)."""
+        try:
+            yield
+        except aexc.RevisionCompactedError:
+            raise
+        except (*UNREACHABLE, aexc.ClientError) as exc:
+            self._failed(client, exc)
+            raise StoreUnavailable(f"etcd watch {prefix}: {error_text(exc)}") from None
+        except asyncio.CancelledError:
+            if not _cancelled_by_grpc():
+                raise
+            raise StoreUnavailable(f"etcd watch {prefix}: channel closed") from None
+
     async def _stream(self, prefix: str, start: int, live_after: int) -> AsyncIterator[Change]:
         """One aetcd watch from `start` until its stream ends; RevisionCompactedError and StoreUnavailable out."""
         client = self._current()
         self.requests += 1
-        try:
+        with self._watch_errors(client, prefix):
             async with asyncio.timeout(self.timeout):
                 watch = await client.watch_prefix(prefix.encode(), start_revision=start)
-        except aexc.RevisionCompactedError:
-            raise
-        except (*UNREACHABLE, aexc.ClientError) as exc:
-            self._failed(client, exc)
-            raise StoreUnavailable(f"etcd watch {prefix}: {error_text(exc)}") from None
-        except asyncio.CancelledError:
-            if not _cancelled_by_grpc():
-                raise
-            raise StoreUnavailable(f"etcd watch {prefix}: channel closed") from None
         self._set_state(True, None)
         self._watches.add(watch)
         try:
-            async for event in watch:
-                kv = to_kv(event.kv)
-                live = kv.mod_revision > live_after
-                if event.kind == "PUT":
-                    yield Change("put", kv.key, kv.mod_revision, kv, live)
-                else:
-                    yield Change("delete", kv.key, kv.mod_revision, None, live)
-        except aexc.RevisionCompactedError:
-            raise
-        except (*UNREACHABLE, aexc.ClientError) as exc:
-            self._failed(client, exc)
-            raise StoreUnavailable(f"etcd watch {prefix}: {error_text(exc)}") from None
-        except asyncio.CancelledError:
-            if not _cancelled_by_grpc():
-                raise
-            raise StoreUnavailable(f"etcd watch {prefix}: channel closed") from None
+            with self._watch_errors(client, prefix):
+                async for event in watch:
+                    kv = to_kv(event.kv)
+                    live = kv.mod_revision > live_after
+                    if event.kind == "PUT":
+                        yield Change("put", kv.key, kv.mod_revision, kv, live)
+                    else:
+                        yield Change("delete", kv.key, kv.mod_revision, None, live)
         finally:
             self._watches.discard(watch)
             with contextlib.suppress(Exception):
