@@ -235,3 +235,16 @@ def unique_name() -> str:
     import uuid
 
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def listener() -> Iterator[subprocess.Popen[bytes]]:
+    """A stranger listening on a free loopback port (`.port`): what the agent must never signal."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc.port = port  # type: ignore[attr-defined]
+    wait_for("the listener", lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() or True)
+    yield proc
+    proc.kill()
+    proc.wait()

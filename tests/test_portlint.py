@@ -6,17 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
-from conftest import free_port
 
 from nodeagent.config import load_config
 from nodeagent.hostfacts import Host
@@ -145,20 +142,6 @@ def sysctl_root(tmp_path: Path) -> Path:
     root = tmp_path / "root"
     shutil.copytree(SYSCTL_TREE, root)
     return root
-
-
-@pytest.fixture
-def listener() -> Iterator[subprocess.Popen[bytes]]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    proc.port = port  # type: ignore[attr-defined]
-    from conftest import wait_for
-
-    wait_for("the listener", lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() or True)
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def test_a_stranger_listening_inside_a_kv_range_is_reported_live(tmp_path: Path, sysctl_root: Path,

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,20 +215,6 @@ def test_cann_too_old_and_missing(a2: A2) -> None:
     assert by_name(a2.preflight())["cann"].status == FAIL
     shutil.rmtree(a2.root / "usr/local/Ascend/cann")
     assert by_name(a2.preflight())["cann"].value == "CANN toolkit not found (no ascend_toolkit_install.info)"
-
-
-@pytest.fixture
-def listener() -> Iterator[subprocess.Popen[bytes]]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    proc.port = port  # type: ignore[attr-defined]
-    from conftest import wait_for
-
-    wait_for("the listener", lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close() or True)
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def test_ports_held_by_a_stranger_fail_held_by_our_child_pass(a2: A2, listener: subprocess.Popen[bytes]) -> None:
