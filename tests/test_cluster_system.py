@@ -86,9 +86,11 @@ def test_node_reads_from_any_member_api_or_member_key(tmp_path: Path, etcd: Etcd
             table = harness.ctl("n1", "cluster")
             assert table.returncode == 0 and "etcd reachable" in table.stdout
             lines = {ln.split()[0]: ln for ln in table.stdout.splitlines()[1:] if ln.startswith("n")}
-            return lines if "vllm:ready" in lines.get("n0", "") else None
+            ready = all("vllm:ready" in lines.get(n, "") for n in ("n0", "n1"))
+            return lines if ready else None
 
-        lines = wait_for("n0's record says vllm ready", table_lines, 10)
+        # the hung-agent check below reads n1's record, so n1's must say ready too, not only n0's
+        lines = wait_for("both records say vllm ready", table_lines, 10)
         assert set(lines) == {"n0", "n1"} and "vllm:ready" in lines["n0"] and "g-n1" in lines["n1"]
 
         # a hung agent (SIGSTOP): its key lives until the TTL, its API does not answer — the key is shown

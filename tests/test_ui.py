@@ -381,8 +381,11 @@ async def test_the_cluster_table_from_real_agents(tmp_path: Path, etcd: Any, bro
             return rows.vllm && rows.vllm.note.startsWith('held: preflight failed') && rows;
         }})()""")
         assert held["vllm"]["pid"] == "—" and "pythonhashseed" in held["vllm"]["note"]
-        assert "holds the stack: pythonhashseed" in await n1.js(
-            "document.querySelector('[data-section=preflight]').textContent")
+        # the first paint is server-side (components only); the host sections come with the first poll
+        await n1.wait_js("n1's preflight section says what holds it", """(() => {
+            const s = document.querySelector('[data-section=preflight]');
+            return s !== null && s.textContent.includes('holds the stack: pythonhashseed');
+        })()""")
 
         harness.stop("n1", timeout=60)  # a member leaving shows up as missing on n0's page
         await page.wait_js("n1 missing", f"{rows_js('members', 'member')}.n1.present === 'missing'", timeout=20)
