@@ -157,6 +157,35 @@ async def test_a_cluster_pause_holds_every_automatic_action_until_resume(make_wo
     assert vllm_starts(world) == {"n0": 2, "n1": 2, "n2": 1, "n3": 1, "n4": 1}
 
 
+async def test_a_rank_lost_while_paused_restarts_its_whole_group_at_resume(make_world: Callable[..., World]) -> None:
+    """A DP group cannot take a rank back: a rank that died while the cluster was paused does not start alone at
+    resume (its peer would hang); the group restarts as one new generation."""
+    world = await cold(make_world)
+    await world.agents["n0"].coordinator.set_pause(True, "operator", "switch maintenance")
+    await world.until("every node paused", lambda: all(s.paused for s in world.stacks.values()), 5)
+    world.stacks["n0"].crash("vllm")  # its peer n1 runs on
+    await world.advance(60)
+    assert vllm_starts(world)["n0"] == 1 and world.stacks["n1"].components["vllm"].running
+    await world.agents["n0"].coordinator.set_pause(False, "operator")
+    await world.until("p0 restarted as one", lambda: vllm_starts(world)["n0"] == vllm_starts(world)["n1"] == 2, 60)
+    await world.until("p0 up", lambda: world.all_up(["n0", "n1"]), 60)
+    assert world.gang("n0", "p0").record.generation == world.gang("n1", "p0").acted == 2
+    assert [r[0] for r in world.stacks["n1"].restarts] == ["vllm"], "the peer restarted once, for generation 2"
+    assert vllm_starts(world) == {"n0": 2, "n1": 2, "n2": 1, "n3": 1, "n4": 1}
+
+
+async def test_an_operator_start_of_a_stopped_rank_restarts_its_group(make_world: Callable[..., World]) -> None:
+    """`stop` then `start` of one rank: the start is a new generation of the group, not a rank joining alone."""
+    world = await cold(make_world)
+    n2 = world.stacks["n2"]
+    n2.command("vllm", "stop")
+    await world.until("n2's rank stopped", lambda: not n2.components["vllm"].running, 30)
+    await world.advance(10)
+    n2.command("vllm", "start")
+    await world.until("p1 restarted as one", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)
+    assert world.gang("n3", "p1").acted == 2 and [r[0] for r in world.stacks["n3"].restarts] == ["vllm"]
+
+
 async def test_a_generation_asked_while_paused_is_acted_on_at_resume(make_world: Callable[..., World]) -> None:
     world = await cold(make_world)
     n3 = world.stacks["n3"]

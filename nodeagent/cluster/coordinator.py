@@ -29,7 +29,7 @@ from nodeagent.cluster.store import KV, Change, Resync, StoreError
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.layout import Group, cluster_layout
-from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort, first_hold
+from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -72,6 +72,8 @@ class GangState:
     """Not yet compared with the store since this agent started."""
     adopting: bool = False
     """A process of this group was recorded by the previous agent (it is being adopted)."""
+    ran: dict[str, int] = field(default_factory=dict)
+    """The generation each local rank was last seen running in: a rank runs once per generation."""
 
     @property
     def multi(self) -> bool:
@@ -164,7 +166,16 @@ class Coordinator:
         self._wake.set()
 
     def on_node_change(self) -> None:
-        self.wake()  # a rank stopped, a pause ended: look again now
+        """A rank started or stopped, a pause ended: note which generation each running rank runs in, and look
+        again now."""
+        if self.by_component:
+            here = self.port.snapshot().components
+            for gs in self.gangs.values():
+                if gs.released == gs.acted:
+                    for c in gs.components:
+                        if here[c].running:
+                            gs.ran[c] = gs.acted
+        self.wake()
 
     def spawn(self, work: Awaitable[Any]) -> None:
         """Run `work` beside the loop; it is cancelled when the coordinator stops."""
@@ -443,8 +454,8 @@ class Coordinator:
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
         backoff and barrier."""
-        return first_hold((self.ops.gate(comp, operator) if self.ops is not None else None,
-                           self._group_gate(comp)))  # fmt: skip
+        held = self.ops.gate(comp, operator) if self.ops is not None else None
+        return held or self._group_gate(comp)  # asked only when nothing earlier holds: it may ask a generation
 
     def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)
@@ -467,6 +478,14 @@ class Coordinator:
             return Hold(HoldKind.GROUP_BACKOFF,
                         f"group {name}: backing off {left:.0f}s as one (generation {record.generation})")
         if gs.released == gs.acted:
+            if gs.multi and gs.ran.get(comp.name) == gs.acted and not comp.running:
+                # It ran in this generation and stopped without the group's restart (it died while paused, an
+                # operator stopped and starts it): a DP group cannot take a rank back; the group starts again.
+                gs.pending = (gs.acted, f"{self.node}/{comp.name} stopped during generation {gs.acted}: its group "
+                              "cannot take a rank back", False)  # fmt: skip
+                self.wake()
+                return Hold(HoldKind.COORDINATION, f"group {name}: asking for the next generation "
+                            f"({comp.name} ran in generation {gs.acted} already)")  # fmt: skip
             return None
         self.wake()
         if gs.arrived_for != gs.acted:
