@@ -160,10 +160,14 @@ def test_a_lost_rank_restarts_its_group_once_and_the_proxy_routes_around_it(cl: 
 def test_restarting_a_remote_rank_restarts_its_group(cl: ClusterHarness) -> None:
     before = pids(cl)
     gen = gang(cl, "n2", "p1")["generation"]
-    out = cl.ctl("n4", "--node", "n2", "restart", "vllm")
+    # --wait from a node outside the group waits for the group's whole new generation, not for the answer
+    out = cl.ctl("n4", "--node", "n2", "restart", "vllm", "--wait", "--timeout", "120", timeout=150)
     assert out.returncode == 0, out.stderr
     assert "restarting group p1 as generation" in out.stdout and "n2, n3" in out.stdout, out.stdout
-    replaced(cl, before, ["n2", "n3"])
+    assert f"group p1 generation {gen + 1} ready on every node (n2/vllm pid" in out.stdout, out.stdout
+    assert f"waiting for group p1's generation {gen + 1} on n2, n3" in out.stderr, out.stderr
+    after = pids(cl)  # when --wait returned, both ranks already run new processes
+    assert after["n2"] != before["n2"] and after["n3"] != before["n3"], (before, after)
     assert gang(cl, "n3", "p1")["generation"] == gen + 1
     assert pids(cl)["n4"] == before["n4"]
     bad = cl.ctl("n4", "--node", "n2", "restart", "nope")

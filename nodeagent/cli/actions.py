@@ -18,10 +18,16 @@ from nodeagent.cli.common import (
     CliError,
     error_text,
 )
+from nodeagent.cli.groupwait import GroupWait, component_of, group_of, group_progress
+from nodeagent.cli.status import cluster_view
 
 
 def _components(client: Client) -> dict[str, Any]:
     return client.get("/status")["components"]
+
+
+def _node_name(client: Client) -> str:
+    return str(client.get("/status")["node"]["name"])
 
 
 def _wait(client: Client, what: str, done: Any, timeout: float, interval: float = 0.5) -> dict[str, Any]:
@@ -100,8 +106,47 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
     return done
 
 
+def _group_wait_for(client: Client, node: str, args: argparse.Namespace, remote: bool = False) -> GroupWait | None:
+    """With --wait, a start/restart of a rank of a multi-node group waits for the group's whole new generation;
+    another node's other components are followed through its member key."""
+    if not args.wait:
+        return None
+    try:
+        view = cluster_view(client)
+    except CliError:
+        return None  # not a cluster member: the node's own wait applies
+    group = group_of(view, node, args.component) if args.action != "stop" else None
+    return group or (component_of(view, node, args.component, args.action) if remote else None)
+
+
+def _wait_group(client: Client, wait: GroupWait, timeout: float) -> int:
+    what = (f"group {wait.group}'s generation {wait.generation}" if wait.group
+            else f"{wait.nodes[0]}/{next(iter(wait.before[wait.nodes[0]]))} (through its member key)")  # fmt: skip
+    print(f"  waiting for {what}" + (f" on {', '.join(wait.nodes)}" if wait.group else ""), file=sys.stderr)
+    began = time.monotonic()
+    result = _wait_view(client, what, lambda view: group_progress(wait, view), timeout)
+    print(f"{result} after {time.monotonic() - began:.1f}s")
+    return 0
+
+
+def _wait_view(client: Client, what: str, progress: Any, timeout: float, interval: float = 0.5) -> str:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        message, summary = progress(cluster_view(client))
+        if message:
+            return str(message)
+        if summary != last:
+            print(f"  … {summary}", file=sys.stderr)
+            last = summary
+        if time.monotonic() >= deadline:
+            raise CliError(f"timed out after {timeout:g}s waiting for {what} ({summary})")
+        time.sleep(interval)
+
+
 def _remote_component(client: Client, args: argparse.Namespace) -> int:
     """Another node's start/stop/restart, carried through etcd by the local agent; its agent's answer."""
+    group = _group_wait_for(client, args.node, args, remote=True)
     body = {"drain": False} if getattr(args, "no_drain", False) else {}
     status, data = client.request("POST", f"/cluster/nodes/{args.node}/components/{args.component}/{args.action}",
                                   body)  # fmt: skip
@@ -115,6 +160,8 @@ def _remote_component(client: Client, args: argparse.Namespace) -> int:
         raise CliError(error_text(data, status))
     code = int(data.get("code", 0 if status == 200 else EXIT_FAILED))
     print(data["message"], file=sys.stdout if code == 0 else sys.stderr)
+    if code == 0 and group is not None:
+        return _wait_group(client, group, args.timeout)
     return code
 
 
@@ -129,6 +176,7 @@ def cmd_component(args: argparse.Namespace) -> int:
             raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(comps)})",
                            EXIT_UNKNOWN)  # fmt: skip
         before = comps[args.component]
+    group = _group_wait_for(client, _node_name(client), args) if before is not None else None
     body = {"drain": False} if getattr(args, "no_drain", False) else None
     answer = client.post(f"/components/{args.component}/{args.action}", body)
     message = answer.get("message") if isinstance(answer, dict) else None
@@ -137,6 +185,8 @@ def cmd_component(args: argparse.Namespace) -> int:
     if before is None:
         print(f"{args.action} {args.component}: accepted" + (f" — {message}" if message else ""))
         return 0
+    if group is not None:
+        return _wait_group(client, group, args.timeout)
     began = time.monotonic()
     result = _wait(client, f"{args.component} to {args.action}", _component_waiter(args.component, args.action, before),
                    args.timeout)  # fmt: skip

@@ -576,7 +576,7 @@ class Coordinator:
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""
         here = self.port.snapshot().components
-        return {n: {"generation": g.acted, "released": g.released == g.acted,
+        return {n: {"generation": g.acted, "released": g.released == g.acted, "ranks": list(g.components),
                     "running": [c for c in g.components if here[c].running]}
                 for n, g in self.gangs.items()}  # fmt: skip
 
