@@ -26,7 +26,15 @@ def _ranks(ranks: Any) -> str:
 def _components(comps: Any) -> str:
     if not isinstance(comps, dict) or not comps:
         return "-"
-    return " ".join(f"{name}:{(c or {}).get('state', '?')}" for name, c in comps.items())
+    return " ".join(f"{name}:{(c or {}).get('state', '?')}{_load(c or {})}" for name, c in comps.items())
+
+
+def _load(comp: dict[str, Any]) -> str:
+    """`(~12 min left)` while loading, `(load 31m)` after: what a restart of it costs."""
+    if comp.get("load"):
+        return f"({comp['load']})"
+    last = comp.get("last_load_s")
+    return f"(load {_age(last)})" if isinstance(last, int | float) else ""
 
 
 def _age(seconds: Any) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
 from nodeagent.host import Clock, Process, StartHeld
+from nodeagent.loadtime import LOADS_KEPT, load_status
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
@@ -128,6 +129,8 @@ class Component:
         """The process's real start time (the kernel's, for an adopted one)."""
         self.restarts = 0
         self.restarts_by_cause: dict[str, int] = {}
+        self.loads: list[float] = []
+        """Seconds from start to up, the last few times (`loadtime`)."""
         self._restart_cause = "operator"
         self.last_exit: dict[str, Any] | None = None
         self.failure: Failure | None = None
@@ -200,6 +203,7 @@ class Component:
         by_cause = saved.get("restarts_by_cause")
         self.restarts_by_cause = {str(k): int(v) for k, v in by_cause.items()} if isinstance(by_cause, dict) else {}
         self.last_exit = saved.get("last_exit")
+        self.loads = [float(x) for x in saved.get("loads") or [] if isinstance(x, int | float)][-LOADS_KEPT:]
         if saved.get("failure"):
             self.failure = Failure.from_dict(saved["failure"])
 
@@ -372,8 +376,7 @@ class Component:
                 self.up.set()
                 self.host.on_up(self)
                 age = self.host.clock.time() - (self.started_at or 0)
-                adopted = self.proc is not None and self.proc.output == "adopted"
-                self._set(State.RUNNING, f"adopted, up (running for {age:.0f} s)" if adopted
+                self._set(State.RUNNING, f"adopted, up (running for {age:.0f} s)" if self.adopted
                           else f"up after {age:.1f}s")
             elif sig.kind in ("ready", "not_ready"):
                 self.ready = sig.kind == "ready"
@@ -552,8 +555,19 @@ class Component:
 
     # ---- views ---------------------------------------------------------------------------------------------
     @property
+    def adopted(self) -> bool:
+        """Its process is one the previous agent started (adopted at our start), not one we launched."""
+        return self.proc is not None and self.proc.output == "adopted"
+
+    @property
     def is_up(self) -> bool:
         return self.state in UP_STATES
+
+    def _loading_for(self, now: float) -> float | None:
+        """Seconds this launch has been loading (not for an adopted process: its start is not ours to time)."""
+        if self.state != State.STARTING or self.record is None or not self.started_at or self.adopted:
+            return None
+        return now - self.started_at
 
     def status(self) -> dict[str, Any]:
         now = self.host.clock.time()
@@ -570,6 +584,7 @@ class Component:
             "started_at": self.started_at if self.record else None,
             "uptime_s": round(now - self.started_at, 1) if self.started_at and self.record else None,
             "last_exit": self.last_exit,
+            "load": load_status(self.loads, self._loading_for(now)),
             "failure": failure.to_dict() if failure is not None and self.state == State.FAILED else None,
             "backoff_remaining_s": round(self.backoff_until - now, 1) if self.backoff_until else None,
             "held": self.held if self.record is None else None,

@@ -15,7 +15,7 @@ from nodeagent.config_model import RestartSpec
 from nodeagent.policy import RedeployTracker, RestartTracker
 from nodeagent.statefile import StateStore
 
-HISTORY_FIELDS = ("restarts", "restarts_by_cause", "last_exit", "failure")
+HISTORY_FIELDS = ("restarts", "restarts_by_cause", "last_exit", "failure", "loads")
 
 
 class NodeIntent:

@@ -29,6 +29,7 @@ from prometheus_client.core import (
 
 from nodeagent import __version__
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
+from nodeagent.loadtime import LOAD_BUCKETS
 from nodeagent.states import RESTART_CAUSES, State
 from nodeagent.vllm_endpoints import vllm_metrics_urls
 
@@ -46,6 +47,7 @@ class Stack(Protocol):
     config: Config
     components: Mapping[str, Any]
     on_probe_result: list[Any]
+    on_load: list[Any]
     redeploys: Any
 
     @property
@@ -316,9 +318,14 @@ class AgentMetrics:
         self.probe_duration = Histogram("dsv4_probe_duration_seconds", "How long each probe took.", labels,
                                         buckets=PROBE_BUCKETS, registry=self.registry)  # fmt: skip
         self.probe_failures = Counter("dsv4_probe_failures", "Probe runs that failed.", labels, registry=self.registry)
+        self.vllm_load = Histogram("dsv4_agent_vllm_load_seconds",
+                                   "From a vLLM launch to its startup probes passing (the model loaded): what a "
+                                   "restart of it costs.", ["component"], buckets=LOAD_BUCKETS,
+                                   registry=self.registry)  # fmt: skip
         ProcessCollector(namespace="dsv4_agent", registry=self.registry)
         self.registry.register(_StackCollector(self))
         supervisor.on_probe_result.append(self.observe_probe)
+        supervisor.on_load.append(self.observe_load)
         self.cache = VllmCacheScraper(supervisor, vllm_urls)
 
     def observe_probe(self, component: str, role: str, result: Any) -> None:
@@ -327,6 +334,10 @@ class AgentMetrics:
         self.probe_duration.labels(*labels).observe(max(0.0, result.latency_s))
         if not result.ok:
             self.probe_failures.labels(*labels).inc()
+
+    def observe_load(self, component: str, kind: str, seconds: float) -> None:
+        if kind == "vllm":
+            self.vllm_load.labels(component).observe(seconds)
 
     async def refresh_vllm(self) -> None:
         await self.cache.refresh()

@@ -27,6 +27,7 @@ from nodeagent.failure import Failure
 from nodeagent.graph import start_order
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
+from nodeagent.loadtime import remember
 from nodeagent.nodeport import NodePort
 from nodeagent.output_tail import read_tail
 from nodeagent.policy import RestartDecision, restarts_with
@@ -58,6 +59,8 @@ class Supervisor(NodePort):
         self.on_state_change: list[Callable[[], None]] = []
         """Observers of every change outside the layers (sd_notify, MQTT, the member record); keep them cheap."""
         self.on_probe_result: list[Any] = []
+        self.on_load: list[Any] = []
+        """(component, kind, seconds) once a launch is up: the load-time histogram."""
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.npu: NpuMonitor | None = None
         active = config.active_components()
@@ -219,7 +222,7 @@ class Supervisor(NodePort):
         history soon after — coalesced, so a burst of state changes on the crash path costs one write later."""
         if comp is not None and self.intent_store.record_history(comp.name, {
             "restarts": comp.restarts, "restarts_by_cause": dict(comp.restarts_by_cause), "last_exit": comp.last_exit,
-            "failure": comp.failure.to_dict() if comp.failure is not None else None,
+            "failure": comp.failure.to_dict() if comp.failure is not None else None, "loads": list(comp.loads),
         }):  # fmt: skip
             self._history_dirty = True
         if self._flush_handle is None:
@@ -251,9 +254,13 @@ class Supervisor(NodePort):
     def on_up(self, comp: Component) -> None:
         self._refresh_record(comp)
         now = self.clock.time()
-        if comp.proc is None or not comp.proc.extra.get("adopted"):
+        if not comp.adopted:
             # An adopted process is the run that was already going: its stability clock carries on.
             self.trackers[comp.name].record_start(now)
+            if comp.started_at:
+                comp.loads = remember(comp.loads, now - comp.started_at)
+                for callback in self.on_load:
+                    callback(comp.name, comp.kind, comp.loads[-1])
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
 

@@ -35,6 +35,9 @@ def _note(comp: dict[str, Any], wide: bool = False) -> str:
         notes.append(f"retry in {human_duration(comp['backoff_remaining_s'])}")
     if comp.get("held"):
         notes.append(str(comp["held"]))
+    load = comp.get("load") or {}
+    if load.get("loading_s") is not None or (load and comp.get("kind") == "vllm" and comp.get("state") != "stopped"):
+        notes.append(str(load.get("note")))  # loading (how long left), or for vLLM what its last load took
     failure = comp.get("failure") or {}
     if comp.get("state") == "failed" and failure:
         notes.append(f"failed: {failure.get('permanent') or failure.get('detail')}")

@@ -137,9 +137,23 @@ def static_facts(config: Config, base_env: Mapping[str, str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _load_brief(comp: Mapping[str, Any]) -> dict[str, Any]:
+    """What the others see of a component's load time: a short line, and its last load (whole minutes change
+    the record at most once a minute, so a loading rank does not rewrite its key every second)."""
+    load = comp.get("load") or {}
+    if not load:
+        return {}
+    out: dict[str, Any] = {"last_load_s": load.get("last_s")}
+    left = load.get("left_s")
+    if load.get("loading_s") is not None:
+        out["load"] = f"~{max(1, round(left / 60))} min left" if left else (
+            "longer than usual" if left == 0 else "loading, first time")
+    return out
+
+
 def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity: Identity,
                   wall_clock: float) -> dict[str, Any]:  # fmt: skip
-    comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready")}
+    comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready"), **_load_brief(c)}
              for n, c in status.get("components", {}).items()}  # fmt: skip
     return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
             "gangs": status.get("gangs") or {}, "agent": identity.to_dict()}  # fmt: skip

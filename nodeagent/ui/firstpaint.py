@@ -32,12 +32,17 @@ def component_note(c: dict[str, Any]) -> str:
         return f"failed: {failure.get('what', '')} — {failure.get('detail', '')}{permanent}"
     if c.get("backoff_remaining_s"):
         return f"backoff: next try in {_duration(c['backoff_remaining_s'])}"
+    load = c.get("load") or {}
+    if load.get("loading_s") is not None:
+        return str(load.get("note"))
     blockers = c.get("ready_blockers") or {}
     if blockers:
         return "not ready: " + "; ".join(f"{k}: {v}" for k, v in blockers.items())
     policy = c.get("policy") or {}
     if policy.get("crash_loop"):
         return f"crash loop ({policy.get('failures_in_window', 0)} failures)"
+    if c.get("kind") == "vllm" and load:
+        return str(load.get("note"))
     return ""
 
 

@@ -134,6 +134,7 @@ function componentNote(c) {
     return `failed: ${f.what || ""}${f.detail ? ` — ${f.detail}` : ""}${f.permanent ? ` (permanent: ${f.permanent})` : ""}`;
   }
   if (c.backoff_remaining_s) return `backoff: next try in ${dur(c.backoff_remaining_s)}`;
+  if (c.load && c.load.loading_s != null) return c.load.note;
   if (c.draining) {
     const d = c.draining;
     return `draining: ${d.running} running, ${d.waiting} waiting, at most ${dur(d.remaining_s)} more`;
@@ -142,6 +143,7 @@ function componentNote(c) {
   if (blockers.length) return `not ready: ${blockers.map(([k, v]) => `${k}: ${v}`).join("; ")}`;
   const policy = c.policy || {};
   if (policy.crash_loop) return `crash loop (${policy.failures_in_window} failures)`;
+  if (c.kind === "vllm" && c.load) return c.load.note;
   return "";
 }
 
@@ -244,7 +246,8 @@ async function pollStatus() {
 
 // ---- the cluster -----------------------------------------------------------------------------------------------
 function memberComponents(record) {
-  return Object.entries(record.components || {}).map(([n, c]) => `${n} ${c.state}${c.ready ? " ✓" : ""}`).join(" · ");
+  return Object.entries(record.components || {}).map(([n, c]) => `${n} ${c.state}${c.ready ? " ✓" : ""}` +
+    (c.load ? ` (${c.load})` : c.last_load_s != null ? ` (load ${dur(c.last_load_s)})` : "")).join(" · ");
 }
 
 function gangBarrier(g) {
