@@ -138,7 +138,10 @@ def test_a_killed_exec_client_leaves_its_process_running(section: ContainerConfi
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
     def the_sleeper() -> int | None:
-        new = [p for p in set(container_pids(cid)) - before if psutil.Process(p).name() == "sleep"]
+        # named "sleep" a moment before its environment is set up: the kernel sets the name early in exec, the
+        # environment's bounds a little later — wait for both
+        new = [p for p in set(container_pids(cid)) - before if psutil.Process(p).name() == "sleep"
+               and Path(f"/proc/{p}/environ").read_bytes()]  # fmt: skip
         return new[0] if new else None
 
     pid = wait_for("the exec'd sleep inside the container", the_sleeper, timeout=20)
