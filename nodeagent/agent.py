@@ -151,10 +151,12 @@ class Agent:
             return
         from nodeagent.cluster.coordinator import Coordinator
         from nodeagent.cluster.membership import Membership
+        from nodeagent.cluster.recovery import RecoveryFollower
 
         self.membership = Membership(self.config, self.supervisor)
         self.supervisor.on_state_change.append(self.membership.changed)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
+        RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
         self.membership.start()
         self.coordinator.start()
 
