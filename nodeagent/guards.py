@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from nodeagent.npu_monitor import NpuMonitor, our_pids
 from nodeagent.recovery import NodeRecovery
 from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.worker_headroom import WorkerHeadroom
 
 if TYPE_CHECKING:
     from nodeagent.failure import Failure
@@ -44,6 +45,7 @@ class StartGuards:
         self.recovery = NodeRecovery(supervisor.config, supervisor, self.npu, changed=supervisor.state_changed,
                                      redeploy_times=lambda: list(supervisor.redeploys.redeploy_times))
         """The ladder past node redeploy (chip reset, isolation): a layer of its own, after this one."""
+        WorkerHeadroom(supervisor.config, supervisor)  # a SIGKILLed worker's shared memory (openYuanrong FAQ §3)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 

@@ -41,6 +41,8 @@ class HoldKind(StrEnum):
     `nodeagentctl uncordon`."""
     NPU_RESET = "npu_reset"
     """A chip reset is being carried out: every NPU user waits for it (a reset of one A2 NPU resets all eight)."""
+    MEMORY_HEADROOM = "memory_headroom"
+    """A crashed datasystem worker waits for the vLLM ranks that still map its shared memory to stop."""
     PREFLIGHT = "preflight"
     NPU_FAULT = "npu_fault"
     COORDINATION = "coordination"

@@ -214,3 +214,48 @@ def test_the_fake_npu_smi_reset_answers_through_the_facade(tmp_path: Path) -> No
     with pytest.raises(NpuToolError, match="Status : Fail; Message : device is busy"):
         asyncio.run(tools.reset(reset_command(1)))
 
+
+
+MEMINFO = """MemTotal:       1056000000 kB
+MemAvailable:   {available} kB
+HugePages_Total:   260000
+HugePages_Free:    {huge_free}
+Hugepagesize:       2048 kB
+"""  # the keys and units of Linux's /proc/meminfo (fs/proc/meminfo.c)
+
+
+def test_headroom_with_and_without_huge_pages() -> None:
+    from nodeagent.worker_headroom import headroom
+
+    dead_still_mapped = MEMINFO.format(available=600_000_000, huge_free=10_000)  # 20,000 MB of huge pages free
+    assert headroom(dead_still_mapped, 500_000, huge_pages=True, margin_mb=4096).short
+    released = MEMINFO.format(available=600_000_000, huge_free=260_000)
+    room = headroom(released, 500_000, huge_pages=True, margin_mb=4096)
+    assert not room.short and room.detail.startswith("520000 MB of huge pages free")
+    assert not headroom(dead_still_mapped, 500_000, huge_pages=False, margin_mb=4096).short, "filled as used"
+    assert headroom(MEMINFO.format(available=1_000_000, huge_free=0), 500_000, False, 4096).short
+
+
+@pytest.mark.parametrize("short", [True, False])
+async def test_a_killed_worker_restarts_with_its_vllm_ranks_only_when_memory_is_short(world: World,
+                                                                                      short: bool) -> None:
+    from nodeagent.worker_headroom import WorkerHeadroom
+
+    stack = world.stacks["n2"]
+    available = 1_000_000 if short else 600_000_000
+    WorkerHeadroom(stack.config, stack, read=lambda: MEMINFO.format(available=available, huge_free=0))  # type: ignore[arg-type]
+    stack.components["vllm"].stop_s = 20.0  # the ranks take their time to let go
+    verdict = stack.crash("datasystem", "killed by SIGKILL")
+    if short:
+        assert verdict is not None and "the worker restarts with vllm as one step" in verdict
+        await world.until("the worker held", lambda: stack.components["datasystem"].hold is not None
+                          and stack.components["datasystem"].hold.kind == HoldKind.MEMORY_HEADROOM)  # fmt: skip
+        await world.until("the worker started again", lambda: stack.started("datasystem") == 2, 60)
+        vllm = stack.components["vllm"]
+        assert stack.components["datasystem"].starts[1] >= vllm.gone[-1], "the worker starts once the ranks let go"
+        assert [r[0] for r in stack.restarts] == ["vllm"]
+    else:
+        assert verdict is None
+        await world.until("the worker started again", lambda: stack.started("datasystem") == 2, 60)
+        assert stack.restarts == [] and stack.started("vllm") == 1, "the worker restarts alone"
+    await world.until("everything up", world.all_up, 120)
