@@ -37,7 +37,8 @@ def abort_timeout_check(config: Config, env_of: Callable[[str], dict[str, Any]])
     if not config.cluster.nodes:
         return
     layout = cluster_layout(config)
-    mine = [c for g in layout.groups if g.kind == "prefill" for c in g.components(config.node.name)]
+    node = config.node.name
+    mine = [c for g in layout.groups if g.kind == "prefill" and node in g.nodes for c in g.components(node)]
     for name in mine:
         if name not in config.active_components():
             continue

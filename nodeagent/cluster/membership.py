@@ -143,7 +143,7 @@ def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity
              for n, c in status.get("components", {}).items()}  # fmt: skip
     return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
             "gangs": status.get("gangs") or {}, "agent": identity.to_dict(),
-            "isolated": status.get("isolated")}  # fmt: skip
+            "isolated": status.get("isolated"), "kv_transfers": status.get("kv_transfers") or []}  # fmt: skip
 
 
 # ---- the view of the others -----------------------------------------------------------------------------------
