@@ -151,12 +151,33 @@ class Agent:
             return
         from nodeagent.cluster.coordinator import Coordinator
         from nodeagent.cluster.membership import Membership
+        from nodeagent.cluster.recovery import RecoveryFollower
 
         self.membership = Membership(self.config, self.supervisor)
         self.supervisor.on_state_change.append(self.membership.changed)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
+        RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
+        self._start_pd_watches()
         self.membership.start()
         self.coordinator.start()
+
+    def _start_pd_watches(self) -> None:
+        """Issue 19 items 2, 3, 6: this node's KV transfer failures (from its ranks' logs) for the member record;
+        on the PD proxy's node, the end-to-end probes, prefill's KV while decode is down, the pairs' failures."""
+        from nodeagent.cluster.pd_watch import PdWatch
+        from nodeagent.kvlog import KvTransferLog
+
+        assert self.coordinator is not None and self.membership is not None
+        if not self.config.recovery.pd.enabled:
+            return
+        kvlog = KvTransferLog(self.config, self.supervisor)
+        self.coordinator.spawn(kvlog.run())
+        if self.coordinator.proxies:
+            members = self.membership.members
+            model = next((c.served_model_name for c in self.config.components.values() if c.kind == "vllm"), "dsv4")
+            records = lambda: {n: m.record for n, m in members.items()}  # noqa: E731
+            watch = PdWatch(self.coordinator, self.config.recovery.pd, records, model=model)
+            self.coordinator.spawn(watch.run())
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:
         """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""

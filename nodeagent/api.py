@@ -99,6 +99,7 @@ ROUTES = (
     Route("POST", "/reload", "reload", True),
     Route("GET", "/preflight", "preflight"),
     Route("POST", "/npu/override", "npu_override", True),
+    Route("POST", "/uncordon", "uncordon", True),
     *(Route(method, path, name, True) for method, path, name in CLUSTER_ROUTES),
     *(Route(method, path, name) for method, path, name in UI_ROUTES),
 )
@@ -204,6 +205,18 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
             raise ApiError(400, f"npu must be a non-negative whole number, got {npu!r}")
         done = self.ctl.guards.override_npu(npu, who)
         return json_response({"ok": True, "action": "npu_override", "npu": npu, "overridden": done})
+
+    async def uncordon(self, request: web.Request) -> web.Response:
+        """The operator takes an isolated node back (the ladder's last rung ends only here)."""
+        from nodeagent.recovery import NotIsolated
+
+        who = self.mutation(request)
+        await self.body(request)
+        try:
+            was = self.ctl.guards.recovery.uncordon(f"operator ({who})")
+        except NotIsolated as exc:
+            raise ApiError(409, str(exc)) from None
+        return json_response({"ok": True, "action": "uncordon", "was_isolated": was})
 
     async def cluster(self, request: web.Request) -> web.Response:
         if self.ctl.membership is None:

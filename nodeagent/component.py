@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nodeagent.bindrace import BindRaceRetries
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
 from nodeagent.host import Clock, Process, StartHeld
@@ -113,6 +114,7 @@ class Component:
         self.cfg = spec
         self.kind: str = spec.kind
         self.host = host
+        self.bind_retries = BindRaceRetries(name)
         self.state = State.STOPPED
         self.probe_ready = False
         self.ready_blockers: dict[str, str] = {}
@@ -375,6 +377,7 @@ class Component:
             if sig.kind == "startup_ok":
                 self.up.set()
                 self.host.on_up(self)
+                self.bind_retries.on_up()
                 age = self.host.clock.time() - (self.started_at or 0)
                 self._set(State.RUNNING, f"adopted, up (running for {age:.0f} s)" if self.adopted
                           else f"up after {age:.1f}s")
@@ -490,6 +493,11 @@ class Component:
         return result if proc is not None else {}
 
     async def _after_failure(self, failure: Failure, evidence: Any = None, tree: Any = None) -> None:
+        retry = self.bind_retries.on_failure(failure)  # a lost port race (bindrace.py): not a failure
+        if retry is not None:
+            self._set(State.BACKOFF, retry.reason, "warning", delay_s=retry.delay_s, bind_race_retry=retry.attempt)
+            await self._sleep_interruptibly(retry.delay_s)
+            return
         failure = classify(failure, self.failure, self.cfg.restart.quick_exit_s)
         self.failure = failure
         decision = self.host.decide(self, failure)

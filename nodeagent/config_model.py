@@ -42,6 +42,8 @@ from nodeagent.config_probes import ProbeBase as ProbeBase
 from nodeagent.config_probes import ProbeSpec as ProbeSpec
 from nodeagent.config_probes import TcpProbe as TcpProbe
 from nodeagent.config_probes import VllmProgressProbe as VllmProgressProbe
+from nodeagent.config_recovery import PdWatchConfig as PdWatchConfig
+from nodeagent.config_recovery import RecoveryConfig
 from nodeagent.ft_config import FaultToleranceSpec
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
 
@@ -355,6 +357,8 @@ class Config(Strict):
     cluster: ClusterConfig = ClusterConfig()
     node: NodeConfig = NodeConfig()
     agent: AgentSettings = AgentSettings()
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    """The ladder past node redeploy and the PD watches (issue 19)."""
     container: ContainerConfig | None = None
     """Run the components inside this container (the guide's vllm-ascend image); absent: host processes."""
     components: dict[str, Component] = Field(default_factory=dict)

@@ -15,7 +15,9 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
+from nodeagent.recovery import NodeRecovery
 from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.worker_headroom import WorkerHeadroom
 
 if TYPE_CHECKING:
     from nodeagent.failure import Failure
@@ -40,6 +42,10 @@ class StartGuards:
         self.npu.on_change.append(supervisor.wake)
         supervisor.use_npu_monitor(self.npu)
         supervisor.attach(self)
+        self.recovery = NodeRecovery(supervisor.config, supervisor, self.npu, changed=supervisor.state_changed,
+                                     redeploy_times=lambda: list(supervisor.redeploys.redeploy_times))
+        """The ladder past node redeploy (chip reset, isolation): a layer of its own, after this one."""
+        WorkerHeadroom(supervisor.config, supervisor)  # a SIGKILLed worker's shared memory (openYuanrong FAQ §3)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 
@@ -105,6 +111,7 @@ class StartGuards:
         self._spawn(self._recheck_preflight(), "preflight-recheck")
         if self.has_vllm and self.npu.skipped is None:
             self._spawn(self.npu.run(), "npu-monitor")
+            self._spawn(self.recovery.run(), "recovery-ladder")
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

@@ -282,3 +282,43 @@ def verify_after_reset(health: dict[int, str], hbm_used_mb: dict[int, int], poli
     if high:
         return False, "; ".join(high)
     return True, "all chips OK, HBM at baseline"
+
+
+# ------------------------------------------------------------------------------------ persistence, detection
+
+
+def state_to_dict(state: LadderState) -> dict[str, Any]:
+    """What `recovery.json` keeps across agent restarts: isolation and the reset budget survive a kill -9."""
+    return {"isolated": state.isolated, "isolated_at": state.isolated_at,
+            "redeploys": [{"at": r.at, "ok": r.ok, "cause": r.cause} for r in state.redeploys[-20:]],
+            "resets": [{"at": r.at, "chips": list(r.chips), "reason": r.reason, "verified": r.verified}
+                       for r in state.resets[-50:]]}  # fmt: skip
+
+
+def state_from_dict(data: dict[str, Any], policy: LadderPolicy) -> LadderState:
+    state = LadderState(policy)
+    isolated = data.get("isolated")
+    state.isolated = str(isolated) if isolated else None
+    state.isolated_at = data.get("isolated_at") if state.isolated else None
+    for r in data.get("redeploys") or []:
+        state.redeploys.append(Redeploy(float(r["at"]), bool(r["ok"]), str(r.get("cause", ""))))
+    for r in data.get("resets") or []:
+        state.resets.append(Reset(float(r["at"]), tuple(int(c) for c in r["chips"]), str(r.get("reason", "")),
+                                  r.get("verified")))  # fmt: skip
+    return state
+
+
+def external_resetter(cmdlines: Iterable[Sequence[str]]) -> str | None:
+    """Who else resets chips on this host, from the processes' command lines: MindCluster's Container Manager
+    (`container-manager run -ctrStrategy ...`, its systemd unit's ExecStart) resets faulty NPUs itself, and so does
+    Ascend's Device Plugin under Kubernetes ("perform a hot reset on an idle, faulty processor": MindCluster 7.3's
+    component description of both)."""
+    for argv in cmdlines:
+        if not argv:
+            continue
+        name = argv[0].rsplit("/", 1)[-1]
+        if name == "container-manager" and "run" in argv[1:]:
+            return "MindCluster Container Manager (" + " ".join(argv)[:120] + ")"
+        if name == "device-plugin":
+            return "Ascend Device Plugin (" + " ".join(argv)[:120] + ")"
+    return None

@@ -126,6 +126,12 @@ class _StackCollector:
                                 value=float(sup.paused))  # fmt: skip
         yield GaugeMetricFamily("dsv4_node_failed", "1 while the node is in the failed state (alert).",
                                 value=float(sup.redeploys.failed))  # fmt: skip
+        ladder = sup.recovery_view() or {}
+        yield GaugeMetricFamily("dsv4_node_isolated", "1 while the node is isolated: chip resets did not help or an "
+                                "NPU must be separated; until nodeagentctl uncordon (alert).",
+                                value=float(ladder.get("state") == "isolated"))  # fmt: skip
+        yield GaugeMetricFamily("dsv4_node_chip_reset_running", "1 while a chip reset of the node runs.",
+                                value=float(ladder.get("state") == "resetting"))  # fmt: skip
         yield CounterMetricFamily("dsv4_node_redeploys", "Node redeploys (the guide's full stop-clean-start).",
                                   value=sup.redeploys.redeploys_total)  # fmt: skip
 

@@ -67,6 +67,7 @@ def status_payload(state: str, status: Mapping[str, Any], agent: Mapping[str, An
         "paused": status.get("paused"),
         "redeploying": status.get("redeploying"),
         "node_policy": dict(status.get("node_policy") or {}),
+        "isolated": status.get("isolated"),
         "components": {name: component_view(comp) for name, comp in (status.get("components") or {}).items()},
         "cache": dict(cache),
         "mqtt": {"dropped": dropped},

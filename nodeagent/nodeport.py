@@ -54,6 +54,8 @@ class NodePort:
         self._cluster_pause: dict[str, Any] | None = None
         """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
         self._recorded = frozenset(n for n in recorded if n in self.components)
+        self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
+        """The ladder's state for `NodeView.recovery` (`recovery.NodeRecovery` sets it when it attaches)."""
         self.node_gates: tuple[Callable[[Component, bool], Hold | None], ...] = (
             self._desired_hold, self._pause_hold, self.dependency_hold, self._redeploy_hold, self._dependency_hold)
         """The node's own gates, in `stackport.HOLD_ORDER`; the layers' gates follow them."""
@@ -103,7 +105,7 @@ class NodePort:
         return NodeView(node=self.config.node.name, paused=self.paused, pause=self.pause_info(),
                         redeploying=self.redeploying is not None and not self.redeploying.done(),
                         components={n: self.view(c) for n, c in self.components.items()},
-                        adoptable=self._recorded)  # fmt: skip
+                        adoptable=self._recorded, recovery=self.recovery_view())  # fmt: skip
 
     def component(self, name: str) -> ComponentView:
         return self.view(self.get(name))

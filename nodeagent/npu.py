@@ -342,17 +342,18 @@ class NpuTools:
             self._limits = {loop: asyncio.Semaphore(PARALLEL_CALLS)}
         return self._limits[loop]
 
-    async def _run(self, argv: list[str]) -> str:
+    async def _run(self, argv: list[str], answer: bytes | None = None, check: bool = True) -> str:
         async with self._limit():
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    *argv, stdin=asyncio.subprocess.DEVNULL if answer is None else asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True,
                 )  # fmt: skip
             except OSError as exc:
                 raise NpuToolError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
             try:
-                out, _ = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+                out, _ = await asyncio.wait_for(proc.communicate(answer), self.timeout_s)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, 9)
@@ -363,7 +364,7 @@ class NpuTools:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, 9)
         text = out.decode(errors="replace")
-        if proc.returncode != 0:
+        if proc.returncode != 0 and check:
             raise NpuToolError(f"{' '.join(argv[1:]) or argv[0]} exit {proc.returncode}: {_short(text) or 'no output'}")
         return text
 
@@ -371,6 +372,15 @@ class NpuTools:
         if tool is None:
             raise NpuToolError(f"{name} not found")
         return tool
+
+    async def reset(self, argv: list[str], answer: str = "y\n") -> str:
+        """`npu-smi set -t reset -i N -c 0` (argv from `ladder.reset_command`), answering its (Y/N) prompt. Raises
+        NpuToolError unless it exits 0 and says `Status : OK`."""
+        text = await self._run([self._need(self.npu_smi, "npu-smi"), *argv[1:]], answer.encode(), check=False)
+        if not re.search(r"^\s*Status\s*:\s*OK\s*$", text, re.MULTILINE):
+            said = [" ".join(line.split()) for line in text.splitlines() if re.match(r"\s*(Status|Message)\s*:", line)]
+            raise NpuToolError(f"{' '.join(argv[1:])}: {'; '.join(said) or _short(text) or 'no output'}")
+        return text
 
     async def info_text(self) -> str:
         return await self._run([self._need(self.npu_smi, "npu-smi"), "info"])

@@ -213,6 +213,10 @@ def openapi_document() -> dict[str, Any]:
             body={"type": "object", "additionalProperties": False,
                   "properties": {"npu": {"type": "integer", "minimum": 0}}},
         ),
+        "/uncordon": _post(
+            "Take an isolated node back: isolation ends, the chip-reset budget starts afresh, the NPU users start",
+            "uncordon", {"200": _OK, "409": _ERROR},
+        ),
         "/redeploy": _post(
             "The guide's node recovery: stop all in reverse order, clean residue, start all in order",
             "redeploy", {"202": _ACCEPTED},

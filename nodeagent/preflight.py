@@ -497,10 +497,22 @@ def check_ports_lint(ctx: _Ctx) -> Iterable[Check]:
                     f"{report.ephemeral[0]}-{report.ephemeral[1]} unreserved")  # fmt: skip
 
 
+def check_recovery(ctx: _Ctx) -> Iterable[Check]:
+    """Preflight: another chip resetter here (never both), the prefill side's KV abort timeout (#13240)."""
+    from nodeagent.launcher import base_environment
+    from nodeagent.preflight_recovery import abort_timeout_check, resetter_check
+    from nodeagent.recovery import running_resetter
+    from nodeagent.render import render_component
+
+    base = base_environment()
+    found = [*resetter_check(ctx.config, running_resetter),
+             *abort_timeout_check(ctx.config, lambda n: render_component(n, ctx.config, base).environment(base))]
+    yield from (Check(*row) for row in found)
+
 
 CHECKS: tuple[Callable[[_Ctx], Iterable[Check]], ...] = (
     check_npus, check_versions, check_memory, check_models, check_programs, check_network, check_peers, check_disk,
-    check_ports_lint,
+    check_ports_lint, check_recovery,
 )
 
 

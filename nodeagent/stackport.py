@@ -36,6 +36,13 @@ class HoldKind(StrEnum):
     NODE_REDEPLOY = "node_redeploy"
     DEPENDENCY = "dependency"
     CLUSTER_REDEPLOY = "cluster_redeploy"
+    ISOLATED = "isolated"
+    """The node is isolated (chip resets did not help, or a SeparateNPU fault): NPU users stay stopped until
+    `nodeagentctl uncordon`."""
+    NPU_RESET = "npu_reset"
+    """A chip reset is being carried out: every NPU user waits for it (a reset of one A2 NPU resets all eight)."""
+    MEMORY_HEADROOM = "memory_headroom"
+    """A crashed datasystem worker waits for the vLLM ranks that still map its shared memory to stop."""
     PREFLIGHT = "preflight"
     NPU_FAULT = "npu_fault"
     COORDINATION = "coordination"
@@ -128,6 +135,9 @@ class NodeView:
     components: Mapping[str, ComponentView]
     adoptable: frozenset[str] = frozenset()
     """Components whose process the previous agent recorded (being adopted at start)."""
+    recovery: Mapping[str, Any] | None = None
+    """The ladder past node redeploy (`nodeagent.recovery`): `{"state": "resetting"|"isolated", "reason", "drain"}`
+    while a chip reset runs or the node is isolated — its ranks must not arrive at a barrier; None otherwise."""
 
 
 class StackPort(Protocol):

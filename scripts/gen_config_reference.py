@@ -182,6 +182,8 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("agent.api", cm.ApiConfig, "agent-api"),
     ("agent.mqtt", cm.MqttConfig, "agent-mqtt"),
     ("agent.ui", cm.UiConfig, "agent-ui"),
+    ("recovery", cm.RecoveryConfig, "recovery"),
+    ("recovery.pd", cm.PdWatchConfig, "recovery-pd"),
     ("container", cm.ContainerConfig, "container"),
     ("components.NAME", cm.ComponentBase, "components"),
     ("components.NAME.depends_on.DEPENDENCY", cm.DependencyEdge, "depends_on"),

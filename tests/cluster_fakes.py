@@ -208,6 +208,8 @@ class FakeStack:
         self.commands: list[tuple[str, str, str]] = []
         self.on_wipe_etcd: Callable[[], None] | None = None
         self.adoptable: frozenset[str] = frozenset()
+        self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
+        """The node's ladder (`nodeagent.recovery.NodeRecovery` sets it when attached)."""
         self.agent_alive = True
         """False between an agent's death and its successor: nothing starts a process then."""
         self._poked = asyncio.Event()
@@ -358,7 +360,7 @@ class FakeStack:
     def snapshot(self) -> NodeView:
         return NodeView(node=self.node, paused=self.paused, pause=self.pause_info(), redeploying=False,
                         components={n: self.view(c) for n, c in self.components.items()},
-                        adoptable=self.adoptable)  # fmt: skip
+                        adoptable=self.adoptable, recovery=self.recovery_view())  # fmt: skip
 
     def component(self, name: str) -> ComponentView:
         if name not in self.components:

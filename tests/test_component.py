@@ -549,3 +549,31 @@ async def test_no_automatic_restart_of_a_component_desired_stopped(tmp_path: Pat
         assert r.count("b") == 1
     finally:
         await stop(r)
+
+
+async def test_a_start_that_lost_a_port_race_is_retried_without_counting(tmp_path: Path) -> None:
+    """issue 19 item 4 (vllm-ascend #15358, #16237): "Address already in use" before the start came up is retried
+    after a jittered 1-5 s, not counted; the fourth in a row counts as usual (a real collision)."""
+    clock = FakeClock()
+    text = config_text(tmp_path / "state").replace(
+        'probes: {liveness:', 'probes: {startup: [{kind: exec, command: ["true"], initial_delay_s: 3600}], liveness:')
+    sup = Supervisor(parse_config(text), EventBus(), clock)
+    r = Rig(sup, clock)
+    sup.output_tail = lambda comp, proc: ("zmq.error.ZMQError: Address already in use (addr='tcp://10.0.0.1:53421')",)  # type: ignore[method-assign]
+    await sup.start()
+    b = sup.components["b"]
+    try:
+        for attempt in range(1, 4):
+            await until(f"start {attempt}", lambda a=attempt: r.count("b") == a and b.record is not None)
+            r.crash("b")
+            await until(f"retry {attempt}", lambda a=attempt: r.count("b") == a + 1)
+        assert b.restarts == 0 and b.failure is None, "three lost races in a row: none counted"
+        retries = [e for e in sup.events.recent if e.component == "b" and e.data.get("bind_race_retry")]
+        assert [e.data["bind_race_retry"] for e in retries] == [1, 2, 3]
+        assert "port 53421 was taken during the start" in retries[0].message
+        assert all(1.0 <= e.data["delay_s"] <= 5.0 for e in retries)
+        await until("start 4", lambda: b.record is not None)
+        r.crash("b")
+        await until("the fourth counts", lambda: b.restarts == 1)
+    finally:
+        await stop(r)

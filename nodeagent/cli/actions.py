@@ -235,6 +235,8 @@ def cmd_simple(args: argparse.Namespace) -> int:
         print(f"reload: restarted {', '.join(data.get('restarted', [])) or 'nothing'}")
     elif action == "detach":
         print("detach: the agent exits leaving the stack running; the next agent adopts it")
+    elif action == "uncordon":
+        print(f"uncordon: the node is back (it was isolated: {data.get('was_isolated')}); its NPU users start")
     elif action == "reset":
         print(f"reset: restart counters cleared ({args.component or 'all components and the node state'})")
     else:

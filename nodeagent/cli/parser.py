@@ -136,6 +136,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     reset = add("reset", "clear restart counters (crash loop, backoff); without COMPONENT also the node's failed state",
                 "actions:cmd_simple")  # fmt: skip
     reset.add_argument("component", nargs="?")
+    add("uncordon", "take an isolated node back (chip resets did not help, or an NPU had to be separated)",
+        "actions:cmd_simple")
     add("pause", "maintenance pause: no automatic restarts or redeploys", "actions:cmd_simple")
     add("resume", "end the maintenance pause", "actions:cmd_simple")
     add("detach", "the agent exits, leaving the stack running for the next agent to adopt", "actions:cmd_simple")

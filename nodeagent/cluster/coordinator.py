@@ -399,9 +399,10 @@ class Coordinator:
     @staticmethod
     def _wants_start(gs: GangState, here: NodeView) -> bool:
         """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
-        its dependencies up (the worker is ready): this node may arrive at the group's start barrier."""
+        its dependencies up (the worker is ready), no chip reset or isolation here: this node may arrive at the
+        group's start barrier."""
         ranks = [here.components[c] for c in gs.components]
-        return all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
+        return here.recovery is None and all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
 
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted

@@ -156,7 +156,8 @@ def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity
     comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready"), **_load_brief(c)}
              for n, c in status.get("components", {}).items()}  # fmt: skip
     return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
-            "gangs": status.get("gangs") or {}, "agent": identity.to_dict()}  # fmt: skip
+            "gangs": status.get("gangs") or {}, "agent": identity.to_dict(),
+            "isolated": status.get("isolated"), "kv_transfers": status.get("kv_transfers") or []}  # fmt: skip
 
 
 # ---- the view of the others -----------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ UP = ("running", "ready")
 
 def group_healthy(group: Group, members: dict[str, dict[str, Any]], generation: int | None) -> tuple[bool, str]:
     """(healthy, why not) from the members' records (pure)."""
+    for node in group.nodes:  # an isolated member first: it is why the others wait
+        if (members.get(node) or {}).get("isolated"):
+            return False, f"{node} is isolated: {members[node]['isolated']}"
     for proc in group.processes:
         record = members.get(proc.node)
         if record is None:

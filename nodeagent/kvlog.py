@@ -1,0 +1,93 @@
+"""KV transfer failures of this node's PD ranks, read from their logs (issue 19 item 6; the lines and the rules
+are `kvtimeouts`). Each failure is counted for (this rank's group, the peer's group) and the recent ones are
+published in /status → the member record (`kv_transfers: [[time, engine, peer], ...]`), where the PD proxy's
+node sums them per pair (`cluster/pd_watch.py`) and restarts the side that fails with every peer.
+
+Reads the components' log files (`log_dir/<component>.log`); under journald (systemd) the lines are in the
+journal instead and nothing is counted here (left for a journal reader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from nodeagent import logsink
+from nodeagent.host import Clock
+from nodeagent.kvtimeouts import TransferTimeouts, layout_resolver
+from nodeagent.layout import cluster_layout
+
+if TYPE_CHECKING:
+    from nodeagent.config_model import Config
+    from nodeagent.failure import Failure
+    from nodeagent.stackport import ComponentView, Hold, StackPort
+
+PERIOD_S = 2.0
+PUBLISHED = 200
+
+
+class KvTransferLog:
+    """A `NodeLayer` that only reports: it follows the PD ranks' logs and adds `kv_transfers` to /status."""
+
+    def __init__(self, config: Config, port: StackPort, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or Clock()
+        layout = cluster_layout(config)
+        kinds = {g.name: g.kind for g in layout.groups if g.kind in ("prefill", "decode")}
+        rc = config.recovery.pd
+        self.counter = TransferTimeouts(kinds, threshold=rc.transfer_threshold, window_s=rc.transfer_window_s)
+        self.resolve = layout_resolver(layout)
+        mine = [g for g in layout.groups if g.name in kinds and config.node.name in g.nodes]
+        self.engines = {c: g.name for g in mine for c in g.components(config.node.name)
+                        if c in config.active_components()}  # fmt: skip
+        self.offsets: dict[str, int] = {}
+        port.attach(self)
+
+    def feed(self, component: str, lines: list[str]) -> None:
+        engine = self.engines.get(component)
+        if engine is None:
+            return
+        for line in lines:
+            self.counter.record(engine, line, self.clock.time(), self.resolve)
+
+    def read_new(self, component: str) -> list[str]:
+        path = logsink.log_path(self.config.agent.log_dir, component)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return []
+        start = self.offsets.get(component, size)  # from now on: what was logged before is history
+        if size < start:
+            start = 0  # rotated (copytruncate)
+        self.offsets[component] = size
+        if size == start:
+            return []
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(size - start).decode(errors="replace").splitlines()
+
+    async def run(self) -> None:
+        if logsink.use_journal() or not self.engines:
+            return
+        while True:
+            for component in self.engines:
+                with contextlib.suppress(OSError):
+                    self.feed(component, await asyncio.to_thread(self.read_new, component))
+            await self.clock.sleep(PERIOD_S)
+
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        return None
+
+    def decide(self, comp: ComponentView, failure: Failure) -> None:
+        return None
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> None:
+        return None
+
+    def status_section(self) -> dict[str, Any]:
+        self.counter.pair_counts(self.clock.time())  # trims the window
+        return {"kv_transfers": [[round(t, 3), e, p] for t, e, p in list(self.counter.events)[-PUBLISHED:]]}
+
+    def on_node_change(self) -> None:
+        pass
