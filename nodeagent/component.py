@@ -23,10 +23,11 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.bindrace import BindRaceRetries
+from nodeagent.component_status import component_status
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
 from nodeagent.host import Clock, Process, StartHeld
-from nodeagent.loadtime import LOADS_KEPT, load_status
+from nodeagent.loadtime import LOADS_KEPT
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
@@ -571,32 +572,5 @@ class Component:
     def is_up(self) -> bool:
         return self.state in UP_STATES
 
-    def _loading_for(self, now: float) -> float | None:
-        """Seconds this launch has been loading (not for an adopted process: its start is not ours to time)."""
-        if self.state != State.STARTING or self.record is None or not self.started_at or self.adopted:
-            return None
-        return now - self.started_at
-
     def status(self) -> dict[str, Any]:
-        now = self.host.clock.time()
-        failure = self.failure
-        return {
-            "kind": self.kind,
-            "state": str(self.state),
-            "pid": self.record.pid if self.record else None,
-            "ready": self.ready,
-            "ready_blockers": dict(self.ready_blockers),
-            "up": self.up.is_set(),
-            "restarts": self.restarts,
-            "restarts_by_cause": dict(self.restarts_by_cause),
-            "started_at": self.started_at if self.record else None,
-            "uptime_s": round(now - self.started_at, 1) if self.started_at and self.record else None,
-            "last_exit": self.last_exit,
-            "load": load_status(self.loads, self._loading_for(now)),
-            "failure": failure.to_dict() if failure is not None and self.state == State.FAILED else None,
-            "backoff_remaining_s": round(self.backoff_until - now, 1) if self.backoff_until else None,
-            "held": self.held if self.record is None else None,
-            "hold": self.hold.to_dict() if self.hold is not None and self.record is None else None,
-            "probes": self.prober.snapshot() if self.prober is not None else {},
-            **self.extra_status,
-        }
+        return component_status(self, self.host.clock.time())
