@@ -807,10 +807,12 @@ async def test_counters_move_per_step_and_freeze_in_a_hang_under_load(launcher: 
             async def settled() -> dict[str, float]:
                 for _ in range(100):
                     now = await values()
-                    if now["num_requests_running"] == 2 and now["generation_tokens_total"] > 0:
+                    # both prefills done (a loaded machine can show 2 running while the second still prefills)
+                    if now["num_requests_running"] == 2 and now["prompt_tokens_total"] >= 2 * prompt \
+                            and now["generation_tokens_total"] > 0:  # fmt: skip
                         return now
                     await asyncio.sleep(0.05)
-                raise AssertionError(f"never saw 2 running: {now}")
+                raise AssertionError(f"never saw 2 running with both prefills done: {now}")
 
             first = await settled()
             assert first["num_requests_waiting"] == 1  # --max-num-seqs 2: the third request waits
