@@ -182,3 +182,16 @@ async def test_without_the_config_there_is_no_rung(make_world: Callable[..., Wor
     world = await cold(make_world, ft=None)
     await world.advance(30)
     assert "fault_tolerance" not in world.stacks["n0"].status()
+
+
+def test_the_status_table_names_a_rung_at_work_and_keeps_quiet_otherwise() -> None:
+    from nodeagent.cli.status import format_fault_tolerance
+
+    watching = {"rung": "watching", "recovered": 2, "escalated": 0, "ladder": []}
+    sent = {"rung": "retry sent", "recovered": 2, "escalated": 0,
+            "ladder": [{"detail": "rank 1 unhealthy"}, {"detail": "retry sent to rank 1; waiting up to 30 s"}]}
+    said = {"rung": "unsupported", "reason": "the vLLM serves no /fault_tolerance routes", "ladder": []}
+    assert format_fault_tolerance({"g": watching}) == []
+    assert format_fault_tolerance({"g": sent, "h": said}) == [
+        "fault tolerance g: retry sent — retry sent to rank 1; waiting up to 30 s (recovered 2, escalated 0)",
+        "fault tolerance h: unsupported — the vLLM serves no /fault_tolerance routes (recovered 0, escalated 0)"]

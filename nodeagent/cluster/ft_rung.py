@@ -352,8 +352,8 @@ class FtRung:
         """A rank's process is gone (an exit, or stopped after a failed probe): a retry cannot bring back a lost
         rank. Noted as the skipped rung; the coordinator decides the gang restart."""
         g = self.by_component.get(comp.name)
-        if g is None:
-            return None
+        if g is None or failure.permanent:
+            return None  # a permanent failure is this node's (no group restart): not a rung of the ladder
         if g.in_episode:
             self._close(g, "superseded", f"{comp.name}: {failure.detail}")
         why = (f"vLLM cannot retry ({g.reason})" if g.supported is False
