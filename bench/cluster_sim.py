@@ -130,6 +130,9 @@ class SimHost:
         if self.on_emit is not None:
             self.on_emit(kind, data)
 
+    def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
+        self.emit("postmortem", f"{detail}; next: {decision}", name, "warning", ladder=list(ladder))
+
     def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
         self._cluster_pause = info
 

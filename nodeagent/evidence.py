@@ -63,14 +63,16 @@ class PostMortems:
         )  # fmt: skip
 
     def archive(self, name: str, failure: Failure, evidence: Evidence | None, tree: Any,
-                decision: RestartDecision | None) -> None:  # fmt: skip
-        """Complete the evidence with the stop's tree and the decision, and write the bundle in the background."""
+                decision: RestartDecision | None, delegated: str | None = None) -> None:  # fmt: skip
+        """Complete the evidence with the stop's tree, the decision (`delegated`: what a layer does instead, the
+        gang restart) and the events since the capture (what was decided), and write the bundle in the background."""
         if evidence is None:
             return
         evidence.failure = failure.to_dict()
         evidence.tree = list(tree or [])
-        evidence.decision = "no automatic action" if decision is None else (
-            f"{decision.action} in {decision.delay_s:.0f}s: {decision.reason}")  # fmt: skip
+        evidence.decision = delegated or ("no automatic action" if decision is None else (
+            f"{decision.action} in {decision.delay_s:.0f}s: {decision.reason}"))  # fmt: skip
+        evidence.events = [e.to_dict() for e in self.events.recent if e.component == name][-EVENTS_KEPT:]
         self._spawn(asyncio.create_task(self._write(name, evidence), name=f"postmortem:{name}"))
 
     async def _write(self, name: str, evidence: Evidence) -> None:

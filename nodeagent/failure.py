@@ -68,7 +68,7 @@ class Failure:
         return {"exit": "crash", "startup": "probe", "liveness": "probe"}.get(self.what, "launch")
 
     what: str
-    """precheck | launch | exit | startup | liveness"""
+    """precheck | launch | exit | startup | liveness | engine_fault (the process alive, its engine not)"""
     detail: str
     code: int | None = None
     uptime_s: float | None = None

@@ -23,6 +23,8 @@ class FaultToleranceSpec(Strict):
     """--fault-tolerance-config's engine_recovery_timeout_sec: how long a faulty engine waits for a retry."""
     retry_timeout_s: float = Field(default=60.0, gt=0)
     """How long the agent waits for a sent retry to bring every rank back to healthy; less than the above."""
+    status_interval_s: float = Field(default=2.0, gt=0)
+    """How often the agent reads each local rank's /fault_tolerance/status (twice as often during a fault)."""
     all2all_backend: str | None = "deepep_low_latency"
     """--all2all-backend; vLLM 0.32 needs deepep_low_latency or nixl_ep with FT. null: not rendered."""
 

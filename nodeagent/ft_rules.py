@@ -5,7 +5,9 @@ group in place: on a fault each engine goes `unhealthy`, aborts its requests and
 `engine_recovery_timeout_sec` for a `retry`, which rebuilds the data-parallel process group from *every* rank of
 the group (docs/architecture.md, "vLLM fault tolerance"). So a retry helps only while every rank is alive and
 has seen the fault; a rank that is gone, `dead`, or silent can only be brought back by the gang restart, and a
-retry that fails or runs out of time escalates at once — one retry per fault episode, never a loop.
+retry that fails or runs out of time escalates at once — one retry per fault episode, never a loop. Each agent
+judges and instructs its own node's ranks (`FtSituation.ranks`); the peers' agents do the same, and whichever
+escalates first asks the group's one new generation.
 
 0.32 has no `pause` instruction and no timeout in the request: the timeout here is ours (how long the agent waits
 for the ranks to report `healthy` again), capped by the engines' own recovery timeout.
@@ -56,7 +58,9 @@ class Attempt:
 class FtSituation:
     """Everything the rule looks at; `fault_at` is when the episode's first fault was seen (None: no fault)."""
 
-    group_size: int
+    ranks: tuple[int, ...]
+    """The DP ranks this agent watches and instructs: its node's ranks of the group. Each agent retries its own;
+    vLLM's retry completes once every rank of the group was told (the peers' agents do the same)."""
     statuses: Mapping[int, RankStatus]
     asked: bool
     """The config enables fault tolerance for this group."""
@@ -118,7 +122,7 @@ def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
 
 def _missing_or_gone(s: FtSituation) -> list[int]:
     gone = []
-    for rank in range(s.group_size):
+    for rank in s.ranks:
         status = s.statuses.get(rank)
         if status is None or status.state in GONE_STATES:
             gone.append(rank)
@@ -137,11 +141,11 @@ def _judge_attempt(s: FtSituation, attempt: Attempt) -> Decision:
     gone = _missing_or_gone(s)
     if gone:
         return Escalate(f"rank {_ranks(gone)} lost during the retry")
-    if all(s.statuses[rank].state == "healthy" for rank in range(s.group_size)):
+    if all(s.statuses[rank].state == "healthy" for rank in s.ranks):
         return Recovered(attempt)
     if s.now >= attempt.deadline:
         return Escalate(f"retry timed out after {attempt.deadline - attempt.at:.0f} s")
-    waiting = [r for r in range(s.group_size) if s.statuses[r].state != "healthy"]
+    waiting = [r for r in s.ranks if s.statuses[r].state != "healthy"]
     return WaitRetry(attempt.deadline, f"retry sent; rank {_ranks(waiting)} not healthy yet")
 
 
@@ -161,7 +165,7 @@ def decide(s: FtSituation) -> Decision:
         return Escalate(f"rank {s.failed_rank} is gone: a retry needs every rank of the group alive")
     if gone:
         return Escalate(f"rank {_ranks(gone)} gone (dead or not answering): a retry needs every rank alive")
-    unhealthy = [r for r in range(s.group_size) if s.statuses[r].state == "unhealthy"]
+    unhealthy = [r for r in s.ranks if s.statuses[r].state == "unhealthy"]
     if not unhealthy:
         if s.failed_rank is not None:
             return Escalate(f"rank {s.failed_rank} failed but every rank reports healthy: not a fault a retry "
@@ -171,14 +175,14 @@ def decide(s: FtSituation) -> Decision:
     engines_give_up = fault_at + s.recovery_timeout_s
     if s.now >= engines_give_up:
         return Escalate(f"the engines' recovery timeout ({s.recovery_timeout_s:.0f} s) has passed")
-    if len(unhealthy) < s.group_size:
+    if len(unhealthy) < len(s.ranks):
         # The peers of a faulty rank notice it at their next all2all; retry must reach all of them at once.
         latest_send = engines_give_up - s.retry_timeout_s
-        healthy = [r for r in range(s.group_size) if r not in unhealthy]
+        healthy = [r for r in s.ranks if r not in unhealthy]
         if s.now >= latest_send:
             return Escalate(f"rank {_ranks(healthy)} never reported the fault of rank {_ranks(unhealthy)}")
         return WaitRetry(latest_send, f"rank {_ranks(unhealthy)} unhealthy, waiting for rank {_ranks(healthy)}")
-    return Instruct(tuple(range(s.group_size)), "retry", min(s.retry_timeout_s, engines_give_up - s.now))
+    return Instruct(tuple(s.ranks), "retry", min(s.retry_timeout_s, engines_give_up - s.now))
 
 
 def attempt_for(decision: Instruct, now: float, request_ids: Mapping[int, str]) -> Attempt:

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.failure import Failure
 from nodeagent.policy import hold_for_dependency
 from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeLayer, NodeView, first_hold
 
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
     from nodeagent.component import Component
     from nodeagent.config_model import Config
     from nodeagent.events import EventBus
-    from nodeagent.failure import Failure
+    from nodeagent.evidence import PostMortems
     from nodeagent.intent import NodeIntent
     from nodeagent.policy import RestartDecision
+    from nodeagent.postmortem import Evidence
 
 WAIT_CONDITIONS = ("stopped", "up")
 
@@ -37,6 +39,7 @@ class NodePort:
     components: dict[str, Component]
     intent_store: NodeIntent
     redeploying: asyncio.Task[None] | None
+    postmortems: PostMortems
 
     if TYPE_CHECKING:  # the supervisor's own, used here
 
@@ -45,6 +48,7 @@ class NodePort:
         def deps(self, comp: Component) -> list[str]: ...
         def on_state(self, comp: Component | None = None) -> None: ...
         def etcd_reachable(self) -> bool: ...
+        def capture(self, comp: Component, failure: Failure) -> Evidence: ...
         async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
                           wipe_etcd: bool = False) -> None: ...  # fmt: skip
 
@@ -132,6 +136,13 @@ class NodePort:
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
+
+    def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
+        comp = self.get(name)
+        failure = Failure("engine_fault", detail)
+        evidence = self.capture(comp, failure)
+        evidence.ladder = [dict(step) for step in ladder]
+        self.postmortems.archive(name, failure, evidence, [], None, decision)  # the tree runs on until the restart
 
     def wake(self) -> None:
         """Something a gate reads changed: every waiting component re-checks its gate now."""

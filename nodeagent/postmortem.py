@@ -53,6 +53,9 @@ class Evidence:
     """Where a core dump of the failed process would land (its cwd)."""
     extra_files: list[str] = field(default_factory=list)
     """Logs the component writes itself (the datasystem worker's own log folder)."""
+    ladder: list[dict[str, Any]] = field(default_factory=list)
+    """A data-parallel group's recovery ladder up to here: each rung (vLLM's FT retry, the gang restart) and what
+    happened at it."""
 
     def manifest(self) -> dict[str, Any]:
         data = asdict(self)

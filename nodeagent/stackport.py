@@ -165,6 +165,10 @@ class StackPort(Protocol):
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None: ...  # fmt: skip
 
+    def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
+        """A post-mortem of a component that did not fail by itself but that the cluster layer restarts (an engine
+        fault vLLM's retry did not recover): its evidence as at a failure, with the ladder and what comes next."""
+
     def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
         """The cluster-wide pause as read from etcd (None: none). The node stores it once, here."""
 

@@ -72,6 +72,8 @@ class Supervisor(NodePort):
         self._init_port(self.store.load_children())  # the node's gates and the layers' (nodeport)
         self.postmortems = PostMortems(lambda: self.config, self.events, self._keep,
                                        lambda: self.npu.status() if self.npu is not None else None)  # fmt: skip
+        self._delegated: dict[str, str] = {}
+        """What a layer does instead of the policy for a failure (the gang restart), for its post-mortem."""
         self.probe_ctx = ProbeContext()
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -359,7 +361,7 @@ class Supervisor(NodePort):
 
     def archive(self, comp: Component, failure: Failure, evidence: Evidence | None, tree: Any,
                 decision: RestartDecision | None) -> None:  # fmt: skip
-        self.postmortems.archive(comp.name, failure, evidence, tree, decision)
+        self.postmortems.archive(comp.name, failure, evidence, tree, decision, self._delegated.pop(comp.name, None))
 
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
         """What a failure leads to. The node's gates first (a desired stop or a pause leaves it alone; the
@@ -374,6 +376,7 @@ class Supervisor(NodePort):
             return None
         verdict = self.layer_decision(comp, failure)
         if isinstance(verdict, str):
+            self._delegated[comp.name] = f"delegated: {verdict}"
             comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
             self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",
                              action="delegated", permanent=failure.permanent is not None,

@@ -24,6 +24,7 @@ from typing import Any
 
 from cluster_harness import ClusterHarness
 from fakestore import FakeStore
+from ft_fakes import FakeFtApi
 
 from nodeagent.cluster.coordinator import Coordinator
 from nodeagent.cluster.membership import Membership
@@ -206,6 +207,8 @@ class FakeStack:
         """Every restart the cluster layer asked: (component, reason, planned)."""
         self.cleaned: list[tuple[str, str, bool]] = []
         self.commands: list[tuple[str, str, str]] = []
+        self.postmortems: list[dict[str, Any]] = []
+        """Post-mortems the cluster layer asked for (a component that did not fail by itself)."""
         self.on_wipe_etcd: Callable[[], None] | None = None
         self.adoptable: frozenset[str] = frozenset()
         self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
@@ -414,6 +417,10 @@ class FakeStack:
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
 
+    def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
+        self.postmortems.append({"component": name, "detail": detail, "ladder": [dict(s) for s in ladder],
+                                 "decision": decision})  # fmt: skip
+
     def set_cluster_pause(self, info: Mapping[str, Any] | None) -> None:
         info = dict(info) if info is not None else None
         if info != self._cluster_pause:
@@ -487,7 +494,8 @@ class World:
     """Agents of one cluster on one FakeStore, one virtual clock and (optionally) one fake proxy."""
 
     def __init__(self, home: Path, names: Sequence[str], groups: list[dict[str, Any]] | None = None,
-                 proxy: bool = False) -> None:  # fmt: skip
+                 proxy: bool = False, ft: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """ft: the vllm component's `fault_tolerance` key; the agents then call a `ft_fakes.FakeFtApi`."""
         self.clock = VirtualClock()
         self.store = FakeStore(now=self.clock.time())
         self.clock.on_tick.append(self.store.advance)
@@ -501,6 +509,10 @@ class World:
                                                         "port": 42000, "host": "127.0.0.1"}  # fmt: skip
         self.stacks: dict[str, FakeStack] = {}
         self.agents: dict[str, Agent] = {}
+        self.ft: FakeFtApi | None = None
+        if ft is not None:
+            self.harness.data["components"]["vllm"]["fault_tolerance"] = ft
+            self.ft = FakeFtApi(self)
 
     def config(self, name: str) -> Config:
         return load_config(self.harness.write(name))
@@ -519,7 +531,7 @@ class World:
             plan = cluster_layout(config).proxies[0]
             self.proxy = FakeProxy(plan.prefillers, plan.decoders)
         post = self.proxy.post if self.proxy is not None else None
-        coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post)
+        coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)
         membership.start()
         coordinator.start()
@@ -567,3 +579,5 @@ class World:
             await agent.membership.stop(leave=False)
         for stack in self.stacks.values():
             await stack.close()
+        if self.ft is not None:
+            await self.ft.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,32 @@ def listener() -> Iterator[subprocess.Popen[bytes]]:
     yield proc
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked, not claimed: a process-less test (the cluster layer's, the ladder's) may start no process."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a process-less test started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
+
+
+@pytest.fixture
+async def worlds(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Make `cluster_fakes.World`s (each in its own folder; all closed at the end): `worlds(names, groups, ...)`."""
+    from cluster_fakes import World
+
+    made: list[World] = []
+
+    def make(names: list[str], groups: list[dict[str, Any]] | None, proxy: bool = True,
+             ft: dict[str, Any] | None = None) -> World:  # fmt: skip
+        made.append(World(tmp_path / f"w{len(made)}", names, groups, proxy, ft))
+        return made[-1]
+
+    yield make
+    for world in made:
+        await world.close()

@@ -6,10 +6,7 @@ the proxy following the gangs."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,29 +20,15 @@ GROUPS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checked, not claimed: nothing here may start a process."""
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError(f"a cluster-layer test started a process: {args[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
+pytestmark = pytest.mark.usefixtures("no_processes")
 
 
 @pytest.fixture
-async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., World]]:
-    made: list[World] = []
-
+def make_world(worlds: Callable[..., World]) -> Callable[..., World]:
     def make(names: list[str] = NODES, groups: list[dict[str, Any]] | None = GROUPS, proxy: bool = True) -> World:
-        made.append(World(tmp_path / f"w{len(made)}", names, groups, proxy))
-        return made[-1]
+        return worlds(names, groups, proxy)
 
-    yield make
-    for world in made:
-        await world.close()
+    return make
 
 
 async def cold(make_world: Callable[..., World], **kw: Any) -> World:

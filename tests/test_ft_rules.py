@@ -32,7 +32,7 @@ def _statuses(*states: str, **extra: dict[str, str]) -> dict[int, RankStatus]:
 
 
 def _situation(*states: str, now: float = T0, **kw: object) -> FtSituation:
-    base = FtSituation(group_size=len(states), statuses=_statuses(*states), asked=True, supported=True,
+    base = FtSituation(ranks=tuple(range(len(states))), statuses=_statuses(*states), asked=True, supported=True,
                        support_reason="vllm 0.32.0", now=now, recovery_timeout_s=120, retry_timeout_s=30,
                        fault_at=T0)
     return replace(base, **kw)  # type: ignore[arg-type]

@@ -889,3 +889,16 @@ def test_a_multi_node_dp_group_is_one_unit(launcher: Launcher) -> None:
     head2.proc.kill()
     wait_until("the headless node to exit", lambda: headless2.proc.poll() is not None, 20.0)
     assert headless2.proc.returncode == 1 and "head is gone" in headless2.output()
+
+
+def test_an_externally_balanced_rank_serves_on_its_own() -> None:
+    """One `vllm serve` per rank (--data-parallel-rank): no head waits for it and none binds the RPC port, so two
+    ranks of one group run side by side on one machine; the internal launch's head and headless stay as they were."""
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+          "--data-parallel-rpc-port", "5000"]
+    for rank in ("0", "1"):
+        assert parse_serve_args([MODEL_PATH, *dp, "--data-parallel-rank", rank]).dp is None
+    head = parse_serve_args([MODEL_PATH, *dp]).dp
+    assert head is not None and not head.headless
+    headless = parse_serve_args([MODEL_PATH, *dp, "--headless", "--data-parallel-start-rank", "1"]).dp
+    assert headless is not None and headless.headless and headless.start_rank == 1

@@ -91,7 +91,7 @@ async def set_fault(session: aiohttp.ClientSession, instance: StandIn, mode: str
 
 
 def situation(seen: dict[int, RankStatus], now: float, **kw: object) -> FtSituation:
-    return FtSituation(group_size=2, statuses=seen, asked=True, supported=True, support_reason="endpoint", now=now,
+    return FtSituation(ranks=(0, 1), statuses=seen, asked=True, supported=True, support_reason="endpoint", now=now,
                        recovery_timeout_s=30, retry_timeout_s=10, fault_at=now, **kw)  # type: ignore[arg-type]
 
 

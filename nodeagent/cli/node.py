@@ -78,6 +78,8 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
         failure = manifest.get("failure") or {}
         print(f"{manifest['component']} ({manifest['kind']}) failed {time.ctime(manifest['at'])}: "
               f"{failure.get('permanent') or failure.get('detail')}")
+        for step in manifest.get("ladder") or []:
+            print(f"ladder: {step.get('rung')} {step.get('outcome')}: {step.get('detail')}")
         print(f"next: {manifest.get('decision')}")
         print(f"command: {' '.join((manifest.get('command') or {}).get('argv') or [])[:300]}")
         for proc in manifest.get("tree") or []:

@@ -60,6 +60,19 @@ def format_mqtt(mqtt: dict[str, Any], now: float) -> str:
     return f"mqtt: {link} · queued {mqtt.get('queued', 0)} · dropped {mqtt.get('dropped', 0)}"
 
 
+def format_fault_tolerance(groups: dict[str, Any]) -> list[str]:
+    """One line per group whose FT rung is not quietly watching: a fault under way, or a vLLM that cannot."""
+    lines = []
+    for name, g in groups.items():
+        if g.get("rung") == "watching":
+            continue
+        last = (g.get("ladder") or [{}])[-1]
+        why = g.get("reason") if g.get("rung") == "unsupported" else last.get("detail", "")
+        lines.append(f"fault tolerance {name}: {g.get('rung')} — {why} (recovered {g.get('recovered', 0)}, "
+                     f"escalated {g.get('escalated', 0)})")
+    return lines
+
+
 def format_status(data: dict[str, Any], now: float | None = None, wide: bool = False) -> str:
     """The table; `wide`: LAST EXIT and NOTE whole (the terminal wraps them) instead of cut with `…`."""
     now = time.time() if now is None else now
@@ -78,6 +91,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
         flags.append("AGENT STOPPING")
     if data.get("mqtt"):
         flags.append(format_mqtt(data["mqtt"], now))
+    flags += format_fault_tolerance(data.get("fault_tolerance") or {})
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from nodeagent.cluster import rules
+from nodeagent.cluster.ft_rung import FtClient, FtRung
 from nodeagent.cluster.ops import ClusterOps
 from nodeagent.cluster.proxy_sync import ProxyPost, ProxySync
 from nodeagent.cluster.store import KV, Change, Resync, StoreError
@@ -34,7 +35,6 @@ from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from nodeagent.cluster.membership import Membership
-    from nodeagent.cluster.ops import ClusterOps
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
 
@@ -84,9 +84,10 @@ class Coordinator:
     """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
 
     def __init__(self, config: Config, port: StackPort, membership: Membership, *, clock: Clock | None = None,
-                 operations: bool = True, proxy_post: ProxyPost | None = None) -> None:  # fmt: skip
+                 operations: bool = True, proxy_post: ProxyPost | None = None,
+                 ft_client: FtClient | None = None) -> None:  # fmt: skip
         """operations: run the cluster redeploy and remote commands too (`ops.ClusterOps`; the scale simulation
-        leaves them out). proxy_post: how the PD proxy is called (tests give a fake proxy)."""
+        leaves them out). proxy_post, ft_client: how the PD proxy and vLLM's FT API are called (tests: fakes)."""
         self.config = config
         self.clock = clock or Clock()
         self.port = port
@@ -128,6 +129,7 @@ class Coordinator:
         self._tasks: list[asyncio.Future[Any]] = []
         self._wake = asyncio.Event()
         self.ops = ClusterOps(self, self.clock) if operations else None
+        self.ft = FtRung(self, self.clock, ft_client)  # attaches first: it sees every rank failure, takes none
         port.attach(self)
 
     # ---- persistence ------------------------------------------------------------------------------------------
@@ -148,7 +150,8 @@ class Coordinator:
                        asyncio.create_task(self._watch(p + "barriers/", self._on_barrier), name="cluster:barriers"),
                        asyncio.create_task(self._watch(rules.pause_key(self.cluster), self._on_pause),
                                            name="cluster:pause"),
-                       asyncio.create_task(self._work(), name="cluster:work")]  # fmt: skip
+                       asyncio.create_task(self._work(), name="cluster:work"),
+                       asyncio.create_task(self.ft.run(), name="cluster:fault-tolerance")]  # fmt: skip
         for proxy in self.proxies:
             self._tasks.append(asyncio.create_task(proxy.run(), name=f"cluster:proxy:{proxy.plan.component}"))
         for key, apply in self.ops.watches() if self.ops is not None else ():

@@ -203,6 +203,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
             "--data-parallel-start-rank",
             "--data-parallel-address",
             "--data-parallel-rpc-port",
+            "--data-parallel-rank",
         ):
             if value is None:
                 raise UsageError(f"argument {name}: expected one argument")
@@ -244,7 +245,9 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
                       options["--data-parallel-address"],
                       _parse_int("--data-parallel-rpc-port", options.get("--data-parallel-rpc-port", "29550")),
                       "--headless" in flags_seen)  # fmt: skip
-        args.dp = plan if plan.multi_node else None
+        # An externally balanced rank (--data-parallel-rank: one `vllm serve` per rank) serves on its own: only the
+        # internal launch's head waits for headless nodes here (FT's group folder links external ranks).
+        args.dp = plan if plan.multi_node and "--data-parallel-rank" not in options else None
     args.enable_prefix_caching = "--no-enable-prefix-caching" not in flags_seen
     args.access_log = "--disable-uvicorn-access-log" not in flags_seen
     args.log_stats = "--disable-log-stats" not in flags_seen
