@@ -53,10 +53,13 @@ class Evidence:
     """Where a core dump of the failed process would land (its cwd)."""
     extra_files: list[str] = field(default_factory=list)
     """Logs the component writes itself (the datasystem worker's own log folder)."""
+    texts: dict[str, str] = field(default_factory=dict)
+    """More files for the bundle, by name (the container engine's `inspect` of a dead container)."""
 
     def manifest(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("metrics", None)
+        data["texts"] = sorted(self.texts)
         data["metrics_at"] = self.metrics[0] if self.metrics else None
         return data
 
@@ -150,6 +153,8 @@ async def write_bundle(evidence: Evidence, folder: Path, keep: int, npu_text: st
                 _add(tar, f"{bid}/metrics.txt", evidence.metrics[1].encode())
             if npu_text:
                 _add(tar, f"{bid}/npu-smi-info.txt", npu_text.encode())
+            for name, text in evidence.texts.items():
+                _add(tar, f"{bid}/{name}", text.encode())
             for extra in evidence.extra_files:
                 if os.path.isdir(extra):
                     _add_tree(tar, extra, f"{bid}/{os.path.basename(extra.rstrip('/'))}")

@@ -12,7 +12,8 @@ import json
 import shlex
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nodeagent.config_container import ContainerConfig
@@ -124,3 +125,49 @@ def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | 
 
 exec_argv = ContainerSpec.exec_argv
 """`exec_argv(spec, argv, env, cwd)`: the engine command that runs a component inside the container."""
+
+
+def _mounted_at_same_path(options: Sequence[RunOption], path: Path) -> bool:
+    """A `-v SRC:DST` of the line with SRC == DST covers `path` (the container sees it where the host does)."""
+    for opt in options:
+        if opt.canonical != "--volume" or not opt.value:
+            continue
+        parts = opt.value.split(":")
+        if len(parts) >= 2 and parts[0] == parts[1] and parts[0].startswith("/") and \
+                (path == Path(parts[0]) or Path(parts[0]) in path.parents):
+            return True
+    return False
+
+
+def shared_folders(config: Config) -> list[Path]:
+    """The agent's folders an in-container component uses that the host reads or writes too, which must be at
+    the same path inside: the state folder (each component's cwd, TMPDIR and written files), the components' own
+    workdirs and the worker's liveness file's folder (the agent's probe reads it)."""
+    folders = [config.agent.state_dir]
+    for comp in config.active_components().values():
+        if not comp.container:
+            continue
+        if comp.workdir is not None:
+            folders.append(Path(comp.workdir))
+        liveness = getattr(comp, "liveness_check_path", None)
+        if comp.kind == "datasystem" and liveness is not None:
+            folders.append(Path(liveness).parent)
+    out: list[Path] = []
+    for folder in sorted({Path(f) for f in folders}, key=lambda f: len(f.parts)):
+        if not any(f == folder or f in folder.parents for f in out):
+            out.append(folder)
+    return out
+
+
+def agent_mounts(config: Config, spec: ContainerSpec) -> list[RunOption]:
+    """`-v DIR:DIR` for each shared folder no mount of the line covers (the guide's line mounts /home, /tmp,
+    /data and /mnt: a state folder under one of them needs nothing)."""
+    return [RunOption("-v", f"{f}:{f}") for f in shared_folders(config) if not _mounted_at_same_path(spec.options, f)]
+
+
+def container_spec(config: Config, env: Mapping[str, str] | None = None,
+                   which: Callable[[str], str | None] = shutil.which) -> ContainerSpec:  # fmt: skip
+    """The container the agent runs: the rendered line plus the agent's shared folders (`agent_mounts`)."""
+    spec = render_container(config, env, which)
+    extra = agent_mounts(config, spec)
+    return replace(spec, options=(*spec.options, *extra)) if extra else spec
