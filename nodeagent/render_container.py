@@ -44,13 +44,14 @@ class ContainerSpec:
     command: tuple[str, ...] = ()
     """After the image; the guide's line has none (its entrypoint `bash -it` waits forever)."""
 
-    def _cli(self, *args: str) -> tuple[str, ...]:
+    def cli(self, *args: str) -> tuple[str, ...]:
+        """An engine command (`podman --runtime runc ARGS...`)."""
         return (self.engine, *self.global_args, *args)
 
     def run_argv(self) -> tuple[str, ...]:
         """Create and start the container, detached (the guide's line)."""
         words = [w for opt in self.options for w in opt.words()]
-        return self._cli("run", *words, self.image, *self.command)
+        return self.cli("run", *words, self.image, *self.command)
 
     def fingerprint(self) -> str:
         """What a running container must have been created with; a change is a planned recreate."""
@@ -58,28 +59,28 @@ class ContainerSpec:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def inspect_argv(self) -> tuple[str, ...]:
-        return self._cli("inspect", "--type", "container", self.name)
+        return self.cli("inspect", "--type", "container", self.name)
 
     def start_argv(self) -> tuple[str, ...]:
-        return self._cli("start", self.name)
+        return self.cli("start", self.name)
 
     def unpause_argv(self) -> tuple[str, ...]:
-        return self._cli("unpause", self.name)
+        return self.cli("unpause", self.name)
 
     def stop_argv(self, timeout_s: float) -> tuple[str, ...]:
-        return self._cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
+        return self.cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
 
     def kill_argv(self, signal: str = "KILL") -> tuple[str, ...]:
-        return self._cli("kill", "-s", signal, self.name)
+        return self.cli("kill", "-s", signal, self.name)
 
     def rm_argv(self) -> tuple[str, ...]:
         """Remove at once: the guide's entrypoint (bash as PID 1) ignores SIGTERM, so a grace only waits."""
-        return self._cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
+        return self.cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
 
     def events_argv(self) -> tuple[str, ...]:
         """One JSON object per line for each event of this container."""
         fmt = "json" if self.engine == "podman" else "{{json .}}"
-        return self._cli("events", "--filter", f"container={self.name}", "--format", fmt)
+        return self.cli("events", "--filter", f"container={self.name}", "--format", fmt)
 
     def exec_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None,
                   unset: Sequence[str] = (), interactive: bool = False) -> tuple[str, ...]:
@@ -94,11 +95,11 @@ class ContainerSpec:
         words.append(self.name)
         if unset:
             words += ["env", *(w for var in unset for w in ("-u", var)), "--"]
-        return self._cli(*words, *argv)
+        return self.cli(*words, *argv)
 
     def shell(self) -> str:
         """The run line as the guide writes it: one option per line."""
-        head = " ".join(shlex.quote(w) for w in self._cli("run"))
+        head = " ".join(shlex.quote(w) for w in self.cli("run"))
         lines = [head] + [" ".join(shlex.quote(w) for w in opt.words()) for opt in self.options]
         lines.append(" ".join(shlex.quote(w) for w in (self.image, *self.command)))
         return " \\\n    ".join(lines)

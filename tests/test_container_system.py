@@ -21,8 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BIN, LocalAgent, derived_config, session_pids, wait_for
-from containerhelpers import INTERPRETER_HOME, ROOT, SKIP_REASON, built_image, run_args_here
+import yaml
+from conftest import BIN, LocalAgent, session_pids, wait_for
+from containerhelpers import SKIP_REASON, built_image, local_container_config
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -53,16 +54,11 @@ def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
     home = tmp_path / "home"  # under /tmp: the guide's -v /tmp:/tmp shows it inside at the same path
     home.mkdir()
     name = f"dsv4-sys-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    venv_bin = str(BIN)
-    config = derived_config(tmp_path / "container.yaml", {
-        "container": {
-            "engine": "podman", "image": built_image(), "name": name, "runtime": "runc", "on_stop": "remove",
-            "run_args": [*run_args_here([ROOT, INTERPRETER_HOME]),
-                         f"-e PATH={venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            "setup": [["sh", "-c", f"echo setup-ran >> {home}/setup.log"], ["sh", "-c", "echo second step"]],
-        },
-        "components": {"etcd": {"container": False}},
-    })  # fmt: skip
+    data = local_container_config(built_image(), home, name)  # what scripts/run-local.sh --container runs
+    data["container"].update(on_stop="remove", setup=[["sh", "-c", f"echo setup-ran >> {home}/setup.log"],
+                                                      ["sh", "-c", "echo second step"]])  # fmt: skip
+    config = tmp_path / "container.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
     local = LocalAgent(home, config)
     try:
         yield local, name
@@ -88,6 +84,12 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     assert status["container"]["id"] == cid[:12] and status["container"]["up"]
     assert "second step" in (local.home / "logs" / "container.log").read_text()  # setup output in the logs
     print(f"\ncontainer mode: stack up after {up_s:.1f} s (container created, set up, 3 components)")
+    ctl = [str(BIN / "nodeagentctl"), "--config", str(local.config_path)]
+    shown = subprocess.run([*ctl, "status"], env=local.env, capture_output=True, text=True, timeout=30).stdout
+    assert f"container {name} (podman, " in shown and f"{cid[:12]} up since" in shown
+    inside = subprocess.run([*ctl, "shell", "--", "cat", "/proc/1/cmdline"], env=local.env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert inside.returncode == 0 and inside.stdout.split("\0")[0] == "bash", inside.stderr  # the guide's init
 
     # kill -9 of vLLM's API server inside: its orphaned EngineCore is gone before the relaunch
     old = first["vllm"]["pid"]
