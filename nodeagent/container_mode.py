@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import logsink
@@ -30,11 +32,10 @@ from nodeagent.container_plan import ContainerState, SetupStepFailed
 from nodeagent.errors import LaunchError
 from nodeagent.policy import RestartDecision
 from nodeagent.render_container import container_spec, shared_folders
+from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
 from nodeagent.stackport import ComponentView, Hold, HoldKind
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from nodeagent.component import Component
     from nodeagent.failure import Failure
     from nodeagent.host import Process
@@ -107,6 +108,22 @@ class ContainerMode:
     def member(self, pid: int) -> bool:
         """May this PID be signalled on behalf of a component inside? Only a process of our container."""
         return self.state is not None and in_container(self.state.id, pid)
+
+    def adapt_plan(self, name: str, plan: ResiduePlan) -> ResiduePlan:
+        """Residue inside: /dev/shm of a component inside is the container's own (reached through its init's
+        root), and none is left to sweep while the container is down (a new one starts with an empty one)."""
+        if not self.runs_inside(name):
+            return plan
+        pid = self.state.pid if self.state is not None and self.problem is None else None
+        actions = []
+        for action in plan.actions:
+            if isinstance(action, RemoveShmSegments):
+                if pid is None or not init_alive(pid):
+                    continue
+                action = replace(action, shm_dir=Path(f"/proc/{pid}/root") / action.shm_dir.relative_to("/"),
+                                 seen_as=action.shm_dir)  # fmt: skip
+            actions.append(action)
+        return replace(plan, actions=tuple(actions))
 
     # ---- NodeLayer: the gate of the components inside --------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:

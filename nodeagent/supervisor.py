@@ -159,6 +159,7 @@ class Supervisor(NodePort):
         plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
                                                reason=reason, records=self._last_records(comp.name),
                                                scan=scan, wipe_etcd=wipe_etcd)  # fmt: skip
+        plan = self.container.adapt_plan(comp.name, plan) if self.container is not None else plan
         outcomes = await residue.execute(plan)
         for outcome in outcomes:
             if outcome.ok:
