@@ -212,6 +212,7 @@ class LaunchDetector:
         self.polls = 0
         self._stop = threading.Event()
         self._rejected: set[int] = set()
+        self._seen: dict[int, float] = {}
         self._last = last_pid()
         self._thread = threading.Thread(target=self._run, name="launch-detector", daemon=True)
 
@@ -226,7 +227,16 @@ class LaunchDetector:
         if stat is None:
             pending.discard(pid)
             return False
-        if (stat[0] != self.ppid) if self.accept is None else not self.accept(pid):
+        if self.accept is not None and not self.accept(pid):
+            # runc's child joins the container's cgroup only after its fork: look again for a while
+            first = self._seen.setdefault(pid, time.monotonic())
+            if time.monotonic() - first < 2.0:
+                pending.add(pid)
+                return False
+            self._rejected.add(pid)
+            pending.discard(pid)
+            return False
+        if self.accept is None and stat[0] != self.ppid:
             self._rejected.add(pid)  # a thread, or someone else's process: its parent will not change to ours
             pending.discard(pid)
             return False
