@@ -29,7 +29,7 @@ from nodeagent.container import ContainerEngine, EngineError, RecordStore, ensur
 from nodeagent.container_exec import InsideWatch, adopt_inside, launch_inside
 from nodeagent.container_options import ContainerRenderError
 from nodeagent.container_plan import ContainerState, SetupStepFailed
-from nodeagent.errors import LaunchError
+from nodeagent.errors import AdoptError, LaunchError
 from nodeagent.policy import RestartDecision
 from nodeagent.render_container import container_spec, shared_folders
 from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
@@ -69,6 +69,8 @@ class ContainerMode:
         self.last_death: dict[str, Any] | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._recreating = False
+        """A planned recreate is draining: nothing more is adopted into the old container."""
 
     # ---- where the supervisor hooks it in -------------------------------------------------------------------
     def host(self, cfg: Any) -> Any:
@@ -102,6 +104,8 @@ class ContainerMode:
         return launched, InsideWatch(pid, client, client_lost)
 
     def adopt(self, record: ProcessRecord) -> InsideWatch:
+        if self._recreating:
+            raise AdoptError(f"container {self.spec.name} is being recreated")
         adopt_inside(record, self.state.id if self.state is not None else "")
         return InsideWatch(record.pid, None)
 
@@ -208,7 +212,7 @@ class ContainerMode:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
-            delay = RETRY_MIN_S
+            delay, self._recreating = RETRY_MIN_S, False
             self.state, self.problem = state, None
             self.sup.events.emit("container_up", f"container {self.spec.name} {state.id[:12]} up ({plan.reason})")
             self.sup.wake()
@@ -256,11 +260,12 @@ class ContainerMode:
 
     async def _drain(self, reason: str) -> None:
         """Before a planned recreate: hold the components inside, drain and stop them."""
+        self._recreating = True
         self._hold(f"container {self.spec.name}: recreating ({reason})")
-        names = [n for n, c in self.sup.components.items() if self.runs_inside(n) and c.running]
-        self.sup.restart(names, f"container recreate: {reason}", planned=True, cause="reload")
-        for name in names:
-            await self.sup.wait(name, "stopped")
+        for name in reversed(self.sup.order):  # in reverse order, as the stack stops: vLLM before its worker
+            if self.runs_inside(name) and self.sup.components[name].running:
+                self.sup.restart([name], f"container recreate: {reason}", planned=True, cause="reload")
+                await self.sup.wait(name, "stopped")
 
     def _log(self, line: str) -> None:
         with contextlib.suppress(OSError):

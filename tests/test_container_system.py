@@ -4,8 +4,9 @@
 One agent goes through everything, to keep the run short: the stack up inside (membership checked from the
 kernel's cgroups, not from the agent), kill -9 of vLLM's API server inside (its orphaned EngineCore is gone
 before the relaunch), a killed exec client (the process stays supervised), kill -9 of the agent (adopted, same
-PIDs), `podman kill` of the container (recreated, setup re-run, a node redeploy, the stack serving again, the
-post-mortem with the engine's inspect), SIGTERM (nothing of ours left, the container removed).
+PIDs), a changed run line (a planned recreate), `podman kill` of the container (recreated, setup re-run, a node
+redeploy, the stack serving again, the post-mortem with the engine's inspect), SIGTERM (nothing of ours left, the
+container removed).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
     config = tmp_path / "container.yaml"
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     local = LocalAgent(home, config)
+    local.container_data = data  # type: ignore[attr-defined]
     try:
         yield local, name
     finally:
@@ -69,6 +71,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
 
 def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     local, name = agent
+    data = local.container_data  # type: ignore[attr-defined]
     t0 = time.monotonic()
     local.start()
     first = local.wait_all_up(180)
@@ -126,6 +129,20 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     assert inspect(name)["Id"] == cid
     assert (local.home / "setup.log").read_text().split() == ["setup-ran"], "setup runs once per container"
 
+    # A changed run line is a planned recreate: the components inside stop first, then start in the new container
+    os.kill(local.proc.pid, signal.SIGKILL)
+    local.proc.wait(10)
+    data["container"]["run_args"].append("-e DSV4_TEST_RECREATE=1")
+    local.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    local.start()
+    wait_for("the recreated container", lambda: (i := inspect(name)) is not None and i["Id"] != cid, timeout=60)
+    recreated = local.wait_all_up(120)
+    assert "run line changed" in local.log() and local.status()["node_policy"]["redeploys_total"] == 0
+    cid = inspect(name)["Id"]
+    assert cgroup_has(recreated["vllm"]["pid"], cid) and recreated["etcd"]["pid"] == before["etcd"][0]
+    assert "DSV4_TEST_RECREATE=1" in " ".join(inspect(name)["Config"]["Env"])
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran", "setup-ran"], "set up once more"
+
     # podman kill of the container: noticed, recreated, set up again, a node redeploy, serving again
     redeploys = local.status()["node_policy"]["redeploys_total"]
     t0 = time.monotonic()
@@ -137,7 +154,7 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     recovered_s = time.monotonic() - t0
     new_cid = inspect(name)["Id"]
     assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
-    assert (local.home / "setup.log").read_text().split() == ["setup-ran", "setup-ran"]
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 3
     status = local.status()
     assert status["node_policy"]["redeploys_total"] == redeploys + 1
     assert status["container"]["last_death"]["exit_code"] == 137
