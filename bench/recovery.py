@@ -200,8 +200,11 @@ class LaunchDetector:
     Threads get PIDs too, and a thread of the old child shows the old child's parent and cmdline: rejected.
     """
 
-    def __init__(self, ppid: int, marker: bytes, exclude: Iterable[int] = (), interval: float = 0.001) -> None:
+    def __init__(self, ppid: int, marker: bytes, exclude: Iterable[int] = (), interval: float = 0.001,
+                 accept: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         self.ppid = ppid
+        self.accept = accept
+        """Instead of "a child of ppid": any process it accepts (in container mode the parent is the engine's)."""
         self.marker = marker
         self.exclude = set(exclude)
         self.interval = interval
@@ -209,6 +212,7 @@ class LaunchDetector:
         self.polls = 0
         self._stop = threading.Event()
         self._rejected: set[int] = set()
+        self._seen: dict[int, float] = {}
         self._last = last_pid()
         self._thread = threading.Thread(target=self._run, name="launch-detector", daemon=True)
 
@@ -223,7 +227,16 @@ class LaunchDetector:
         if stat is None:
             pending.discard(pid)
             return False
-        if stat[0] != self.ppid:
+        if self.accept is not None and not self.accept(pid):
+            # runc's child joins the container's cgroup only after its fork: look again for a while
+            first = self._seen.setdefault(pid, time.monotonic())
+            if time.monotonic() - first < 2.0:
+                pending.add(pid)
+                return False
+            self._rejected.add(pid)
+            pending.discard(pid)
+            return False
+        if self.accept is None and stat[0] != self.ppid:
             self._rejected.add(pid)  # a thread, or someone else's process: its parent will not change to ours
             pending.discard(pid)
             return False
@@ -362,10 +375,11 @@ class FaultResult:
     """(fault, detected) monotonic times, for the profile."""
 
 
-def inject(fault: str, pid: int, ppid: int, program: Program, timeout: float, result: FaultResult) -> int | None:
+def inject(fault: str, pid: int, ppid: int, program: Program, timeout: float, result: FaultResult,
+           accept: Callable[[int], bool] | None = None) -> int | None:  # fmt: skip
     """Fault `pid`, time until the supervisor (`ppid`) has launched a replacement; returns the new pid."""
     old_tree = descendants(pid)
-    detector = LaunchDetector(ppid, program.marker, exclude=[pid, *old_tree]).start()
+    detector = LaunchDetector(ppid, program.marker, exclude=[pid, *old_tree], accept=accept).start()
     time.sleep(0.005)
     result.runs += 1
     t0 = time.monotonic()
@@ -393,6 +407,8 @@ class AgentRun:
     """Size of the component's log at the end: the agent archives it (tar.gz) on every failure."""
 
 
+CONTAINER_IMAGE: str | None = None
+"""With `--container IMAGE`: an extra pass with the component inside a podman container (container mode)."""
 AGENT_KIND = "process"
 """The agent component's kind: `process` (the command as given) or `vllm` (the vllm kind's whole path: the
 rendered `vllm serve` argv, its residue — leftover VLLM:: engines, NPU clean slate, /dev/shm — and evidence)."""
@@ -451,6 +467,14 @@ def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, A
         app = config["components"]["app"]
         app.update(kind="vllm", command=[str(BIN / "vllm-standin")], model="m", port=program.port,
                    tensor_parallel_size=1, ld_preload=[])  # fmt: skip
+    if CONTAINER_IMAGE is not None:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from local_container_config import INTERPRETER_HOME, run_args_here
+
+        config["container"] = {
+            "engine": "podman", "image": CONTAINER_IMAGE, "name": f"dsv4-bench-{os.getpid()}", "runtime": "runc",
+            "on_stop": "remove", "run_args": [*run_args_here([ROOT, INTERPRETER_HOME]), f"-v {tmp}:{tmp}"],
+        }  # fmt: skip
     budget = {
         "period_s": liveness["period_s"],
         "timeout_s": liveness["timeout_s"],
@@ -490,6 +514,14 @@ def bench_agent(
         agent = subprocess.Popen(argv, env=child_env({}), stdout=log, stderr=log, start_new_session=True)
         pid = _agent_wait_up(agent, state_dir, program, None, 0)
         leaders.add(pid)
+        accept = None
+        if CONTAINER_IMAGE is not None:  # the replacement is a process of the container, not the agent's child
+            cid = json.loads((state_dir / "container.json").read_text())["container_id"]
+
+            def accept(pid: int) -> bool:
+                with contextlib.suppress(OSError):
+                    return cid in Path(f"/proc/{pid}/cgroup").read_text()
+                return False
         for fault, result, runs in (("crash", crash, crash_runs), ("hang", hang, hang_runs)):
             timeout = 10.0 if fault == "crash" else budget["detect_max_s"] + grace + 10.0
             for _ in range(runs):
@@ -500,7 +532,7 @@ def bench_agent(
                     leaders.add(pid)
                     before = _agent_state(state_dir)
                 time.sleep(random.uniform(0.05, 0.55))  # a random phase against the 0.5 s probe period
-                new = inject(fault, pid, agent.pid, program, timeout, result)
+                new = inject(fault, pid, agent.pid, program, timeout, result, accept)
                 if new is None:
                     raise RuntimeError(f"dsv4-agent did not relaunch after {fault} within {timeout:g}s; see {log_file}")
                 leaders.add(new)
@@ -1010,6 +1042,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-runs", type=int, default=10, help="crash faults in the profile pass (10)")
     parser.add_argument("--skip-supervisord", action="store_true")
+    parser.add_argument("--container", metavar="IMAGE", help="also a container-mode pass (crashes only): the "
+                        "component inside a podman container of IMAGE (scripts/build-test-image.sh prints one)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dirs (configs, logs) after a successful run")
     args = parser.parse_args(argv)
     if args.runs < 1:
@@ -1034,6 +1068,14 @@ def main(argv: list[str] | None = None) -> int:
         sup_result, sup_version = bench_supervisord(
             make_program(args.program, args.startup_delay), args.runs, args.keep
         )
+    boxed = None
+    if args.container:
+        global CONTAINER_IMAGE
+        CONTAINER_IMAGE = args.container
+        print("  dsv4-agent crash, component inside a container ...", flush=True)
+        boxed = bench_agent(make_program(args.program, args.startup_delay), args.runs, 0, args.stop_grace, False,
+                            args.keep)  # fmt: skip
+        CONTAINER_IMAGE = None
     print("  floor again ...", flush=True)
     floor += bench_floor(program, args.runs, workdir)
     if not args.keep:
@@ -1095,6 +1137,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{b['failure_threshold']:g} + timeout {b['timeout_s']:g}) + stop_grace_s {b['stop_grace_s']:g}"
     )
     print(row("dsv4-agent", "hang", agent.hang, "; ".join(filter(None, [budget_note, _notes(agent.hang)]))))
+    if boxed is not None:
+        print(row("dsv4-agent/ctr", "crash", boxed.crash, "; ".join(filter(None, [
+            _notes(boxed.crash), "inside a podman container: includes one `podman exec` start"]))))
     if sup_result is not None:
         print(row("supervisord", "crash", sup_result, _notes(sup_result)))
     print(row("supervisord", "hang", None))
@@ -1125,6 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
                 "component_log_bytes": agent.component_log_bytes,
             },
             "supervisord": {"crash": summary(sup_result), "hang": "n/a (no liveness probes)"},
+            "agent_in_container": {"crash": summary(boxed.crash)} if boxed is not None else None,
             "floor": {"median_s": floor_med, "p95_s": pct(floor, 95), "samples_s": floor},
             "overhead": {
                 "median_s": over_med,

@@ -237,6 +237,9 @@ class Agent:
             self.notifier.ready()
             await self.guards.start()
             self._start_membership()  # before the stack: the cluster's start gates (barriers) must be in place
+            container = self.supervisor.container
+            if container is not None:
+                await container.start()  # before the stack: its components adopt or wait for it
             await self.supervisor.start()
             heartbeat = asyncio.create_task(self._heartbeat())
             await self.stop_requested.wait()
@@ -252,7 +255,11 @@ class Agent:
             self.supervisor.events.emit("agent_stop", "detaching" if self.detach else "stopping the stack")
             # The API keeps answering (status, events) while the stack drains.
             await self.guards.close()
+            if container is not None:
+                await container.stop_watching()  # our own stop of the stack is no death
             await self.supervisor.shutdown(detach=self.detach)
+            if container is not None:
+                await container.finish(self.detach)
             await self.stop_mqtt()
         finally:
             if announcement is not None:

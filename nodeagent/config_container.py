@@ -63,6 +63,10 @@ class ContainerConfig(Strict):
     on_stop: Literal["stop", "remove", "keep"] = "stop"
     """What the agent does to the container when it stops: stop it (kept for inspection), remove it, or leave it
     running."""
+    coexist_with_container_manager: bool = False
+    """Ascend MindCluster's Container Manager stops and restarts containers that mount faulty chips and forbids
+    restart policies: it fights the agent over this container, so preflight FAILs while it runs, unless this says
+    the two are meant to coexist (e.g. its `-ctrStrategy=never`)."""
     stop_timeout_s: float = Field(default=5.0, gt=0)
     """Grace the engine gives the container on stop before SIGKILL; its components are stopped first, and the
     guide's entrypoint (bash as PID 1) ignores SIGTERM, so the engine always waits this long."""

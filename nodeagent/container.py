@@ -90,17 +90,24 @@ class ContainerEngine:
         self.spec = spec
         self.timeout_s = timeout_s
 
-    async def inspect(self) -> ContainerState | None:
-        """The container, or None when there is none by that name; EngineError when the engine does not answer."""
+    async def inspect_text(self) -> str | None:
+        """`inspect`'s own JSON (for a post-mortem), or None when there is no such container."""
         result = await run_engine(self.spec.inspect_argv(), self.timeout_s, check=False)
         if result.returncode != 0:
             if _no_such(result):
                 return None
             raise EngineError(f"{' '.join(result.argv)} exited {result.returncode}: {result.stderr.strip()[-500:]}")
+        return None if result.stdout.strip() == "[]" else result.stdout
+
+    async def inspect(self) -> ContainerState | None:
+        """The container, or None when there is none by that name; EngineError when the engine does not answer."""
+        text = await self.inspect_text()
+        if text is None:
+            return None
         try:
-            return parse_inspect(result.stdout)
+            return parse_inspect(text)
         except ContainerInspectError as exc:
-            raise EngineError(f"{' '.join(result.argv)}: {exc}") from None
+            raise EngineError(f"{' '.join(self.spec.inspect_argv())}: {exc}") from None
 
     async def create(self) -> str:
         """The run line (create and start, detached); the new container's id."""
@@ -162,12 +169,12 @@ class ContainerEngine:
             await proc.wait()
 
     async def watch(self, container_id: str, started_at: str | None, poll_s: float = 1.0, use_events: bool = True,
-                    unresponsive_after_s: float = 10.0,
-                    clock: Callable[[], float] = time.monotonic) -> Death:  # fmt: skip
+                    unresponsive_after_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                    wake: asyncio.Event | None = None) -> Death:  # fmt: skip
         """Return when the container dies (exited, OOM, removed, replaced, restarted) or the engine stops
-        answering for `unresponsive_after_s`."""
+        answering for `unresponsive_after_s`. Setting `wake` makes it inspect at once (a component inside died)."""
         judge = DeathWatch(container_id, started_at, clock(), unresponsive_after_s)
-        wake = asyncio.Event()
+        wake = wake or asyncio.Event()
         follower = asyncio.create_task(self.events(wake)) if use_events else None
         try:
             while True:
@@ -198,6 +205,38 @@ def container_pids(container_id: str, proc: Path = Path("/proc")) -> list[int]:
             if container_id in (entry / "cgroup").read_text():
                 pids.append(int(entry.name))
     return sorted(pids)
+
+
+def in_container(container_id: str, pid: int, proc: Path = Path("/proc")) -> bool:
+    """Is this host PID a process of the container (its cgroup is named after the id)?"""
+    try:
+        return bool(container_id) and container_id in (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        return False
+
+
+def host_pid(container_id: str, pid_inside: int, proc: Path = Path("/proc")) -> int | None:
+    """The host PID of the container's process that has `pid_inside` in the container's PID namespace."""
+    for pid in container_pids(container_id, proc):
+        if inner_pid(pid, proc) == pid_inside:
+            return pid
+    return None
+
+
+PF_EXITING = 0x4
+
+
+def init_alive(pid: int | None, proc: Path = Path("/proc")) -> bool:
+    """The container's init is alive and not exiting. When it dies the kernel kills every process of its PID
+    namespace from the init's exit path (PF_EXITING is already set then), so a component that died with its
+    container is recognised synchronously, before the engine has even noticed."""
+    if pid is None:
+        return False
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X", "x") and not int(fields[6]) & PF_EXITING
 
 
 def inner_pid(pid: int, proc: Path = Path("/proc")) -> int | None:

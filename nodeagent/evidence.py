@@ -75,6 +75,15 @@ class PostMortems:
         evidence.events = [e.to_dict() for e in self.events.recent if e.component == name][-EVENTS_KEPT:]
         self._spawn(asyncio.create_task(self._write(name, evidence), name=f"postmortem:{name}"))
 
+    def container_death(self, name: str, failure: dict[str, Any], inspect: str | None, at: float) -> None:
+        """The node's container died: its exit status and the engine's `inspect` of it (taken before it is
+        removed), with the agent's recent events, in a bundle of its own (`postmortem/container/`)."""
+        events = [e.to_dict() for e in self.events.recent][-EVENTS_KEPT:]
+        evidence = Evidence(component=name, kind="container", at=at, failure=failure, events=events,
+                            decision="recreate the container, run its setup, node redeploy",
+                            texts={"inspect.json": inspect} if inspect else {})  # fmt: skip
+        self._spawn(asyncio.create_task(self._write("container", evidence), name="postmortem:container"))
+
     async def _write(self, name: str, evidence: Evidence) -> None:
         try:
             npu_text = await npu_info_text()

@@ -7,6 +7,7 @@ system. Every read returns None (or empty) when the thing is absent: absence is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -245,6 +246,18 @@ class Host:
             except (KeyError, TypeError, ValueError, AttributeError):
                 continue
         return our_pids(records)
+
+    def programs_running(self) -> dict[int, str]:
+        """Every process's program name (the basename of its argv[0]), by PID, from `root`/proc."""
+        out: dict[int, str] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.file("/proc")):
+                if entry.name.isdigit():
+                    with contextlib.suppress(OSError):
+                        argv0 = Path(entry.path, "cmdline").read_bytes().split(b"\0", 1)[0]
+                        if argv0:
+                            out[int(entry.name)] = os.path.basename(argv0.decode(errors="replace"))
+        return out
 
     def now(self) -> float:
         return time.time()

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +115,9 @@ def _prepare(spec: LaunchSpec, env: Mapping[str, str]) -> None:
 
 async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
                  capture_dir: Path, timeout_s: float = 900.0, scope: str | None = None,
-                 tail_file: Path | None = None) -> Launched:
+                 tail_file: Path | None = None, map_pid: Callable[[int], int | None] | None = None) -> Launched:
+    """`map_pid` turns the PID a daemonising launcher prints into ours (dscli inside a container prints the
+    worker's PID in the container's namespace)."""
     env = spec.environment(base_env)
     # In a scope, journald would file a stream's lines under the scope: relay them as the agent's unit instead.
     relay = (spec.component, agent_unit()) if scope and not spec.daemonizes and logsink.use_journal() else None
@@ -125,7 +127,7 @@ async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
     except OSError as exc:
         raise LaunchError(f"cannot prepare {spec.cwd}: {exc}") from None
     if spec.daemonizes:
-        return await _launch_daemonizing(spec, argv, env, log_dir, capture_dir, timeout_s)
+        return await _launch_daemonizing(spec, argv, env, log_dir, capture_dir, timeout_s, map_pid)
     fd, where = logsink.open_output(spec.component, log_dir)
     try:
         popen = spawn(argv, env, str(spec.cwd), fd)
@@ -134,13 +136,25 @@ async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
     return Launched(record_of(popen.pid), popen, where)
 
 
+async def launch_watched(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str], capture_dir: Path,
+                         timeout_s: float, scope: str | None, tail_file: Path | None) -> tuple[Launched, ExitWatch]:
+    """A host launch and the watch of its exit."""
+    launched = await launch(spec, log_dir, base_env, capture_dir, timeout_s, scope, tail_file)
+    return launched, ExitWatch(launched.record.pid, launched.popen)
+
+
+def _ours(pid: int | None, map_pid: Callable[[int], int | None] | None) -> int | None:
+    return pid if pid is None or map_pid is None else map_pid(pid)
+
+
 def _worker_address(spec: LaunchSpec) -> str:
     argv = list(spec.argv)
     return argv[argv.index("--worker_address") + 1]
 
 
 async def _launch_daemonizing(spec: LaunchSpec, argv: list[str], env: dict[str, str], log_dir: Path,
-                              capture_dir: Path, timeout_s: float) -> Launched:
+                              capture_dir: Path, timeout_s: float,
+                              map_pid: Callable[[int], int | None] | None = None) -> Launched:  # fmt: skip
     capture_dir.mkdir(parents=True, exist_ok=True)
     capture = capture_dir / "dscli.out"
     fd = os.open(capture, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
@@ -154,7 +168,7 @@ async def _launch_daemonizing(spec: LaunchSpec, argv: list[str], env: dict[str, 
     try:
         async with asyncio.timeout(timeout_s):
             while not watch.done.done():
-                worker_pid = worker_pid or parse_dscli_pid(capture.read_text(errors="replace"))
+                worker_pid = worker_pid or _ours(parse_dscli_pid(capture.read_text(errors="replace")), map_pid)
                 await asyncio.wait({watch.done}, timeout=0.1)
         code = watch.done.result()
     except (asyncio.CancelledError, TimeoutError):
@@ -170,7 +184,10 @@ async def _launch_daemonizing(spec: LaunchSpec, argv: list[str], env: dict[str, 
     if code != 0:
         tail = " | ".join(line.strip() for line in output.strip().splitlines()[-3:])
         raise LaunchError(f"{spec.argv[0]} start exited with {code}: {tail or 'no output'}")
-    pid = parse_dscli_pid(output)
-    if pid is None:
+    printed = parse_dscli_pid(output)
+    if printed is None:
         raise LaunchError(f"{spec.argv[0]} start printed no worker PID")
+    pid = _ours(printed, map_pid)
+    if pid is None:
+        raise LaunchError(f"{spec.argv[0]} start printed worker PID {printed}, which is not in the container")
     return Launched(find_datasystem_worker(pid, _worker_address(spec)), None, str(capture))

@@ -56,10 +56,13 @@ class Evidence:
     ladder: list[dict[str, Any]] = field(default_factory=list)
     """A data-parallel group's recovery ladder up to here: each rung (vLLM's FT retry, the gang restart) and what
     happened at it."""
+    texts: dict[str, str] = field(default_factory=dict)
+    """More files for the bundle, by name (the container engine's `inspect` of a dead container)."""
 
     def manifest(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("metrics", None)
+        data["texts"] = sorted(self.texts)
         data["metrics_at"] = self.metrics[0] if self.metrics else None
         return data
 
@@ -153,6 +156,8 @@ async def write_bundle(evidence: Evidence, folder: Path, keep: int, npu_text: st
                 _add(tar, f"{bid}/metrics.txt", evidence.metrics[1].encode())
             if npu_text:
                 _add(tar, f"{bid}/npu-smi-info.txt", npu_text.encode())
+            for name, text in evidence.texts.items():
+                _add(tar, f"{bid}/{name}", text.encode())
             for extra in evidence.extra_files:
                 if os.path.isdir(extra):
                     _add_tree(tar, extra, f"{bid}/{os.path.basename(extra.rstrip('/'))}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from nodeagent.npu import HEALTH_OK, NET_HEALTH_OK, NET_HEALTH_UNCONFIGURED, Npu
 from nodeagent.npu_monitor import expected_npus
 from nodeagent.portlint import TAKEN
 from nodeagent.portscmd import lint_node
+from nodeagent.preflight_container import check_container, inside
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 CANN_MIN = "8.5.0"
@@ -100,8 +101,12 @@ class _Ctx:
     _snapped: bool = False
     _ours: set[int] | None = None
 
+    host_only: bool = False
+    """`components` leaves out those that run inside the node's container."""
+
     def components(self, kind: type) -> dict[str, Any]:
-        return {n: c for n, c in self.config.active_components().items() if isinstance(c, kind)}
+        return {n: c for n, c in self.config.active_components().items() if isinstance(c, kind)
+                and not (self.host_only and inside(self.config, c))}
 
     @property
     def snapshot(self) -> NpuSnapshot | None:
@@ -322,6 +327,8 @@ def _program_check(ctx: _Ctx, label: str, program: str, hint: str, status: str =
 
 
 def check_programs(ctx: _Ctx) -> Iterable[Check]:
+    """The programs of the components on the host; those inside the container are the image's."""
+    ctx = replace(ctx, host_only=True)
     etcds = ctx.components(EtcdComponent)
     if etcds:
         for comp in etcds.values():
@@ -510,9 +517,13 @@ def check_recovery(ctx: _Ctx) -> Iterable[Check]:
     yield from (Check(*row) for row in found)
 
 
+def check_container_mode(ctx: _Ctx) -> Iterable[Check]:
+    return [Check(*found) for found in check_container(ctx.config, ctx.host)]
+
+
 CHECKS: tuple[Callable[[_Ctx], Iterable[Check]], ...] = (
     check_npus, check_versions, check_memory, check_models, check_programs, check_network, check_peers, check_disk,
-    check_ports_lint, check_recovery,
+    check_ports_lint, check_recovery, check_container_mode,
 )
 
 

@@ -15,7 +15,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -138,8 +138,9 @@ def session_members(sid: int) -> list[psutil.Process]:
     return members
 
 
-def tree_of(record: ProcessRecord) -> list[psutil.Process]:
-    """The main process (if it is still the recorded one), its descendants and its session."""
+def tree_of(record: ProcessRecord, member: Callable[[int], bool] | None = None) -> list[psutil.Process]:
+    """The main process (if it is still the recorded one), its descendants and its session; with `member`, only
+    the processes it accepts (a component inside a container: the container's own)."""
     procs: dict[int, psutil.Process] = {}
     with contextlib.suppress(AdoptError):
         main = verify(record)
@@ -150,7 +151,7 @@ def tree_of(record: ProcessRecord) -> list[psutil.Process]:
     if record.sid > 1 and record.sid != os.getsid(0):
         for proc in session_members(record.sid):
             procs.setdefault(proc.pid, proc)
-    return list(procs.values())
+    return [p for p in procs.values() if member is None or member(p.pid)]
 
 
 def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
@@ -178,14 +179,16 @@ async def _wait_gone(procs: list[psutil.Process], deadline: float) -> list[psuti
         await asyncio.sleep(0.002 if time.monotonic() - started < 0.25 else 0.02)
 
 
-async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> dict[str, object]:
+async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "",
+                    member: Callable[[int], bool] | None = None) -> dict[str, object]:  # fmt: skip
     """SIGTERM the main process, then every remembered descendant, then SIGKILL what is left.
 
     Descendants are remembered *before* signalling: once vLLM's API server is gone its EngineCore is no
-    longer its child. Returns what happened, for the event log.
+    longer its child. `member` limits every signal to the processes it accepts. Returns what happened, for the
+    event log.
     """
     started = time.monotonic()
-    tree = tree_of(record)
+    tree = tree_of(record, member)
     if not tree:
         return {"signalled": 0, "killed": 0, "survivors": 0, "elapsed_s": 0.0, "tree": []}
     seen = [_describe(p) for p in tree]
@@ -203,7 +206,7 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "") -> di
         _signal(left, signal.SIGCONT)
         await _wait_gone(left, max(deadline, time.monotonic() + min(5.0, grace_s)))
     late = {p.pid: p for p in _alive(tree)}
-    for proc in tree_of(record):  # descendants born during the stop
+    for proc in tree_of(record, member):  # descendants born during the stop
         late.setdefault(proc.pid, proc)
     killed = list(late.values())
     if killed:

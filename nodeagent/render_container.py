@@ -12,7 +12,8 @@ import json
 import shlex
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nodeagent.config_container import ContainerConfig
@@ -43,13 +44,14 @@ class ContainerSpec:
     command: tuple[str, ...] = ()
     """After the image; the guide's line has none (its entrypoint `bash -it` waits forever)."""
 
-    def _cli(self, *args: str) -> tuple[str, ...]:
+    def cli(self, *args: str) -> tuple[str, ...]:
+        """An engine command (`podman --runtime runc ARGS...`)."""
         return (self.engine, *self.global_args, *args)
 
     def run_argv(self) -> tuple[str, ...]:
         """Create and start the container, detached (the guide's line)."""
         words = [w for opt in self.options for w in opt.words()]
-        return self._cli("run", *words, self.image, *self.command)
+        return self.cli("run", *words, self.image, *self.command)
 
     def fingerprint(self) -> str:
         """What a running container must have been created with; a change is a planned recreate."""
@@ -57,28 +59,28 @@ class ContainerSpec:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def inspect_argv(self) -> tuple[str, ...]:
-        return self._cli("inspect", "--type", "container", self.name)
+        return self.cli("inspect", "--type", "container", self.name)
 
     def start_argv(self) -> tuple[str, ...]:
-        return self._cli("start", self.name)
+        return self.cli("start", self.name)
 
     def unpause_argv(self) -> tuple[str, ...]:
-        return self._cli("unpause", self.name)
+        return self.cli("unpause", self.name)
 
     def stop_argv(self, timeout_s: float) -> tuple[str, ...]:
-        return self._cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
+        return self.cli("stop", "-t", str(max(0, round(timeout_s))), self.name)
 
     def kill_argv(self, signal: str = "KILL") -> tuple[str, ...]:
-        return self._cli("kill", "-s", signal, self.name)
+        return self.cli("kill", "-s", signal, self.name)
 
     def rm_argv(self) -> tuple[str, ...]:
         """Remove at once: the guide's entrypoint (bash as PID 1) ignores SIGTERM, so a grace only waits."""
-        return self._cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
+        return self.cli("rm", "-f", *(("-t", "0") if self.engine == "podman" else ()), self.name)
 
     def events_argv(self) -> tuple[str, ...]:
         """One JSON object per line for each event of this container."""
         fmt = "json" if self.engine == "podman" else "{{json .}}"
-        return self._cli("events", "--filter", f"container={self.name}", "--format", fmt)
+        return self.cli("events", "--filter", f"container={self.name}", "--format", fmt)
 
     def exec_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None,
                   unset: Sequence[str] = (), interactive: bool = False) -> tuple[str, ...]:
@@ -93,11 +95,11 @@ class ContainerSpec:
         words.append(self.name)
         if unset:
             words += ["env", *(w for var in unset for w in ("-u", var)), "--"]
-        return self._cli(*words, *argv)
+        return self.cli(*words, *argv)
 
     def shell(self) -> str:
         """The run line as the guide writes it: one option per line."""
-        head = " ".join(shlex.quote(w) for w in self._cli("run"))
+        head = " ".join(shlex.quote(w) for w in self.cli("run"))
         lines = [head] + [" ".join(shlex.quote(w) for w in opt.words()) for opt in self.options]
         lines.append(" ".join(shlex.quote(w) for w in (self.image, *self.command)))
         return " \\\n    ".join(lines)
@@ -124,3 +126,49 @@ def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | 
 
 exec_argv = ContainerSpec.exec_argv
 """`exec_argv(spec, argv, env, cwd)`: the engine command that runs a component inside the container."""
+
+
+def _mounted_at_same_path(options: Sequence[RunOption], path: Path) -> bool:
+    """A `-v SRC:DST` of the line with SRC == DST covers `path` (the container sees it where the host does)."""
+    for opt in options:
+        if opt.canonical != "--volume" or not opt.value:
+            continue
+        parts = opt.value.split(":")
+        if len(parts) >= 2 and parts[0] == parts[1] and parts[0].startswith("/") and \
+                (path == Path(parts[0]) or Path(parts[0]) in path.parents):
+            return True
+    return False
+
+
+def shared_folders(config: Config) -> list[Path]:
+    """The agent's folders an in-container component uses that the host reads or writes too, which must be at
+    the same path inside: the state folder (each component's cwd, TMPDIR and written files), the components' own
+    workdirs and the worker's liveness file's folder (the agent's probe reads it)."""
+    folders = [config.agent.state_dir]
+    for comp in config.active_components().values():
+        if not comp.container:
+            continue
+        if comp.workdir is not None:
+            folders.append(Path(comp.workdir))
+        liveness = getattr(comp, "liveness_check_path", None)
+        if comp.kind == "datasystem" and liveness is not None:
+            folders.append(Path(liveness).parent)
+    out: list[Path] = []
+    for folder in sorted({Path(f) for f in folders}, key=lambda f: len(f.parts)):
+        if not any(f == folder or f in folder.parents for f in out):
+            out.append(folder)
+    return out
+
+
+def agent_mounts(config: Config, spec: ContainerSpec) -> list[RunOption]:
+    """`-v DIR:DIR` for each shared folder no mount of the line covers (the guide's line mounts /home, /tmp,
+    /data and /mnt: a state folder under one of them needs nothing)."""
+    return [RunOption("-v", f"{f}:{f}") for f in shared_folders(config) if not _mounted_at_same_path(spec.options, f)]
+
+
+def container_spec(config: Config, env: Mapping[str, str] | None = None,
+                   which: Callable[[str], str | None] = shutil.which) -> ContainerSpec:  # fmt: skip
+    """The container the agent runs: the rendered line plus the agent's shared folders (`agent_mounts`)."""
+    spec = render_container(config, env, which)
+    extra = agent_mounts(config, spec)
+    return replace(spec, options=(*spec.options, *extra)) if extra else spec

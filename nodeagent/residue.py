@@ -489,7 +489,9 @@ def _paths_in_use(folder: Path) -> set[str]:
 
 
 def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
-    folder = Path(os.path.realpath(action.shm_dir))
+    # realpath of /proc/<pid>/root/... would resolve to the host's own folder: a container's stays as given
+    folder = action.shm_dir if action.seen_as is not None else Path(os.path.realpath(action.shm_dir))
+    seen = action.seen_as or folder
     try:
         names = sorted(os.listdir(folder))
     except FileNotFoundError:
@@ -511,10 +513,10 @@ def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
         candidates.append((name, st.st_size))
     if not candidates:
         return True, "none unused"
-    in_use = _paths_in_use(folder)
+    in_use = _paths_in_use(seen)  # by the path its users see (a host file of the same name keeps it too)
     removed, kept, freed = [], [], 0
     for name, size in candidates:
-        if str(folder / name) in in_use:
+        if str(seen / name) in in_use:
             kept.append(name)
             continue
         try:

@@ -164,9 +164,13 @@ class RemoveShmSegments:
     patterns: tuple[str, ...] = SHM_PATTERNS
     shm_dir: Path = SHM_DIR
     min_age_s: float = SHM_MIN_AGE_S
+    seen_as: Path | None = None
+    """The folder as the processes using it see it, when `shm_dir` reaches it from outside: a container's
+    /dev/shm through `/proc/<its init>/root/dev/shm` (its processes map `/dev/shm/...`)."""
 
     def describe(self) -> str:
-        return f"remove unused {','.join(self.patterns)} in {self.shm_dir}"
+        where = f"{self.seen_as} of the container ({self.shm_dir})" if self.seen_as else str(self.shm_dir)
+        return f"remove unused {','.join(self.patterns)} in {where}"
 
 
 ResidueAction = (

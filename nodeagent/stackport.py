@@ -35,6 +35,8 @@ class HoldKind(StrEnum):
     """The datasystem worker cannot start without etcd: its restart waits until etcd answers."""
     NODE_REDEPLOY = "node_redeploy"
     DEPENDENCY = "dependency"
+    CONTAINER = "container"
+    """The node's container is not up and set up yet (being created, set up, recreated after a death)."""
     CLUSTER_REDEPLOY = "cluster_redeploy"
     ISOLATED = "isolated"
     """The node is isolated (chip resets did not help, or a SeparateNPU fault): NPU users stay stopped until

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component
 from nodeagent.config_model import Config
+from nodeagent.container_mode import ContainerMode
 from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.evidence import PostMortems
@@ -66,7 +67,10 @@ class Supervisor(NodePort):
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
         self.intent_store = NodeIntent(self.store, {n: active[n].restart for n in self.order})
-        self.components = {name: Component(name, active[name], self) for name in self.order}
+        self.container = ContainerMode(self) if config.container is not None else None
+        """The node's container (container mode): its components' host is `container.host(...)`."""
+        self.components = {name: Component(name, active[name], self.container.host(active[name]) if self.container
+                                           else self) for name in self.order}  # fmt: skip
         for name, comp in self.components.items():
             comp.restore_history(self.intent_store.history(name))
         self._init_port(self.store.load_children())  # the node's gates and the layers' (nodeport)
@@ -160,6 +164,7 @@ class Supervisor(NodePort):
         plan = residue_plan.plan_start_cleanup(comp.name, comp.cfg, self.config, scope=scope,  # type: ignore[arg-type]
                                                reason=reason, records=self._last_records(comp.name),
                                                scan=scan, wipe_etcd=wipe_etcd)  # fmt: skip
+        plan = self.container.adapt_plan(comp.name, plan) if self.container is not None else plan
         outcomes = await residue.execute(plan)
         for outcome in outcomes:
             if outcome.ok:
@@ -178,34 +183,35 @@ class Supervisor(NodePort):
                 raise LaunchError(f"no clean slate on the NPUs: {outcome.detail}")
             self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
 
-    async def prepare(self, comp: Component) -> None:
-        missing = missing_prerequisite(comp.cfg, self.base_env)
+    # `inside`: the node's container (container_mode.ContainerMode) for a component that runs in it; it launches
+    # through the engine's exec, watches and stops by host PID, and signals nothing outside the container.
+    async def prepare(self, comp: Component, inside: Any = None) -> None:
+        missing = missing_prerequisite(comp.cfg, self.base_env) if inside is None else None  # the image's, not ours
         if missing:
             raise MissingPrerequisite(missing)
         await self.cleanup(comp)
 
-    async def launch(self, comp: Component) -> Process:
+    async def launch(self, comp: Component, inside: Any = None) -> Process:
         spec = render_component(comp.name, self.config, self.base_env)
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
         log_offset = logsink.log_offset(self.config.agent.log_dir, comp.name)
-        launched = await launcher.launch(spec, self.config.agent.log_dir, self.base_env,
-                                         component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
-        watch = ExitWatch(launched.record.pid, launched.popen)
+        start = launcher.launch_watched if inside is None else inside.launch
+        launched, watch = await start(spec, self.config.agent.log_dir, self.base_env,
+                                      component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
                        {"log_offset": log_offset, "tail_file": tail}, launch_fingerprint(spec))  # fmt: skip
 
-    async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
-        verify(record)
-        watch = ExitWatch(record.pid, None)
+    async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
+        watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)
         tail = component_dir(self.config, comp.name) / "output.tail"
         fingerprint = self._saved_fingerprints.get(comp.name)
         return Process(record, watch.done, None, "adopted", watch.close,
                        {"log_offset": None, "tail_file": tail, "adopted": True}, fingerprint)  # fmt: skip
 
-    async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
-        return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name)
+    async def terminate(self, comp: Component, proc: Process, why: str, inside: Any = None) -> dict[str, Any]:
+        return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name, inside.member if inside else None)
 
     def drain_timeout(self, comp: Component) -> float | None:
         timeout = getattr(comp.cfg, "drain_timeout_s", None)

@@ -4,10 +4,15 @@
 #   scripts/run-local.sh              one node (config/local.yaml)
 #   scripts/run-local.sh --cluster    three agents from config/local-cluster.yaml (a prefill group, a decode group
 #                                     of two nodes, the PD proxy), state under .dsv4-cluster/; Ctrl-C stops all
+#   scripts/run-local.sh --container  the same one node in container mode: the worker and the stand-in inside a
+#                                     podman container (image built offline from a cached Debian rootfs; needs
+#                                     root, podman and runc), etcd on the host; Ctrl-C stops the container too
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cluster=false
+container=false
 if [ "${1:-}" = "--cluster" ]; then cluster=true; shift; fi
+if [ "${1:-}" = "--container" ]; then container=true; shift; fi
 extras=local
 $cluster && extras=local,proxy
 # Install only when pyproject.toml (or the stand-in's) changed, or the extras grew, since the last install (stamp:
@@ -18,6 +23,19 @@ have="$(cat "$stamp" 2>/dev/null || true)"
 if [ ! -x .venv/bin/dsv4-agent ] || [ ! -x .venv/bin/vllm-standin ] || [ "${have%% *}" != "$want" ] \
    || { [ "$extras" = local,proxy ] && [ "${have#* }" = local ]; }; then
   EXTRAS=$extras scripts/install-dev.sh >&2   # writes the stamp
+fi
+if $container; then
+  if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+    echo "run-local --container: needs podman and runc (apt-get install -y --no-install-recommends podman runc)" >&2
+    exit 69
+  fi
+  home="${DSV4_AGENT_HOME:-$PWD/.dsv4-agent}"
+  export DSV4_AGENT_HOME="$home" DSV4_STANDIN_MODEL="${DSV4_STANDIN_MODEL:-$PWD/config/standin-model}"
+  image="$(bash scripts/build-test-image.sh)"   # the first time: a Debian rootfs (~1 min), then podman import
+  cfg="$(.venv/bin/python scripts/local_container_config.py "$image" "$home/container.yaml" "$home")"
+  echo "dsv4-agent: container mode on $cfg (container dsv4-local, image $image; .venv/bin/nodeagentctl --config" \
+       "$cfg shell: a shell inside)" >&2
+  exec .venv/bin/dsv4-agent --config "$cfg" "$@"
 fi
 if ! $cluster; then
   echo "dsv4-agent: starting on config/local.yaml (logs: .dsv4-agent/logs/, state: .dsv4-agent/state/)" >&2

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import select
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import wait_for
+from containerhelpers import INTERPRETER_HOME, ROOT, SKIP_REASON, VENV_PYTHON, built_image, run_args_here
 
 from nodeagent.config_container import ContainerConfig
 from nodeagent.container import (
@@ -36,44 +35,15 @@ from nodeagent.container import (
     inner_pid,
     run_engine,
 )
-from nodeagent.container_options import guide_options
 from nodeagent.container_plan import SetupStepFailed, Step
 from nodeagent.render_container import render_container
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_PYTHON = Path(sys.executable)
-INTERPRETER_HOME = Path(os.path.realpath(sys.executable)).parents[1]
-
-_reason = None
-if shutil.which("podman") is None:
-    _reason = "podman is not installed (scripts/test.sh installs it: apt-get install podman runc)"
-elif os.geteuid() != 0:
-    _reason = "podman runs as root on these machines (rootless needs subuids)"
-pytestmark = [pytest.mark.system, pytest.mark.skipif(_reason is not None, reason=str(_reason))]
-
-
-def limits() -> list[str]:
-    """podman's default rlimits fail without CAP_SYS_RESOURCE; nproc above kernel.pid_max is refused here too."""
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], int(Path("/proc/sys/kernel/pid_max").read_text()))
-    return [f"--ulimit nofile={nofile}:{nofile}", f"--ulimit nproc={nproc}:{nproc}"]
-
-
-def run_args_here(mounts: list[Path]) -> list[str]:
-    """The guide's line minus what this machine has not (the NPU devices, the Ascend driver paths)."""
-    args = ["!--device", "--shm-size=1g", *limits()]
-    for opt in guide_options({}):
-        if opt.canonical == "--volume" and opt.value and not Path(opt.value.split(":")[0]).exists():
-            args.append(f"!-v {opt.value.split(':')[1]}")
-    args += [f"-v {p}:{p}:ro" for p in mounts]
-    return args
+pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "build-test-image.sh")], capture_output=True, text=True,
-                         timeout=900, check=True)  # fmt: skip
-    return out.stdout.strip().splitlines()[-1]
+    return built_image()
 
 
 @pytest.fixture

@@ -143,7 +143,7 @@ def test_healthy_a2_host_passes(a2: A2) -> None:
     assert checks["yr_import"].status == PASS, "the venv's Python has yr.datasystem"
     assert checks["nic"].value == f"enp61s0f2 carries {NODE_IP}"
     assert {c.status for c in report.checks} <= {PASS, SKIP}
-    assert [c.name for c in report.checks if c.status == SKIP] == ["memory", "dev_shm", "clock_skew"]
+    assert [c.name for c in report.checks if c.status == SKIP] == ["memory", "dev_shm", "clock_skew", "container"]
 
 
 def test_64k_pages_warn(a2: A2) -> None:

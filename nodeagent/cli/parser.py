@@ -182,6 +182,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        "with what is reserved, and print the sysctl.d line to keep it")  # fmt: skip
     ports.add_argument("--json", action="store_true")
     ports.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: a private sysctl tree
+    shell = add("shell", "an interactive shell in the node's container (the guide's docker exec -it NAME bash)",
+                "containercmd:cmd_shell")
+    shell.add_argument("shell_command", nargs=argparse.REMAINDER, help="a command instead of bash")
     render = add("render", "print the exact command, environment and cwd of components", "configcmd:cmd_render")
     render.add_argument("component", nargs="?")
     render.add_argument("--json", action="store_true")

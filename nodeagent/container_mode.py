@@ -1,0 +1,295 @@
+"""Container mode: the stack inside the node's container (the guide's vllm-ascend image), supervised from the host.
+
+The agent stays on the host and drives the engine's `exec` (docs/architecture.md, "Container mode", has the
+measurements behind that choice). `ContainerMode` is hooked in at one place, where the supervisor builds its
+components: a component that runs inside gets `InContainerHost` (the supervisor, with its launches going through
+`container_exec`), one with `container: false` the supervisor itself.
+
+Lifecycle (`nodeagent.container_plan` decides, `nodeagent.container` carries out): create the container when it
+is absent, start it when it is stopped, run `setup` once per new container (its output in the `container` log,
+a failure naming the step holds the stack and is retried from that step), and a changed image, run line or setup
+list is a planned recreate: the components inside are drained and stopped first. The watch (the engine's
+events plus a 1 s inspect) notices a death within ~1 s; a component that died with its container is recognised at
+once (its init is exiting). A death is the guide's recovery: a post-mortem with the exit status and the engine's
+`inspect`, a node redeploy counted by the restart policy, the container recreated and set up again, and the
+components inside held until it is (a `NodeLayer` gate, `HoldKind.CONTAINER`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nodeagent import logsink
+from nodeagent.container import ContainerEngine, EngineError, RecordStore, ensure_container, in_container, init_alive
+from nodeagent.container_exec import InsideWatch, adopt_inside, launch_inside
+from nodeagent.container_options import ContainerRenderError
+from nodeagent.container_plan import ContainerState, SetupStepFailed
+from nodeagent.errors import AdoptError, LaunchError
+from nodeagent.policy import RestartDecision
+from nodeagent.render_container import container_spec, shared_folders
+from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
+from nodeagent.stackport import ComponentView, Hold, HoldKind
+
+if TYPE_CHECKING:
+    from nodeagent.component import Component
+    from nodeagent.failure import Failure
+    from nodeagent.host import Process
+    from nodeagent.launcher import Launched
+    from nodeagent.process import ProcessRecord
+    from nodeagent.render import LaunchSpec
+
+RETRY_MIN_S = 5.0
+RETRY_MAX_S = 120.0
+LOG_NAME = "container"
+"""The log identifier of the container's own lines (setup output, lifecycle): `nodeagentctl logs container`."""
+
+
+class ContainerMode:
+    """The node's container: its lifecycle and watch, the gate of the components inside, their launches."""
+
+    def __init__(self, sup: Any) -> None:
+        self.sup = sup
+        """The supervisor (which imports this module: typed loosely so there is no import circle)."""
+        assert sup.config.container is not None
+        self.section = sup.config.container
+        try:
+            self.spec = container_spec(sup.config, os.environ)
+        except ContainerRenderError as exc:
+            raise LaunchError(str(exc)) from None
+        self.engine = ContainerEngine(self.spec)
+        self.records = RecordStore(sup.config.agent.state_dir)
+        self.state: ContainerState | None = None
+        self.problem: Hold | None = Hold(HoldKind.CONTAINER, f"container {self.spec.name}: not checked yet")
+        self.deaths = 0
+        self.last_death: dict[str, Any] | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._recreating = False
+        """A planned recreate is draining: nothing more is adopted into the old container."""
+
+    # ---- where the supervisor hooks it in -------------------------------------------------------------------
+    def host(self, cfg: Any) -> Any:
+        """The host of a component: `InContainerHost` when it runs inside, else the supervisor."""
+        return InContainerHost(self.sup, self) if cfg.container else self.sup
+
+    def runs_inside(self, name: str) -> bool:
+        comp = self.sup.components.get(name)
+        return comp is not None and isinstance(comp.host, InContainerHost)
+
+    @property
+    def container_id(self) -> str:
+        if self.state is None or self.problem is not None:
+            raise LaunchError(f"container {self.spec.name} is not up: "
+                              f"{self.problem.reason if self.problem else 'not checked yet'}")
+        return self.state.id
+
+    # ---- launches (called by the supervisor with inside=self) -----------------------------------------------
+    async def launch(self, spec: LaunchSpec, log_dir: Path, base_env: Any, capture_dir: Path, timeout_s: float,
+                     scope: str | None, tail_file: Path | None) -> tuple[Launched, InsideWatch]:  # fmt: skip
+        cid = self.container_id
+        launched, client = await launch_inside(spec, self.spec, cid, log_dir, base_env, capture_dir, timeout_s,
+                                               scope, tail_file)  # fmt: skip
+        pid = launched.record.pid
+
+        def client_lost(client_pid: int) -> None:
+            self.sup.events.emit("exec_client_lost", f"the {self.spec.engine} exec client (pid {client_pid}) died; "
+                                 f"pid {pid} runs on inside, still supervised by its host PID; its output is lost "
+                                 "until its next start", spec.component, "warning")  # fmt: skip
+
+        return launched, InsideWatch(pid, client, client_lost)
+
+    def adopt(self, record: ProcessRecord) -> InsideWatch:
+        if self._recreating:
+            raise AdoptError(f"container {self.spec.name} is being recreated")
+        adopt_inside(record, self.state.id if self.state is not None else "")
+        return InsideWatch(record.pid, None)
+
+    def member(self, pid: int) -> bool:
+        """May this PID be signalled on behalf of a component inside? Only a process of our container."""
+        return self.state is not None and in_container(self.state.id, pid)
+
+    def adapt_plan(self, name: str, plan: ResiduePlan) -> ResiduePlan:
+        """Residue inside: /dev/shm of a component inside is the container's own (reached through its init's
+        root), and none is left to sweep while the container is down (a new one starts with an empty one)."""
+        if not self.runs_inside(name):
+            return plan
+        pid = self.state.pid if self.state is not None and self.problem is None else None
+        actions = []
+        for action in plan.actions:
+            if isinstance(action, RemoveShmSegments):
+                if pid is None or not init_alive(pid):
+                    continue
+                action = replace(action, shm_dir=Path(f"/proc/{pid}/root") / action.shm_dir.relative_to("/"),
+                                 seen_as=action.shm_dir)  # fmt: skip
+            actions.append(action)
+        return replace(plan, actions=tuple(actions))
+
+    # ---- NodeLayer: the gate of the components inside --------------------------------------------------------
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        return self.problem if self.runs_inside(comp.name) else None
+
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+        """A component inside that died with the container: the container's recovery restarts it."""
+        if not self.runs_inside(comp.name) or self.state is None or init_alive(self.state.pid):
+            return None
+        self._lost(f"its init (pid {self.state.pid}) is gone")
+        return f"the container {self.spec.name} died with it: recreate, setup, node redeploy"
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        return None
+
+    def status_section(self) -> dict[str, Any]:
+        return {"container": self.status()}
+
+    def on_node_change(self) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        state, record = self.state, self.records.load()
+        return {
+            "engine": self.spec.engine, "name": self.spec.name, "image": self.spec.image,
+            "id": state.id[:12] if state else None, "status": state.status if state else None,
+            "up_since": state.started_at if state else None, "pid": state.pid if state else None,
+            "up": self.problem is None, "held": self.problem.reason if self.problem else None,
+            "components": sorted(n for n in self.sup.components if self.runs_inside(n)),
+            "setup": {"steps": len(self.section.setup), "done": record.setup_done if record else 0},
+            "on_stop": self.section.on_stop, "deaths": self.deaths, "last_death": self.last_death,
+        }  # fmt: skip
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Attach as a layer and keep the container (call before the supervisor starts its components)."""
+        self.sup.attach(self)
+        self._wake = asyncio.Event()
+        with contextlib.suppress(EngineError):  # the container of a previous agent: its components are adopted
+            found = await self.engine.inspect()
+            record = self.records.load()
+            if found is not None and found.running and record is not None and record.container_id == found.id:
+                self.state = found
+        for folder in shared_folders(self.sup.config):  # a bind mount's source must exist before the run line
+            with contextlib.suppress(OSError):
+                folder.mkdir(parents=True, exist_ok=True)
+        self._task = asyncio.create_task(self._run(), name="container")
+
+    async def stop_watching(self) -> None:
+        """The agent stops: no recovery from now on (stopping the stack must not look like a death)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def finish(self, detach: bool) -> None:
+        """After the components stopped: stop, remove or keep the container (`container.on_stop`); a detach
+        keeps it running for the next agent."""
+        if detach or self.section.on_stop == "keep":
+            return
+        try:
+            if self.section.on_stop == "remove":
+                await self.engine.remove()
+            else:
+                await self.engine.stop(self.section.stop_timeout_s)
+            self._log(f"container {self.spec.name}: {self.section.on_stop} on agent stop")
+        except EngineError as exc:
+            self.sup.events.emit("container_failed", f"cannot {self.section.on_stop} the container: {exc}",
+                                 None, "error")  # fmt: skip
+
+    async def _run(self) -> None:
+        delay, redeployed = RETRY_MIN_S, False
+        while True:
+            try:
+                state, plan = await ensure_container(self.engine, self.section.setup, self.records, self._log,
+                                                     self._drain)  # fmt: skip
+            except (SetupStepFailed, EngineError) as exc:
+                kind = "container_setup_failed" if isinstance(exc, SetupStepFailed) else "container_failed"
+                self._hold(f"{exc}; retrying in {delay:.0f} s", resolves_itself=not isinstance(exc, SetupStepFailed))
+                self.sup.events.emit(kind, str(exc), None, "error")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            delay, self._recreating = RETRY_MIN_S, False
+            self.state, self.problem = state, None
+            self.sup.events.emit("container_up", f"container {self.spec.name} {state.id[:12]} up ({plan.reason})")
+            self.sup.wake()
+            self.sup.on_state(None)
+            if plan.redeploy and not redeployed:
+                self._redeploy(f"container {plan.reason}")
+            redeployed = False
+            death = await self.engine.watch(state.id, state.started_at, wake=self._wake)
+            self._lost(death.detail)
+            self.deaths += 1
+            at = self.sup.clock.time()
+            self.last_death = {"at": at, "kind": death.kind, "detail": death.detail,
+                               "exit_code": death.state.exit_code if death.state else None,
+                               "oom_killed": death.state.oom_killed if death.state else False}  # fmt: skip
+            inspect = None
+            with contextlib.suppress(EngineError):
+                inspect = await self.engine.inspect_text()
+            self.sup.postmortems.container_death(self.spec.name, {"what": "container", **self.last_death},
+                                                 inspect, at)  # fmt: skip
+            self._redeploy(f"container {death.kind}: {death.detail}")
+            redeployed = True
+
+    def _lost(self, why: str) -> None:
+        if self.problem is None:
+            self.sup.events.emit("container_died", f"container {self.spec.name}: {why}", None, "error")
+        self._hold(f"container {self.spec.name} died ({why}): recreating")
+        if self._wake is not None:
+            self._wake.set()
+
+    def _hold(self, reason: str, resolves_itself: bool = True) -> None:
+        self.problem = Hold(HoldKind.CONTAINER, reason, resolves_itself=resolves_itself)
+        self.sup.on_state(None)
+
+    def _redeploy(self, reason: str) -> None:
+        """The guide's recovery, counted by the node's restart policy as a node redeploy."""
+        inside = [c for c in self.sup.components.values() if self.runs_inside(c.name)]
+        spec = (inside or list(self.sup.components.values()))[0].cfg.restart
+        decision = self.sup.redeploys.escalate(RestartDecision("redeploy", 0.0, reason, 0, False),
+                                               self.sup.clock.time(), spec)  # fmt: skip
+        self.sup.intent_store.save()
+        level = "critical" if decision.action == "failed" else "warning"
+        self.sup.events.emit("container_redeploy", f"{reason}: node redeploy "
+                             f"({self.sup.redeploys.redeploys_total} so far); {decision.reason}", None, level)
+        self.sup.request_redeploy(reason)
+
+    async def _drain(self, reason: str) -> None:
+        """Before a planned recreate: hold the components inside, drain and stop them."""
+        self._recreating = True
+        self._hold(f"container {self.spec.name}: recreating ({reason})")
+        for name in reversed(self.sup.order):  # in reverse order, as the stack stops: vLLM before its worker
+            if self.runs_inside(name) and self.sup.components[name].running:
+                self.sup.restart([name], f"container recreate: {reason}", planned=True, cause="reload")
+                await self.sup.wait(name, "stopped")
+
+    def _log(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            logsink.append_text(LOG_NAME, self.sup.config.agent.log_dir, line.rstrip("\n") + "\n")
+
+
+class InContainerHost:
+    """The supervisor as the host of a component inside the container: launches, adoption and stops go through
+    the container (`inside=`); everything else is the supervisor's own."""
+
+    def __init__(self, sup: Any, mode: ContainerMode) -> None:
+        self._sup, self._mode = sup, mode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sup, name)
+
+    async def prepare(self, comp: Component) -> None:
+        await self._sup.prepare(comp, inside=self._mode)
+
+    async def launch(self, comp: Component) -> Process:
+        return await self._sup.launch(comp, inside=self._mode)
+
+    async def adopt(self, comp: Component, record: ProcessRecord) -> Process:
+        return await self._sup.adopt(comp, record, inside=self._mode)
+
+    async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
+        return await self._sup.terminate(comp, proc, why, inside=self._mode)

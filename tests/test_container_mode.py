@@ -1,0 +1,132 @@
+"""Container mode's pure and /proc-reading parts, without an engine: the folders the container must share, the
+launched process found by its marker, the init that is exiting, the container's /dev/shm swept from outside."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeagent.config import parse_config
+from nodeagent.container import PF_EXITING, host_pid, in_container, init_alive
+from nodeagent.container_exec import LAUNCH_VAR, exec_spec, find_launched
+from nodeagent.render import render_component
+from nodeagent.render_container import agent_mounts, container_spec, render_container, shared_folders
+from nodeagent.residue import _remove_shm_segments
+from nodeagent.residue_plan import RemoveShmSegments
+
+CID = "86326aca2515" + "0" * 52
+
+
+def config(state: str, workdir: str | None = None) -> object:
+    ds = f", workdir: {workdir}" if workdir else ""
+    liveness = f"{workdir or '/srv/yr'}/liveness"
+    return parse_config(f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {state}, log_dir: /var/log/x}}\n"
+                        "container: {engine: docker}\ncomponents:\n"
+                        "  etcd: {kind: etcd, container: false, data_dir: /srv/etcd}\n"
+                        f"  datasystem: {{kind: datasystem, liveness_check_path: {liveness}{ds}}}\n")  # fmt: skip
+
+
+def test_the_agents_folders_are_shared_at_their_own_paths_unless_a_mount_covers_them() -> None:
+    cfg = config("/var/lib/dsv4-agent", workdir="/srv/yr")
+    assert shared_folders(cfg) == [Path("/srv/yr"), Path("/var/lib/dsv4-agent")]  # type: ignore[arg-type]
+    spec = render_container(cfg)  # type: ignore[arg-type]
+    added = [o.value for o in agent_mounts(cfg, spec)]  # type: ignore[arg-type]
+    assert added == ["/srv/yr:/srv/yr", "/var/lib/dsv4-agent:/var/lib/dsv4-agent"]
+    ran = container_spec(cfg).run_argv()  # type: ignore[arg-type]
+    assert ran[-5:] == ("-v", "/srv/yr:/srv/yr", "-v", "/var/lib/dsv4-agent:/var/lib/dsv4-agent", spec.image)
+    # Under the guide's own mounts (/tmp, /home, /data, /mnt) nothing is added: the line stays the guide's.
+    under = config("/tmp/agent/state", workdir="/data/yr")
+    assert agent_mounts(under, render_container(under)) == []  # type: ignore[arg-type]
+    assert container_spec(under).run_argv() == render_container(under).run_argv()  # type: ignore[arg-type]
+
+
+def test_the_exec_line_carries_the_components_env_cwd_and_marker() -> None:
+    cfg = config("/tmp/agent/state")
+    spec = render_component("datasystem", cfg, {})  # type: ignore[arg-type]
+    outer = exec_spec(spec, render_container(cfg), "abc123")  # type: ignore[arg-type]
+    argv = list(outer.argv)
+    assert argv[:2] == ["docker", "exec"] and argv[argv.index("-w") + 1] == str(spec.cwd)
+    assert f"{LAUNCH_VAR}=abc123" in argv and "DSV4_AGENT_COMPONENT=datasystem" in argv
+    assert argv[argv.index("ds_v4_flash_yr") + 1:][:len(spec.argv)] == list(spec.argv)
+    assert outer.env[LAUNCH_VAR] == "abc123" and outer.daemonizes
+
+
+def fake_proc(root: Path, pid: int, *, cgroup: str, environ: dict[str, str] | None = None, sid: int | None = None,
+              state: str = "S", flags: int = 0, nspid: tuple[int, ...] = ()) -> None:  # fmt: skip
+    folder = root / str(pid)
+    folder.mkdir(parents=True)
+    (folder / "cgroup").write_text(cgroup)
+    (folder / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in (environ or {}).items()) + b"\0")
+    (folder / "stat").write_text(f"{pid} (a (b) c) {state} 1 {sid or pid} {sid or pid} 0 -1 {flags} 0 0\n")
+    (folder / "status").write_text("NSpid:\t" + "\t".join(map(str, (pid, *nspid))) + "\n")
+
+
+def test_the_launched_process_is_the_session_leader_with_its_marker_in_our_container(tmp_path: Path) -> None:
+    ours = f"0::/machine.slice/libpod-{CID}.scope\n"
+    fake_proc(tmp_path, 100, cgroup=ours, environ={LAUNCH_VAR: "n1"}, sid=100, nspid=(7,))
+    fake_proc(tmp_path, 101, cgroup=ours, environ={LAUNCH_VAR: "n1"}, sid=100, nspid=(8,))  # its child: same marker
+    fake_proc(tmp_path, 200, cgroup="0::/user.slice\n", environ={LAUNCH_VAR: "n2"}, sid=200)  # not in the container
+    assert find_launched(CID, "n1", tmp_path) == 100
+    assert find_launched(CID, "n2", tmp_path) is None, "a process outside our container is never ours"
+    assert in_container(CID, 101, tmp_path) and not in_container(CID, 200, tmp_path) and not in_container("", 100,
+                                                                                                          tmp_path)
+    assert host_pid(CID, 8, tmp_path) == 101 and host_pid(CID, 9, tmp_path) is None  # dscli's PID inside → ours
+
+
+def test_an_exiting_init_means_the_container_is_dying(tmp_path: Path) -> None:
+    fake_proc(tmp_path, 10, cgroup="", state="S")
+    fake_proc(tmp_path, 11, cgroup="", state="S", flags=PF_EXITING | 0x400000)  # in its exit path
+    fake_proc(tmp_path, 12, cgroup="", state="Z")
+    assert init_alive(10, tmp_path)
+    assert not init_alive(11, tmp_path) and not init_alive(12, tmp_path) and not init_alive(13, tmp_path)
+    assert not init_alive(None, tmp_path)
+
+
+def test_a_containers_shm_is_swept_by_the_paths_its_processes_see(tmp_path: Path) -> None:
+    """From outside, the container's /dev/shm is /proc/<init>/root/dev/shm while its processes map /dev/shm/...:
+    a segment is in use when its name, as they see it, is mapped or open."""
+    inside = tmp_path / "container-root-dev-shm"  # stands for /proc/<init>/root/dev/shm
+    seen = tmp_path / "as-seen"  # stands for the /dev/shm the container's processes see
+    inside.mkdir()
+    seen.mkdir()
+    old = time.time() - 3600
+    for name in ("psm_used", "psm_free"):
+        (inside / name).write_bytes(b"x" * 1024)
+        os.utime(inside / name, (old, old))
+    (seen / "psm_used").write_bytes(b"y")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); print(1, flush=True);"
+                               " time.sleep(60)", str(seen / "psm_used")], stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"1"
+        ok, detail = _remove_shm_segments(RemoveShmSegments(shm_dir=inside, seen_as=seen))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ok and "removed 1" in detail and "kept 1 in use: psm_used" in detail
+    assert sorted(os.listdir(inside)) == ["psm_used"]
+
+
+@pytest.mark.parametrize("scope", ["start", "redeploy"])
+def test_the_vllm_plan_inside_sweeps_the_containers_shm_or_nothing_while_it_is_down(scope: str) -> None:
+    from nodeagent.container_mode import ContainerMode
+    from nodeagent.container_plan import ContainerState
+    from nodeagent.residue_plan import plan_start_cleanup
+
+    cfg = parse_config("node: {name: n1, ip: 127.0.0.1, npus: 0}\nagent: {state_dir: /tmp/x/state}\n"
+                       "container: {engine: docker}\n"
+                       "components:\n  vllm: {kind: vllm, command: vllm, model: /m, port: 18080}\n")  # fmt: skip
+    mode = ContainerMode.__new__(ContainerMode)
+    mode.runs_inside = lambda name: True  # type: ignore[method-assign]
+    plan = plan_start_cleanup("vllm", cfg.components["vllm"], cfg, scope=scope, reason="t", records=[], scan=True)
+    assert any(isinstance(a, RemoveShmSegments) for a in plan.actions)
+    me = os.getpid()
+    mode.state, mode.problem = ContainerState(CID, "n", "running", True, "img", pid=me), None
+    swept = [a for a in mode.adapt_plan("vllm", plan).actions if isinstance(a, RemoveShmSegments)]
+    assert swept and swept[0].shm_dir == Path(f"/proc/{me}/root/dev/shm") and swept[0].seen_as == Path("/dev/shm")
+    mode.state = ContainerState(CID, "n", "exited", False, "img", pid=None)
+    assert not any(isinstance(a, RemoveShmSegments) for a in mode.adapt_plan("vllm", plan).actions)

@@ -1,0 +1,175 @@
+"""The agent in container mode with a real podman (runc): config/local.yaml's stack inside the node's container
+(the datasystem worker and the vLLM stand-in; etcd stays on the host with `container: false`).
+
+One agent goes through everything, to keep the run short: the stack up inside (membership checked from the
+kernel's cgroups, not from the agent), kill -9 of vLLM's API server inside (its orphaned EngineCore is gone
+before the relaunch), a killed exec client (the process stays supervised), kill -9 of the agent (adopted, same
+PIDs), a changed run line (a planned recreate), `podman kill` of the container (recreated, setup re-run, a node
+redeploy, the stack serving again, the post-mortem with the engine's inspect), SIGTERM (nothing of ours left, the
+container removed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import BIN, LocalAgent, session_pids, wait_for
+from containerhelpers import SKIP_REASON, built_image, local_container_config
+
+pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def cgroup_has(pid: int, container_id: str) -> bool:
+    return container_id in Path(f"/proc/{pid}/cgroup").read_text()
+
+
+def inspect(name: str) -> dict | None:
+    out = subprocess.run(["podman", "inspect", "--type", "container", name], capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    return json.loads(out.stdout)[0] if out.returncode == 0 else None
+
+
+def engine_cores(pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(pid).children(True) if p.cmdline()[:1] == ["VLLM::EngineCore"]]
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
+    home = tmp_path / "home"  # under /tmp: the guide's -v /tmp:/tmp shows it inside at the same path
+    home.mkdir()
+    name = f"dsv4-sys-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    data = local_container_config(built_image(), home, name)  # what scripts/run-local.sh --container runs
+    data["container"].update(on_stop="remove", setup=[["sh", "-c", f"echo setup-ran >> {home}/setup.log"],
+                                                      ["sh", "-c", "echo second step"]])  # fmt: skip
+    config = tmp_path / "container.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    local = LocalAgent(home, config)
+    local.container_data = data  # type: ignore[attr-defined]
+    try:
+        yield local, name
+    finally:
+        local.cleanup()
+        subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
+
+
+def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
+    local, name = agent
+    data = local.container_data  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    local.start()
+    first = local.wait_all_up(180)
+    up_s = time.monotonic() - t0
+    cid = inspect(name)["Id"]
+    # Membership from the kernel: the worker and vLLM (with its engine) in the container's cgroup, etcd not.
+    assert cgroup_has(first["vllm"]["pid"], cid) and cgroup_has(first["datasystem"]["pid"], cid)
+    assert not cgroup_has(first["etcd"]["pid"], cid)
+    engine = wait_for("EngineCore inside", lambda: engine_cores(first["vllm"]["pid"]))
+    assert all(cgroup_has(p, cid) for p in engine)
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"]
+    status = local.status()
+    assert status["container"]["id"] == cid[:12] and status["container"]["up"]
+    assert "second step" in (local.home / "logs" / "container.log").read_text()  # setup output in the logs
+    print(f"\ncontainer mode: stack up after {up_s:.1f} s (container created, set up, 3 components)")
+    ctl = [str(BIN / "nodeagentctl"), "--config", str(local.config_path)]
+    shown = subprocess.run([*ctl, "status"], env=local.env, capture_output=True, text=True, timeout=30).stdout
+    assert f"container {name} (podman, " in shown and f"{cid[:12]} up since" in shown
+    inside = subprocess.run([*ctl, "shell", "--", "cat", "/proc/1/cmdline"], env=local.env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert inside.returncode == 0 and inside.stdout.split("\0")[0] == "bash", inside.stderr  # the guide's init
+
+    # kill -9 of vLLM's API server inside: its orphaned EngineCore is gone before the relaunch
+    old = first["vllm"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    t0 = time.monotonic()
+    new = wait_for("vllm relaunched", lambda: (p := local.children()["vllm"]["pid"]) != old and p)
+    relaunch_s = time.monotonic() - t0
+    assert all(gone(p) for p in engine), "the orphaned EngineCore must be stopped before the relaunch"
+    assert cgroup_has(new, cid)
+    local.wait_all_up()
+    print(f"kill -9 of vLLM inside: relaunched after {relaunch_s * 1000:.0f} ms")
+
+    # A killed exec client leaves its process running: the agent still supervises it by its host PID
+    client = psutil.Process(new).parents()  # the exec'd process's parent is conmon, not the client
+    clients = [p for p in psutil.Process(local.proc.pid).children() if "exec" in p.cmdline()[1:4]
+               and any("vllm-standin" in a for a in p.cmdline())]  # fmt: skip
+    assert len(clients) == 1 and clients[0].pid not in {c.pid for c in client}
+    os.kill(clients[0].pid, signal.SIGKILL)
+    wait_for("the lost client reported", lambda: "exec client" in local.log() and "still supervised" in local.log())
+    assert not gone(new) and local.children()["vllm"]["pid"] == new
+    os.kill(new, signal.SIGKILL)  # and its death is still seen
+    wait_for("vllm relaunched after its client died", lambda: local.children()["vllm"]["pid"] not in (new, None))
+    local.wait_all_up()
+
+    # kill -9 of the agent, start again: adopted, same PIDs, nothing restarted, the container kept
+    before = {n: (c["pid"], c["create_time"]) for n, c in local.children().items()}
+    os.kill(local.proc.pid, signal.SIGKILL)
+    local.proc.wait(10)
+    (local.state_dir / "status.json").unlink()
+    local.start()
+    wait_for("adoption of all three", lambda: local.log().count("adopted running pid") == 3, timeout=60)
+    local.wait_all_up()
+    assert {n: (c["pid"], c["create_time"]) for n, c in local.children().items()} == before
+    assert inspect(name)["Id"] == cid
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"], "setup runs once per container"
+
+    # A changed run line is a planned recreate: the components inside stop first, then start in the new container
+    os.kill(local.proc.pid, signal.SIGKILL)
+    local.proc.wait(10)
+    data["container"]["run_args"].append("-e DSV4_TEST_RECREATE=1")
+    local.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    local.start()
+    wait_for("the recreated container", lambda: (i := inspect(name)) is not None and i["Id"] != cid, timeout=60)
+    recreated = local.wait_all_up(120)
+    assert "run line changed" in local.log() and local.status()["node_policy"]["redeploys_total"] == 0
+    cid = inspect(name)["Id"]
+    assert cgroup_has(recreated["vllm"]["pid"], cid) and recreated["etcd"]["pid"] == before["etcd"][0]
+    assert "DSV4_TEST_RECREATE=1" in " ".join(inspect(name)["Config"]["Env"])
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran", "setup-ran"], "set up once more"
+
+    # podman kill of the container: noticed, recreated, set up again, a node redeploy, serving again
+    redeploys = local.status()["node_policy"]["redeploys_total"]
+    t0 = time.monotonic()
+    subprocess.run(["podman", "kill", name], check=True, capture_output=True, timeout=30)
+    wait_for("the death noticed", lambda: local.status()["container"]["deaths"] == 1, timeout=5)
+    noticed_s = time.monotonic() - t0
+    wait_for("a new container", lambda: (i := inspect(name)) is not None and i["Id"] != cid and i["State"]["Running"])
+    after = local.wait_all_up(180)
+    recovered_s = time.monotonic() - t0
+    new_cid = inspect(name)["Id"]
+    assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 3
+    status = local.status()
+    assert status["node_policy"]["redeploys_total"] == redeploys + 1
+    assert status["container"]["last_death"]["exit_code"] == 137
+    bundles = sorted((local.state_dir / "postmortem" / "container").glob("*.tar.gz"))
+    with tarfile.open(bundles[-1]) as tar:
+        names = {m.name.split("/", 1)[1]: m for m in tar.getmembers()}
+        data = json.load(tar.extractfile(names["inspect.json"]))  # type: ignore[arg-type]
+        manifest = json.load(tar.extractfile(names["manifest.json"]))  # type: ignore[arg-type]
+    assert data[0]["Id"] == cid and data[0]["State"]["ExitCode"] == 137 and manifest["failure"]["exit_code"] == 137
+    print(f"podman kill: noticed after {noticed_s * 1000:.0f} ms, stack up again after {recovered_s:.1f} s")
+
+    # SIGTERM: nothing of ours left running, the container removed (on_stop: remove)
+    pids = [c["pid"] for c in local.children().values()]
+    sids = {c["sid"] for c in local.children().values()}
+    assert local.terminate(120) == 0
+    assert all(gone(p) for p in pids)
+    assert not any(session_pids(s) for s in sids)
+    assert inspect(name) is None
