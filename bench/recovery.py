@@ -439,7 +439,7 @@ def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, A
     with contextlib.suppress(Exception):
         from nodeagent.config_model import AgentSettings
 
-        if "systemd_scopes" in AgentSettings.model_fields:
+        if "systemd_scopes" in AgentSettings.__struct_fields__:
             agent["systemd_scopes"] = "never"  # same launch path as supervisord on any host
     config = {
         "cluster": {"name": "bench", "etcd_endpoints": ["127.0.0.1:2379"]},

@@ -10,13 +10,11 @@ from __future__ import annotations
 import copy
 import difflib
 from collections.abc import Mapping
-from functools import cache
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
+from nodeagent.config_base import Invalid, fields_of, replace, validate
 from nodeagent.config_cluster import ClusterConfig, SharedSections, VllmGroup
-from nodeagent.config_model import Component, NodeConfig, VllmComponent
+from nodeagent.config_model import Component, NodeConfig, VllmComponent, prepare_component
 
 KeyPath = tuple[str | int, ...]
 
@@ -29,7 +27,7 @@ GROUP_UNIFORM_KEYS = frozenset(
 )
 """The same on every node of a group: set on the component or the group, never in a node entry."""
 DERIVED_PROXY_KEYS = frozenset({"prefillers", "decoders", "served_model_name"})
-VLLM_GROUP_KEYS = frozenset(VllmComponent.model_fields) - {"kind"} - DERIVED_VLLM_KEYS
+VLLM_GROUP_KEYS = frozenset(fields_of(VllmComponent)) - DERIVED_VLLM_KEYS
 
 
 class ClusterFileError(ValueError):
@@ -39,11 +37,6 @@ class ClusterFileError(ValueError):
         problems = list(dict.fromkeys(problems))  # a check reached along several paths is one problem
         super().__init__("; ".join(f"{'.'.join(map(str, p))}: {m}" for p, m in problems))
         self.problems = problems
-
-
-@cache
-def _component_adapter() -> TypeAdapter[Any]:
-    return TypeAdapter(Component)
 
 
 def vllm_template(components: Mapping[str, Any]) -> str | None:
@@ -205,28 +198,22 @@ def member_components(cluster: ClusterConfig, shared: SharedSections) -> dict[st
                 layers.append(node.components[name])
             merged, origin = _merge(layers)
             try:
-                comps[name] = _component_adapter().validate_python(merged, context={"base_dir": shared.base_dir})
-            except ValidationError as exc:
-                problems += _locate(exc, merged, origin, sources)
+                comps[name] = validate(Component, prepare_component(merged), shared.base_dir)
+            except Invalid as exc:
+                problems += _locate(exc, origin, sources)
         out[node.name] = comps
     if problems:
         raise ClusterFileError(problems)
     return out
 
 
-def _locate(exc: ValidationError, merged: dict[str, Any], origin: dict[str, int],
-            sources: list[KeyPath]) -> list[tuple[KeyPath, str]]:
+def _locate(exc: Invalid, origin: dict[str, int], sources: list[KeyPath]) -> list[tuple[KeyPath, str]]:
+    """Each problem at the layer that wrote its key (the file's component, the group, the node's entry)."""
     found = []
-    for err in exc.errors(include_url=False):
-        loc = list(err["loc"])
-        if loc and loc[0] == merged.get("kind"):
-            loc = loc[1:]
-        key = loc[0] if loc else None
+    for p in exc.problems:
+        key = p.path[0] if p.path else None
         base = sources[origin[key]] if isinstance(key, str) and key in origin else sources[-1]
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key {key!r}"
-        found.append(((*base, *loc), msg))
+        found.append(((*base, *p.path), p.text()))
     return found
 
 
@@ -256,5 +243,4 @@ def identify_node(cluster: ClusterConfig, node_raw: Mapping[str, Any], node: Nod
                              f"{name!r} ({key}: {wanted!r}); remove node.{key}"))
     if problems:
         raise ClusterFileError(problems)
-    return node.model_copy(update={"name": name, "ip": entry.ip, "role": entry.role,
-                                   "nic_name": entry.nic_name or node.nic_name})
+    return replace(node, name=name, ip=entry.ip, role=entry.role, nic_name=entry.nic_name or node.nic_name)

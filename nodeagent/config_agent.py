@@ -5,20 +5,20 @@ Apart from `config_model` (which imports it) so that each file holds one part of
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+from msgspec import Meta, field
 
-from nodeagent.config_cluster import Strict
+from nodeagent.config_base import Check, RuleProblem, Strict
 from nodeagent.config_paths import ConfigPath
 from nodeagent.config_raw import DEFAULT_LISTEN, DEFAULT_LOG_DIR, DEFAULT_STATE_DIR, DEFAULT_TOKEN_FILE, check_listen
 from nodeagent.parsing import split_listen
 
 
 class ApiConfig(Strict):
-    listen: Annotated[str, AfterValidator(check_listen)] = DEFAULT_LISTEN
+    listen: Annotated[str, Check(check_listen)] = DEFAULT_LISTEN
     token_file: ConfigPath = DEFAULT_TOKEN_FILE
     unix_socket: ConfigPath | None = None
 
@@ -36,17 +36,15 @@ class UiConfig(Strict):
 
     enabled: bool = True
     """Serve the page and keep the history; false: both 404, no scraping for them."""
-    cache_period_s: float = Field(default=15.0, ge=0.1)
+    cache_period_s: Annotated[float, Meta(ge=0.1)] = 15.0
     """How often vLLM's /metrics is scraped for the page's hit-rate plot: one sample per period."""
-    cache_history_s: float = Field(default=3600.0, gt=0)
+    cache_history_s: Annotated[float, Meta(gt=0)] = 3600.0
     """How far back the plot's samples are kept (in memory; lost when the agent restarts)."""
 
-    @model_validator(mode="after")
-    def _bounded(self) -> UiConfig:
+    def _problems(self) -> Iterator[RuleProblem]:
         if self.cache_history_s / self.cache_period_s > MAX_CACHE_SAMPLES:
-            raise ValueError(f"cache_history_s / cache_period_s keeps more than {MAX_CACHE_SAMPLES} samples: "
-                             "scrape less often or keep less history")
-        return self
+            yield None, (f"cache_history_s / cache_period_s keeps more than {MAX_CACHE_SAMPLES} samples: scrape "
+                         "less often or keep less history")
 
 
 MAX_CACHE_SAMPLES = 6000
@@ -85,44 +83,35 @@ class MqttConfig(Strict):
 
     Topics: `<topic_prefix>/<cluster.name>/<node.name>/{status,events,cache}` (see nodeagent/mqtt.py)."""
 
-    url: Annotated[str, AfterValidator(_parse_mqtt_url)]
+    url: Annotated[str, Check(_parse_mqtt_url)]
     """mqtt://HOST[:1883] or mqtts://HOST[:8883] (TLS, verified against ca_file or the system CAs)."""
     username: str | None = None
     password_file: ConfigPath | None = None
     """Read at every connection attempt, so it may be root-only (0600) and rotated without a restart."""
-    client_id: str | None = Field(default=None, min_length=1, max_length=128)
+    client_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
     """Default: dsv4-agent-<cluster>-<node>."""
-    topic_prefix: Annotated[str, AfterValidator(_topic_prefix)] = "dsv4"
+    topic_prefix: Annotated[str, Check(_topic_prefix)] = "dsv4"
     qos: Literal[0, 1, 2] = 1
     """For status and events; cache rates go out with QoS 0 (the next scrape replaces them)."""
     ca_file: ConfigPath | None = None
-    keepalive_s: int = Field(default=15, ge=2, le=65535)
+    keepalive_s: Annotated[int, Meta(ge=2, le=65535)] = 15
     """A broker that stops answering is noticed within about twice this."""
-    timeout_s: float = Field(default=5.0, gt=0, le=300)
+    timeout_s: Annotated[float, Meta(gt=0, le=300)] = 5.0
     """How long a connection attempt or one acknowledgement may take before the connection counts as lost."""
-    buffer: int = Field(default=10000, ge=10, le=10_000_000)
+    buffer: Annotated[int, Meta(ge=10, le=10_000_000)] = 10000
     """Events kept for the broker while it is unreachable; past it the oldest are dropped (and counted)."""
-    status_interval_s: float = Field(default=30.0, gt=0)
+    status_interval_s: Annotated[float, Meta(gt=0)] = 30.0
     """The retained status is republished at least this often (and on every change)."""
-    cache_interval_s: float = Field(default=15.0, gt=0)
+    cache_interval_s: Annotated[float, Meta(gt=0)] = 15.0
     """How often vLLM's /metrics is scraped for the `cache` topic."""
-    reconnect_max_s: float = Field(default=30.0, gt=0)
+    reconnect_max_s: Annotated[float, Meta(gt=0)] = 30.0
     """Reconnect backoff: 1 s, doubling, capped here."""
 
-    @field_validator("password_file")
-    @classmethod
-    def _password_needs_user(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is not None and not info.data.get("username"):
-            raise ValueError("a password needs a username (set agent.mqtt.username)")
-        return value
-
-    @field_validator("ca_file")
-    @classmethod
-    def _ca_needs_tls(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        url = info.data.get("url")
-        if value is not None and url is not None and not url.startswith("mqtts://"):
-            raise ValueError("a CA file is for TLS: use an mqtts:// url")
-        return value
+    def _problems(self) -> Iterator[RuleProblem]:
+        if self.password_file is not None and not self.username:
+            yield "password_file", "a password needs a username (set agent.mqtt.username)"
+        if self.ca_file is not None and not self.url.startswith("mqtts://"):
+            yield "ca_file", "a CA file is for TLS: use an mqtts:// url"
 
     @property
     def tls(self) -> bool:
@@ -144,18 +133,18 @@ class AgentSettings(Strict):
     operator start still works; `dsv4-agent --force` = warn), warn = events only, off = not run."""
     state_dir: ConfigPath = DEFAULT_STATE_DIR
     log_dir: ConfigPath = DEFAULT_LOG_DIR
-    api: ApiConfig = ApiConfig()
-    log_max_bytes: int = Field(default=100 * 1024 * 1024, ge=1024)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    log_max_bytes: Annotated[int, Meta(ge=1024)] = 100 * 1024 * 1024
     """A component's log file is copied and truncated (logrotate's copytruncate) past this size."""
-    log_keep: int = Field(default=5, ge=1)
-    archive_keep: int = Field(default=10, ge=1)
+    log_keep: Annotated[int, Meta(ge=1)] = 5
+    archive_keep: Annotated[int, Meta(ge=1)] = 10
     """How many compressed log archives per component survive residue cleanup."""
     systemd_scopes: Literal["auto", "always", "never"] = "auto"
     """Under systemd, run each component in its own transient scope (`systemd-run --scope`): with the unit's
     KillMode=mixed, an agent crash or watchdog restart then cannot SIGKILL the stack, and the next agent adopts
     it. auto = when systemd is PID 1 and systemd-run exists."""
-    residue_roots: list[ConfigPath] = Field(default_factory=list)
+    residue_roots: list[ConfigPath] = field(default_factory=list)
     """Folders (besides state_dir and each component's own) under which cleanup may delete."""
     mqtt: MqttConfig | None = None
-    ui: UiConfig = UiConfig()
+    ui: UiConfig = field(default_factory=UiConfig)
     """The read-only status page at GET /ui on the API's address, and the hit-rate history it plots."""

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from msgspec import Meta, field
 
+from nodeagent.config_base import Check, RuleProblem, Strict, to_plain
 from nodeagent.config_paths import ReadableFile
 
 GroupKind = Literal["prefill", "decode", "mixed"]
+Port = Annotated[int, Meta(gt=0, lt=65536)]
 DpLaunch = Literal["internal", "external"]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _topic_safe_name(value: str) -> str:
@@ -42,34 +41,40 @@ def _topic_safe_name(value: str) -> str:
     return value
 
 
-TopicSafeName = Annotated[str, AfterValidator(_topic_safe_name)]
+TopicSafeName = Annotated[str, Check(_topic_safe_name)]
 
 
 class ClusterNode(Strict):
     """One member of the cluster, as its entry in `cluster.nodes` writes it."""
 
     name: TopicSafeName
-    ip: str = Field(min_length=1)
+    ip: Annotated[str, Meta(min_length=1)]
     role: Literal["master", "worker"] = "worker"
     nic_name: str | None = None
-    components: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
     """This member's own values for component keys (ports, folders): several members may share an IP."""
 
 
-class VllmGroup(BaseModel):
+class VllmGroup(Strict, kw_only=True):
     """One data-parallel group of vLLM; every other key is a vLLM component setting for the whole group."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    name: str = Field(min_length=1)
+    name: Annotated[str, Meta(min_length=1)]
     kind: GroupKind = "mixed"
-    nodes: list[str] = Field(min_length=1)
+    nodes: Annotated[list[str], Meta(min_length=1)]
     dp_launch: DpLaunch = "internal"
     """internal: one `vllm serve` per node, vLLM balances (headless non-head nodes); external: one per DP rank."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The group's other keys as written (`group_settings_apart` moves them here before validation)."""
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+    INTERNAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"settings"})
+
+
+def group_settings_apart(raw: Any) -> Any:
+    """A group as written → its own keys, the rest under `settings` (pydantic's extra="allow")."""
+    if not isinstance(raw, dict):
+        return raw
+    own = {k: v for k, v in raw.items() if k in VllmGroup.__struct_fields__ and k != "settings"}
+    return {**own, "settings": {k: v for k, v in raw.items() if k not in own}}
 
 
 class PdConfig(Strict):
@@ -77,8 +82,8 @@ class PdConfig(Strict):
 
     p2p_connector: str = "MooncakeHybridConnector"
     """vllm-ascend's DeepSeek-V4 tutorial and openYuanrong's 8-node guide use the hybrid connector."""
-    kv_port_base: int = Field(default=30000, gt=0, lt=65536)
-    kv_port_step: int = Field(default=100, gt=0)
+    kv_port_base: Port = 30000
+    kv_port_step: Annotated[int, Meta(gt=0)] = 100
     """Group i of the prefill/decode groups (file order) gets kv_port base + i·step and engine_id i."""
     use_ascend_direct: bool = True
 
@@ -101,50 +106,45 @@ class EtcdTls(Strict):
     server_name: str | None = None
     """Name to check the server certificate against (default: the endpoint's host)."""
 
-    @model_validator(mode="after")
-    def _pair(self) -> EtcdTls:
+    def _problems(self) -> Iterator[RuleProblem]:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file go together")
-        return self
+            yield None, "cert_file and key_file go together"
 
 
 class EtcdAuth(Strict):
-    username: str = Field(min_length=1)
+    username: Annotated[str, Meta(min_length=1)]
     password_file: ReadableFile
     """The password, alone in a file (0600): never in the config itself."""
 
 
 class ClusterConfig(Strict):
     name: TopicSafeName = "local"
-    etcd_endpoints: list[Annotated[str, AfterValidator(_check_endpoint)]] = Field(
-        default_factory=lambda: ["127.0.0.1:2379"], min_length=1
+    etcd_endpoints: Annotated[list[Annotated[str, Check(_check_endpoint)]], Meta(min_length=1)] = field(
+        default_factory=lambda: ["127.0.0.1:2379"]
     )
     """Every endpoint of the etcd cluster (the agent fails over between them). In a cluster file without this
     key: the master's etcd (or every member of `etcd_members`)."""
     etcd_tls: EtcdTls | None = None
     etcd_auth: EtcdAuth | None = None
-    etcd_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    etcd_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 2.0
     """Every etcd request answers within this or counts as etcd unreachable."""
-    member_ttl_s: float = Field(default=10.0, ge=2, le=300)
+    member_ttl_s: Annotated[float, Meta(ge=2, le=300)] = 10.0
     """TTL of the lease the node's member key lives on: a dead agent's key is gone after at most this long."""
-    member_heartbeat_s: float = Field(default=15.0, gt=0, le=3600)
+    member_heartbeat_s: Annotated[float, Meta(gt=0, le=3600)] = 15.0
     """The member key is written on every change, and at least this often (fresh clock-skew samples)."""
-    clock_skew_max_s: float = Field(default=1.0, gt=0)
+    clock_skew_max_s: Annotated[float, Meta(gt=0)] = 1.0
     """Members whose clocks differ from the cluster's by more than this are flagged."""
-    etcd_members: list[str] = Field(default_factory=list)
+    etcd_members: list[str] = field(default_factory=list)
     """Nodes that each run a member of one etcd cluster (3 or 5, the master among them; the guide's production
     advice). Empty: the guide's single etcd on the master."""
-    nodes: list[ClusterNode] = Field(default_factory=list)
+    nodes: list[ClusterNode] = field(default_factory=list)
     vllm_groups: list[VllmGroup] | None = None
     """Default (cluster file): one group of all nodes, kind mixed, dp_launch internal."""
-    pd: PdConfig = PdConfig()
+    pd: PdConfig = field(default_factory=PdConfig)
 
-    @field_validator("vllm_groups")
-    @classmethod
-    def _not_empty(cls, value: list[VllmGroup] | None) -> list[VllmGroup] | None:
-        if value is not None and not value:
-            raise ValueError("list at least one group, or leave vllm_groups out for one group of all nodes")
-        return value
+    def _problems(self) -> Iterator[RuleProblem]:
+        if self.vllm_groups is not None and not self.vllm_groups:
+            yield "vllm_groups", "list at least one group, or leave vllm_groups out for one group of all nodes"
 
     @property
     def is_cluster_file(self) -> bool:
@@ -154,8 +154,8 @@ class ClusterConfig(Strict):
 class SharedSections(Strict):
     """What every member of a cluster shares, as the file wrote it (after `${VAR}` interpolation)."""
 
-    cluster: dict[str, Any] = Field(default_factory=dict)
-    components: dict[str, Any] = Field(default_factory=dict)
+    cluster: dict[str, Any] = field(default_factory=dict)
+    components: dict[str, Any] = field(default_factory=dict)
     base_dir: Path | None = None
     """Relative paths in `components` resolve against the file's folder."""
     source: str = "<config>"
@@ -179,6 +179,6 @@ def cluster_file_hash(config: Any) -> str:
     if shared is not None:
         return str(shared.digest())
     return _digest({
-        "cluster": config.cluster.model_dump(mode="json", exclude_unset=True),
-        "components": {n: c.model_dump(mode="json", exclude_unset=True) for n, c in config.components.items()},
+        "cluster": to_plain(config.cluster),
+        "components": {n: to_plain(c) for n, c in config.components.items()},
     })  # fmt: skip

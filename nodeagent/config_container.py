@@ -8,11 +8,12 @@ that say `container: false` (e.g. etcd on the host). The lifecycle decisions are
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from msgspec import Meta, field
 
-from nodeagent.config_cluster import Strict
+from nodeagent.config_base import Check, RuleProblem, Strict
 from nodeagent.container_options import guide_options, merge_options
 
 GUIDE_IMAGE = "quay.io/ascend/vllm-ascend:v0.20.2rc1"
@@ -35,7 +36,7 @@ def _run_arg(value: str) -> str:
     return value
 
 
-RunArg = Annotated[str, AfterValidator(_run_arg)]
+RunArg = Annotated[str, Check(_run_arg)]
 
 
 class ContainerConfig(Strict):
@@ -45,17 +46,17 @@ class ContainerConfig(Strict):
     engine: Literal["docker", "podman"] | None = None
     """The container engine's CLI; default: whichever is on PATH when the agent renders the run line, docker
     first."""
-    image: str = Field(default=GUIDE_IMAGE, min_length=1)
+    image: Annotated[str, Meta(min_length=1)] = GUIDE_IMAGE
     """The image CANN, torch-npu and vllm-ascend live in (the guide's; `docker pull` it first)."""
-    name: Annotated[str, AfterValidator(_container_name)] = GUIDE_NAME
+    name: Annotated[str, Check(_container_name)] = GUIDE_NAME
     """The container's name (the guide's `start-docker.sh` second argument)."""
-    run_args: list[RunArg] = Field(default_factory=list)
+    run_args: list[RunArg] = field(default_factory=list)
     """Options of the run line on top of the guide's `start-docker.sh` flags, one option per entry
     (`--shm-size=64g`, `-v /models:/models`, `-e HCCL_BUFFSIZE=512`). An option the defaults already have is
     replaced: single-valued flags by name (`--name`, `--shm-size`, `-w`, `--net`, ...), `-v` by its container
     path, `--device` by its device path, `-e` by variable, `--ulimit` by limit. `!` first removes a default:
     `!--device=/dev/davinci_manager` that one, `!--device` every device, `!-v /data` the mount at /data."""
-    setup: list[Annotated[list[str], Field(min_length=1)]] = Field(default_factory=list)
+    setup: list[Annotated[list[str], Meta(min_length=1)]] = field(default_factory=list)
     """Commands run inside once per new container before any component starts (the guide's `git am` patches,
     `pip install` of the datasystem wheel), in order; a failure names the step and holds the stack."""
     runtime: str | None = None
@@ -67,21 +68,18 @@ class ContainerConfig(Strict):
     """Ascend MindCluster's Container Manager stops and restarts containers that mount faulty chips and forbids
     restart policies: it fights the agent over this container, so preflight FAILs while it runs, unless this says
     the two are meant to coexist (e.g. its `-ctrStrategy=never`)."""
-    stop_timeout_s: float = Field(default=5.0, gt=0)
+    stop_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
     """Grace the engine gives the container on stop before SIGKILL; its components are stopped first, and the
     guide's entrypoint (bash as PID 1) ignores SIGTERM, so the engine always waits this long."""
 
-    @field_validator("setup")
-    @classmethod
-    def _program_named(cls, value: list[list[str]]) -> list[list[str]]:
-        for i, step in enumerate(value):
-            if not step[0]:
-                raise ValueError(f"setup step {i + 1} must name a program")
-        return value
-
-    @model_validator(mode="after")
-    def _run_args_apply(self) -> ContainerConfig:
-        options = merge_options(guide_options({}), self.run_args)  # a removal that removes nothing raises
+    def _problems(self) -> Iterator[RuleProblem]:
+        for i, step in enumerate(self.setup):
+            if not step or not step[0]:
+                yield ("setup", i), f"setup step {i + 1} must name a program"
+        try:
+            options = merge_options(guide_options({}), self.run_args)  # a removal that removes nothing raises
+        except ValueError as exc:
+            yield "run_args", str(exc)
+            return
         if not any(o.canonical == "--name" and o.value for o in options):
-            raise ValueError("run_args removes --name: the agent finds its container by name")
-        return self
+            yield "run_args", "run_args removes --name: the agent finds its container by name"

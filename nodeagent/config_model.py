@@ -2,34 +2,31 @@
 
 The `agent:` section is in `config_agent`, the probe kinds in `config_probes`, the `cluster:` section in
 `config_cluster`; this module re-exports their models, so `nodeagent.config_model` stays the one name to import.
-Every model forbids unknown keys; `config.load_config` turns validation errors into messages naming the file,
-the line and the key path. Relative paths resolve against the config file's folder (validation context
-`base_dir`). Kind-specific defaults follow the deployment guide (run_etcd.sh, run_yr_worker.sh,
+Every model is a strict frozen msgspec struct (`config_base`); `config.load_config` turns validation problems into
+messages naming the file, the line and the key path. Relative paths resolve against the config file's folder
+(`validate_config(..., base_dir=)`). Kind-specific defaults follow the deployment guide (run_etcd.sh, run_yr_worker.sh,
 run_ds_v4_flash_w8a8_mtp.sh); `config/dsv4-flash-a2.yaml` is that deployment written out.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from msgspec import Meta, field
 
 from nodeagent.config_agent import AgentSettings as AgentSettings
 from nodeagent.config_agent import ApiConfig as ApiConfig
 from nodeagent.config_agent import MqttConfig as MqttConfig
 from nodeagent.config_agent import UiConfig as UiConfig
-from nodeagent.config_cluster import ClusterConfig, SharedSections, Strict, TopicSafeName
+from nodeagent.config_base import Check, RuleProblem, Strict, Tagged, validate
+from nodeagent.config_cluster import ClusterConfig, Port, SharedSections, TopicSafeName, group_settings_apart
 from nodeagent.config_container import ContainerConfig
 from nodeagent.config_paths import Command, ConfigPath
 from nodeagent.config_paths import resolve_path as _resolve_path
+from nodeagent.config_probes import AtLeastOne, NonNegative, Positive
 from nodeagent.config_probes import DatasystemKvProbe as DatasystemKvProbe
 from nodeagent.config_probes import EtcdProbe as EtcdProbe
 from nodeagent.config_probes import ExecProbe as ExecProbe
@@ -46,6 +43,8 @@ from nodeagent.config_recovery import PdWatchConfig as PdWatchConfig
 from nodeagent.config_recovery import RecoveryConfig
 from nodeagent.ft_config import FaultToleranceSpec
 from nodeagent.probe_defaults import HOST_PROBES, merge_probe_overrides
+
+PositiveInt = Annotated[int, Meta(gt=0)]
 
 
 def _default_node_name() -> str:
@@ -64,49 +63,48 @@ def default_node_ip() -> str:
 
 
 class NodeConfig(Strict):
-    name: TopicSafeName = Field(default_factory=_default_node_name)
-    ip: str = Field(default_factory=default_node_ip)
+    name: TopicSafeName = field(default_factory=_default_node_name)
+    ip: str = field(default_factory=default_node_ip)
     role: Literal["master", "worker"] = "master"
     nic_name: str | None = None
     """The RoCE/host NIC the guide sets GLOO/TP/HCCL_SOCKET_IFNAME to (`ifconfig` shows it)."""
-    npus: int | None = Field(default=None, ge=0)
+    npus: Annotated[int, Meta(ge=0)] | None = None
     """NPUs this node must show in `npu-smi info`; default: what its vLLM needs (TP × local DP ranks). 0 = a host
     without NPUs (a dev box running the vLLM stand-in): NPU checks and preflight's weights check are skipped."""
-    npu_health: NpuProbe = Field(default_factory=lambda: NpuProbe(**HOST_PROBES["npu"]))
+    npu_health: NpuProbe = field(default_factory=lambda: validate(NpuProbe, HOST_PROBES["npu"]))
     """How the agent watches NPUs and RoCE links (`npu` probe settings; a mapping tunes the default)."""
 
-    @field_validator("npu_health", mode="before")
-    @classmethod
-    def _merge_npu_default(cls, value: Any) -> Any:
-        return {**HOST_PROBES["npu"], **value} if isinstance(value, dict) else value
+
+def _prepare_node(raw: Any) -> Any:
+    """`npu_health` as written tunes the host's default probe."""
+    if isinstance(raw, dict) and isinstance(raw.get("npu_health"), dict):
+        return {**raw, "npu_health": {**HOST_PROBES["npu"], **raw["npu_health"]}}
+    return raw
 
 
 class ProbeSet(Strict):
     """Kubernetes semantics: startup gates the others; liveness failure restarts; readiness only gates."""
 
-    startup: list[ProbeSpec] = Field(default_factory=list)
-    liveness: list[ProbeSpec] = Field(default_factory=list)
-    readiness: list[ProbeSpec] = Field(default_factory=list)
+    startup: list[ProbeSpec] = field(default_factory=list)
+    liveness: list[ProbeSpec] = field(default_factory=list)
+    readiness: list[ProbeSpec] = field(default_factory=list)
 
-    @field_validator("startup")
-    @classmethod
-    def _no_progress_startup(cls, value: list[Any]) -> list[Any]:
-        if any(isinstance(p, VllmProgressProbe) for p in value):
-            raise ValueError("a vllm_progress probe judges a running engine; for startup use http_get /health")
-        return value
+    def _problems(self) -> Iterator[RuleProblem]:
+        if any(isinstance(p, VllmProgressProbe) for p in self.startup):
+            yield "startup", "a vllm_progress probe judges a running engine; for startup use http_get /health"
 
 
 class RestartSpec(Strict):
-    first_delay_s: float = Field(default=0.0, ge=0)
-    backoff_initial_s: float = Field(default=10.0, ge=0)
-    backoff_max_s: float = Field(default=300.0, ge=0)
-    stable_after_s: float = Field(default=600.0, ge=0)
-    redeploy_after_failures: int = Field(default=5, ge=1)
+    first_delay_s: NonNegative = 0.0
+    backoff_initial_s: NonNegative = 10.0
+    backoff_max_s: NonNegative = 300.0
+    stable_after_s: NonNegative = 600.0
+    redeploy_after_failures: AtLeastOne = 5
     """Component failures within failure_window_s that escalate to a node redeploy."""
-    failure_window_s: float = Field(default=900.0, gt=0)
-    failed_after_redeploys: int = Field(default=3, ge=1)
+    failure_window_s: Positive = 900.0
+    failed_after_redeploys: AtLeastOne = 3
     """Redeploys within failure_window_s after which the node is `failed` (alert; retries continue)."""
-    quick_exit_s: float = Field(default=30.0, ge=0)
+    quick_exit_s: NonNegative = 30.0
     """An exit this soon after the start is a failed start: twice in a row with the same error text, it is a
     permanent failure (no redeploy, retried at backoff_max_s). 0 turns the rule off."""
 
@@ -116,45 +114,40 @@ class DependencyEdge(Strict):
     """Restart this component when the dependency restarts; default depends on the dependency's kind."""
 
 
-class ComponentBase(Strict):
-    # Defaults pass the validators too: a default `command: "etcd"` must become ["etcd"], not e,t,c,d.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
+class ComponentBase(Tagged):
+    # Defaults pass the checks too (Strict.__post_init__): a default `command: "etcd"` becomes ["etcd"].
     command: Command
-    depends_on: dict[str, DependencyEdge] = Field(default_factory=dict)
-    env: dict[str, str | None] = Field(default_factory=dict)
+    depends_on: dict[str, DependencyEdge] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     """Overrides the rendered environment; null unsets a variable."""
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
     workdir: ConfigPath | None = None
-    stop_grace_s: float = Field(default=10.0, gt=0)
-    restart: RestartSpec = RestartSpec()
-    probes: ProbeSet = ProbeSet()
+    stop_grace_s: Positive = 10.0
+    restart: RestartSpec = field(default_factory=RestartSpec)
+    probes: ProbeSet = field(default_factory=ProbeSet)
     enabled: bool = True
     container: bool = True
     """With a `container:` section: run inside the node's container; false runs it on the host (e.g. etcd)."""
 
-    @field_validator("depends_on", mode="before")
-    @classmethod
-    def _list_to_edges(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            return {name: {} for name in value}
-        return value
 
-    @model_validator(mode="before")
-    @classmethod
-    def _merge_default_probes(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("kind"), str):
-            data = dict(data)
-            data["probes"] = merge_probe_overrides(data["kind"], data.get("probes"))
-        return data
+def prepare_component(raw: Any) -> Any:
+    """A component as written → what its model takes: `depends_on` as a list means default edges, and `probes`
+    tunes the kind's default probes (`probe_defaults.merge_probe_overrides`)."""
+    if not isinstance(raw, dict):
+        return raw
+    data = dict(raw)
+    if isinstance(data.get("depends_on"), list):
+        data["depends_on"] = {name: {} for name in data["depends_on"]}
+    if isinstance(data.get("kind"), str):
+        data["probes"] = merge_probe_overrides(data["kind"], data.get("probes"))
+    return data
 
 
-class EtcdComponent(ComponentBase):
-    kind: Literal["etcd"]
+class EtcdComponent(ComponentBase, tag="etcd"):
     command: Command = "etcd"
     name: str = "etcd-single"
-    client_port: int = Field(default=2379, gt=0, lt=65536)
-    peer_port: int = Field(default=2380, gt=0, lt=65536)
+    client_port: Port = 2379
+    peer_port: Port = 2380
     data_dir: ConfigPath = Path("/tmp/etcd-data")
     listen_ip: str | None = None
     """The guide's `<IP_ADDRESS>` in --listen-*-urls; default node.ip."""
@@ -166,50 +159,52 @@ class EtcdComponent(ComponentBase):
     """This node is one of `cluster.etcd_members` (so it runs etcd although it is not the master)."""
 
 
-class DatasystemComponent(ComponentBase):
-    kind: Literal["datasystem"]
+class DatasystemComponent(ComponentBase, tag="datasystem"):
     command: Command = "dscli"
     workdir: ConfigPath | None = None
     """Where `dscli start` runs: the worker's `datasystem/` folder (logs, probe files, uds) lands here."""
-    worker_port: int = Field(default=18481, gt=0, lt=65536)
+    worker_port: Port = 18481
     etcd_address: str | None = None
     """Default: the cluster's first etcd endpoint."""
-    start_timeout_s: int = Field(default=600, gt=0)
-    shared_memory_size_mb: int = Field(default=512000, gt=0)
-    node_timeout_s: int = Field(default=30, gt=0)
-    node_dead_timeout_s: int = Field(default=60, gt=0)
+    start_timeout_s: PositiveInt = 600
+    shared_memory_size_mb: PositiveInt = 512000
+    node_timeout_s: PositiveInt = 30
+    node_dead_timeout_s: PositiveInt = 60
     liveness_check_path: ConfigPath = Path("/workspace/liveness")
-    arena_per_tenant: int | None = Field(default=None, ge=1)
+    arena_per_tenant: AtLeastOne | None = None
     enable_huge_tlb: bool | None = None
     remote_h2d_device_ids: list[int] | None = None
     """Setting it enables RH2D (needs huge pages and HDK >= 25.5.0)."""
-    rpc_thread_num: int | None = Field(default=None, ge=1)
+    rpc_thread_num: AtLeastOne | None = None
     enable_worker_worker_batch_get: bool | None = None
     client_log_dir: ConfigPath | None = None
     """DATASYSTEM_CLIENT_LOG_DIR for clients the agent starts; default ~/.datasystem (guide's residue)."""
-    stop_grace_s: float = Field(default=15.0, gt=0)
+    stop_grace_s: Positive = 15.0
 
 
-class VllmComponent(ComponentBase):
+def _relative_model(value: str) -> str:
+    return str(_resolve_path(Path(value))) if value.startswith(("./", "../")) else value
+
+
+class VllmComponent(ComponentBase, tag="vllm", kw_only=True):
     """`vllm serve` with every flag of the guide's run_ds_v4_flash_w8a8_mtp.sh as a typed default."""
 
-    kind: Literal["vllm"]
     command: Command = "vllm"
-    model: str
+    model: Annotated[str, Check(_relative_model)]
     """A local folder (absolute, `~`, or `./`/`../` relative to this config file) or a hub repo id."""
-    port: int = Field(default=8080, gt=0, lt=65536)
+    port: Port = 8080
     host: str | None = None
     served_model_name: str = "dsv4"
     max_model_len: int = 204800
     max_num_batched_tokens: int = 4096
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.9
     max_num_seqs: int = 8
     data_parallel_size: int = 1
     tensor_parallel_size: int = 8
     data_parallel_size_local: int | None = None
     data_parallel_start_rank: int | None = None
     data_parallel_address: str | None = None
-    data_parallel_rank: int | None = Field(default=None, ge=0)
+    data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None
     """External load balancing: this process is one DP rank with its own API server."""
     data_parallel_rpc_port: int | None = None
     headless: bool = False
@@ -224,7 +219,7 @@ class VllmComponent(ComponentBase):
     reasoning_parser: str | None = "deepseek_v4"
     safetensors_load_strategy: str | None = "prefetch"
     enable_prefix_caching: bool = True
-    model_loader_extra_config: dict[str, Any] | None = Field(
+    model_loader_extra_config: dict[str, Any] | None = field(
         default_factory=lambda: {"enable_multithread_load": "true", "num_threads": 128}
     )
     quantization: str | None = "ascend"
@@ -232,21 +227,21 @@ class VllmComponent(ComponentBase):
     block_size: int | None = 128
     hybrid_kv_cache_manager: bool | None = True
     """True renders --no-disable-hybrid-kv-cache-manager, False --disable-..., null neither."""
-    kv_transfer_config: dict[str, Any] | None = Field(
+    kv_transfer_config: dict[str, Any] | None = field(
         default_factory=lambda: {
             "kv_connector": "AscendStoreConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lookup_rpc_port": "1", "backend": "yuanrong"},
         }
     )
-    speculative_config: dict[str, Any] | None = Field(
+    speculative_config: dict[str, Any] | None = field(
         default_factory=lambda: {"num_speculative_tokens": 1, "method": "mtp", "enforce_eager": True}
     )
-    compilation_config: dict[str, Any] | None = Field(
+    compilation_config: dict[str, Any] | None = field(
         default_factory=lambda: {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [8]}
     )
     async_scheduling: bool = True
-    additional_config: dict[str, Any] | None = Field(
+    additional_config: dict[str, Any] | None = field(
         default_factory=lambda: {
             "ascend_compilation_config": {"enable_npugraph_ex": True, "enable_static_kernel": False},
             "enable_flashcomm1": False,
@@ -256,61 +251,44 @@ class VllmComponent(ComponentBase):
             "multistream_overlap_shared_expert": True,
         }
     )
-    ld_preload: list[str] = Field(default_factory=lambda: ["/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"])
+    ld_preload: list[str] = field(default_factory=lambda: ["/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"])
     """Prepended to the inherited LD_PRELOAD, as the guide does."""
     remote_h2d: bool = False
     """DS_ENABLE_REMOTE_H2D; enable together with the worker's remote_h2d_device_ids."""
     datasystem: str | None = None
     """Which datasystem component's worker_port gives DS_WORKER_ADDR; default the only one."""
-    stop_grace_s: float = Field(default=60.0, gt=0)
+    stop_grace_s: Positive = 60.0
     """vLLM drains in-flight requests on SIGTERM."""
-    clean_slate_timeout_s: float = Field(default=90.0, gt=0)
+    clean_slate_timeout_s: Positive = 90.0
     """Before every start: how long to wait for no process on the NPUs and their HBM back to idle (device
     memory takes ~50 s to come back after an engine exits). A timeout fails the start, never a duplicate."""
-    hbm_idle_tolerance_mb: int = Field(default=512, ge=0)
-    drain_timeout_s: float = Field(default=120.0, ge=0)
+    hbm_idle_tolerance_mb: Annotated[int, Meta(ge=0)] = 512
+    drain_timeout_s: NonNegative = 120.0
     """Before a planned restart or stop (operator, reload, planned gang restart): readiness off, then wait up to
     this long for running and waiting requests to finish. 0: no drain. A failure restart never drains."""
-    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
     """vLLM's fault-tolerance retry as the group's first rung before a gang restart (external DP ranks only)."""
-
-    @field_validator("model")
-    @classmethod
-    def _relative_model(cls, value: str, info: ValidationInfo) -> str:
-        if value.startswith(("./", "../")):
-            return str(_resolve_path(Path(value), info))
-        return value
-
 
     group: str | None = None
     """Derived, never written: the data-parallel group this process belongs to (`nodeagent.layout`)."""
 
-    @model_validator(mode="after")
-    def _no_accidental_hybrid_lb(self) -> VllmComponent:
+    def _problems(self) -> Iterator[RuleProblem]:
         # vLLM silently switches a node with a start rank but without --headless to hybrid load balancing.
         if self.data_parallel_start_rank and not self.headless:
-            raise ValueError("data_parallel_start_rank without headless: vLLM would silently switch to hybrid "
-                             "load balancing; set headless: true on the non-head node")
-        return self
-
-    @model_validator(mode="after")
-    def _progress_needs_stats(self) -> VllmComponent:
+            yield None, ("data_parallel_start_rank without headless: vLLM would silently switch to hybrid load "
+                         "balancing; set headless: true on the non-head node")
         probes = [*self.probes.liveness, *self.probes.readiness]
         if "--disable-log-stats" in self.extra_args and any(isinstance(p, VllmProgressProbe) for p in probes):
-            raise ValueError(
-                "extra_args has --disable-log-stats, which removes the vllm:* metrics the vllm_progress probe "
-                "reads; drop the flag, or set probes.liveness.kind: http (the guide's chat probe)"
-            )
-        return self
+            yield None, ("extra_args has --disable-log-stats, which removes the vllm:* metrics the vllm_progress "
+                         "probe reads; drop the flag, or set probes.liveness.kind: http (the guide's chat probe)")
 
 
-class ProcessComponent(ComponentBase):
+class ProcessComponent(ComponentBase, tag="process"):
     """Anything else (a PD proxy, an exporter): a plain command, no code change."""
 
-    kind: Literal["process"]
-    ports: list[int] = Field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
     """Ports the process listens on: cleanup waits for them to be free before a start."""
-    process_match: list[str] = Field(default_factory=list)
+    process_match: list[str] = field(default_factory=list)
     """cmdline prefixes that identify leftover processes of this component."""
 
 
@@ -318,68 +296,68 @@ PROXY_SCRIPT = Path("/vllm-workspace/vllm-ascend/examples/disaggregated_prefill_
 PROXY_SCRIPT /= "load_balance_proxy_server_example.py"
 
 
-class ProxyComponent(ComponentBase):
+class ProxyComponent(ComponentBase, tag="proxy"):
     """vllm-ascend's PD load-balancing proxy, on the master; its backends come from `cluster.vllm_groups`."""
 
-    kind: Literal["proxy"]
     command: Command = "python3"
     script: ConfigPath = PROXY_SCRIPT
     """Default: where the vllm-ascend image has it."""
     host: str | None = None
     """Default: the node's IP."""
-    port: int = Field(default=18020, gt=0, lt=65536)
-    prefillers: list[str] = Field(default_factory=list)
+    port: Port = 18020
+    prefillers: list[str] = field(default_factory=list)
     """Derived, never written: HOST:PORT of every API endpoint of the prefill groups."""
-    decoders: list[str] = Field(default_factory=list)
+    decoders: list[str] = field(default_factory=list)
     """Derived, never written: HOST:PORT of every API endpoint of the decode groups."""
     served_model_name: str | None = None
     """Derived: the model name the default probe request asks for."""
-    stop_grace_s: float = Field(default=15.0, gt=0)
-    activation_check_s: float | None = Field(default=1.0, gt=0)
+    stop_grace_s: Positive = 15.0
+    activation_check_s: Positive | None = 1.0
     """`--waiting-retry-interval`: how often the proxy checks an instance the agent added back (a group that
     restarted) before routing to it; the script's own default, 10 s, kept a healthy group out that long. None:
     leave the flag out (the guide's command line exactly)."""
-    activation_retries: int | None = Field(default=60, gt=0)
+    activation_retries: PositiveInt | None = 60
     """`--max-waiting-retries`: checks before the proxy gives up on an added instance (the agent re-adds it);
     None: leave the flag out."""
 
 
-Component = Annotated[
-    EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent | ProxyComponent,
-    Field(discriminator="kind"),
-]
+Component = EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent | ProxyComponent
+"""A component; its `kind:` picks the class."""
 
 KIND_ORDER = ("etcd", "datasystem", "vllm", "process", "proxy")
 MASTER_ONLY_KINDS = ("etcd", "proxy")
 
 
 class Config(Strict):
-    cluster: ClusterConfig = ClusterConfig()
-    node: NodeConfig = NodeConfig()
-    agent: AgentSettings = AgentSettings()
-    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     """The ladder past node redeploy and the PD watches (issue 19)."""
     container: ContainerConfig | None = None
     """Run the components inside this container (the guide's vllm-ascend image); absent: host processes."""
-    components: dict[str, Component] = Field(default_factory=dict)
+    components: dict[str, Component] = field(default_factory=dict)
     """In a cluster file: what this member runs (vllm expanded per group, see `nodeagent.layout`)."""
-    source: Path | None = Field(default=None, exclude=True)
-    shared: SharedSections | None = Field(default=None, exclude=True)
+    source: Path | None = None
+    shared: SharedSections | None = None
     """The shared sections as written, for the cluster-wide layout and the file hash."""
 
-    @model_validator(mode="after")
-    def _check_graph(self) -> Config:
+    INTERNAL_FIELDS: ClassVar[frozenset[str]] = frozenset({"source", "shared"})
+    """Set by the loader, not keys of the file."""
+
+    def _problems(self) -> Iterator[RuleProblem]:
         for name, comp in self.components.items():
             for dep in comp.depends_on:
                 if dep not in self.components:
-                    raise ValueError(
+                    yield ("components", name, "depends_on", dep), (
                         f"component {name!r} depends on unknown component {dep!r}"
-                        f" (known: {', '.join(sorted(self.components))})"
-                    )
+                        f" (known: {', '.join(sorted(self.components))})")
         from nodeagent.graph import start_order
 
-        start_order({n: list(c.depends_on) for n, c in self.components.items()})
-        return self
+        try:
+            start_order({n: [d for d in c.depends_on if d in self.components] for n, c in self.components.items()})
+        except ValueError as exc:
+            yield "components", str(exc)
 
     def active_components(self) -> dict[str, Any]:
         """The components this node runs: etcd and the proxy only on the master, disabled ones never."""
@@ -389,3 +367,24 @@ class Config(Strict):
             if comp.enabled and not (comp.kind in MASTER_ONLY_KINDS and self.node.role != "master"
                                      and not getattr(comp, "member", False))
         }
+
+
+def prepare_config(raw: Any) -> Any:
+    """The file's sections → what `Config` takes (the `prepare_*` steps, pydantic's "before" validators)."""
+    if not isinstance(raw, dict):
+        return raw
+    data = dict(raw)
+    if "node" in data:
+        data["node"] = _prepare_node(data["node"])
+    if isinstance(data.get("components"), dict):
+        data["components"] = {n: prepare_component(c) for n, c in data["components"].items()}
+    cluster = data.get("cluster")
+    if isinstance(cluster, dict) and isinstance(cluster.get("vllm_groups"), list):
+        data["cluster"] = {**cluster, "vllm_groups": [group_settings_apart(g) for g in cluster["vllm_groups"]]}
+    return data
+
+
+def validate_config(data: Any, base_dir: Path | None = None) -> Config:
+    """A config from plain data (a parsed file); `config_base.Invalid` with every problem and its key path."""
+    config: Config = validate(Config, prepare_config(data), base_dir)
+    return config

@@ -8,68 +8,65 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from msgspec import Meta, field
 
-from nodeagent.config_cluster import Strict
+from nodeagent.config_base import Tagged
 from nodeagent.config_paths import Command, ConfigPath
 
-
-class ProbeBase(Strict):
-    period_s: float = Field(default=10.0, gt=0)
-    timeout_s: float = Field(default=5.0, gt=0)
-    failure_threshold: int = Field(default=3, ge=1)
-    success_threshold: int = Field(default=1, ge=1)
-    initial_delay_s: float = Field(default=0.0, ge=0)
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+AtLeastOne = Annotated[int, Meta(ge=1)]
 
 
-class LivenessFileProbe(ProbeBase):
-    kind: Literal["liveness_file"] = "liveness_file"
+class ProbeBase(Tagged):
+    period_s: Positive = 10.0
+    timeout_s: Positive = 5.0
+    failure_threshold: AtLeastOne = 3
+    success_threshold: AtLeastOne = 1
+    initial_delay_s: NonNegative = 0.0
+
+
+class LivenessFileProbe(ProbeBase, tag="liveness_file"):
     path: ConfigPath | None = None
     """Default: the datasystem component's liveness_check_path."""
-    max_age_s: float = Field(default=5.0, gt=0)
+    max_age_s: Positive = 5.0
 
 
-class EtcdProbe(ProbeBase):
-    kind: Literal["etcd"] = "etcd"
+class EtcdProbe(ProbeBase, tag="etcd"):
     endpoint: str | None = None
     """HOST:PORT; default: the component's own client URL, else the cluster's first endpoint."""
     put_get: bool = False
 
 
-class HttpProbe(ProbeBase):
+class HttpProbe(ProbeBase, tag="http"):
     """A request with a JSON body; the guide's vLLM probe is a 2-token chat completion."""
 
-    kind: Literal["http"] = "http"
     url: str | None = None
     path: str = "/v1/chat/completions"
     method: Literal["GET", "POST"] = "POST"
     body: dict[str, Any] | None = None
     """Default for vllm: the guide's probe request with the served model name."""
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
     expect_status: int = 200
     expect_nonempty: str | None = "choices.0.message.content"
 
 
-class HttpGetProbe(ProbeBase):
-    kind: Literal["http_get"] = "http_get"
+class HttpGetProbe(ProbeBase, tag="http_get"):
     url: str | None = None
     path: str = "/health"
     expect_status: int = 200
 
 
-class TcpProbe(ProbeBase):
-    kind: Literal["tcp"] = "tcp"
+class TcpProbe(ProbeBase, tag="tcp"):
     host: str | None = None
-    port: int | None = Field(default=None, gt=0, lt=65536)
+    port: Annotated[int, Meta(gt=0, lt=65536)] | None = None
 
 
-class ExecProbe(ProbeBase):
-    kind: Literal["exec"] = "exec"
+class ExecProbe(ProbeBase, tag="exec", kw_only=True):
     command: Command
 
 
-class DatasystemKvProbe(ProbeBase):
-    kind: Literal["datasystem_kv"] = "datasystem_kv"
+class DatasystemKvProbe(ProbeBase, tag="datasystem_kv"):
     address: str | None = None
     python: ConfigPath | None = None
     """The interpreter that has `yr.datasystem`; default: the one next to the dscli the component runs."""
@@ -79,37 +76,36 @@ NpuLevel = Literal["NotHandleFault", "SubHealthFault", "RestartRequest", "Restar
                    "RestartNPU", "PreSeparateNPU", "SeparateNPU", "ManuallySeparateNPU"]
 
 
-class NpuProbe(ProbeBase):
+class NpuProbe(ProbeBase, tag="npu"):
     """NPU chip health, HBM ECC, foreign processes and RoCE links through npu-smi/hccn_tool (npu_health.py).
 
     Debounce and escalation happen inside (the Ascend Device Plugin's rules), so one failing result is
     meaningful: failure_threshold defaults to 1. Without npu-smi the probe reports SKIP (ok)."""
 
-    kind: Literal["npu"] = "npu"
-    period_s: float = Field(default=10.0, gt=0)
-    timeout_s: float = Field(default=30.0, gt=0)
-    failure_threshold: int = Field(default=1, ge=1)
+    period_s: Positive = 10.0
+    timeout_s: Positive = 30.0
+    failure_threshold: AtLeastOne = 1
     npu_smi: ConfigPath | None = None
     """Default: npu-smi on PATH, else /usr/local/bin/npu-smi."""
     hccn_tool: ConfigPath | None = None
     """Default: hccn_tool on PATH, else /usr/local/Ascend/driver/tools/hccn_tool."""
     roce: bool = True
     """Check RoCE links (`hccn_tool -i D -link -g` every period, `-net_health -g` on detail polls)."""
-    detail_every: int = Field(default=6, ge=1)
+    detail_every: AtLeastOne = 6
     """Every Nth poll also reads HBM ECC counts and RoCE net health (per-device calls)."""
     hold_level: NpuLevel = "FreeRestartNPU"
     """Faults at this level or worse hold vLLM starts until they clear or an operator overrides."""
-    link_down_tolerance_s: float = Field(default=20.0, ge=0)
-    link_recover_s: float = Field(default=60.0, ge=0)
-    flap_window_s: float = Field(default=86400.0, gt=0)
-    flap_limit: int = Field(default=5, ge=1)
-    flap_release_s: float = Field(default=172800.0, gt=0)
-    ecc_window_s: float = Field(default=86400.0, gt=0)
-    ecc_limit: int = Field(default=2, ge=1)
-    ecc_quiet_s: float = Field(default=300.0, ge=0)
+    link_down_tolerance_s: NonNegative = 20.0
+    link_recover_s: NonNegative = 60.0
+    flap_window_s: Positive = 86400.0
+    flap_limit: AtLeastOne = 5
+    flap_release_s: Positive = 172800.0
+    ecc_window_s: Positive = 86400.0
+    ecc_limit: AtLeastOne = 2
+    ecc_quiet_s: NonNegative = 300.0
 
 
-class VllmProgressProbe(ProbeBase):
+class VllmProgressProbe(ProbeBase, tag="vllm_progress"):
     """Load-safe vLLM liveness (`nodeagent.vllm_progress`): engine progress from /metrics under load, the
     guide's canary chat when idle, /health 503 at once.
 
@@ -117,18 +113,15 @@ class VllmProgressProbe(ProbeBase):
     failed canaries or scrapes in a row. A stall (requests in flight, nothing moved for `stall_after_s`) and
     an errored engine fail at once: the probe has already waited, so the role's hysteresis does not add more."""
 
-    kind: Literal["vllm_progress"] = "vllm_progress"
     url: str | None = None
     """Base URL (scheme, host, port); default: the component's own address."""
-    stall_after_s: float = Field(default=60.0, gt=0)
+    stall_after_s: Positive = 60.0
     body: dict[str, Any] | None = None
     """The canary request; default for vllm: the guide's probe request with the served model name."""
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
     expect_nonempty: str | None = "choices.0.message.content"
 
 
-ProbeSpec = Annotated[
-    LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe
-    | NpuProbe | VllmProgressProbe,
-    Field(discriminator="kind"),
-]
+ProbeSpec = (LivenessFileProbe | EtcdProbe | HttpProbe | HttpGetProbe | TcpProbe | ExecProbe | DatasystemKvProbe
+             | NpuProbe | VllmProgressProbe)
+"""A probe; its `kind:` picks the class."""

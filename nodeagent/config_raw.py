@@ -1,7 +1,7 @@
 """The config's raw layer: YAML → plain data with the line of every key, `${VAR}` / `${VAR:-default}` / `$$`
 interpolation, config-relative paths, and the `agent` section's defaults.
 
-No pydantic here: `nodeagentctl` reads the agent's address through this layer in a few milliseconds, and
+No model here: `nodeagentctl` reads the agent's address through this layer in a few milliseconds, and
 `nodeagent.config` validates the very same data (one reader, one set of rules and defaults).
 """
 

@@ -9,31 +9,30 @@ refuses to start without an FT-capable `--all2all-backend`, and the engine witho
 from __future__ import annotations
 
 import json
-from typing import Self
+from collections.abc import Iterator
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from msgspec import Meta
 
-from nodeagent.config_cluster import Strict
+from nodeagent.config_base import RuleProblem, Strict
 
 
 class FaultToleranceSpec(Strict):
     enabled: bool = False
     """Render vLLM's fault tolerance and try its `retry` on a rank fault before the gang restart."""
-    engine_recovery_timeout_s: int = Field(default=120, gt=0)
+    engine_recovery_timeout_s: Annotated[int, Meta(gt=0)] = 120
     """--fault-tolerance-config's engine_recovery_timeout_sec: how long a faulty engine waits for a retry."""
-    retry_timeout_s: float = Field(default=60.0, gt=0)
+    retry_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
     """How long the agent waits for a sent retry to bring every rank back to healthy; less than the above."""
-    status_interval_s: float = Field(default=2.0, gt=0)
+    status_interval_s: Annotated[float, Meta(gt=0)] = 2.0
     """How often the agent reads each local rank's /fault_tolerance/status (twice as often during a fault)."""
     all2all_backend: str | None = "deepep_low_latency"
     """--all2all-backend; vLLM 0.32 needs deepep_low_latency or nixl_ep with FT. null: not rendered."""
 
-    @model_validator(mode="after")
-    def _retry_fits_in_the_engines_wait(self) -> Self:
+    def _problems(self) -> Iterator[RuleProblem]:
         if self.retry_timeout_s >= self.engine_recovery_timeout_s:
-            raise ValueError("retry_timeout_s must be less than engine_recovery_timeout_s: the engines give up "
-                             "after the latter")
-        return self
+            yield None, ("retry_timeout_s must be less than engine_recovery_timeout_s: the engines give up after "
+                         "the latter")
 
 
 def fault_tolerance_argv(spec: FaultToleranceSpec, data_parallel_rank: int | None) -> list[str]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from nodeagent.bindaddr import connect_host
 from nodeagent.cluster_file import ClusterFileError, KeyPath, effective_groups, member_components, vllm_template
+from nodeagent.config_base import replace
 from nodeagent.config_cluster import ClusterConfig, PdConfig, VllmGroup
 from nodeagent.config_model import (
     MASTER_ONLY_KINDS,
@@ -313,8 +314,8 @@ def _etcd_member(components: dict[str, Any], node: str, peers: Mapping[str, str]
     out = dict(components)
     for name, comp in components.items():
         if isinstance(comp, EtcdComponent):
-            out[name] = comp.model_copy(update={"name": node, "initial_cluster": dict(peers), "cluster_token": token,
-                                                "member": node in peers, "enabled": node in peers})  # fmt: skip
+            out[name] = replace(comp, name=node, initial_cluster=dict(peers), cluster_token=token,
+                                member=node in peers, enabled=node in peers)
     return out
 
 
@@ -353,7 +354,7 @@ def _node_components(b: _Builder, node: str, groups: list[Group], pd_sizes: Mapp
         plan = next((p for p in proxies if p.component == name), None)
         if plan is not None:
             update.update(prefillers=list(plan.prefillers), decoders=list(plan.decoders), served_model_name=served)
-        out[name] = comp.model_copy(update=update) if update else comp
+        out[name] = replace(comp, **update) if update else comp
     return out
 
 
@@ -383,7 +384,7 @@ def _vllm_processes(b: _Builder, node: str, group: Group,
             update["data_parallel_start_rank"] = proc.start_rank
             if "probes" not in entry.components.get(b.template or "", {}):
                 update["probes"] = ProbeSet()
-        out[proc.component] = v.model_copy(update=update)
+        out[proc.component] = replace(v, **update)
     return out
 
 

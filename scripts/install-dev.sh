@@ -13,7 +13,7 @@ python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dsv4-age
 # a venv from before the stand-in had its own distribution: upgrading dsv4-agent removed the script it used to own
 [ -x .venv/bin/vllm-standin ] || .venv/bin/python -m pip install -q --no-deps --force-reinstall -e ./standin 2>&1 \
   | grep -v "^WARNING: Location" || true
-.venv/bin/python -c 'import nodeagent, psutil, aiohttp, pydantic' 
+.venv/bin/python -c 'import nodeagent, psutil, aiohttp, msgspec' 
 for tool in etcd dscli vllm-standin dsv4-agent nodeagentctl; do
   [ -x ".venv/bin/$tool" ] || { echo "install-dev: .venv/bin/$tool missing after install" >&2; exit 1; }
 done

@@ -101,9 +101,9 @@ def test_status_json_is_the_agents_status(agent: RunningAgent) -> None:
 
 
 def test_status_stays_light() -> None:
-    """No pydantic, aiohttp or prometheus_client on the status path (each costs tens to hundreds of ms)."""
+    """No config model (msgspec), aiohttp or prometheus_client on the status path (each costs ms to hundreds)."""
     code = ("import sys\nfrom nodeagent import cli\ncli.main(['--config', sys.argv[1], 'status'])\n"
-            "print(sorted(m for m in ('pydantic', 'aiohttp', 'prometheus_client', 'psutil') if m in sys.modules))")
+            "print(sorted(m for m in ('msgspec', 'aiohttp', 'prometheus_client', 'psutil') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "config" / "local.yaml")], capture_output=True,
                          text=True, timeout=30, env={**os.environ, "DSV4_API_PORT": str(free_port())})  # fmt: skip
     assert "agent unreachable" in out.stderr
@@ -112,7 +112,7 @@ def test_status_stays_light() -> None:
 
 def test_the_cli_reads_the_agent_section_through_the_agents_own_loader(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One reader: the raw layer of `nodeagent.config` (no pydantic) for the agent section, the validated loader
+    """One reader: the raw layer of `nodeagent.config` (no model) for the agent section, the validated loader
     when the raw layer cannot tell — with the same defaults and path rules, so both give the same answers."""
     from nodeagent.config import load_config
 
@@ -374,7 +374,7 @@ def test_status_of_a_running_agent_imports_only_what_it_needs(agent: RunningAgen
     """Its config is the one a running agent announced: no YAML, no http.client (the `email` package), no
     dataclasses (inspect) — what keeps `nodeagentctl status` near the bare interpreter's start."""
     code = ("import sys\nfrom nodeagent import cli\ncode = cli.main(['--config', sys.argv[1], 'status', '--wide'])\n"
-            "print(code, sorted(m for m in ('yaml', 'http.client', 'dataclasses', 'pydantic', 'aiohttp') "
+            "print(code, sorted(m for m in ('yaml', 'http.client', 'dataclasses', 'msgspec', 'aiohttp') "
             "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, str(agent.config)], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr

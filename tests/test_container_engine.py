@@ -26,6 +26,7 @@ import pytest
 from conftest import wait_for
 from containerhelpers import INTERPRETER_HOME, ROOT, SKIP_REASON, VENV_PYTHON, built_image, run_args_here
 
+from nodeagent.config_base import replace
 from nodeagent.config_container import ContainerConfig
 from nodeagent.container import (
     ContainerEngine,
@@ -192,8 +193,8 @@ def test_a_failed_setup_step_is_named_and_resumed_there(section: ContainerConfig
 
 def test_a_changed_run_line_is_a_planned_recreate(section: ContainerConfig, tmp_path: Path) -> None:
     _engine, store, cid = started(section, tmp_path)
-    changed = ContainerEngine(render_container(section.model_copy(update={
-        "run_args": [*section.run_args, "-e HCCL_BUFFSIZE=512"]})))
+    changed = ContainerEngine(render_container(replace(section, run_args=[*section.run_args,
+                                                                           "-e HCCL_BUFFSIZE=512"])))
     drained: list[str] = []
 
     async def drain(reason: str) -> None:
@@ -225,7 +226,7 @@ def docker_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def test_the_docker_path_is_the_same_code(docker_api: str, section: ContainerConfig, tmp_path: Path) -> None:
-    docker = section.model_copy(update={"engine": "docker"})
+    docker = replace(section, engine="docker")
     engine, store, cid = started(docker, tmp_path)
     assert engine.spec.run_argv()[:2] == ("docker", "run") and "--runtime=runc" in engine.spec.run_argv()
     assert asyncio.run(engine.exec(["sh", "-c", "echo inside"])).stdout.strip() == "inside"

@@ -208,7 +208,7 @@ components:
     ("ip: 10.0.0.3}", "ip: 10.0.0.3, components: {vllm: {tensor_parallel_size: 2}}}",
      "c.yaml:5: cluster.nodes.2.components.vllm.tensor_parallel_size: tensor_parallel_size must be the same"),
     ("ip: 10.0.0.3}", "ip: 10.0.0.3, components: {vllm: {port: 70000}}}",
-     "c.yaml:5: cluster.nodes.2.components.vllm.port: Input should be less than 65536"),
+     "c.yaml:5: cluster.nodes.2.components.vllm.port: Input should be less than or equal to 65535, got 70000"),
     ("ip: 10.0.0.2}", "ip: 10.0.0.1}", "c.yaml:4: cluster.nodes.1: 10.0.0.1:8080 is used by both a/vllm and b/vllm"),
     ("kind: decode,", "kind: mixed,", "c.yaml:6: cluster.vllm_groups: prefill groups need a decode group"),
     ("  etcd: {kind: etcd}", "  etcd: {kind: etcd}\n  p: {kind: proxy, prefillers: [x:1]}",

@@ -13,6 +13,7 @@ from ascend_fake import FAKE_BIN, FakeAscend
 from prometheus_client import CollectorRegistry, generate_latest
 
 from nodeagent.config import load_config
+from nodeagent.config_base import replace
 from nodeagent.errors import ConfigError
 from nodeagent.events import EventBus
 from nodeagent.metrics import _NpuCollector
@@ -176,7 +177,7 @@ async def test_local_yaml_probe_reports_skip(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("DSV4_AGENT_HOME", str(tmp_path / "home"))
     cfg = load_config(ROOT / "config" / "local.yaml")
     assert expected_npus(cfg) == 0, "local.yaml says node.npus: 0"
-    unset = cfg.model_copy(update={"node": cfg.node.model_copy(update={"npus": None})})
+    unset = replace(cfg, node=replace(cfg.node, npus=None))
     assert expected_npus(unset) == 2, "no guess from the program's name: the stand-in's TP 2 counts without node.npus"
     assert expected_npus(load_config(ROOT / "config" / "dsv4-flash-a2.yaml")) == 8
     eight = ROOT / "config" / "dsv4-flash-a2-8node.yaml"  # 2 ranks × TP4, 8 ranks × TP1: every NPU

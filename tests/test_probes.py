@@ -29,6 +29,7 @@ from nodeagent.config_model import (
     HttpProbe,
     LivenessFileProbe,
     TcpProbe,
+    validate_config,
 )
 from nodeagent.errors import ConfigError
 from nodeagent.probes import (
@@ -56,7 +57,7 @@ def make_config(components: dict[str, Any], **top: Any) -> Config:
         "components": components,
     }
     data.update(top)
-    return Config.model_validate(data)
+    return validate_config(data)
 
 
 def probe(spec: Any, **fields: Any) -> ResolvedProbe:

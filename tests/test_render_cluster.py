@@ -224,7 +224,8 @@ def test_internal_launch_matches_the_multi_node_tutorial(tmp_path: Path, node: s
     else:
         # A headless node runs no API server: no --host/--port, no port to wait for, no HTTP probes.
         assert "--port" not in ours and "--host" not in ours and spec.ports == ()
-        assert not any(config.components["vllm"].probes.model_dump().values())
+        probes = config.components["vllm"].probes
+        assert not (probes.startup or probes.liveness or probes.readiness)
     assert {k: v for k, v in ours.items() if k in DP_FLAGS} == want
     assert spec.env["HCCL_IF_IP"] == run["env"]["HCCL_IF_IP"] == ip
     assert spec.env["HCCL_SOCKET_IFNAME"] == run["env"]["HCCL_SOCKET_IFNAME"] == "eth9"

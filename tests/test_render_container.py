@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from nodeagent.config import parse_config
 from nodeagent.config_container import ContainerConfig
@@ -153,11 +152,11 @@ def test_bang_removes_a_default() -> None:
 
 
 def test_removing_what_is_not_there_is_a_config_error() -> None:
-    with pytest.raises(ValidationError, match="removes nothing"):
+    with pytest.raises(ValueError, match="removes nothing"):
         ContainerConfig(run_args=["!--device=/dev/davinci0"])
-    with pytest.raises(ValidationError, match="removes --name"):
+    with pytest.raises(ValueError, match="removes --name"):
         ContainerConfig(run_args=["!--name"])
-    with pytest.raises(ValidationError, match="one option"):
+    with pytest.raises(ValueError, match="one option"):
         ContainerConfig(run_args=["800g"])
 
 

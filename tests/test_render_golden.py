@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.config import load_config
+from nodeagent.config_base import replace
 from nodeagent.config_model import Config
 from nodeagent.render import AGENT_ENV, render_component
 
@@ -63,13 +64,13 @@ def normalise(argv: list[str] | tuple[str, ...]) -> list[object]:
 @pytest.fixture(scope="module")
 def a2_config() -> Config:
     config = load_config(ROOT / "config" / "dsv4-flash-a2.yaml")
-    return config.model_copy(update={"node": config.node.model_copy(update={"ip": IP})})
+    return replace(config, node=replace(config.node, ip=IP))
 
 
 def with_component(config: Config, name: str, **changes: object) -> Config:
     comps = dict(config.components)
-    comps[name] = comps[name].model_copy(update=changes)
-    return config.model_copy(update={"components": comps})
+    comps[name] = replace(comps[name], **changes)
+    return replace(config, components=comps)
 
 
 def test_etcd_matches_run_etcd_sh(a2_config: Config, tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ import pytest
 
 from nodeagent import residue
 from nodeagent.config import parse_config
-from nodeagent.config_model import Config
+from nodeagent.config_base import replace
+from nodeagent.config_model import Config, validate_config
 from nodeagent.npu import parse_npu_smi_info
 from nodeagent.pathsafety import (
     check_deletable,
@@ -79,7 +80,7 @@ def make_config(tmp: Path, role: str = "master", **agent: Any) -> Config:
             },
         },
     }
-    return Config.model_validate(data, context={"base_dir": tmp})
+    return validate_config(data, tmp)
 
 
 def plan_for(config: Config, name: str, scope: str = "start", **kw: Any) -> ResiduePlan:
@@ -134,7 +135,7 @@ def test_datasystem_redeploy_plan_archives_logs_first(tmp_path: Path) -> None:
 
 def test_datasystem_client_logs_default_to_home(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    comp = config.components["ds"].model_copy(update={"client_log_dir": None})
+    comp = replace(config.components["ds"], client_log_dir=None)
     plan = plan_start_cleanup("ds", comp, config, "redeploy")
     targets = [a.path for a in plan.actions if isinstance(a, ArchiveThenRemove)]
     assert Path.home() / ".datasystem" in targets
@@ -336,9 +337,9 @@ def test_validate_accepts_a_sane_config(tmp_path: Path) -> None:
 def test_validate_names_the_key_and_the_problem(tmp_path: Path) -> None:
     config = make_config(tmp_path, residue_roots=[str(tmp_path), "/"])
     comps = dict(config.components)
-    comps["etcd"] = comps["etcd"].model_copy(update={"data_dir": Path("/")})
-    comps["ds"] = comps["ds"].model_copy(update={"workdir": Path("/etc"), "client_log_dir": Path.home()})
-    bad = config.model_copy(update={"components": comps})
+    comps["etcd"] = replace(comps["etcd"], data_dir=Path("/"))
+    comps["ds"] = replace(comps["ds"], workdir=Path("/etc"), client_log_dir=Path.home())
+    bad = replace(config, components=comps)
     errors = validate_residue_paths(bad)
     assert "components.etcd.data_dir: refusing to manage '/': not a safe folder to delete" in errors
     assert any(e.startswith("components.ds.workdir: refusing to manage '/etc/datasystem'") for e in errors)

@@ -22,7 +22,7 @@ from nodeagent.cli.common import (
 
 
 def load_full(path: str, node: str | None = None) -> Any:
-    """The validated config (pydantic: ~250 ms of imports), CliError(78) with file, line and key on error."""
+    """The validated config (the msgspec models), CliError(78) with file, line and key on error."""
     from nodeagent.config import load_config
     from nodeagent.errors import ConfigError
 
