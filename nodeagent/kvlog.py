@@ -17,17 +17,17 @@ from nodeagent import logsink
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import TransferTimeouts, layout_resolver
 from nodeagent.layout import cluster_layout
+from nodeagent.stackport import ReportLayer
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
-    from nodeagent.failure import Failure
-    from nodeagent.stackport import ComponentView, Hold, StackPort
+    from nodeagent.stackport import StackPort
 
 PERIOD_S = 2.0
 PUBLISHED = 200
 
 
-class KvTransferLog:
+class KvTransferLog(ReportLayer):
     """A `NodeLayer` that only reports: it follows the PD ranks' logs and adds `kv_transfers` to /status."""
 
     def __init__(self, config: Config, port: StackPort, clock: Clock | None = None) -> None:
@@ -76,18 +76,7 @@ class KvTransferLog:
                     self.feed(component, await asyncio.to_thread(self.read_new, component))
             await self.clock.sleep(PERIOD_S)
 
-    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
-        return None
-
-    def decide(self, comp: ComponentView, failure: Failure) -> None:
-        return None
-
-    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> None:
-        return None
-
     def status_section(self) -> dict[str, Any]:
         self.counter.pair_counts(self.clock.time())  # trims the window
         return {"kv_transfers": [[round(t, 3), e, p] for t, e, p in list(self.counter.events)[-PUBLISHED:]]}
 
-    def on_node_change(self) -> None:
-        pass

@@ -6,7 +6,7 @@ while decode is down; KV transfer failures summed per pair from the member recor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,18 @@ class Backends:
     def __init__(self) -> None:
         self.decode_answer = (200, json.dumps({"choices": [{"text": " a b"}], "usage": {"completion_tokens": 2}}))
         self.calls: list[tuple[str, str]] = []
+        self.prefill_id = ""
 
-    async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, str]:
+    async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float,
+                       headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
         self.calls.append((method, url))
         if url.endswith("/metrics"):
             return 200, 'vllm:kv_cache_usage_perc{engine="0",model_name="dsv4"} 0.1\n'
         if body and body["kv_transfer_params"].get("do_remote_decode"):
+            self.prefill_id = headers["X-Request-Id"]
             return 200, json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "p"}})
         assert body and body["kv_transfer_params"] == {"remote_engine_id": "p"}, "decode gets prefill's KV handle"
+        assert headers["X-Request-Id"] == self.prefill_id, "one request id on both halves, as the proxy sends it"
         return self.decode_answer
 
 
@@ -114,3 +118,43 @@ async def test_a_node_publishes_its_ranks_transfer_failures(world: World) -> Non
                         "INFO an unrelated line"])  # fmt: skip
     published = stack.status()["kv_transfers"]
     assert [row[1:] for row in published] == [["d0", "p0"], ["d0", None]]
+
+
+async def test_the_agent_reaches_backends_and_proxy_directly_whatever_http_proxy_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Nodes export http_proxy for downloads, seldom with their own addresses in no_proxy (the guide unsets it
+    before the proxy): the watch's probes and the proxy sync's calls must not go through it."""
+    import http.server
+    import threading
+
+    from conftest import free_port
+
+    from nodeagent.cluster.pd_watch import http_call
+    from nodeagent.cluster.proxy_sync import http_post
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"id": self.headers.get("X-Request-Id")}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, dead)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    try:
+        assert await http_call("POST", url, {}, 5.0, {"X-Request-Id": "r1"}) == (200, '{"id": "r1"}')
+        assert await http_post(url, {}) == {"id": None}
+    finally:
+        server.shutdown()
+        server.server_close()
