@@ -3,8 +3,10 @@ are `kvtimeouts`). Each failure is counted for (this rank's group, the peer's gr
 published in /status → the member record (`kv_transfers: [[time, engine, peer], ...]`), where the PD proxy's
 node sums them per pair (`cluster/pd_watch.py`) and restarts the side that fails with every peer.
 
-Reads the components' log files (`log_dir/<component>.log`); under journald (systemd) the lines are in the
-journal instead and nothing is counted here (left for a journal reader).
+Reads what the agent captures of each rank's output (`logsink.transfer_lines`): its log file
+(`log_dir/<component>.log`), or under journald (systemd) the log relay's copy of the failure lines it passed on
+(`<state>/components/<component>/kv_failures.log`) — the same lines, counted the same way; the journal itself is
+never read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from nodeagent import logsink
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import TransferTimeouts, layout_resolver
 from nodeagent.layout import cluster_layout
+from nodeagent.render import component_dir
 from nodeagent.stackport import ReportLayer
 
 if TYPE_CHECKING:
@@ -52,10 +55,11 @@ class KvTransferLog(ReportLayer):
             self.counter.record(engine, line, self.clock.time(), self.resolve)
 
     def read_new(self, component: str) -> list[str]:
-        path = logsink.log_path(self.config.agent.log_dir, component)
+        path = logsink.transfer_lines(self.config.agent.log_dir, component_dir(self.config, component), component)
         try:
             size = path.stat().st_size
         except OSError:
+            self.offsets[component] = 0  # not written yet: all it will hold is new
             return []
         start = self.offsets.get(component, size)  # from now on: what was logged before is history
         if size < start:
@@ -68,7 +72,7 @@ class KvTransferLog(ReportLayer):
             return f.read(size - start).decode(errors="replace").splitlines()
 
     async def run(self) -> None:
-        if logsink.use_journal() or not self.engines:
+        if not self.engines:
             return
         while True:
             for component in self.engines:

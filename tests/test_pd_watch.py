@@ -158,3 +158,43 @@ async def test_the_agent_reaches_backends_and_proxy_directly_whatever_http_proxy
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_under_journald_the_relay_keeps_the_failure_lines_kvlog_counts(world: World,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd: a rank's output goes to journald through the log relay, never through a file of ours; the relay
+    (the real one, around a real process) sends every line to journald and keeps the KV transfer failures in the
+    component's folder, where kvlog reads them as it reads the log file outside systemd."""
+    import functools
+    import sys
+
+    from journald_fake import fake_journald_socket, parse_entry
+
+    from nodeagent import journal, logrelay, logsink
+    from nodeagent.kvlog import KvTransferLog
+    from nodeagent.render import component_dir
+
+    stack = world.stacks["n2"]
+    p0 = world.agents["n0"].coordinator.layout.group("p0")
+    monkeypatch.setattr(logsink, "use_journal", lambda: True)
+    kvlog = KvTransferLog(stack.config, stack, clock=world.clock)  # type: ignore[arg-type]
+    folder = component_dir(stack.config, "vllm")
+    folder.mkdir(parents=True, exist_ok=True)
+    kv_file = folder / logsink.KV_FAILURES
+    assert logsink.transfer_lines(stack.config.agent.log_dir, folder, "vllm") == kv_file
+    assert kvlog.read_new("vllm") == [], "nothing before the rank's first line"
+    lines = ["INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32",
+             f"E20260101 transfer failed and disconnect to:127.0.0.1:{p0.kv_port}",
+             "ERROR [mooncake_connector.py:1329] Mooncake transfer failed for request. remote_request_id=r1, ret=-1."]
+    with fake_journald_socket() as (sock, path):
+        monkeypatch.setattr(logrelay, "JournalSender", functools.partial(journal.JournalSender, socket_path=path))
+        # in this thread (it sets signal handlers): a short child, the loop waits a moment
+        code = logrelay.relay("vllm", "dsv4-agent.service", [sys.executable, "-c", f"print({chr(10).join(lines)!r})"],
+                              None, str(kv_file))  # fmt: skip
+        assert code == 0
+        sent = [parse_entry(sock.recv(65536)) for _ in lines]
+    assert [e["MESSAGE"].decode() for e in sent] == lines, "journald got every line"
+    assert {e["SYSLOG_IDENTIFIER"] for e in sent} == {b"vllm"}
+    assert kv_file.read_text().splitlines() == lines[1:], "the relay kept the two failure lines"
+    kvlog.feed("vllm", kvlog.read_new("vllm"))
+    assert [row[1:] for row in stack.status()["kv_transfers"]] == [["d0", "p0"], ["d0", None]]
