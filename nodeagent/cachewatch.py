@@ -44,8 +44,9 @@ def scrape(url: str, timeout: float = SCRAPE_TIMEOUT) -> str:
     import urllib.error
     import urllib.request
 
-    # Nodes often export http_proxy for downloads without 127.0.0.1 in no_proxy; vLLM is reached directly.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    from nodeagent.bindaddr import direct_opener
+
+    opener = direct_opener()
     try:
         with opener.open(url, timeout=timeout) as response:
             charset = response.headers.get_content_charset() or "utf-8"

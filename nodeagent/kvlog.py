@@ -3,8 +3,10 @@ are `kvtimeouts`). Each failure is counted for (this rank's group, the peer's gr
 published in /status → the member record (`kv_transfers: [[time, engine, peer], ...]`), where the PD proxy's
 node sums them per pair (`cluster/pd_watch.py`) and restarts the side that fails with every peer.
 
-Reads the components' log files (`log_dir/<component>.log`); under journald (systemd) the lines are in the
-journal instead and nothing is counted here (left for a journal reader).
+Reads what the agent captures of each rank's output (`logsink.transfer_lines`): its log file
+(`log_dir/<component>.log`), or under journald (systemd) the log relay's copy of the failure lines it passed on
+(`<state>/components/<component>/kv_failures.log`) — the same lines, counted the same way; the journal itself is
+never read.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ from nodeagent import logsink
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import TransferTimeouts, layout_resolver
 from nodeagent.layout import cluster_layout
+from nodeagent.render import component_dir
+from nodeagent.stackport import ReportLayer
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
-    from nodeagent.failure import Failure
-    from nodeagent.stackport import ComponentView, Hold, StackPort
+    from nodeagent.stackport import StackPort
 
 PERIOD_S = 2.0
 PUBLISHED = 200
 
 
-class KvTransferLog:
+class KvTransferLog(ReportLayer):
     """A `NodeLayer` that only reports: it follows the PD ranks' logs and adds `kv_transfers` to /status."""
 
     def __init__(self, config: Config, port: StackPort, clock: Clock | None = None) -> None:
@@ -52,10 +55,11 @@ class KvTransferLog:
             self.counter.record(engine, line, self.clock.time(), self.resolve)
 
     def read_new(self, component: str) -> list[str]:
-        path = logsink.log_path(self.config.agent.log_dir, component)
+        path = logsink.transfer_lines(self.config.agent.log_dir, component_dir(self.config, component), component)
         try:
             size = path.stat().st_size
         except OSError:
+            self.offsets[component] = 0  # not written yet: all it will hold is new
             return []
         start = self.offsets.get(component, size)  # from now on: what was logged before is history
         if size < start:
@@ -68,7 +72,7 @@ class KvTransferLog:
             return f.read(size - start).decode(errors="replace").splitlines()
 
     async def run(self) -> None:
-        if logsink.use_journal() or not self.engines:
+        if not self.engines:
             return
         while True:
             for component in self.engines:
@@ -76,18 +80,7 @@ class KvTransferLog:
                     self.feed(component, await asyncio.to_thread(self.read_new, component))
             await self.clock.sleep(PERIOD_S)
 
-    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
-        return None
-
-    def decide(self, comp: ComponentView, failure: Failure) -> None:
-        return None
-
-    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> None:
-        return None
-
     def status_section(self) -> dict[str, Any]:
         self.counter.pair_counts(self.clock.time())  # trims the window
         return {"kv_transfers": [[round(t, 3), e, p] for t, e, p in list(self.counter.events)[-PUBLISHED:]]}
 
-    def on_node_change(self) -> None:
-        pass

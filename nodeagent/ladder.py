@@ -194,7 +194,8 @@ class LadderState:
         spent = [c for c in domain if len(self.resets_of(c, now)) >= p.resets_per_chip]
         if spent:
             hours = p.reset_window_s / 3600
-            return Isolate(f"{why}; {p.resets_per_chip} resets of npu {spent[0]} within {hours:g} h did not help")
+            chip = next((c for c in chips if c in spent), spent[0])  # the faulty chip, not npu 0 of a whole node
+            return Isolate(f"{why}; {p.resets_per_chip} resets of npu {chip} within {hours:g} h did not help")
         return ChipReset(chips, why)
 
     def _trigger(self, faults: list[Fault], now: float) -> tuple[tuple[int, ...], str] | None:

@@ -62,13 +62,14 @@ def systemd_is_init() -> bool:
 
 
 def host_argv(argv: list[str], unit: str | None, oom_reset: bool, relay: tuple[str, str] | None = None,
-              tail_file: Path | None = None) -> list[str]:  # fmt: skip
+              tail_file: Path | None = None, kv_file: Path | None = None) -> list[str]:  # fmt: skip
     """Wrap a command for the host: a transient scope of its own (systemd-run --scope execs the command, so the
     PID is the same and nothing forks before the move), and the OOM score the unit shields the agent with
     (OOMScoreAdjust=-900) reset to 0 before the real program starts, so vLLM is not shielded."""
     if relay is not None:
-        tail = ["--tail", str(tail_file)] if tail_file is not None else []
-        argv = [sys.executable, "-m", "nodeagent.logrelay", relay[0], relay[1], *tail, "--", *argv]
+        files = [*(["--tail", str(tail_file)] if tail_file is not None else []),
+                 *(["--kv", str(kv_file)] if kv_file is not None else [])]  # fmt: skip
+        argv = [sys.executable, "-m", "nodeagent.logrelay", relay[0], relay[1], *files, "--", *argv]
     if oom_reset:
         argv = ["/bin/sh", "-c", _RESET_OOM, *argv]
     if unit:
@@ -119,9 +120,14 @@ async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
     """`map_pid` turns the PID a daemonising launcher prints into ours (dscli inside a container prints the
     worker's PID in the container's namespace)."""
     env = spec.environment(base_env)
-    # In a scope, journald would file a stream's lines under the scope: relay them as the agent's unit instead.
-    relay = (spec.component, agent_unit()) if scope and not spec.daemonizes and logsink.use_journal() else None
-    argv = host_argv(list(spec.argv), scope, _own_oom_score_adj() != 0, relay, tail_file)
+    # Under journald the relay carries the output: in a scope journald would file a stream's lines under the
+    # scope (the relay sends them as the agent's unit), and with or without one the relay keeps the lines the
+    # agent reads itself (the last ones, the KV transfer failures) — the agent never reads the journal.
+    relay = (spec.component, agent_unit()) if not spec.daemonizes and logsink.use_journal() else None
+    if relay is not None:
+        capture_dir.mkdir(parents=True, exist_ok=True)
+    argv = host_argv(list(spec.argv), scope, _own_oom_score_adj() != 0, relay, tail_file,
+                     capture_dir / logsink.KV_FAILURES)  # fmt: skip
     try:
         _prepare(spec, env)
     except OSError as exc:

@@ -6,10 +6,13 @@ scope. Entries sent by root with `OBJECT_SYSTEMD_UNIT=dsv4-agent.service` are wh
 matches, and `SYSLOG_IDENTIFIER=<component>` is what `-t <component>` matches. The relay lives inside the
 scope with the component, so it survives the agent too; it exits with the component's exit status.
 
-    python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] -- COMMAND ARGS...
+    python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] -- COMMAND ARGS...
 
 `--tail FILE` keeps the component's last lines in FILE when it exits, so the agent can say why a start failed
-without querying journald on the crash path.
+without querying journald on the crash path. `--kv FILE` appends every KV transfer failure line
+(`kvtimeouts.parse_transfer_failure`: Mooncake's) to FILE as it passes, for `kvlog` to count per pair — the same
+lines it reads from the log file outside systemd; FILE starts afresh past `KV_KEEP_BYTES` (the reader sees it
+shrink and reads from its start).
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ import subprocess
 import sys
 
 from nodeagent.journal import JournalSender
+from nodeagent.kvtimeouts import parse_transfer_failure
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 MAX_LINE = 64 * 1024
 
 
 TAIL_KEEP = 20
+KV_KEEP_BYTES = 1 << 20
 
 
-def relay(identifier: str, unit: str, command: list[str], tail_file: str | None = None) -> int:
+def relay(identifier: str, unit: str, command: list[str], tail_file: str | None = None,
+          kv_file: str | None = None) -> int:  # fmt: skip
     read_fd, write_fd = os.pipe()
     try:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, close_fds=True)
@@ -53,6 +59,8 @@ def relay(identifier: str, unit: str, command: list[str], tail_file: str | None 
             recent.append(text)
         if text and not sender.send(text, 6, **fields):
             sys.stderr.write(text + "\n")  # journald gone: the scope's own stream still takes it
+        if kv_file and text and parse_transfer_failure(text) is not None:
+            keep_kv_line(kv_file, text)
 
     pidfd = os.pidfd_open(child.pid)
     selector = selectors.DefaultSelector()
@@ -94,6 +102,16 @@ def relay(identifier: str, unit: str, command: list[str], tail_file: str | None 
     return 128 - code if code < 0 else code
 
 
+def keep_kv_line(path: str, text: str) -> None:
+    try:
+        with open(path, "ab") as fh:
+            if fh.tell() > KV_KEEP_BYTES:
+                fh.truncate(0)
+            fh.write(text.encode(errors="replace") + b"\n")
+    except OSError:
+        pass
+
+
 def write_tail(path: str, lines: list[str]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -106,14 +124,14 @@ def write_tail(path: str, lines: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    tail = None
-    if len(args) >= 4 and args[2] == "--tail":
-        tail, args = args[3], args[:2] + args[4:]
+    files: dict[str, str] = {}
+    while len(args) >= 4 and args[2] in ("--tail", "--kv"):
+        files[args[2]], args = args[3], args[:2] + args[4:]
     if len(args) < 4 or args[2] != "--":
-        print("usage: python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] -- COMMAND [ARGS...]",
+        print("usage: python -m nodeagent.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] -- COMMAND [ARGS...]",
               file=sys.stderr)
         return 2
-    return relay(args[0], args[1], args[3:], tail)
+    return relay(args[0], args[1], args[3:], files.get("--tail"), files.get("--kv"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Where a child's stdout/stderr go: a journald stream under systemd, else a rotated file under log_dir.
+"""Where a child's stdout/stderr go: under systemd journald, through the log relay (`logrelay.py`, which keeps
+the lines the agent itself reads — the last ones, the KV transfer failures — in files of the component's own),
+else a rotated file under log_dir.
 
 Never a pipe the agent owns: if the agent dies, a child writing into a dead pipe would get SIGPIPE.
 Rotation is logrotate's copytruncate (children write with O_APPEND, so truncation is safe).
@@ -24,6 +26,16 @@ def use_journal() -> bool:
 
 def log_path(log_dir: Path, component: str) -> Path:
     return log_dir / f"{component}.log"
+
+
+KV_FAILURES = "kv_failures.log"
+"""In the component's folder: the relay's copy of its KV transfer failure lines (journald has the rest)."""
+
+
+def transfer_lines(log_dir: Path, component_dir: Path, component: str) -> Path:
+    """Where the agent reads a component's new KV transfer failure lines (`kvlog`): its log file, or under
+    journald the relay's copy of them (the agent never reads the journal)."""
+    return component_dir / KV_FAILURES if use_journal() else log_path(log_dir, component)
 
 
 def log_offset(log_dir: Path, component: str) -> int | None:

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, TextIO
 
-from nodeagent.bindaddr import connect_host
+from nodeagent.bindaddr import connect_host, direct_opener
 
 GUIDE_LIVENESS_TIMEOUT_S = 30
 
@@ -43,7 +43,7 @@ def check_worker(path: Path, max_age_s: float = GUIDE_LIVENESS_TIMEOUT_S) -> str
 
 
 def _opener() -> urllib.request.OpenerDirector:
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a site proxy
+    return direct_opener()  # never via a site proxy
 
 
 def check_etcd(address: str, timeout: float = 5.0) -> str:

@@ -111,6 +111,8 @@ class NodeRecovery:
         self.resets_total = 0
         self._seen_redeploy = max((r.at for r in self.state.redeploys), default=0.0)
         self._skipped_for: str | None = None
+        self._look_now = False
+        """Poll the NPUs before the next judgement (after an uncordon: the last poll may be a period old)."""
         self._wake = asyncio.Event()
         self._pending_writes: set[asyncio.Future[Any]] = set()
         npu.on_change.append(self.wake)
@@ -190,6 +192,9 @@ class NodeRecovery:
         """One look at the ladder: the next rung, carried out to its end."""
         if self.port.snapshot().paused:
             return  # no automatic action under a maintenance pause
+        if self._look_now:  # an operator fixed the chips and uncordoned: judge them as they are, not as last seen
+            self._look_now = False
+            await self.npu.poll()
         self._note_baseline()
         now = self.clock.time()
         faults = [*self.npu.faults, *([self.unverified] if self.unverified else [])]
@@ -336,6 +341,7 @@ class NodeRecovery:
         if was is None:
             raise NotIsolated(f"{self.config.node.name} is not isolated")
         self.unverified, self.rung, self._skipped_for = None, None, None
+        self._look_now = True
         self.save()
         self.port.emit("node_uncordoned", f"{by}: uncordon (was isolated: {was}); the reset budget starts afresh, "
                        "the NPU users start", None, "warning")  # fmt: skip

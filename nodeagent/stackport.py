@@ -204,3 +204,22 @@ class NodeLayer(Protocol):
 
     def on_node_change(self) -> None:
         """A component's state or the node's intent changed (cheap: wake the layer's loop)."""
+
+
+class ReportLayer:
+    """A layer that only reports (its /status section): it holds no start, decides no failure, takes no command."""
+
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        return None
+
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+        return None
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        return None
+
+    def status_section(self) -> dict[str, Any]:
+        return {}
+
+    def on_node_change(self) -> None:
+        pass

@@ -19,16 +19,20 @@ import copy
 import json
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from conftest import BIN, ROOT, LocalAgent, free_port, wait_for
 
 STANDIN_MODEL = str(ROOT / "config" / "standin-model")
 """The stand-in needs no weights, but the agent checks that the model folder exists."""
+PD_PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+"""vllm-ascend's real PD proxy (scripts/fetch_vllm_ascend_examples.py fetches it; scripts/test.sh runs that)."""
 
 
 class ClusterHarness:
@@ -98,6 +102,17 @@ class ClusterHarness:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
+    def add_pd_proxy(self) -> int:
+        """vllm-ascend's real PD proxy as the master's `proxy` component; its port."""
+        if not PD_PROXY.is_file():
+            pytest.fail("vllm-ascend's proxy is not fetched: scripts/test.sh fetches it "
+                        "(scripts/fetch_vllm_ascend_examples.py)")
+        port = free_port()
+        self.data["components"]["proxy"] = {"kind": "proxy", "command": sys.executable, "script": str(PD_PROXY),
+                                            "port": port, "host": "127.0.0.1",
+                                            "probes": {"readiness": {"period_s": 1, "timeout_s": 10}}}  # fmt: skip
+        return port
+
     # ---- agents ---------------------------------------------------------------------------------------------
     def start(self, *names: str) -> None:
         for name in names or self.names:
@@ -122,6 +137,12 @@ class ClusterHarness:
         env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
         return subprocess.run([str(BIN / "nodeagentctl"), "--config", str(self.config_path(name)), *args],
                               capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+
+    def status(self, name: str) -> dict[str, Any]:
+        """nodeagentctl status --json on that node."""
+        out = self.ctl(name, "status", "--json")
+        assert out.returncode == 0, f"nodeagentctl status on {name}: {out.returncode} {out.stderr}"
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
 
     def cluster(self, name: str) -> dict[str, Any]:
         out = self.ctl(name, "cluster", "--json")

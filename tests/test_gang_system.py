@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import urllib.error
@@ -30,15 +29,11 @@ from conftest import free_port, wait_for
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
-PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
 NODES = ["n0", "n1", "n2", "n3", "n4"]
 
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
-    if not PROXY.is_file():
-        pytest.fail("vllm-ascend's proxy is not fetched: scripts/test.sh fetches it "
-                    "(scripts/fetch_vllm_ascend_examples.py)")
     home = tmp_path_factory.mktemp("gangs")
     h = ClusterHarness(home, None, NODES, run_etcd=True, ttl_s=3.0, heartbeat_s=5.0)
     h.data["cluster"]["vllm_groups"] = [
@@ -47,9 +42,7 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
         {"name": "d0", "kind": "decode", "nodes": ["n4"]},
     ]
     h.data["cluster"]["pd"] = {"kv_port_base": free_port()}
-    h.data["components"]["proxy"] = {"kind": "proxy", "command": sys.executable, "script": str(PROXY),
-                                     "port": free_port(), "host": "127.0.0.1",
-                                     "probes": {"readiness": {"period_s": 1, "timeout_s": 10}}}  # fmt: skip
+    h.add_pd_proxy()
     try:
         h.start()
         h.wait_up(timeout=180)
@@ -60,9 +53,7 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
 
 
 def status(h: ClusterHarness, node: str) -> dict[str, Any]:
-    out = h.ctl(node, "status", "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)  # type: ignore[no-any-return]
+    return h.status(node)
 
 
 def component(h: ClusterHarness, node: str, name: str) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def test_three_resets_per_hour_with_a_pause_then_isolate() -> None:
         now += 30
     action = state.decide(faults, now)
     assert isinstance(action, Isolate)
-    assert "3 resets of npu 0 within 1 h did not help" in action.reason, "all eight were reset: npu 0 counts too"
+    assert "3 resets of npu 3 within 1 h did not help" in action.reason, "the faulty chip named (all eight reset)"
     assert state.to_dict(now)["resets_last_hour"] == dict.fromkeys(range(8), 3)
     assert isinstance(state.decide(faults, T0 + 3600 + 1), ChipReset), "the budget is per hour"
 

@@ -27,3 +27,27 @@ def test_copytruncate_rotation_keeps_the_writer_working(tmp_path: Path, monkeypa
     assert (path.with_name("vllm.log.2").read_bytes()).startswith(b"run 2 ")
     assert not path.with_name("vllm.log.3").exists(), "only `keep` rotated files survive"
     assert not rotate_if_large(path, max_bytes=100, keep=2), "a small file is left alone"
+
+
+async def test_under_journald_a_component_runs_through_the_relay_with_or_without_a_scope(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Without a scope too (agent.systemd_scopes: never under systemd): the relay is what keeps the lines the agent
+    reads itself (the last ones, the KV transfer failures). No journald here: its stream falls back to a file,
+    the relay's sends to its stderr (that file)."""
+    import sys
+
+    from nodeagent import launcher, logsink
+    from nodeagent.render import LaunchSpec
+
+    monkeypatch.setattr(logsink, "use_journal", lambda: True)
+    failure = "E20260101 transfer failed and disconnect to:10.0.0.2:20002"
+    spec = LaunchSpec("vllm", "vllm", (sys.executable, "-c", f"print('up'); print({failure!r})"), {}, (),
+                      tmp_path / "cwd")  # fmt: skip
+    folder = tmp_path / "components" / "vllm"
+    launched = await launcher.launch(spec, tmp_path / "logs", dict(os.environ), folder, 30, None, folder / "tail")
+    assert launched.popen is not None
+    assert launched.popen.wait(30) == 0
+    assert "nodeagent.logrelay" in launched.popen.args
+    assert (folder / logsink.KV_FAILURES).read_text() == failure + "\n"
+    assert (folder / "tail").read_text().splitlines() == ["up", failure]
+    assert failure in log_path(tmp_path / "logs", "vllm").read_text(), "journald gone: the relay's stderr has it"

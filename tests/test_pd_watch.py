@@ -6,7 +6,7 @@ while decode is down; KV transfer failures summed per pair from the member recor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,18 @@ class Backends:
     def __init__(self) -> None:
         self.decode_answer = (200, json.dumps({"choices": [{"text": " a b"}], "usage": {"completion_tokens": 2}}))
         self.calls: list[tuple[str, str]] = []
+        self.prefill_id = ""
 
-    async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, str]:
+    async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float,
+                       headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
         self.calls.append((method, url))
         if url.endswith("/metrics"):
             return 200, 'vllm:kv_cache_usage_perc{engine="0",model_name="dsv4"} 0.1\n'
         if body and body["kv_transfer_params"].get("do_remote_decode"):
+            self.prefill_id = headers["X-Request-Id"]
             return 200, json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "p"}})
         assert body and body["kv_transfer_params"] == {"remote_engine_id": "p"}, "decode gets prefill's KV handle"
+        assert headers["X-Request-Id"] == self.prefill_id, "one request id on both halves, as the proxy sends it"
         return self.decode_answer
 
 
@@ -114,3 +118,83 @@ async def test_a_node_publishes_its_ranks_transfer_failures(world: World) -> Non
                         "INFO an unrelated line"])  # fmt: skip
     published = stack.status()["kv_transfers"]
     assert [row[1:] for row in published] == [["d0", "p0"], ["d0", None]]
+
+
+async def test_the_agent_reaches_backends_and_proxy_directly_whatever_http_proxy_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Nodes export http_proxy for downloads, seldom with their own addresses in no_proxy (the guide unsets it
+    before the proxy): the watch's probes and the proxy sync's calls must not go through it."""
+    import http.server
+    import threading
+
+    from conftest import free_port
+
+    from nodeagent.cluster.pd_watch import http_call
+    from nodeagent.cluster.proxy_sync import http_post
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"id": self.headers.get("X-Request-Id")}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, dead)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    try:
+        assert await http_call("POST", url, {}, 5.0, {"X-Request-Id": "r1"}) == (200, '{"id": "r1"}')
+        assert await http_post(url, {}) == {"id": None}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_under_journald_the_relay_keeps_the_failure_lines_kvlog_counts(world: World,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd: a rank's output goes to journald through the log relay, never through a file of ours; the relay
+    (the real one, around a real process) sends every line to journald and keeps the KV transfer failures in the
+    component's folder, where kvlog reads them as it reads the log file outside systemd."""
+    import functools
+    import sys
+
+    from journald_fake import fake_journald_socket, parse_entry
+
+    from nodeagent import journal, logrelay, logsink
+    from nodeagent.kvlog import KvTransferLog
+    from nodeagent.render import component_dir
+
+    stack = world.stacks["n2"]
+    p0 = world.agents["n0"].coordinator.layout.group("p0")
+    monkeypatch.setattr(logsink, "use_journal", lambda: True)
+    kvlog = KvTransferLog(stack.config, stack, clock=world.clock)  # type: ignore[arg-type]
+    folder = component_dir(stack.config, "vllm")
+    folder.mkdir(parents=True, exist_ok=True)
+    kv_file = folder / logsink.KV_FAILURES
+    assert logsink.transfer_lines(stack.config.agent.log_dir, folder, "vllm") == kv_file
+    assert kvlog.read_new("vllm") == [], "nothing before the rank's first line"
+    lines = ["INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32",
+             f"E20260101 transfer failed and disconnect to:127.0.0.1:{p0.kv_port}",
+             "ERROR [mooncake_connector.py:1329] Mooncake transfer failed for request. remote_request_id=r1, ret=-1."]
+    with fake_journald_socket() as (sock, path):
+        monkeypatch.setattr(logrelay, "JournalSender", functools.partial(journal.JournalSender, socket_path=path))
+        # in this thread (it sets signal handlers): a short child, the loop waits a moment
+        code = logrelay.relay("vllm", "dsv4-agent.service", [sys.executable, "-c", f"print({chr(10).join(lines)!r})"],
+                              None, str(kv_file))  # fmt: skip
+        assert code == 0
+        sent = [parse_entry(sock.recv(65536)) for _ in lines]
+    assert [e["MESSAGE"].decode() for e in sent] == lines, "journald got every line"
+    assert {e["SYSLOG_IDENTIFIER"] for e in sent} == {b"vllm"}
+    assert kv_file.read_text().splitlines() == lines[1:], "the relay kept the two failure lines"
+    kvlog.feed("vllm", kvlog.read_new("vllm"))
+    assert [row[1:] for row in stack.status()["kv_transfers"]] == [["d0", "p0"], ["d0", None]]

@@ -26,23 +26,25 @@ import json
 import re
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent.bindaddr import connect_host
+from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
+from nodeagent.stackport import ReportLayer
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.config_recovery import PdWatchConfig
     from nodeagent.layout import Group
 
-Http = Callable[[str, str, dict[str, Any] | None, float], Awaitable[tuple[int, str]]]
-"""(method, url, JSON body or None, timeout) → (status, body text); raises OSError when nobody answers."""
+Http = Callable[[str, str, dict[str, Any] | None, float, Mapping[str, str]], Awaitable[tuple[int, str]]]
+"""(method, url, JSON body or None, timeout, headers) → (status, body text); raises OSError when nobody answers."""
 RESTART_COOLDOWN_S = 300.0
 """After a group was restarted for one of these reasons, the same reason waits this long before acting again."""
 _KV_USAGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)', re.MULTILINE)
@@ -132,13 +134,14 @@ def merged_transfers(kinds: Mapping[str, str], records: Iterable[Mapping[str, An
 # ---- the loop ------------------------------------------------------------------------------------------------------
 
 
-async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, str]:
+async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout: float,
+                    headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
     def call() -> tuple[int, str]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data, {"Content-Type": "application/json"} if data else {},
-                                         method=method)  # fmt: skip
+        request = urllib.request.Request(url, data, {**headers, **({"Content-Type": "application/json"} if data
+                                                                   else {})}, method=method)  # fmt: skip
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with direct_opener().open(request, timeout=timeout) as response:
                 return response.status, response.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")
@@ -146,8 +149,8 @@ async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout:
     return await asyncio.to_thread(call)
 
 
-class PdWatch:
-    """Runs beside the coordinator's ProxySync on the proxy's node."""
+class PdWatch(ReportLayer):
+    """Runs beside the coordinator's ProxySync on the proxy's node; its last probes are /status's `pd_watch`."""
 
     def __init__(self, coordinator: Coordinator, settings: PdWatchConfig, members: Callable[[], Mapping[str, Any]],
                  *, model: str, clock: Clock | None = None, http: Http | None = None) -> None:  # fmt: skip
@@ -163,6 +166,7 @@ class PdWatch:
         self.acted: dict[tuple[str, str], float] = {}
         """(why, group) → when it was last restarted for it (cooldown)."""
         self.last_probe: dict[str, str] = {}
+        coordinator.port.attach(self)
 
     def _of(self, kind: str) -> list[Group]:
         return [g for g in self.groups.values() if g.kind == kind]
@@ -206,16 +210,19 @@ class PdWatch:
         timeout = self.settings.probe_timeout_s
         for i, decode in enumerate(g for g in self._of("decode") if healthy[g.name] and g.endpoints):
             prefill = prefills[i % len(prefills)]
+            # one request id on both sides, as the proxy sends it (`auth_headers`): vLLM takes X-Request-Id as
+            # the request's id, and connectors that pair the two halves by id find the prefill's KV by it
+            headers = {"X-Request-Id": f"dsv4-pd-probe-{uuid.uuid4()}"}
             try:
                 status, body = await self.http("POST", f"http://{_host(prefill.endpoints[0])}/v1/completions",
-                                               prefill_request(self.model), timeout)  # fmt: skip
+                                               prefill_request(self.model), timeout, headers)  # fmt: skip
                 if status != 200:
                     continue  # prefill's own trouble: its probes and the gangs handle it
                 params = (json.loads(body) or {}).get("kv_transfer_params") or {}
                 request = {**prefill_request(self.model), "max_tokens": 2, "kv_transfer_params": params}
                 request.pop("min_tokens")
                 status, body = await self.http("POST", f"http://{_host(decode.endpoints[0])}/v1/completions",
-                                               request, timeout)  # fmt: skip
+                                               request, timeout, headers)  # fmt: skip
                 ok, what = tokens_of(status, body)
             except (OSError, ValueError) as exc:
                 ok, what = False, f"no answer: {exc}"
@@ -235,7 +242,7 @@ class PdWatch:
             values = []
             for endpoint in group.endpoints:
                 with contextlib.suppress(OSError, ValueError):
-                    status, text = await self.http("GET", f"http://{_host(endpoint)}/metrics", None, 5.0)
+                    status, text = await self.http("GET", f"http://{_host(endpoint)}/metrics", None, 5.0, {})
                     if status == 200 and (u := kv_usage(text)) is not None:
                         values.append(u)
             if values:
@@ -261,8 +268,10 @@ class PdWatch:
             assert isinstance(restart, RestartEngine)
             await self._restart("transfer", restart.engine, restart.reason)
 
-    def status(self) -> dict[str, Any]:
-        return {"probes": dict(self.last_probe), "empty_streaks": dict(self.empties.streak)}
+    def status_section(self) -> dict[str, Any]:
+        return {"pd_watch": {"probes": dict(self.last_probe), "empty_streaks": dict(self.empties.streak),
+                             "restarted": {f"{g} ({why})": round(self.clock.time() - (self.clock.monotonic() - t), 3)
+                                           for (why, g), t in self.acted.items() if g}}}  # fmt: skip
 
 
 def _host(endpoint: str) -> str:

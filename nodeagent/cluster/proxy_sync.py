@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent.bindaddr import connect_host
+from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.host import Clock
 from nodeagent.layout import Group, ProxyPlan
 
@@ -71,7 +71,7 @@ async def http_post(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
 
     def call() -> dict[str, Any] | None:
         request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with direct_opener().open(request, timeout=5) as response:
             if not 200 <= response.status < 300:
                 return None
             answer = json.loads(response.read() or b"{}")

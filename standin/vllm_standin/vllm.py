@@ -9,15 +9,19 @@ vLLM's Mooncake connector: a producer's request with `kv_transfer_params.do_remo
 max_tokens returns where its KV can be pulled from; a consumer logs the remote prefill it is handed.
 
 Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
---tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `crash_after:N`),
-VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
+--tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `kv_fail`,
+`crash_after:N`), VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
 VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing for NPU memory),
 VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
 blocks = no KV connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each
 running request decodes per step) and _PREFILL_TOKENS_PER_S (50000) for speed, and vLLM's own
 VLLM_LOG_STATS_INTERVAL (10 s). `GET|POST /standin/fault` reads or switches the fault mode. `hang` stops the
 engine stepping: requests in flight freeze with their token counters (a hang under load), an idle engine
-never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine.
+never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine
+(`/health` too). `empty` answers 200 without a token. `kv_fail` is a decoder whose KV pulls fail: a request
+handed a remote prefill logs the Mooncake connector's `Mooncake transfer failed for request` and answers 500,
+every other request and `/health` are served — behind vllm-ascend's PD proxy it is the 200 with an empty body
+of #13140 (the proxy has sent 200 before it reads the decoder's error, and ends the stream empty).
 
 Metrics move as vLLM's do: the scheduler gauges with every engine step (a prefill chunk too: the KV-cache
 usage grows), and per batch of outputs the token counters and one `vllm:iteration_tokens_total` observation.
@@ -64,7 +68,9 @@ from vllm_standin.fault_tolerance import attach as attach_fault_tolerance
 from vllm_standin.fault_tolerance import settings_from_argv as fault_tolerance_settings
 
 PROC = "APIServer"
-FAULT_MODES = ("none", "hang", "empty", "503", "crash_after")
+FAULT_MODES = ("none", "hang", "empty", "503", "kv_fail", "crash_after")
+API_FAULTS = ("503", "kv_fail")
+"""Modes of the API server alone (the engine keeps stepping)."""
 FAULT_EXEMPT_PATHS = frozenset({"/standin/fault", "/metrics"})
 HEALTH_PATHS = frozenset({"/health", "/ping"})
 ENGINE_DEAD_EXIT_DELAY_S = 0.5
@@ -255,7 +261,7 @@ def parse_serve_args(argv: Sequence[str]) -> ServeArgs:
 
 
 def parse_fault(spec: str) -> tuple[str, int]:
-    """`VLLM_STANDIN_FAULT` syntax: `none`, `hang`, `empty`, `503` or `crash_after:N`."""
+    """`VLLM_STANDIN_FAULT` syntax: `none`, `hang`, `empty`, `503`, `kv_fail` or `crash_after:N`."""
     mode, _, count = spec.strip().partition(":")
     mode = mode or "none"
     if mode not in FAULT_MODES:
@@ -746,11 +752,11 @@ class ApiServer:
             self.external_window.observe(requests, queries, hits)
 
     def _on_engine_fault(self, mode: str, n: int) -> None:
-        if self.fault_mode != "503":
+        if self.fault_mode not in API_FAULTS:
             self.fault_mode, self.fault_n = mode, n
 
     def _send_fault(self) -> None:
-        engine_mode = "none" if self.fault_mode == "503" else self.fault_mode
+        engine_mode = "none" if self.fault_mode in API_FAULTS else self.fault_mode
         self.engine.send({"t": "fault", "mode": engine_mode, "n": self.fault_n})
 
     async def _log_stats_loop(self, interval: float) -> None:
@@ -913,8 +919,8 @@ class ApiServer:
                 f"{max_tokens or 0} in the completion). "
                 "Please reduce the length of the messages or completion.",
             )
-        job = _Job(
-            rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        job = _Job(  # vLLM takes X-Request-Id as the request's base id (the PD proxy sends one to both halves)
+            rid=f"{'chatcmpl' if chat else 'cmpl'}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}",
             created=int(time.time()),
             model=self.args.served_model_name,
             prompt_tokens=len(tokens),
@@ -926,6 +932,13 @@ class ApiServer:
             log(PROC, "mooncake_connector.py:1203", f"Request {job.rid}: pulling KV of {len(tokens)} prompt "
                 f"tokens from engine {params.get('remote_engine_id')} at "
                 f"{params.get('remote_host')}:{params.get('remote_port')}")
+            if self.fault_mode == "kv_fail":
+                # vllm-ascend's Mooncake connector's line for a failed pull; with kv_load_failure_policy "fail" the
+                # request ends in an error while the engine (and /health) stays up
+                log(PROC, "mooncake_connector.py:1329", "Mooncake transfer failed for request. remote_request_id="
+                    f"{params.get('remote_request_id')}, ret=-1.", "ERROR")
+                raise ApiError(500, "InternalServerError", f"Request {job.rid} failed: its KV could not be loaded "
+                               "from the prefill engine")
         results = self._generate(job.rid, tokens, max_tokens, bool(body.get("ignore_eos")))
         async with contextlib.aclosing(results):
             if body.get("stream") is not True:
