@@ -83,3 +83,7 @@ class ContainerConfig(Strict):
             return
         if not any(o.canonical == "--name" and o.value for o in options):
             yield "run_args", "run_args removes --name: the agent finds its container by name"
+
+
+NO_CONTAINER = ("container", "SKIP", "no container: section (the components run on the host)", "")
+"""Preflight's row without container mode (here, so the host agent need not import the container checks)."""

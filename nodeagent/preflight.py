@@ -18,13 +18,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nodeagent.config_container import NO_CONTAINER
 from nodeagent.config_model import Config, DatasystemComponent, EtcdComponent, VllmComponent
 from nodeagent.hostfacts import Host, version_at_least
 from nodeagent.npu import HEALTH_OK, NET_HEALTH_OK, NET_HEALTH_UNCONFIGURED, NpuSnapshot
 from nodeagent.npu_monitor import expected_npus
 from nodeagent.portlint import TAKEN
 from nodeagent.portscmd import lint_node
-from nodeagent.preflight_container import check_container, inside
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 CANN_MIN = "8.5.0"
@@ -106,7 +106,7 @@ class _Ctx:
 
     def components(self, kind: type) -> dict[str, Any]:
         return {n: c for n, c in self.config.active_components().items() if isinstance(c, kind)
-                and not (self.host_only and inside(self.config, c))}
+                and not (self.host_only and self.config.container is not None and c.container)}
 
     @property
     def snapshot(self) -> NpuSnapshot | None:
@@ -518,6 +518,10 @@ def check_recovery(ctx: _Ctx) -> Iterable[Check]:
 
 
 def check_container_mode(ctx: _Ctx) -> Iterable[Check]:
+    if ctx.config.container is None:
+        return [Check(*NO_CONTAINER)]
+    from nodeagent.preflight_container import check_container
+
     return [Check(*found) for found in check_container(ctx.config, ctx.host)]
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from nodeagent.config_container import NO_CONTAINER
 from nodeagent.container_options import ContainerRenderError
 from nodeagent.render_container import ContainerSpec, render_container
 
@@ -48,7 +49,7 @@ def devices(spec: ContainerSpec) -> list[str]:
 
 def check_container(config: Config, host: Host) -> Iterable[Check]:
     if config.container is None:
-        yield _check("container", "SKIP", "no container: section (the components run on the host)")
+        yield NO_CONTAINER
         return
     try:
         spec = render_container(config, which=host.which)
@@ -122,8 +123,3 @@ def _container_manager(config: Config, host: Host) -> Check:
                   "chips and forbids restart policies, fighting the agent over this container",
                   "systemctl disable --now container-manager, or set container.coexist_with_container_manager: "
                   "true when it is configured to leave this container alone")  # fmt: skip
-
-
-def inside(config: Config, comp: Any) -> bool:
-    """Runs in the node's container (its programs are the image's: the host need not have them)."""
-    return config.container is not None and bool(comp.container)

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from nodeagent import launcher, logsink, residue, residue_plan
 from nodeagent.component import Component
 from nodeagent.config_model import Config
-from nodeagent.container_mode import ContainerMode
 from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.evidence import PostMortems
@@ -60,14 +59,18 @@ class Supervisor(NodePort):
         self.on_state_change: list[Callable[[], None]] = []
         """Observers of every change outside the layers (sd_notify, MQTT, the member record); keep them cheap."""
         self.on_probe_result: list[Any] = []
+        """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.on_load: list[Any] = []
         """(component, kind, seconds) once a launch is up: the load-time histogram."""
-        """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.npu: NpuMonitor | None = None
         active = config.active_components()
         self.order = start_order({n: list(c.depends_on) for n, c in active.items()})
         self.intent_store = NodeIntent(self.store, {n: active[n].restart for n in self.order})
-        self.container = ContainerMode(self) if config.container is not None else None
+        self.container: ContainerMode | None = None
+        if config.container is not None:  # imported only in container mode: the idle host agent stays small
+            from nodeagent.container_mode import ContainerMode
+
+            self.container = ContainerMode(self)
         """The node's container (container mode): its components' host is `container.host(...)`."""
         self.components = {name: Component(name, active[name], self.container.host(active[name]) if self.container
                                            else self) for name in self.order}  # fmt: skip
