@@ -37,7 +37,7 @@ def show(c: SystemdContainer, unit: str, *props: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def wait_for(what: str, pred: Callable[[], bool], timeout: float = 10) -> None:
+def wait_for(what: str, pred: Callable[[], bool], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
