@@ -99,6 +99,8 @@ class ProxySync:
         self._reconciled_at = 0.0
         self.health: dict[str, str] = {}
         """group → why it is out of the proxy ("" when in)."""
+        self.holds: list[Callable[[], Mapping[str, str]]] = []
+        """Sources of groups to keep out however healthy (group → why): a rollout's step from drain to gate."""
 
     @property
     def url(self) -> str:
@@ -129,6 +131,10 @@ class ProxySync:
         for group in self.groups:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+        for source in self.holds:
+            for name, why in source().items():
+                if name in health:
+                    health[name] = (False, why)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
         if self.applied is not None and comp.up:
             await self._apply(want)
