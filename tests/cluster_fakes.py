@@ -477,16 +477,32 @@ class FakeProxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         self.routed = {"prefill": set(prefill), "decode": set(decode)}
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+        self.busy = False
+        """Requests in flight: a removed instance is only tainted (still listed, an add of it ignored) until
+        `idle()`, as vllm-ascend's proxy does (`remove_instances`, `finalize_tainted_instances`)."""
+        self.tainted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+
+    def idle(self) -> None:
+        """No request in flight at the proxy's check: tainted instances are deleted."""
+        for kind, keys in self.tainted.items():
+            self.routed[kind] -= keys
+            keys.clear()
+
+    def serving(self, kind: str) -> set[str]:
+        """What a request may be routed to now (tainted ones only when nothing else is left)."""
+        return (self.routed[kind] - self.tainted[kind]) or set(self.routed[kind])
 
     async def post(self, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
         what = url.rsplit("/", 1)[-1]
         kind, instances = body["type"], set(body["instances"])
         if instances:
             self.calls.append((what, kind, tuple(sorted(instances))))
-        if what == "remove":
+        if what == "remove" and self.busy:
+            self.tainted[kind] |= instances & self.routed[kind]
+        elif what == "remove":
             self.routed[kind] -= instances
         else:
-            self.routed[kind] |= instances
+            self.routed[kind] |= instances - self.routed[kind]  # a listed (even tainted) one is left as it is
         return {f"current_{k}_instances": sorted(v) for k, v in self.routed.items()}
 
 

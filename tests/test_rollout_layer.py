@@ -211,3 +211,24 @@ async def test_pause_resume_abort_and_rollback(world: World) -> None:
         assert cluster_file_hash(world.stacks[node].config) == old
     with pytest.raises(Exception, match="rolled_back"):
         await world.run(world.agents["n0"].rollout.control("abort", "test"))
+
+
+async def test_a_busy_proxy_keeps_a_group_isolated_and_the_next_step_waits(world: World) -> None:
+    """vllm-ascend's proxy deletes a removed instance only once it is idle and ignores an add of it meanwhile:
+    the step waits in rejoining (not a failure), and no other group is taken out while it is not routed."""
+    proxy = world.proxy
+    assert proxy is not None
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    proxy.busy = True
+    await start(world)
+    p0 = set(world.agents["n0"].coordinator.layout.group("p0").endpoints)
+    await world.until("p0 restarted and healthy", lambda: record(world).steps[0].phase == "rejoining", 120)
+    await world.advance(300)
+    assert record(world).steps[0].phase == "rejoining" and record(world).steps[1].phase == "pending"
+    assert "not back in the proxy after 180s" in record(world).message
+    assert p0 <= proxy.tainted["prefill"] and not p0 & proxy.serving("prefill"), "isolated, so not routed"
+    proxy.busy = False
+    proxy.idle()
+    await world.until("p0 back, really", lambda: p0 <= proxy.serving("prefill") and record(world).steps[0].proxy_in,
+                      60)  # fmt: skip
+    await world.until("done", lambda: status(world) == "done", 300)
