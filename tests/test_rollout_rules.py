@@ -245,3 +245,23 @@ def test_time_left_from_load_times_then_from_steps_done() -> None:
     done = rec.with_step(0, rr.Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
     assert rr.time_left(done, {}, 600) == 500
     assert rr.Record.from_dict(done.to_dict()) == done, "the record survives etcd"
+
+
+def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None:
+    """Each agent sees member and gang records through its own watch, a little late (found by the simulation at
+    N = 64: a healthy group failed its bake on one agent's late view)."""
+    rec = record(("p0",))
+    rec, _ = move(rec, observed(1, {}))
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(2, {}))
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
+    rec, _ = move(rec, observed(4, {"p0": 2}))
+    rec = marked(rec, "canary", "p0", value="ok")
+    assert rr.advance(rec, observed(5, {"p0": 1})) is None, "the old generation, all ready: not the gate"
+    assert not rr.ready_again(rec.steps[0], observed(5, {"p0": 1}), "p0")
+    rec, _ = move(rec, observed(6, {"p0": 2}))
+    rec, _ = move(marked(rec, "proxy_in", "n0"), observed(7, {"p0": 2}))
+    assert rec.steps[0].phase == "baking"
+    assert rr.advance(rec, observed(8, {"p0": 2}, {"p0": False})) is None, "a late view of a healthy group"
+    failed, _ = move(rec, observed(9, {"p0": 3}))
+    assert failed.steps[0].failed == "while baking: group p0 restarted again (generation 3): a rank failed"

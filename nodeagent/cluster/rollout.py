@@ -155,11 +155,22 @@ class RolloutExecutor:
         saved = read_json(self.state_path, {})
         with contextlib.suppress(Exception):
             self.previous = restore_config(saved) if saved else None
+        self._hashed: list[tuple[Any, str]] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         for proxy in self.co.proxies:
             proxy.holds.append(self.out_of_proxy)
         self.port.attach(self)
+
+    def _hash(self, config: Config) -> str:
+        """file_hash, remembered for the last few configs (the running one is asked every second; a 256-member
+        file is ~30 KB of JSON to digest)."""
+        for seen, digest in self._hashed:
+            if seen is config:
+                return digest
+        digest = file_hash(config)
+        self._hashed = [(config, digest), *self._hashed[:3]]
+        return digest
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -253,7 +264,7 @@ class RolloutExecutor:
             stamp = (st.st_mtime_ns, st.st_size)
         if refresh or self._disk_for != (rid, stamp) or self._disk[0] is None:
             try:
-                self._disk = (file_hash(self.host.read_config_file()), "")
+                self._disk = (self._hash(self.host.read_config_file()), "")
             except Exception as exc:  # a bad file is reported, never raised into the loop
                 self._disk = (None, f"cannot load the file: {str(exc).splitlines()[0][:200]}")
             self._disk_for = (rid, stamp)
@@ -266,11 +277,11 @@ class RolloutExecutor:
 
     def _config_for(self, want: str) -> Config:
         """The config with file hash `want`: the saved previous one, or this node's file on disk."""
-        if self.previous is not None and file_hash(self.previous) == want:
+        if self.previous is not None and self._hash(self.previous) == want:
             return self.previous
         disk = self.host.read_config_file()
-        if file_hash(disk) != want:
-            raise RolloutRefused(f"this node's file has hash {file_hash(disk)[:12]}, the step wants {want[:12]} "
+        if self._hash(disk) != want:
+            raise RolloutRefused(f"this node's file has hash {self._hash(disk)[:12]}, the step wants {want[:12]} "
                                  "(install the new file on every member first)")  # fmt: skip
         return disk
 
@@ -280,8 +291,8 @@ class RolloutExecutor:
         record = self.record
         if record is None:
             return
-        running = file_hash(self.host.running_config())
-        if running == record.old_hash and (self.previous is None or file_hash(self.previous) != running):
+        running = self._hash(self.host.running_config())
+        if running == record.old_hash and (self.previous is None or self._hash(self.previous) != running):
             self._save_previous(self.host.running_config())
         want = rr.wanted_hash(record, self.group.name if self.group else None, self.node)
         if want is None or want == running or running not in (record.old_hash, record.new_hash):
@@ -300,8 +311,8 @@ class RolloutExecutor:
     async def _report(self) -> None:
         """This member's report: the file on its disk, the previous file it saved, its groups' load times."""
         disk, error = self._disk_file()
-        data = {"hash": disk, "error": error, "running": file_hash(self.host.running_config()),
-                "previous": file_hash(self.previous) if self.previous is not None else None,
+        data = {"hash": disk, "error": error, "running": self._hash(self.host.running_config()),
+                "previous": self._hash(self.previous) if self.previous is not None else None,
                 "load_s": {g: round(s, 1) for g, s in self.load_s.items()},
                 "rollout": self.record.id if self.record is not None else None}  # fmt: skip
         if data != self._reported:
@@ -330,7 +341,7 @@ class RolloutExecutor:
             obs = self._observe()
             for g in step.groups:
                 group = self.layout.group(g)
-                if group.head == self.node and g not in step.canary and obs.groups[g].healthy:
+                if group.head == self.node and g not in step.canary and rr.ready_again(step, obs, g):
                     ok, detail = await self._group_canary(group)
                     await self._mark(i, "canary", g, "ok" if ok else detail)
         elif step.phase == "rejoining" and self.co.proxies and not step.proxy_in and all(
@@ -372,11 +383,11 @@ class RolloutExecutor:
 
     async def _stage(self, index: int, step: rr.Step) -> None:
         running = self.host.running_config()
-        if file_hash(running) == step.from_hash and not step.failed and not step.rollback:
+        if self._hash(running) == step.from_hash and not step.failed and not step.rollback:
             self._save_previous(running)
         try:
             config = self._config_for(step.to_hash)
-            if file_hash(running) != step.to_hash:
+            if self._hash(running) != step.to_hash:
                 self.host.stage_config(config)
         except Exception as exc:
             await self._mark(index, "stage_error", value=str(exc).splitlines()[0][:300])
@@ -466,7 +477,7 @@ class RolloutExecutor:
         except Exception as exc:
             raise PlanError(f"the new file: {exc}") from None
         old = self.host.running_config()
-        old_hash, new_hash = file_hash(old), file_hash(new)
+        old_hash, new_hash = self._hash(old), self._hash(new)
         differ = {n: str(m.record.get("cluster_hash"))[:12] for n, m in self.co.membership.members.items()
                   if m.record.get("cluster_hash") != old_hash}  # fmt: skip
         load_s: dict[str, float] = {}

@@ -312,7 +312,7 @@ def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
         if canary_bad:
             group, why = next(iter(canary_bad.items()))
             return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
-        if all(obs.groups[g].healthy and step.canary.get(g) == "ok" for g in step.groups):
+        if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
             return record.with_step(i, _enter(step, "rejoining", now)).say(
                 now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
         if now - step.since >= opts.gate_timeout_s:
@@ -364,11 +364,16 @@ def _health_problem(step: Step, obs: Observed) -> str | None:
             return f"{', '.join(failed)} failed"
         if o.generation is not None and o.generation > step.base.get(g, 0) + 1:
             return f"group {g} restarted again (generation {o.generation}): a rank failed"
-    if step.phase in ("rejoining", "baking"):
-        sick = [f"{g} ({obs.groups[g].why})" for g in step.groups if not obs.groups[g].healthy]
-        if sick:
-            return f"not healthy: {', '.join(sick)}"
     return None
+
+
+def ready_again(step: Step, obs: Observed, group: str) -> bool:
+    """Every rank ready at a generation past the step's base. Each agent reads the member records and the gang
+    record through its own watch, a little late: without the generation a late view of the old ranks would pass
+    the gate, and a late view after it would fail a healthy group — so after the gate only hard signals count (a
+    failed rank, a generation past ours; a rank that stays unready is its own probes' business)."""
+    o = obs.groups[group]
+    return o.healthy and (o.generation or 0) > step.base.get(group, 0)
 
 
 # ---- marks: what one agent saw, merged into the step it belongs to ------------------------------------------------
