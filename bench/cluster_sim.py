@@ -404,14 +404,15 @@ class Fleet:
         answer = self.ask(self.where["s0"], op="rollout", node="s0", options={"bake_s": 0, "drain_timeout_s": 30})
         if not answer["answer"].get("started"):
             raise SystemExit(f"the rollout did not start: {answer['answer'].get('refused')}")
-        deadline = time.monotonic() + 120 + 30 * groups
+        deadline = time.monotonic() + 300 + 60 * groups
         while time.monotonic() < deadline:
             record = self.ask(self.where["s0"], op="rollout_state", node="s0")["record"]
             if record["status"] != "running":
                 break
             time.sleep(0.5)
         else:
-            raise SystemExit("the rollout did not finish in time")
+            history = "\n".join(f"  {t - record['at']:8.2f} {m}" for t, m in record["history"])
+            raise SystemExit(f"the rollout did not finish in time:\n{history}")
         took = time.monotonic() - t0
         cost = self.requests() - r0
         if record["status"] != "done":

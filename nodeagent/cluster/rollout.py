@@ -315,7 +315,8 @@ class RolloutExecutor:
                 "previous": self._hash(self.previous) if self.previous is not None else None,
                 "load_s": {g: round(s, 1) for g, s in self.load_s.items()},
                 "rollout": self.record.id if self.record is not None else None}  # fmt: skip
-        if data != self._reported:
+        if data != self._reported or self.reports.get(self.node) != data:
+            # (also when our key is gone: it lives on the lease, which a long stall can lose and re-grant)
             await self.store.put(self.report_key, json.dumps(data), lease=self.co.membership.lease)
             self._reported = data
             self.reports[self.node] = data
