@@ -534,6 +534,9 @@ def main() -> int:
         for n in args.sizes:
             print(f"N = {n} ...", flush=True)
             results.append(run_size(n, args, endpoint, tmp))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "rollout"} | (
+                {"rollout": {k: v for k, v in results[-1]["rollout"].items() if k != "history"}}
+                if "rollout" in results[-1] else {})), flush=True)
     finally:
         etcd.terminate()
         etcd.wait(20)

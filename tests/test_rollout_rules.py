@@ -189,6 +189,8 @@ def test_the_floor_holds_a_step_and_the_drain_times_out() -> None:
     out = move(rec, observed(1, {}, {"p1": False}))[0]
     assert out.steps[0].phase == "pending" and "floor: no other prefill group serving (p1" in out.message
     assert rr.advance(out, observed(2, {}, {"p1": False})) is None, "the same wait is written once"
+    assert rr.advance(out, observed(3, {}, {"p1": False, "d0": False})) is None, "another wait: not within 30 s"
+    assert "floor: no other decode" in move(out, observed(40, {}, {"p1": True, "d0": False}))[0].message
     rec, _ = move(rec, observed(3, {}))
     rec, _ = move(rec, observed(40, {}))
     assert rec.steps[0].phase == "staging" and "drain timed out after 30s" in rec.message

@@ -32,6 +32,7 @@ MOVING = ("running", "rolling_back")
 FINAL = ("done", "rolled_back", "halted", "aborted", "failed")
 STAGE_TIMEOUT_S = 300.0
 REJOIN_TIMEOUT_S = 180.0
+WAIT_SAY_S = 30.0
 HISTORY = 60
 
 
@@ -267,7 +268,13 @@ def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
         why = files_problem(step, obs) or floor_problem(record, step, obs)
         if why is not None:
             text = f"step {i + 1} ({names}) waits: {why}"
-            return (record.say(now, text), []) if record.message != text else None
+            said = record.history[-1][0] if record.history else 0.0
+            # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
+            # record late), and every write of the record is read by every agent.
+            if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
+                                          and now - said < WAIT_SAY_S):  # fmt: skip
+                return None
+            return record.say(now, text), []
         return record.with_step(i, _enter(step, "draining", now, started=now)).say(
             now, f"step {i + 1} ({names}): out of the proxy, draining"), []
     if step.phase == "draining":
