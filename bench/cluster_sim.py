@@ -400,7 +400,10 @@ class Fleet:
             self.ask(proc, op="install", text=text)
         with self.lock:
             self.acted.clear()
+        r_rest, t_rest = self.requests(), time.monotonic()
+        time.sleep(10.0)  # the fleet's requests at rest (heartbeats, keepalives), to tell the rollout's own apart
         r0, t0 = self.requests(), time.monotonic()
+        rest_rate = (r0 - r_rest) / (t0 - t_rest)
         answer = self.ask(self.where["s0"], op="rollout", node="s0", options={"bake_s": 0, "drain_timeout_s": 30})
         if not answer["answer"].get("started"):
             raise SystemExit(f"the rollout did not start: {answer['answer'].get('refused')}")
@@ -414,7 +417,8 @@ class Fleet:
             history = "\n".join(f"  {t - record['at']:8.2f} {m}" for t, m in record["history"])
             raise SystemExit(f"the rollout did not finish in time:\n{history}")
         took = time.monotonic() - t0
-        cost = self.requests() - r0
+        total = self.requests() - r0
+        cost = round(total - rest_rate * took)
         if record["status"] != "done":
             raise SystemExit(f"the rollout ended {record['status']}: {record['message']}")
         per_step, whole = [], []
@@ -432,6 +436,7 @@ class Fleet:
                                             "p99": round(pct(per_step, 99), 1), "max": round(max(per_step), 1)},
                 "step_s": {"p50": round(statistics.median(whole), 1), "max": round(max(whole), 1)},
                 "history": [[round(t - record["at"], 2), m] for t, m in record["history"]],
+                "etcd_requests_total": total, "etcd_requests_at_rest_per_s": round(rest_rate, 1),
                 "etcd_requests": cost, "etcd_requests_per_step": round(cost / len(per_step), 1)}  # fmt: skip
 
     def close(self) -> None:
