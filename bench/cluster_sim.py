@@ -11,7 +11,12 @@ Measured, per N (default 8, 64, 256):
   500 ms at N = 256);
 - **etcd requests per agent per second at rest**, counted by each agent's store over `--rest-s` seconds
   (target: at most 1);
-- that concurrent failures of several members of one group still make exactly one generation.
+- that concurrent failures of several members of one group still make exactly one generation;
+- with `--rollout K` (groups of `--group-size 4` then): a rollout of a new file that changes K groups, one step
+  after the other (`cluster/rollout.py`, every agent running its executor): per step, the time from its start
+  (drain begun) to the last rank of its group restarted, p50/p99, the whole rollout's duration, and the etcd
+  requests it cost (all agents, per step). The simulated ranks drain at once and restart instantly, so this is
+  the coordination's own cost: the drain's quiet check (2 s), staging, the generation's propagation.
 
 The agents are spread over `--processes` worker processes (default 8; on real hosts each agent has a machine
 of its own: one Python process hosting 256 gRPC clients on 2 cores measures that process's CPU, not the
@@ -48,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent.cluster.coordinator import Coordinator  # noqa: E402
 from nodeagent.cluster.membership import Membership  # noqa: E402
+from nodeagent.cluster.rollout import RolloutExecutor  # noqa: E402
 from nodeagent.config import parse_config  # noqa: E402
 from nodeagent.errors import UnknownComponentError  # noqa: E402
 from nodeagent.events import EventBus  # noqa: E402
@@ -94,6 +100,19 @@ class SimHost:
         self._cluster_pause: Mapping[str, Any] | None = None
         self.on_emit: Callable[[str, dict[str, Any]], None] | None = None
         """Sees every event's kind and data (the worker reports each generation acted on)."""
+        self.listeners: list[Callable[[], None]] = []
+        self.disk: Callable[[], Any] | None = None
+        """This node's file "on disk" (the rollout scenario installs a new one)."""
+
+    # ---- rollout.ConfigHost
+    def running_config(self) -> Any:
+        return self.config
+
+    def read_config_file(self, path: str | None = None) -> Any:
+        return self.disk() if self.disk is not None else self.config
+
+    def stage_config(self, config: Any) -> None:
+        self.config = config
 
     def view(self, comp: SimComponent) -> ComponentView:
         return ComponentView(name=comp.name, kind=comp.kind, state="ready" if comp.running else "stopped",
@@ -114,6 +133,8 @@ class SimHost:
     def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
         for name in names:
             self.components[name].restarts_at.append(time.monotonic())
+        for listener in self.listeners:  # a restart changes the node's state: its member record follows
+            listener()
 
     def command(self, name: str, action: str, *, drain: bool = True, by: str = "operator") -> str:
         return f"{action} {self.component(name).name}"
@@ -192,21 +213,38 @@ class SimAgent:
     host: SimHost
     membership: Membership
     coordinator: Coordinator
+    rollout: RolloutExecutor | None = None
 
 
-async def make_agents(names: list[str], text: str, tmp: Path, name: str) -> list[SimAgent]:
+def member_config(text: str, node: str, tmp: Path, name: str) -> Any:
+    body = text.replace("NODE", node).replace("STATE", str(tmp / name / node))
+    return parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
+
+
+async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout: bool = False) -> list[SimAgent]:
     agents = []
+
+    async def inflight(component: str, cfg: Any) -> tuple[int, int]:
+        return (0, 0)
+
+    async def canary(endpoint: str, cfg: Any) -> tuple[bool, str]:
+        return True, "ok"
+
     for node in names:
-        state = tmp / name / node
-        body = text.replace("NODE", node).replace("STATE", str(state))
-        config = parse_config(body, f"{tmp}/sim.yaml", base_dir=tmp)
-        host = SimHost(config, state)
+        config = member_config(text, node, tmp, name)
+        host = SimHost(config, tmp / name / node)
         membership = Membership(config, host)
+        host.listeners.append(membership.changed)
         coordinator = Coordinator(config, host, membership, operations=False)
-        agents.append(SimAgent(node, host, membership, coordinator))
+        agent = SimAgent(node, host, membership, coordinator)
+        if rollout:
+            agent.rollout = RolloutExecutor(coordinator, host, inflight=inflight, canary=canary)
+        agents.append(agent)
     for agent in agents:
         agent.membership.start()
         agent.coordinator.start()
+        if agent.rollout is not None:
+            agent.rollout.start()
     return agents
 
 
@@ -214,9 +252,9 @@ def requests(agents: list[SimAgent]) -> int:
     return sum(int(getattr(a.membership.store, "requests", 0)) for a in agents)
 
 
-async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -> None:
+async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str, rollout: bool = False) -> None:
     """One process hosting some of the agents (as separate hosts would), driven by JSON lines on stdin."""
-    agents = await make_agents(names, text_file.read_text(), tmp, name)
+    agents = await make_agents(names, text_file.read_text(), tmp, name, rollout)
     by_name = {a.name: a for a in agents}
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -230,7 +268,8 @@ async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -
 
         def acted(kind: str, data: dict[str, Any], agent: SimAgent = agent) -> None:
             if kind == "gang_restart":
-                say(acted=agent.name, group=data["group"], generation=data["generation"], t=time.monotonic())
+                say(acted=agent.name, group=data["group"], generation=data["generation"], t=time.monotonic(),
+                    wall=time.time())
 
         agent.host.on_emit = acted
     while line := await reader.readline():
@@ -252,9 +291,23 @@ async def worker_main(names: list[str], text_file: Path, tmp: Path, name: str) -
             for node in cmd["nodes"]:
                 next(iter(by_name[node].host.components.values())).running = True
             say(op="healed")
+        elif cmd["op"] == "install":  # the new file on every "disk" of this process
+            for agent in agents:
+                agent.host.disk = lambda node=agent.name, text=cmd["text"]: member_config(text, node, tmp, name)
+            say(op="installed")
+        elif cmd["op"] == "rollout":
+            executor = by_name[cmd["node"]].rollout
+            assert executor is not None
+            say(op="rollout", answer=await executor.plan(None, cmd["options"], dry_run=False, by="bench"))
+        elif cmd["op"] == "rollout_state":
+            executor = by_name[cmd["node"]].rollout
+            assert executor is not None and executor.record is not None
+            say(op="rollout_state", record=executor.record.to_dict())
         elif cmd["op"] == "stop":
             break
     for agent in agents:
+        if agent.rollout is not None:
+            await agent.rollout.stop()
         await agent.coordinator.stop()
     await asyncio.gather(*(a.membership.stop() for a in agents), return_exceptions=True)
 
@@ -270,7 +323,9 @@ class Fleet:
         nodes = [f"s{i}" for i in range(n)]
         per = max(1, -(-n // args.processes))
         self.group_of = {f"s{i}": f"g{i // args.group_size}" for i in range(n)}
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--_worker", str(text), str(tmp), name,
+        self.text, self.args = text, args
+        worker = ["--_worker_rollout" if args.rollout else "--_worker"]
+        self.procs = [subprocess.Popen([sys.executable, __file__, *worker, str(text), str(tmp), name,
                                         *nodes[i:i + per]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for i in range(0, n, per)]  # fmt: skip
         self.where = {node: self.procs[i // per] for i, node in enumerate(nodes)}
@@ -338,6 +393,55 @@ class Fleet:
         gens = {a["generation"] for a in done.values()}
         return (max(a["t"] for a in done.values()) - min(starts)) * 1000, len(gens)
 
+    def rollout(self, groups: int) -> dict[str, Any]:
+        """Install a file changing the first `groups` groups, roll it out from s0, measure each step."""
+        changed = [f"g{g}" for g in range(groups)]
+        text = self.text.read_text()
+        for group in changed:
+            text = text.replace(f"{{name: {group}, ", f"{{name: {group}, env: {{ROLLED: '1'}}, ")
+        for proc in self.procs:
+            self.ask(proc, op="install", text=text)
+        with self.lock:
+            self.acted.clear()
+        r_rest, t_rest = self.requests(), time.monotonic()
+        time.sleep(10.0)  # the fleet's requests at rest (heartbeats, keepalives), to tell the rollout's own apart
+        r0, t0 = self.requests(), time.monotonic()
+        rest_rate = (r0 - r_rest) / (t0 - t_rest)
+        answer = self.ask(self.where["s0"], op="rollout", node="s0", options={"bake_s": 0, "drain_timeout_s": 30})
+        if not answer["answer"].get("started"):
+            raise SystemExit(f"the rollout did not start: {answer['answer'].get('refused')}")
+        deadline = time.monotonic() + 300 + 60 * groups
+        while time.monotonic() < deadline:
+            record = self.ask(self.where["s0"], op="rollout_state", node="s0")["record"]
+            if record["status"] != "running":
+                break
+            time.sleep(0.5)
+        else:
+            history = "\n".join(f"  {t - record['at']:8.2f} {m}" for t, m in record["history"])
+            raise SystemExit(f"the rollout did not finish in time:\n{history}")
+        took = time.monotonic() - t0
+        total = self.requests() - r0
+        cost = round(total - rest_rate * took)
+        if record["status"] != "done":
+            raise SystemExit(f"the rollout ended {record['status']}: {record['message']}")
+        per_step, whole = [], []
+        for step in record["steps"]:
+            (group,) = step["groups"]
+            with self.lock:
+                acted = [a for a in self.acted if a["group"] == group and a["generation"] > step["base"][group]]
+            members = [n for n, g in self.group_of.items() if g == group]
+            if {a["acted"] for a in acted} != set(members):
+                raise SystemExit(f"step {group}: only {sorted(a['acted'] for a in acted)} of {members} restarted")
+            per_step.append((max(a["wall"] for a in acted) - step["started"]) * 1000)
+            whole.append(step["finished"] - step["started"])
+        return {"groups": groups, "steps": len(record["steps"]), "duration_s": round(took, 1),
+                "step_to_last_restart_ms": {"p50": round(statistics.median(per_step), 1),
+                                            "p99": round(pct(per_step, 99), 1), "max": round(max(per_step), 1)},
+                "step_s": {"p50": round(statistics.median(whole), 1), "max": round(max(whole), 1)},
+                "history": [[round(t - record["at"], 2), m] for t, m in record["history"]],
+                "etcd_requests_total": total, "etcd_requests_at_rest_per_s": round(rest_rate, 1),
+                "etcd_requests": cost, "etcd_requests_per_step": round(cost / len(per_step), 1)}  # fmt: skip
+
     def close(self) -> None:
         for proc in self.procs:
             with contextlib.suppress(OSError):
@@ -355,6 +459,10 @@ def run_size(n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> dict[str
     fleet = Fleet(n, args, etcd, tmp)
     try:
         settled = fleet.settle()
+        if args.rollout:
+            time.sleep(3.0)
+            return {"n": n, "processes": len(fleet.procs), "settle_s": round(settled, 2),
+                    "rollout": fleet.rollout(args.rollout)}
         time.sleep(3.0)
         r0, t0 = fleet.requests(), time.monotonic()
         time.sleep(args.rest_s)
@@ -400,13 +508,13 @@ def start_etcd(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--_worker"]:
+    if sys.argv[1:2] in (["--_worker"], ["--_worker_rollout"]):
         from loguru import logger
 
         logger.remove()
         logger.add(sys.stderr, level="ERROR")
         text_file, tmp, name, *names = sys.argv[2:]
-        asyncio.run(worker_main(names, Path(text_file), Path(tmp), name))
+        asyncio.run(worker_main(names, Path(text_file), Path(tmp), name, sys.argv[1] == "--_worker_rollout"))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
@@ -419,6 +527,8 @@ def main() -> int:
                              "2-core machine that, not the coordination, saturates first at large N")
     parser.add_argument("--processes", type=int, default=8,
                         help="worker processes the agents are spread over (separate hosts in reality)")
+    parser.add_argument("--rollout", type=int, metavar="K", default=0,
+                        help="the rollout scenario instead: a new file changing K groups, rolled out step by step")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from loguru import logger
@@ -432,10 +542,23 @@ def main() -> int:
         for n in args.sizes:
             print(f"N = {n} ...", flush=True)
             results.append(run_size(n, args, endpoint, tmp))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "rollout"} | (
+                {"rollout": {k: v for k, v in results[-1]["rollout"].items() if k != "history"}}
+                if "rollout" in results[-1] else {})), flush=True)
     finally:
         etcd.terminate()
         etcd.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.rollout:
+        print(f"\n{'N':>5} {'groups':>7} {'steps':>6} {'took s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+              f"{'etcd req':>9} {'req/step':>9}")  # fmt: skip
+        for r in results:
+            ro, p = r["rollout"], r["rollout"]["step_to_last_restart_ms"]
+            print(f"{r['n']:>5} {ro['groups']:>7} {ro['steps']:>6} {ro['duration_s']:>7} {p['p50']:>8} {p['p99']:>8} "
+                  f"{p['max']:>8} {ro['etcd_requests']:>9} {ro['etcd_requests_per_step']:>9}")  # fmt: skip
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return 0
     print(f"\n{'N':>5} {'settle s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'req/agent/s':>12}  gens/fault")
     for r in results:
         p = r["propagation_ms"]

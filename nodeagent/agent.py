@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from nodeagent.api import ApiServer
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.cluster.membership import Membership
+    from nodeagent.cluster.rollout import RolloutExecutor
     from nodeagent.mqtt import MqttPublisher
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
@@ -73,6 +74,7 @@ class Agent:
         self.membership: Membership | None = None
         self.coordinator: Coordinator | None = None
         """This node as a cluster member (etcd); only with cluster.nodes — without it nothing imports aetcd."""
+        self.rollout: RolloutExecutor | None = None
 
     @property
     def stopping(self) -> bool:
@@ -158,8 +160,27 @@ class Agent:
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
         RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
         self._start_pd_watches()
+        from nodeagent.cluster.rollout import RolloutExecutor
+
+        self.rollout = RolloutExecutor(self.coordinator, self)
         self.membership.start()
         self.coordinator.start()
+        self.rollout.start()
+
+    # ---- the rollout's view of the config (cluster.rollout.ConfigHost) ------------------------------------------
+    def running_config(self) -> Config:
+        return self.config
+
+    def read_config_file(self, path: str | None = None) -> Config:
+        """This node's file as it is on disk now (the operator installs a rollout's new file first)."""
+        return load_checked(path or str(self.config_path), self.config.node.name)
+
+    def stage_config(self, config: Config) -> None:
+        """A rollout's staging: the next start of every component uses `config`; nothing restarts now."""
+        self.supervisor.reload(config, restart=False)
+        self.config = config
+        if self.membership is not None:
+            self.membership.update_config(config)
 
     def _start_pd_watches(self) -> None:
         """Issue 19 items 2, 3, 6: this node's KV transfer failures (from its ranks' logs) for the member record;
@@ -247,6 +268,8 @@ class Agent:
             if self.mqtt is not None:
                 self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
+            if self.rollout is not None:
+                await self.rollout.stop()
             if self.coordinator is not None:
                 await self.coordinator.stop()
             if self.membership is not None:

@@ -225,6 +225,9 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
         coordinator = getattr(self.ctl, "coordinator", None)
         if coordinator is not None:
             view["coordination"] = coordinator.status()
+        rollout = getattr(self.ctl, "rollout", None)
+        if rollout is not None:
+            view.update(rollout.view())
         return json_response(view)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -17,7 +17,11 @@ CLUSTER_ROUTES = (
     ("POST", "/cluster/redeploy", "cluster_redeploy"),
     ("POST", "/cluster/restart", "cluster_restart"),
     ("POST", "/cluster/nodes/{node}/components/{name}/{action}", "cluster_node_action"),
+    ("POST", "/cluster/rollout", "cluster_rollout"),
+    ("POST", "/cluster/rollout/{action}", "cluster_rollout_action"),
 )
+ROLLOUT_OPTIONS = ("file", "dry_run", "max_unavailable", "order", "canary", "bake_s", "allow_outage",
+                   "drain_timeout_s", "gate_timeout_s")  # fmt: skip
 
 
 class ClusterRoutes(Handlers):
@@ -81,6 +85,47 @@ class ClusterRoutes(Handlers):
         answers = await self._etcd(co.ask_generations(wanted, why, drain))
         return json_response({"accepted": True, "action": "cluster_restart", "component": component,
                               "groups": answers}, 202)  # fmt: skip
+
+    def _rollout(self) -> Any:
+        self._coordinator()
+        rollout = getattr(self.ctl, "rollout", None)
+        if rollout is None:
+            raise ApiError(404, "this agent runs no rollout executor")
+        return rollout
+
+    async def cluster_rollout(self, request: web.Request) -> web.Response:
+        """Plan a rollout of this node's new file (`file`, default: the file it was started with) and store it
+        unless `dry_run`; the plan either way."""
+        from nodeagent.cluster.rollout import RolloutRefused
+        from nodeagent.cluster.rollout_plan import PlanError
+
+        who = self.mutation(request)
+        data = await self.body(request, ROLLOUT_OPTIONS)
+        path, dry_run = data.pop("file", None), data.pop("dry_run", False)
+        if (path is not None and not isinstance(path, str)) or not isinstance(dry_run, bool):
+            raise ApiError(400, "file must be a path, dry_run true or false")
+        try:
+            plan = await self._etcd(self._rollout().plan(path, data, dry_run=dry_run, by=who))
+        except PlanError as exc:
+            raise ApiError(400, str(exc)) from None
+        except RolloutRefused as exc:
+            raise ApiError(409, str(exc)) from None
+        return json_response(plan, 202 if plan.get("started") else 200)
+
+    async def cluster_rollout_action(self, request: web.Request) -> web.Response:
+        """pause | resume | abort | rollback the rollout in etcd."""
+        from nodeagent.cluster.rollout import RolloutRefused
+
+        who = self.mutation(request)
+        await self.body(request)
+        action = request.match_info["action"]
+        if action not in ("pause", "resume", "abort", "rollback"):
+            raise ApiError(400, f"unknown rollout action {action!r} (pause, resume, abort, rollback)")
+        try:
+            view = await self._etcd(self._rollout().control(action, who))
+        except RolloutRefused as exc:
+            raise ApiError(409, str(exc)) from None
+        return json_response({"ok": True, "action": f"rollout_{action}", **view})
 
     async def cluster_node_action(self, request: web.Request) -> web.Response:
         node, name, action = (request.match_info[k] for k in ("node", "name", "action"))

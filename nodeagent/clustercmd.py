@@ -92,6 +92,8 @@ def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
     if warnings:
         lines += ["", f"{len(warnings)} warning{'s' if len(warnings) != 1 else ''}:"]
         lines += [f"  {w.get('node')}: {w.get('code')}: {w.get('message')}" for w in warnings]
+    if view.get("rollout"):
+        lines += ["", *rollout_lines(view["rollout"], now)]
     return "\n".join(lines)
 
 
@@ -147,3 +149,61 @@ def format_member_status(member: dict[str, Any], reason: str) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
+
+
+def _minutes(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return "unknown"
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """`nodeagentctl cluster rollout FILE [--dry-run]`: what changes and why, the steps, and why it cannot run."""
+    lines = [f"rollout {plan.get('old_hash', '')[:12]} → {plan.get('new_hash', '')[:12]}"]
+    for change in plan.get("changes") or []:
+        lines.append(f"  {change['group']} ({change['kind']}, {', '.join(change['nodes'])}) changes:")
+        lines += [f"      {why}" for why in change["reasons"][:12]]
+        if len(change["reasons"]) > 12:
+            lines.append(f"      … {len(change['reasons']) - 12} more")
+    if plan.get("unchanged"):
+        lines.append(f"  unchanged: {', '.join(plan['unchanged'])}")
+    for why in plan.get("incompatible") or []:
+        lines.append(f"  incompatible: {why}")
+    for i, step in enumerate(plan.get("steps") or [], 1):
+        note = f"  ({step['note']})" if step.get("note") else ""
+        lines.append(f"  step {i}: {', '.join(step['groups'])}{note}")
+    for note in plan.get("notes") or []:
+        lines.append(f"  note: {note}")
+    have = plan.get("have_new_file")
+    if have is not None:
+        lines.append(f"  members reporting the new file: {len(have)} ({', '.join(have) or 'none yet'})")
+    for why in plan.get("refused") or []:
+        lines.append(f"  REFUSED: {why}")
+    if plan.get("started"):
+        lines.append(f"stored as rollout {plan.get('id')}: `nodeagentctl cluster rollout status` follows it")
+    elif plan.get("ok"):
+        lines.append("dry run: nothing stored")
+    return "\n".join(lines)
+
+
+def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> list[str]:
+    """The rollout in progress (or the last one): status, the step and its phase, the floor, the time left."""
+    if not rollout:
+        return ["rollout: none"]
+    now = time.time() if now is None else now
+    steps = rollout.get("steps") or []
+    current = rollout.get("current")
+    head = f"rollout {rollout.get('id')}: {rollout.get('status')}"
+    if current is not None and current < len(steps):
+        step = steps[current]
+        since = step.get("since")
+        age = f" for {_age(now - since)}" if isinstance(since, int | float) and since else ""
+        head += f", step {current + 1}/{len(steps)} {', '.join(step['groups'])} {step['phase']}{age}"
+    lines = [head, f"  {rollout.get('message', '')}"]
+    if rollout.get("status") in ("running", "paused", "rolling_back", "aborting"):
+        lines.append(f"  floor: {rollout.get('floor')}; time left: {_minutes(rollout.get('time_left_s'))}")
+    for i, step in enumerate(steps, 1):
+        extra = f" — {step['failed']}" if step.get("failed") else ""
+        kind = "rollback " if step.get("rollback") else ""
+        lines.append(f"  {i}. {kind}{', '.join(step['groups'])}: {step['phase']}{extra}")
+    return lines

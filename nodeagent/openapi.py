@@ -206,6 +206,27 @@ def openapi_document() -> dict[str, Any]:
                         _COMPONENT_NAME, {"name": "action", "in": "path", "required": True,
                                           "schema": {"type": "string", "enum": ["start", "stop", "restart"]}}],
         ),
+        "/cluster/rollout": _post(
+            "Plan a rolling change to this node's new cluster file (`file`, default: the one it was started with): "
+            "which groups change and why, the steps under the capacity floor; stored in etcd and carried out unless "
+            "dry_run (202), else the plan alone (200)",
+            "cluster_rollout", {"200": _json({"type": "object"}, "The plan"), "202": _ACCEPTED, "400": _ERROR,
+                                "404": _ERROR, "409": _ERROR},
+            body={"type": "object", "additionalProperties": False, "properties": {
+                "file": {"type": "string"}, "dry_run": {"type": "boolean"},
+                "max_unavailable": {"type": "integer", "minimum": 1}, "order": {"type": "string"},
+                "canary": {"type": "string"}, "bake_s": {"type": "number", "minimum": 0},
+                "allow_outage": {"type": "array", "items": {"type": "string"}},
+                "drain_timeout_s": {"type": "number", "minimum": 0},
+                "gate_timeout_s": {"type": "number", "minimum": 0}}},
+        ),
+        "/cluster/rollout/{action}": _post(
+            "Pause (the step in progress finishes), resume (a halted rollout retries its failed step), abort (no "
+            "further step) or roll back (the steps done, in reverse) the rollout in etcd",
+            "cluster_rollout_action", {"200": _OK, "404": _ERROR, "409": _ERROR},
+            parameters=[{"name": "action", "in": "path", "required": True,
+                         "schema": {"type": "string", "enum": ["pause", "resume", "abort", "rollback"]}}],
+        ),
         "/preflight": _get("The agent's last preflight report and what it holds",
                            {"200": _json({"type": "object"}, "Report"), "404": _ERROR}, operation_id="preflight"),
         "/npu/override": _post(

@@ -541,10 +541,11 @@ class Supervisor(NodePort):
         self.flush_state()
         await self.probe_ctx.close()
 
-    def reload(self, config: Config) -> dict[str, list[str]]:
+    def reload(self, config: Config, restart: bool = True) -> dict[str, list[str]]:
         """Take a new config; restart only components whose rendered argv, env, cwd or files changed.
 
-        Added or removed components need an agent restart (their tasks and ordering are fixed at start)."""
+        Added or removed components need an agent restart (their tasks and ordering are fixed at start).
+        restart=False (a rollout's staging): every component's next start uses it, none restarts now."""
         old_names, new_names = set(self.components), set(config.active_components())
         if old_names != new_names:
             raise ValueError(
@@ -557,13 +558,16 @@ class Supervisor(NodePort):
             comp.reconfigure(config.components[name])
             self.trackers[name].spec = comp.cfg.restart
             fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
-            if comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
+            if restart and comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
                 changed.append(name)
                 comp.signal("restart", None, "config reload changed its command or environment", operator=True,
                             cause="reload")  # fmt: skip
             else:
                 unchanged.append(name)
-        self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
+        if restart:
+            self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
+        else:
+            self.events.emit("reload", "config staged: the next start of each component uses it")
         return {"restarted": changed, "unchanged": unchanged}
 
     def status(self) -> dict[str, Any]:

@@ -218,6 +218,12 @@ class FakeStack:
         self._poked = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: set[asyncio.Future[None]] = set()
+        self.launched: dict[str, list[str]] = {n: [] for n in self.components}
+        """The file hash each start of a component was launched with (the config in memory then)."""
+        self.inflight: dict[str, tuple[int, int]] = {}
+        """Requests running and waiting on a vLLM, as its /metrics would say (default: none)."""
+        self.canary_answers: dict[str, str] = {}
+        """endpoint → why the canary fails there (absent: it answers)."""
 
     # ---- the test's controls -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -250,6 +256,13 @@ class FakeStack:
         self.listeners.clear()
         self.agent_alive = False
         self.adoptable = frozenset(n for n, c in self.components.items() if c.running)
+
+    def endpoints(self) -> set[str]:
+        """host:port of every vLLM API server of this node."""
+        from nodeagent.layout import cluster_layout
+
+        layout = cluster_layout(self.config)
+        return {p.endpoint for g in layout.groups for p in g.processes if p.node == self.node and p.endpoint}
 
     def started(self, name: str) -> int:
         return len(self.components[name].starts)
@@ -320,6 +333,9 @@ class FakeStack:
         comp.running, comp.up, comp.pid, comp.state = True, False, next(_PIDS), "starting"
         comp.operator_start, comp.hold = False, None
         comp.starts.append(self.clock.monotonic())
+        from nodeagent.config_cluster import cluster_file_hash
+
+        self.launched[comp.name].append(cluster_file_hash(self.config))
         self.emit("started", f"started pid {comp.pid}", comp.name)
         self.notify()
         task = asyncio.ensure_future(self._come_up(comp, comp.pid))
@@ -329,6 +345,10 @@ class FakeStack:
     async def _come_up(self, comp: FakeComponent, pid: int) -> None:
         await self.clock.sleep(comp.start_s)
         if comp.pid == pid and comp.running and not comp.stopping:
+            cfg = self.config.components.get(comp.name)
+            if getattr(cfg, "env", {}).get("FAKE_START") == "crash":  # a config this vLLM cannot start with
+                self.crash(comp.name, "exit code 1 during start-up (FAKE_START=crash)")
+                return
             comp.up, comp.state = True, "ready"
             self.notify()
 
@@ -466,20 +486,54 @@ class FakeProxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         self.routed = {"prefill": set(prefill), "decode": set(decode)}
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+        self.busy = False
+        """Requests in flight: a removed instance is only tainted (still listed, an add of it ignored) until
+        `idle()`, as vllm-ascend's proxy does (`remove_instances`, `finalize_tainted_instances`)."""
+        self.tainted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+
+    def idle(self) -> None:
+        """No request in flight at the proxy's check: tainted instances are deleted."""
+        for kind, keys in self.tainted.items():
+            self.routed[kind] -= keys
+            keys.clear()
+
+    def serving(self, kind: str) -> set[str]:
+        """What a request may be routed to now (tainted ones only when nothing else is left)."""
+        return (self.routed[kind] - self.tainted[kind]) or set(self.routed[kind])
 
     async def post(self, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
         what = url.rsplit("/", 1)[-1]
         kind, instances = body["type"], set(body["instances"])
         if instances:
             self.calls.append((what, kind, tuple(sorted(instances))))
-        if what == "remove":
+        if what == "remove" and self.busy:
+            self.tainted[kind] |= instances & self.routed[kind]
+        elif what == "remove":
             self.routed[kind] -= instances
         else:
-            self.routed[kind] |= instances
+            self.routed[kind] |= instances - self.routed[kind]  # a listed (even tainted) one is left as it is
         return {f"current_{k}_instances": sorted(v) for k, v in self.routed.items()}
 
 
 # ---- several agents on one store ------------------------------------------------------------------------------------
+
+
+class FakeConfigHost:
+    """`rollout.ConfigHost` as the agent does it: the config in memory, this node's file on disk (the harness
+    writes it), staging = the stack's next starts use it and the member record publishes its hash."""
+
+    def __init__(self, world: World, name: str, stack: FakeStack, membership: Membership) -> None:
+        self.world, self.name, self.stack, self.membership = world, name, stack, membership
+
+    def running_config(self) -> Config:
+        return self.stack.config
+
+    def read_config_file(self, path: str | None = None) -> Config:
+        return load_config(path or self.world.harness.config_path(self.name), node=self.name)
+
+    def stage_config(self, config: Config) -> None:
+        self.stack.config = config
+        self.membership.update_config(config)
 
 
 @dataclass
@@ -488,13 +542,14 @@ class Agent:
     stack: FakeStack
     membership: Membership
     coordinator: Coordinator
+    rollout: Any = None
 
 
 class World:
     """Agents of one cluster on one FakeStore, one virtual clock and (optionally) one fake proxy."""
 
     def __init__(self, home: Path, names: Sequence[str], groups: list[dict[str, Any]] | None = None,
-                 proxy: bool = False, ft: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 proxy: bool = False, ft: dict[str, Any] | None = None, rollouts: bool = False) -> None:  # fmt: skip
         """ft: the vllm component's `fault_tolerance` key; the agents then call a `ft_fakes.FakeFtApi`."""
         self.clock = VirtualClock()
         self.store = FakeStore(now=self.clock.time())
@@ -513,6 +568,7 @@ class World:
         if ft is not None:
             self.harness.data["components"]["vllm"]["fault_tolerance"] = ft
             self.ft = FakeFtApi(self)
+        self.rollouts = rollouts
 
     def config(self, name: str) -> Config:
         return load_config(self.harness.write(name))
@@ -532,11 +588,33 @@ class World:
             self.proxy = FakeProxy(plan.prefillers, plan.decoders)
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
+        stack.config = config  # what this agent loaded: the file on disk now
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)
+        if self.rollouts:
+            from nodeagent.cluster.rollout import RolloutExecutor
+
+            async def inflight(component: str, cfg: Any) -> tuple[int, int] | None:
+                return stack.inflight.get(component, (0, 0))
+
+            async def canary(endpoint: str, cfg: Any) -> tuple[bool, str]:
+                owner = next(s for s in self.stacks.values() if endpoint in s.endpoints())
+                why = owner.canary_answers.get(endpoint)
+                return (why is None, why or "ok")
+
+            agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
+                                            clock=self.clock, inflight=inflight, canary=canary)  # fmt: skip
         membership.start()
         coordinator.start()
+        if agent.rollout is not None:
+            agent.rollout.start()
         stack.start()
         return agent
+
+    def install(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        """The operator's tool installs a new cluster file on every node (the agents keep what they loaded)."""
+        edit(self.harness.data)
+        for name in self.harness.names:
+            self.harness.write(name)
 
     def start(self) -> None:
         for name in self.harness.names:
@@ -546,6 +624,8 @@ class World:
         """kill -9 of the agent alone: its stack runs on, its lease is no longer kept."""
         agent = self.agents.pop(name)
         agent.membership.lease.abandon()
+        if agent.rollout is not None:
+            await agent.rollout.stop()
         await agent.coordinator.stop()
         await agent.membership.stop(leave=False)
         agent.stack.detach()
@@ -575,6 +655,8 @@ class World:
 
     async def close(self) -> None:
         for agent in list(self.agents.values()):
+            if agent.rollout is not None:
+                await agent.rollout.stop()
             await agent.coordinator.stop()
             await agent.membership.stop(leave=False)
         for stack in self.stacks.values():

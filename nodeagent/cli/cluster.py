@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from nodeagent.cli.agentconfig import connect
@@ -43,7 +44,68 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         else:
             print(f"cluster {action}: done" + (" (no agent takes automatic actions now)" if action == "pause" else ""))
         return 0
+    if action == "rollout":
+        return cmd_rollout(args, client)
     view = cluster_view(client)
     print(json.dumps(view, indent=2) if args.json else format_cluster(view))
+    return 0
+
+
+def seconds(text: str, what: str) -> float:
+    """`10m`, `90s`, `1h`, `45` (seconds) → seconds; a clear error naming the option otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise CliError(f"{what}: {text!r} is not a duration (e.g. 10m, 90s, 1h)", EXIT_USAGE) from None
+    if value < 0:
+        raise CliError(f"{what}: {text!r} is negative", EXIT_USAGE)
+    return value
+
+
+def rollout_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"file": os.path.abspath(args.target), "dry_run": args.dry_run}
+    if args.max_unavailable is not None:
+        body["max_unavailable"] = args.max_unavailable
+    if args.order:
+        body["order"] = args.order
+    if args.canary:
+        body["canary"] = args.canary
+    for flag, key in (("bake", "bake_s"), ("drain_timeout", "drain_timeout_s"), ("gate_timeout", "gate_timeout_s")):
+        if getattr(args, flag):
+            body[key] = seconds(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.allow_outage:
+        body["allow_outage"] = [k for item in args.allow_outage for k in item.split(",") if k]
+    return body
+
+
+def cmd_rollout(args: argparse.Namespace, client: Any) -> int:
+    from nodeagent.clustercmd import format_plan, rollout_lines
+
+    what = args.target or "status"
+    if what == "status":
+        view = cluster_view(client)
+        print(json.dumps(view.get("rollout"), indent=2) if args.json else "\n".join(rollout_lines(view.get("rollout"))))
+        return 0
+    if what in ("pause", "resume", "abort", "rollback"):
+        status, data = client.request("POST", f"/cluster/rollout/{what}", {})
+    else:
+        if not os.path.isfile(what):
+            raise CliError(f"rollout: {what}: no such file (give the new cluster file, installed on every member, "
+                           "or status|pause|resume|abort|rollback)", EXIT_USAGE)  # fmt: skip
+        status, data = client.request("POST", "/cluster/rollout", rollout_body(args))
+    if status == 503:
+        raise CliError(error_text(data, status), EXIT_UNREACHABLE)
+    if status not in (200, 202):
+        raise CliError(error_text(data, status), EXIT_USAGE if status == 400 else EXIT_FAILED)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif what in ("pause", "resume", "abort", "rollback"):
+        print("\n".join(rollout_lines(data.get("rollout"))))
+    else:
+        print(format_plan(data))
+    if what not in ("pause", "resume", "abort", "rollback") and not data.get("ok"):
+        return EXIT_FAILED
     return 0
 

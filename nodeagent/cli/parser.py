@@ -105,10 +105,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     cluster = add("cluster", "every member as seen through etcd: state, versions, key age, consistency warnings",
                   "cluster:cmd_cluster")  # fmt: skip
     cluster.add_argument("cluster_action", nargs="?", default="list",
-                         choices=["list", "pause", "resume", "redeploy", "restart"],
+                         choices=["list", "pause", "resume", "redeploy", "restart", "rollout"],
                          help="list (default); pause|resume every agent's automatic actions; redeploy the whole "
-                              "cluster; restart vllm [--group G]: a new generation of vLLM groups")
-    cluster.add_argument("target", nargs="?", help="with restart: the component (vllm)")
+                              "cluster; restart vllm [--group G]: a new generation of vLLM groups; rollout FILE: "
+                              "change the groups one at a time to FILE (rollout status|pause|resume|abort|rollback)")
+    cluster.add_argument("target", nargs="?", help="with restart: the component (vllm); with rollout: the new "
+                         "file (installed on every member first) or status|pause|resume|abort|rollback")
+    cluster.add_argument("--max-unavailable", type=int, help="with rollout: groups down at once at most (1)")
+    cluster.add_argument("--order", help="with rollout: the kinds in order (prefill,decode)")
+    cluster.add_argument("--canary", metavar="GROUP", help="with rollout: this group first, alone")
+    cluster.add_argument("--bake", metavar="DURATION", help="with rollout: healthy this long before the next step "
+                         "(10m; 90s, 1h)")
+    cluster.add_argument("--drain-timeout", metavar="DURATION", help="with rollout: drain at most this long (2m)")
+    cluster.add_argument("--gate-timeout", metavar="DURATION", help="with rollout: restart to ready at most (90m)")
+    cluster.add_argument("--allow-outage", metavar="KIND", action="append", help="with rollout: a kind with a "
+                         "single group may go down for its step (prefill, decode, mixed; repeatable)")
+    cluster.add_argument("--dry-run", action="store_true", help="with rollout: show the plan, store nothing")
     cluster.add_argument("--group", help="with restart: only this group")
     cluster.add_argument("--reason", help="with pause, redeploy or restart: recorded for the others (restart: in "
                          "the new generation's reason, shown in every rank's events)")

@@ -102,6 +102,11 @@ class ProxySync:
         self._reconciled_at = 0.0
         self.health: dict[str, str] = {}
         """group → why it is out of the proxy ("" when in)."""
+        self.isolated: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        """Removed while the proxy was busy: it keeps them listed (and routes to them only when nothing else is
+        left) until it is idle once, and ignores an add meanwhile — not routed, whatever its lists say."""
+        self.holds: list[Callable[[], Mapping[str, str]]] = []
+        """Sources of groups to keep out however healthy (group → why): a rollout's step from drain to gate."""
 
     @property
     def url(self) -> str:
@@ -122,6 +127,7 @@ class ProxySync:
         pid = comp.pid
         if pid != self.proxy_pid:
             self.proxy_pid = pid
+            self.isolated = {"prefill": set(), "decode": set()}
             all_in = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
             # a new proxy routes to every endpoint of its command line at once
             self.applied = all_in if pid is not None else None
@@ -132,6 +138,10 @@ class ProxySync:
         for group in self.groups:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+        for source in self.holds:
+            for name, why in source().items():
+                if name in health:
+                    health[name] = (False, why)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
         if self.applied is not None and comp.up:
             await self._apply(want)
@@ -164,8 +174,11 @@ class ProxySync:
         for group in self.groups:
             ok, why = health[group.name]
             routed = self.active is None or all(e in self.active.get(group.kind, set()) for e in group.endpoints)
+            isolated = self.active is not None and any(e in self.isolated[group.kind] for e in group.endpoints)
             if not ok:
                 now = why
+            elif isolated:
+                now = "healthy; the proxy keeps it isolated until it is idle once, then it is added back"
             elif routed:  # (no proxy process: nothing to wait for)
                 now = ""
             else:
@@ -189,6 +202,10 @@ class ProxySync:
             lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
             if all(isinstance(v, list) for v in lists.values()):
                 self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
+                if what == "remove":
+                    self.isolated[kind] |= instances & self.active[kind]
+                for k in self.isolated:
+                    self.isolated[k] &= self.active[k]
             if not quiet:
                 self._emit("proxy_instances", f"proxy: {what} {kind} {', '.join(sorted(instances))}",
                            self.plan.component)

@@ -331,6 +331,29 @@ function renderCluster() {
   if (co.redeploy) extra.push(`cluster redeploy ${co.redeploy.id || ""}: ${co.redeploy.here || "pending"}`);
   for (const p of co.proxies || []) extra.push(`proxy ${p.proxy}: ${JSON.stringify(p.groups)}`);
   $("coordination-extra").textContent = extra.join(" · ");
+  renderRollout(view.rollout);
+}
+
+function renderRollout(r) {
+  // The plan, the step in progress, the floor and the time left (GET /cluster's `rollout`).
+  const box = $("rollout");
+  box.hidden = !r;
+  if (!r) return;
+  const steps = r.steps || [];
+  const cur = r.current;
+  const where = cur !== null && cur !== undefined && steps[cur] ? ` · step ${cur + 1}/${steps.length} ` +
+    `${(steps[cur].groups || []).join(", ")} ${steps[cur].phase}` : "";
+  const moving = ["running", "paused", "rolling_back", "aborting"].includes(r.status);
+  $("rollout-meta").textContent = `${r.id} · ${r.status}${where}` +
+    (moving ? ` · floor: ${r.floor || "?"} · time left ${dur(r.time_left_s)}` : "");
+  $("rollout-message").textContent = r.message || "";
+  replaceRows($("rollout-steps").tBodies[0], steps.map((s, i) => el("tr", { "data-step": String(i + 1) },
+    el("td", { class: "num" }, String(i + 1)),
+    el("td", { "data-field": "groups" }, (s.groups || []).join(", ")),
+    el("td", { "data-field": "phase" }, badge(s.phase, s.phase === "done" ? "ok" : s.failed ? "failed" : "starting")),
+    el("td", { "data-field": "since" }, s.since ? ago(s.since) : "—"),
+    el("td", { "data-field": "note", class: "note" }, [s.rollback ? "rollback" : "", s.failed || "", s.note || ""]
+      .filter(Boolean).join(" · ")))));
 }
 
 async function pollCluster() {

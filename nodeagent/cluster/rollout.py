@@ -1,0 +1,585 @@
+"""The rollout's etcd I/O: the plan and its progress in the `rollout` key, each member's report in
+`rollout_nodes/<node>`, and what this agent sees and does for the step in progress.
+
+The rules are `cluster.rollout_rules` (pure) and the plan `cluster.rollout_plan` (pure). There is no
+coordinator of our own: every agent watches the record, adds what only it can see (its ranks drained, its config
+staged, the canary of a group it heads, the proxy it runs taking a group out and back in) and moves the step on
+when it can, each write a transaction on the record's mod_revision. It acts through the existing pieces: a
+group's restart is one planned gang generation (`rules.bump`, exactly once per step), the proxy membership is
+`ProxySync` (a hold-out source), the node is reached through its `StackPort` and three calls on the agent
+(`ConfigHost`: the running config, this node's file on disk, take a config for the next starts).
+
+Attached to the node as a second `NodeLayer`: it holds nothing, measures each group's load time (start to up,
+the expected outage of a single-group kind) and adds `rollout` to /status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from loguru import logger
+
+from nodeagent.cluster import rollout_rules as rr
+from nodeagent.cluster import rules
+from nodeagent.cluster.proxy_sync import group_healthy
+from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.cluster.store import KV, Change, Resync, StoreError
+from nodeagent.errors import CoordinationUnavailable
+from nodeagent.host import Clock
+from nodeagent.statefile import read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.config_model import Config
+    from nodeagent.failure import Failure
+    from nodeagent.stackport import ComponentView, Hold
+
+ACTIVE_TICK_S = 1.0
+IDLE_TICK_S = 5.0
+STALE_S = 30.0
+"""Agents outside the step drive it only when nobody moved the record for this long (its drivers are gone)."""
+DRAIN_QUIET_S = 2.0
+"""Drained = no request on the group's ranks at two looks this far apart (a request may be between hops)."""
+
+Inflight = Callable[[str, Any], Awaitable[tuple[int, int] | None]]
+Canary = Callable[[str, Any], Awaitable[tuple[bool, str]]]
+
+
+class RolloutRefused(ValueError):
+    """A rollout that cannot start or a control that does not apply: the API answers 409 with the reason."""
+
+
+class ConfigHost(Protocol):
+    """What the executor needs from the agent beyond the port: configs (the agent satisfies it)."""
+
+    def running_config(self) -> Config: ...
+
+    def read_config_file(self, path: str | None = None) -> Config: ...
+
+    def stage_config(self, config: Config) -> None:
+        """The config for the next starts of every component; restarts nothing."""
+
+
+def file_hash(config: Config) -> str:
+    from nodeagent.config_cluster import cluster_file_hash
+
+    return cluster_file_hash(config)
+
+
+def snapshot_config(config: Config) -> dict[str, Any]:
+    """A config as JSON that `restore_config` turns back into the same config (the previous file may be gone)."""
+    from nodeagent.config_base import to_plain
+
+    return {"config": to_plain(replace_config(config, shared=None, source=None)),
+            "shared": to_plain(config.shared) if config.shared is not None else None,
+            "source": str(config.source) if config.source else None}  # fmt: skip
+
+
+def replace_config(config: Config, **changes: Any) -> Config:
+    from nodeagent.config_base import replace
+
+    return replace(config, **changes)  # type: ignore[no-any-return]
+
+
+def restore_config(data: Mapping[str, Any]) -> Config:
+    from pathlib import Path
+
+    from nodeagent.config_base import validate
+    from nodeagent.config_cluster import SharedSections
+    from nodeagent.config_model import Config
+
+    config = validate(Config, data["config"])
+    shared = validate(SharedSections, data["shared"]) if data.get("shared") else None
+    return replace_config(config, shared=shared, source=Path(data["source"]) if data.get("source") else None)
+
+
+async def http_inflight(name: str, cfg: Any) -> tuple[int, int] | None:
+    import aiohttp
+
+    from nodeagent.vllm_endpoints import vllm_inflight
+
+    async with aiohttp.ClientSession() as session:
+        return await vllm_inflight(session, name, cfg)
+
+
+async def http_canary(endpoint: str, cfg: Any, timeout_s: float = 60.0) -> tuple[bool, str]:
+    """The guide's 2-token chat request straight to one API server of the group: ok when tokens come back."""
+    import aiohttp
+
+    from nodeagent.probe_resolve import vllm_probe_body
+
+    url = f"http://{endpoint}/v1/chat/completions"
+    try:
+        body_out = vllm_probe_body(getattr(cfg, "served_model_name", None))
+        async with (aiohttp.ClientSession() as session, asyncio.timeout(timeout_s),
+                    session.post(url, json=body_out) as answer):  # fmt: skip
+            body = await answer.json(content_type=None)
+            if answer.status != 200:
+                return False, f"HTTP {answer.status} from {url}"
+            text = ((body.get("choices") or [{}])[0].get("message") or {}).get("content")
+            return (True, "ok") if text else (False, f"{url} answered no tokens")
+    except TimeoutError:
+        return False, f"no answer from {url} within {timeout_s:.0f}s"
+    except (OSError, ValueError, aiohttp.ClientError) as exc:
+        return False, f"{type(exc).__name__} from {url}: {exc}"
+
+
+class RolloutExecutor:
+    """One agent's part in rollouts (`stackport.NodeLayer`): it attaches to the node's port when made."""
+
+    def __init__(self, coordinator: Coordinator, host: ConfigHost, *, clock: Clock | None = None,
+                 inflight: Inflight | None = None, canary: Canary | None = None) -> None:  # fmt: skip
+        self.co = coordinator
+        self.host = host
+        self.port = coordinator.port
+        self.store = coordinator.store
+        self.clock = clock or coordinator.clock
+        self.node = coordinator.node
+        self.cluster = coordinator.cluster
+        self.layout = coordinator.layout
+        self.group = self.layout.group_of(self.node)
+        self.key = rr.rollout_key(self.cluster)
+        self.report_key = rr.report_prefix(self.cluster) + self.node
+        self._inflight = inflight or http_inflight
+        self._canary = canary or http_canary
+        self.record: rr.Record | None = None
+        self.mod_revision = 0
+        self.changed_at = self.clock.monotonic()
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.load_s: dict[str, float] = {}
+        self._starting: dict[str, float] = {}
+        self._quiet_since: float | None = None
+        self._reported: dict[str, Any] | None = None
+        self._disk: tuple[str | None, str] = (None, "")
+        self._disk_for: tuple[str | None, Any] | None = None
+        self._stage_error: str | None = None
+        self.state_path = self.co.config.agent.state_dir / "rollout-previous.json"
+        self.previous: Config | None = None
+        saved = read_json(self.state_path, {})
+        with contextlib.suppress(Exception):
+            self.previous = restore_config(saved) if saved else None
+        self._hashed: list[tuple[Any, str]] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        for proxy in self.co.proxies:
+            proxy.holds.append(self.out_of_proxy)
+        self.port.attach(self)
+
+    def _hash(self, config: Config) -> str:
+        """file_hash, remembered for the last few configs (the running one is asked every second; a 256-member
+        file is ~30 KB of JSON to digest)."""
+        for seen, digest in self._hashed:
+            if seen is config:
+                return digest
+        digest = file_hash(config)
+        self._hashed = [(config, digest), *self._hashed[:3]]
+        return digest
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(self.key, self._on_record), name="rollout:record"),
+                       asyncio.create_task(self._watch(rr.report_prefix(self.cluster), self._on_report),
+                                           name="rollout:reports"),
+                       asyncio.create_task(self._work(), name="rollout:work")]  # fmt: skip
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _watch(self, prefix: str, apply: Callable[[str, KV | None], None]) -> None:
+        while True:
+            try:
+                async with contextlib.aclosing(self.store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
+                    async for item in items:
+                        if isinstance(item, Resync):
+                            if prefix.endswith("/"):
+                                self.reports.clear()
+                            else:
+                                apply(prefix, None)
+                            for key, kv in item.snapshot.items.items():
+                                apply(key, kv)
+                        else:
+                            assert isinstance(item, Change)
+                            apply(item.key, item.kv)
+                        self.wake()
+            except Exception:  # the store retries outages itself: this is a bug's last resort
+                logger.exception(f"rollout: the watch of {prefix} failed; restarting it")
+                await self.clock.sleep(ACTIVE_TICK_S)
+
+    def _on_record(self, key: str, kv: KV | None) -> None:
+        if key != self.key:
+            return
+        record = rr.Record.from_dict(kv.json()) if kv is not None else None
+        if kv is None or kv.mod_revision != self.mod_revision:
+            self.changed_at = self.clock.monotonic()
+        self.record, self.mod_revision = record, kv.mod_revision if kv is not None else 0
+
+    def _on_report(self, key: str, kv: KV | None) -> None:
+        node = key.rsplit("/", 1)[-1]
+        data = kv.json() if kv is not None else None
+        if isinstance(data, dict):
+            self.reports[node] = data
+        else:
+            self.reports.pop(node, None)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    async def _work(self) -> None:
+        while True:
+            active = self.record is not None and self.record.active
+            await self.clock.wait(self._wake, ACTIVE_TICK_S if active else IDLE_TICK_S)
+            self._wake.clear()
+            try:
+                self._keep_staged()
+                if self.co.reachable:
+                    await self._report()
+                    if self.record is not None and self.record.active:
+                        await self._duties()
+                        await self._drive()
+            except StoreError as exc:
+                logger.debug(f"rollout: deferred: {exc}")
+            except Exception:
+                logger.exception("rollout: step failed")
+                await self.clock.sleep(ACTIVE_TICK_S)
+
+    async def _cas(self, record: rr.Record) -> bool:
+        result = await self.store.compare_and_swap(self.key, self.mod_revision, json.dumps(record.to_dict()))
+        if result.succeeded:
+            self.record, self.mod_revision, self.changed_at = record, result.revision, self.clock.monotonic()
+            return True
+        self._on_record(self.key, result.current)
+        self.wake()
+        return False
+
+    # ---- this member's config --------------------------------------------------------------------------------
+    def _disk_file(self, refresh: bool = False) -> tuple[str | None, str]:
+        """(hash of this node's file on disk, why not readable): read again when the file changed (its size
+        and mtime) and for each new rollout."""
+        rid = self.record.id if self.record is not None else None
+        stamp: Any = None
+        with contextlib.suppress(OSError, TypeError):
+            st = os.stat(self.co.config.source)  # type: ignore[arg-type]
+            stamp = (st.st_mtime_ns, st.st_size)
+        if refresh or self._disk_for != (rid, stamp) or self._disk[0] is None:
+            try:
+                self._disk = (self._hash(self.host.read_config_file()), "")
+            except Exception as exc:  # a bad file is reported, never raised into the loop
+                self._disk = (None, f"cannot load the file: {str(exc).splitlines()[0][:200]}")
+            self._disk_for = (rid, stamp)
+        return self._disk
+
+    def _save_previous(self, config: Config) -> None:
+        self.previous = config
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.state_path, snapshot_config(config))
+
+    def _config_for(self, want: str) -> Config:
+        """The config with file hash `want`: the saved previous one, or this node's file on disk."""
+        if self.previous is not None and self._hash(self.previous) == want:
+            return self.previous
+        disk = self.host.read_config_file()
+        if self._hash(disk) != want:
+            raise RolloutRefused(f"this node's file has hash {self._hash(disk)[:12]}, the step wants {want[:12]} "
+                                 "(install the new file on every member first)")  # fmt: skip
+        return disk
+
+    def _keep_staged(self) -> None:
+        """The config in memory follows the rollout: after an agent restart (which loaded the file on disk) a
+        group not yet rolled keeps its previous config, a group rolled back keeps the one it went back to."""
+        record = self.record
+        if record is None:
+            return
+        running = self._hash(self.host.running_config())
+        if running == record.old_hash and (self.previous is None or self._hash(self.previous) != running):
+            self._save_previous(self.host.running_config())
+        want = rr.wanted_hash(record, self.group.name if self.group else None, self.node)
+        if want is None or want == running or running not in (record.old_hash, record.new_hash):
+            return
+        try:
+            self.host.stage_config(self._config_for(want))
+            self._stage_error = None
+            self.port.emit("rollout_staged", f"rollout {record.id}: this node takes {want[:12]} as the rollout "
+                           f"stands (it had {running[:12]} in memory)")  # fmt: skip
+        except Exception as exc:
+            if self._stage_error != str(exc):
+                self._stage_error = str(exc)
+                self.port.emit("rollout_stage_failed", f"rollout {record.id}: cannot take {want[:12]}: {exc}",
+                               None, "error")  # fmt: skip
+
+    async def _report(self) -> None:
+        """This member's report: the file on its disk, the previous file it saved, its groups' load times."""
+        disk, error = self._disk_file()
+        data = {"hash": disk, "error": error, "running": self._hash(self.host.running_config()),
+                "previous": self._hash(self.previous) if self.previous is not None else None,
+                "load_s": {g: round(s, 1) for g, s in self.load_s.items()},
+                "rollout": self.record.id if self.record is not None else None}  # fmt: skip
+        if data != self._reported or self.reports.get(self.node) != data:
+            # (also when our key is gone: it lives on the lease, which a long stall can lose and re-grant)
+            await self.store.put(self.report_key, json.dumps(data), lease=self.co.membership.lease)
+            self._reported = data
+            self.reports[self.node] = data
+
+    # ---- what only this agent can see -------------------------------------------------------------------------
+    async def _duties(self) -> None:
+        record = self.record
+        assert record is not None
+        i = record.current()
+        if i is None:
+            return
+        step = record.steps[i]
+        nodes = step.nodes({g.name: g.nodes for g in self.layout.groups})
+        if step.phase == "draining":
+            if self.co.proxies and not step.proxy_out and all(self._proxy_out(p, step) for p in self.co.proxies):
+                await self._mark(i, "proxy_out")
+            mine = self.node in nodes and self.node not in step.drained
+            if mine and (step.proxy_out or not self.layout.proxies) and await self._drained(step):
+                await self._mark(i, "drained")
+        elif step.phase == "staging" and self.node in nodes and self.node not in (*step.staged, *step.stage_errors):
+            await self._stage(i, step)
+        elif step.phase == "gating":
+            obs = self._observe()
+            for g in step.groups:
+                group = self.layout.group(g)
+                if group.head == self.node and g not in step.canary and rr.ready_again(step, obs, g):
+                    ok, detail = await self._group_canary(group)
+                    await self._mark(i, "canary", g, "ok" if ok else detail)
+        elif step.phase == "rejoining" and self.co.proxies and not step.proxy_in and all(
+                all(p.health.get(g) == "" for g in step.groups) for p in self.co.proxies):  # fmt: skip
+            await self._mark(i, "proxy_in")
+
+    async def _mark(self, index: int, what: str, node: str | None = None, value: str = "") -> None:
+        assert self.record is not None
+        new = rr.mark(self.record, index, what, node or self.node, value)
+        if new is not None:
+            await self._cas(new)
+
+    def _proxy_out(self, proxy: Any, step: rr.Step) -> bool:
+        """The proxy was told to stop routing to the step's groups (it deletes them once idle: not waited for)."""
+        if proxy.applied is None:
+            return True  # no proxy process: nothing routes to them
+        return all(not set(self.layout.group(g).endpoints) & proxy.applied.get(self.layout.group(g).kind, set())
+                   for g in step.groups)  # fmt: skip
+
+    async def _drained(self, step: rr.Step) -> bool:
+        """No request running or waiting on this node's serving ranks of the step, twice DRAIN_QUIET_S apart."""
+        here = self.port.snapshot().components
+        busy = 0
+        for g in step.groups:
+            group = self.layout.group(g)
+            for proc in group.processes:
+                if proc.node != self.node or not proc.endpoint or not here[proc.component].running:
+                    continue
+                seen = await self._inflight(proc.component, self.co.config.components[proc.component])
+                busy += 1 if seen is None else seen[0] + seen[1]
+        now = self.clock.monotonic()
+        if busy:
+            self._quiet_since = None
+            return False
+        if self._quiet_since is None:
+            self._quiet_since = now
+            self.wake()
+        return now - self._quiet_since >= DRAIN_QUIET_S
+
+    async def _stage(self, index: int, step: rr.Step) -> None:
+        running = self.host.running_config()
+        if self._hash(running) == step.from_hash and not step.failed and not step.rollback:
+            self._save_previous(running)
+        try:
+            config = self._config_for(step.to_hash)
+            if self._hash(running) != step.to_hash:
+                self.host.stage_config(config)
+        except Exception as exc:
+            await self._mark(index, "stage_error", value=str(exc).splitlines()[0][:300])
+            return
+        self.port.emit("rollout_staged", f"rollout step {index + 1}: the next start of "
+                       f"{', '.join(self.group.components(self.node)) if self.group else 'vLLM'} uses "
+                       f"{step.to_hash[:12]}")  # fmt: skip
+        await self._mark(index, "staged")
+
+    async def _group_canary(self, group: Any) -> tuple[bool, str]:
+        for proc in group.processes:
+            if proc.endpoint:
+                ok, detail = await self._canary(proc.endpoint, self.co.config.components.get(proc.component))
+                if not ok:
+                    return False, detail
+        return True, "ok"
+
+    # ---- moving the step on ------------------------------------------------------------------------------------
+    def _observe(self) -> rr.Observed:
+        members = {n: m.record for n, m in self.co.membership.members.items()}
+        groups = {}
+        for g in self.layout.groups:
+            gang = self.co.records.get(g.name)
+            generation = gang.generation if gang is not None and gang.epoch == self.co.epoch else None
+            healthy, why = group_healthy(g, members, generation)
+            failed = {}
+            for p in g.processes:
+                record = members.get(p.node) or {}
+                if ((record.get("components") or {}).get(p.component) or {}).get("state") == "failed":
+                    acted = ((record.get("gangs") or {}).get(g.name) or {}).get("generation")
+                    failed[f"{p.node}/{p.component}"] = int(acted or 0)
+            groups[g.name] = rr.GroupObs(g.kind, g.nodes, generation, healthy, why, failed)
+        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies))
+
+    def _may_drive(self, record: rr.Record) -> bool:
+        i = record.current()
+        master = self.layout.master
+        if i is None or (master is not None and master.name == self.node):
+            return True
+        if self.node in record.steps[i].nodes({g.name: g.nodes for g in self.layout.groups}):
+            return True
+        return self.clock.monotonic() - self.changed_at >= STALE_S
+
+    async def _drive(self) -> None:
+        record = self.record
+        if record is None or self.co.epoch is None or not self._may_drive(record):
+            return
+        out = rr.advance(record, self._observe())
+        if out is None:
+            return
+        new, asks = out
+        if new is not record:
+            if not await self._cas(new):
+                return
+            self.port.emit("rollout", new.message, None, "error" if new.status in ("halted", "failed") else "info",
+                           rollout=new.id, status=new.status)  # fmt: skip
+        for ask in asks:
+            await self._ask_generation(ask)
+        self.wake()
+
+    async def _ask_generation(self, ask: rr.Ask) -> None:
+        """A planned generation past `base` for the group, exactly once however many agents ask."""
+        epoch = self.co.epoch
+        known = self.co.records.get(ask.group)
+        if epoch is None or (known is not None and known.epoch == epoch and known.generation > ask.base):
+            return
+        key = rules.gang_key(self.cluster, ask.group)
+        kv = await self.store.get(key)
+        current = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
+        spec = next(iter(self.port.snapshot().components.values())).restart
+        made = rules.bump(current, ask.base, node=self.node, reason=ask.reason, now=self.clock.time(), epoch=epoch,
+                          spec=spec, planned=True)  # fmt: skip
+        if made is not None:
+            await self.store.compare_and_swap(key, kv.mod_revision if kv is not None else 0,
+                                              json.dumps(made[0].to_dict()))  # fmt: skip
+
+    # ---- the operator's side (API) -------------------------------------------------------------------------------
+    async def plan(self, path: str | None, options: Mapping[str, Any], *, dry_run: bool, by: str) -> dict[str, Any]:
+        """Compare `path` (this node's new file) with the running one; store the plan unless dry_run."""
+        if not self.co.reachable or self.co.epoch is None:
+            raise CoordinationUnavailable(f"etcd unreachable ({self.store.state.endpoint})")
+        try:
+            opts = Options.from_dict(options)
+            new = self.host.read_config_file(path)
+        except PlanError:
+            raise
+        except Exception as exc:
+            raise PlanError(f"the new file: {exc}") from None
+        old = self.host.running_config()
+        old_hash, new_hash = self._hash(old), self._hash(new)
+        differ = {n: str(m.record.get("cluster_hash"))[:12] for n, m in self.co.membership.members.items()
+                  if m.record.get("cluster_hash") != old_hash}  # fmt: skip
+        load_s: dict[str, float] = {}
+        for report in self.reports.values():
+            for g, s in (report.get("load_s") or {}).items():
+                load_s[g] = max(load_s.get(g, 0.0), float(s))
+        plan = make_plan(old, new, opts, old_hash=old_hash, new_hash=new_hash, load_s=load_s,
+                         base_env=getattr(self.port, "base_env", {}))  # fmt: skip
+        out = plan.to_dict()
+        if differ:
+            out["refused"] = [*out["refused"], "the members do not run one file: " + ", ".join(
+                f"{n} has {h}" for n, h in sorted(differ.items())) + f" (this node runs {old_hash[:12]})"]
+            out["ok"] = False
+        current = self.record
+        if (current is not None and current.active) or (current is not None and current.status == "halted"):
+            out["refused"] = [*out["refused"], f"rollout {current.id} is {current.status}: "
+                              "abort or roll it back first"]  # fmt: skip
+            out["ok"] = False
+        out["have_new_file"] = sorted(n for n, r in self.reports.items() if r.get("hash") == new_hash)
+        if dry_run or not out["ok"]:
+            return {**out, "started": False}
+        record = rr.new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan)
+        if not await self._cas(record):
+            raise RolloutRefused("another rollout was stored meanwhile: see `nodeagentctl cluster rollout status`")
+        self.port.emit("rollout", record.message, None, rollout=record.id, status=record.status)
+        return {**out, "started": True, "id": record.id}
+
+    async def control(self, action: str, by: str) -> dict[str, Any]:
+        for _attempt in range(5):
+            kv = await self.store.get(self.key)
+            self._on_record(self.key, kv)
+            if self.record is None:
+                raise RolloutRefused("no rollout in etcd")
+            try:
+                new = rr.control(self.record, action, self.clock.time(), f"{self.node}: {by}")
+            except ValueError as exc:
+                raise RolloutRefused(str(exc)) from None
+            if await self._cas(new):
+                self.port.emit("rollout", new.message, None, rollout=new.id, status=new.status)
+                self.wake()
+                return self.view()
+        raise RolloutRefused("the rollout changes too fast to apply it; try again")
+
+    def out_of_proxy(self) -> dict[str, str]:
+        return rr.held_out(self.record)
+
+    def view(self) -> dict[str, Any]:
+        record = self.record
+        if record is None:
+            return {"rollout": None}
+        i = record.current()
+        obs = self._observe()
+        floor = None
+        if i is not None and record.steps[i].phase == "pending":
+            floor = rr.files_problem(record.steps[i], obs) or rr.floor_problem(record, record.steps[i], obs)
+        load = {**{g: float(s) for r in self.reports.values() for g, s in (r.get("load_s") or {}).items()}}
+        return {"rollout": {**record.to_dict(), "current": i, "floor": floor or "holds",
+                            "time_left_s": rr.time_left(record, load, self.clock.time()),
+                            "have_new_file": sorted(n for n, r in self.reports.items()
+                                                    if r.get("hash") == record.new_hash)}}  # fmt: skip
+
+    # ---- NodeLayer ---------------------------------------------------------------------------------------------
+    def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+        return None
+
+    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+        return None
+
+    def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
+        return None
+
+    def status_section(self) -> dict[str, Any]:
+        record = self.record
+        if record is None:
+            return {}
+        i = record.current()
+        step = record.steps[i] if i is not None else None
+        return {"rollout": {"id": record.id, "status": record.status, "message": record.message,
+                            "step": i + 1 if i is not None else None, "steps": len(record.steps),
+                            "phase": step.phase if step else None, "groups": list(step.groups) if step else []}}
+
+    def on_node_change(self) -> None:
+        """Measure the group's load time here (start → up): the expected outage of a single-group kind."""
+        if self.group is not None:
+            here = self.port.snapshot().components
+            now = self.clock.monotonic()
+            for c in self.group.components(self.node):
+                view = here.get(c)
+                if view is None or not view.running:
+                    self._starting.pop(c, None)
+                elif not view.up:
+                    self._starting.setdefault(c, now)
+                elif c in self._starting:
+                    self.load_s[self.group.name] = now - self._starting.pop(c)
+        self.wake()

@@ -1,0 +1,495 @@
+"""Pure: a rollout's steps as a state machine, decided from what etcd holds — no I/O, no clock of its own.
+
+The record (`rollout` key) holds the ordered steps and where each is; any agent may move it on, with a
+transaction on the key's mod_revision (like the gang generations): whoever loses the race re-reads and
+decides again, so a step moves exactly once however many agents drive it, and the plan survives any agent's
+restart, including the one that started it. One step, for its groups:
+
+    pending ─ floor holds, every member has the target file ─► draining (out of the proxy; the members wait
+    until their ranks run no request, or the drain timeout) ─► staging (each member takes the target config
+    for its next start, restarting nothing) ─► restarting (one planned generation of each group) ─► gating
+    (every rank ready at the new generation, a canary request answered) ─► rejoining (back in the proxy)
+    ─► baking (healthy for the bake time) ─► done ─► the next step
+
+On a failure from staging on: the step turns back (from ↔ to swapped, `failed`), runs staging → rejoining again
+with the previous config, ends `rolled_back` and the rollout halts; the other groups stay as they are.
+Marks (drained, staged, canary, proxy out/in) are each written by the agent that can see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nodeagent.cluster.rollout_plan import Options, Plan
+
+PHASES = ("pending", "draining", "staging", "restarting", "gating", "rejoining", "baking", "done")
+ENDED = ("done", "rolled_back", "skipped")
+OUT_OF_PROXY = ("draining", "staging", "restarting", "gating")
+MOVING = ("running", "rolling_back")
+"""Statuses in which the next step may start."""
+FINAL = ("done", "rolled_back", "halted", "aborted", "failed")
+STAGE_TIMEOUT_S = 300.0
+REJOIN_TIMEOUT_S = 180.0
+WAIT_SAY_S = 30.0
+HISTORY = 60
+
+
+def rollout_key(cluster: str) -> str:
+    return f"/dsv4-agent/{cluster}/rollout"
+
+
+def report_prefix(cluster: str) -> str:
+    return f"/dsv4-agent/{cluster}/rollout_nodes/"
+
+
+@dataclass(frozen=True)
+class Step:
+    groups: tuple[str, ...]
+    kinds: tuple[str, ...]
+    from_hash: str
+    to_hash: str
+    rollback: bool = False
+    """An operator's rollback of a step that was done: back to the previous file, no bake."""
+    failed: str = ""
+    """Why this step failed: it is turning back (from and to swapped)."""
+    phase: str = "pending"
+    since: float = 0.0
+    started: float | None = None
+    finished: float | None = None
+    drained: tuple[str, ...] = ()
+    staged: tuple[str, ...] = ()
+    stage_errors: Mapping[str, str] = field(default_factory=dict)
+    canary: Mapping[str, str] = field(default_factory=dict)
+    """group → "ok" or why not, written by the group's head."""
+    proxy_out: bool = False
+    proxy_in: bool = False
+    base: Mapping[str, int] = field(default_factory=dict)
+    """group → its generation before our restart."""
+    outage: tuple[str, ...] = ()
+    expected_outage_s: float | None = None
+    note: str = ""
+
+    @property
+    def in_progress(self) -> bool:
+        return self.phase not in ("pending", *ENDED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": list(self.groups), "kinds": list(self.kinds), "from": self.from_hash, "to": self.to_hash,
+                "rollback": self.rollback, "failed": self.failed, "phase": self.phase, "since": self.since,
+                "started": self.started, "finished": self.finished, "drained": list(self.drained),
+                "staged": list(self.staged), "stage_errors": dict(self.stage_errors), "canary": dict(self.canary),
+                "proxy_out": self.proxy_out, "proxy_in": self.proxy_in, "base": dict(self.base),
+                "outage": list(self.outage), "expected_outage_s": self.expected_outage_s,
+                "note": self.note}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Step:
+        return cls(tuple(d["groups"]), tuple(d.get("kinds", ())), str(d["from"]), str(d["to"]),
+                   bool(d.get("rollback")), str(d.get("failed", "")), str(d.get("phase", "pending")),
+                   float(d.get("since") or 0.0), d.get("started"), d.get("finished"), tuple(d.get("drained", ())),
+                   tuple(d.get("staged", ())), dict(d.get("stage_errors") or {}), dict(d.get("canary") or {}),
+                   bool(d.get("proxy_out")), bool(d.get("proxy_in")),
+                   {k: int(v) for k, v in (d.get("base") or {}).items()}, tuple(d.get("outage", ())),
+                   d.get("expected_outage_s"), str(d.get("note", "")))  # fmt: skip
+
+    def nodes(self, group_nodes: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in group_nodes.get(g, ()))
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    by: str
+    at: float
+    old_hash: str
+    new_hash: str
+    options: Options
+    steps: tuple[Step, ...]
+    status: str = "running"
+    message: str = ""
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    """The plan as made (changes and why), for status."""
+    history: tuple[tuple[float, str], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "by": self.by, "at": self.at, "old_hash": self.old_hash, "new_hash": self.new_hash,
+                "options": self.options.to_dict(), "steps": [s.to_dict() for s in self.steps],
+                "status": self.status, "message": self.message, "plan": dict(self.plan),
+                "history": [list(h) for h in self.history]}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Record | None:
+        if not isinstance(d, dict) or not d.get("id"):
+            return None
+        try:
+            return cls(str(d["id"]), str(d.get("by", "")), float(d.get("at") or 0.0), str(d["old_hash"]),
+                       str(d["new_hash"]), Options.from_dict(d.get("options") or {}),
+                       tuple(Step.from_dict(s) for s in d.get("steps", ())), str(d.get("status", "running")),
+                       str(d.get("message", "")), dict(d.get("plan") or {}),
+                       tuple((float(t), str(m)) for t, m in d.get("history", ())))  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @property
+    def active(self) -> bool:
+        return self.status not in FINAL
+
+    def current(self) -> int | None:
+        """The step in progress, else the next pending one (None: every step ended)."""
+        for i, s in enumerate(self.steps):
+            if s.in_progress:
+                return i
+        for i, s in enumerate(self.steps):
+            if s.phase == "pending":
+                return i
+        return None
+
+    def say(self, now: float, message: str, status: str | None = None) -> Record:
+        return replace(self, message=message, status=status or self.status,
+                       history=(*self.history, (now, message))[-HISTORY:])
+
+    def with_step(self, index: int, step: Step) -> Record:
+        return replace(self, steps=(*self.steps[:index], step, *self.steps[index + 1:]))
+
+
+def new_record(rid: str, by: str, now: float, plan: Plan) -> Record:
+    steps = tuple(Step(s.groups, s.kinds, plan.old_hash, plan.new_hash, outage=s.outage,
+                       expected_outage_s=s.expected_outage_s, note=s.note) for s in plan.steps)  # fmt: skip
+    return Record(rid, by, now, plan.old_hash, plan.new_hash, plan.options, steps, plan=plan.to_dict()).say(
+        now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")
+
+
+# ---- what the agents see ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupObs:
+    kind: str
+    nodes: tuple[str, ...]
+    generation: int | None
+    """The group's gang generation (None: no record in this epoch)."""
+    healthy: bool
+    """Every rank up (ready where it serves) at that generation, on every member's own record."""
+    why: str = ""
+    failed: Mapping[str, int] = field(default_factory=dict)
+    """Ranks whose member says failed → the generation that member was acting on (an older failure is not
+    this step's)."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    now: float
+    groups: Mapping[str, GroupObs]
+    reports: Mapping[str, Mapping[str, Any]]
+    """node → its report: `hash` (the file on its disk), `previous` (the running file it saved), `running`."""
+    proxy: bool
+    """The cluster runs a PD proxy: its agent marks a step out of and back in it."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """After the transition is written: make sure `group` has a generation past `base` (idempotent)."""
+
+    group: str
+    base: int
+    reason: str
+
+
+def floor_problem(record: Record, step: Step, obs: Observed) -> str | None:
+    """Why the step may not start now: a kind left without a serving group, or too many groups down."""
+    others = {g: o for g, o in obs.groups.items() if g not in step.groups}
+    for kind in sorted({o.kind for o in obs.groups.values()}):
+        if kind in step.outage and kind in record.options.allow_outage:
+            continue
+        serving = [g for g, o in others.items() if o.kind == kind and o.healthy]
+        if not serving:
+            down = ", ".join(f"{g} ({o.why})" for g, o in others.items() if o.kind == kind) or "none other"
+            return f"floor: no other {kind} group serving ({down})"
+    down = [g for g, o in others.items() if not o.healthy]
+    if len(down) + len(step.groups) > record.options.max_unavailable:
+        return (f"floor: {', '.join(down)} already down; {len(step.groups)} more would exceed --max-unavailable "
+                f"{record.options.max_unavailable}")  # fmt: skip
+    return None
+
+
+def files_problem(step: Step, obs: Observed) -> str | None:
+    """Every member of the step can take the target file: it has it on disk, or saved it as its previous one."""
+    missing = []
+    for node in step.nodes({g: o.nodes for g, o in obs.groups.items()}):
+        report = obs.reports.get(node)
+        if report is None:
+            missing.append(f"{node} (no report from its agent)")
+        elif step.to_hash not in (report.get("hash"), report.get("previous")):
+            missing.append(f"{node} (its file has {str(report.get('hash'))[:12]}, {report.get('error') or 'differs'})")
+    return f"waiting for the file {step.to_hash[:12]} on {', '.join(missing)}" if missing else None
+
+
+def _enter(step: Step, phase: str, now: float, **changes: Any) -> Step:
+    return replace(step, phase=phase, since=now, **changes)
+
+
+def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
+    names = ", ".join(step.groups)
+    if step.failed or step.rollback:
+        return record.with_step(i, replace(step, failed=step.failed or why)).say(
+            now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
+    back = _enter(step, "staging", now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
+                  staged=(), stage_errors={}, canary={}, proxy_in=False, base={})  # fmt: skip
+    return record.with_step(i, back).say(now, f"step {i + 1} ({names}) failed: {why}; rolling {names} back to the "
+                                              "previous config, then halting")  # fmt: skip
+
+
+def _ended(record: Record, now: float) -> Record:
+    final = {"running": "done", "rolling_back": "rolled_back", "aborting": "aborted"}.get(record.status)
+    if final is None:
+        return record
+    words = {"done": "every step done", "rolled_back": "rolled back", "aborted": "aborted"}[final]
+    return record.say(now, f"rollout {record.id}: {words}", final)
+
+
+def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
+    """The next transition (the record to write and what to ask after), or None when nothing moves now."""
+    if not record.active:
+        return None
+    now = obs.now
+    i = record.current()
+    if i is None:
+        ended = _ended(record, now)
+        return (ended, []) if ended is not record else None
+    step = record.steps[i]
+    names = ", ".join(step.groups)
+    opts = record.options
+    if step.phase == "pending":
+        if record.status not in MOVING:
+            ended = _ended(record, now) if record.status == "aborting" else record
+            return (ended, []) if ended is not record else None
+        why = files_problem(step, obs) or floor_problem(record, step, obs)
+        if why is not None:
+            text = f"step {i + 1} ({names}) waits: {why}"
+            said = record.history[-1][0] if record.history else 0.0
+            # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
+            # record late), and every write of the record is read by every agent.
+            if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
+                                          and now - said < WAIT_SAY_S):  # fmt: skip
+                return None
+            return record.say(now, text), []
+        return record.with_step(i, _enter(step, "draining", now, started=now)).say(
+            now, f"step {i + 1} ({names}): out of the proxy, draining"), []
+    if step.phase == "draining":
+        if record.status == "aborting":
+            return record.with_step(i, _enter(step, "skipped", now, finished=now)).say(
+                now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
+        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+        out = step.proxy_out or not obs.proxy
+        if out and set(nodes) <= set(step.drained):
+            return record.with_step(i, _enter(step, "staging", now)).say(
+                now, f"step {i + 1} ({names}): drained; the members take the new config"), []
+        if now - step.since >= opts.drain_timeout_s:
+            left = [n for n in nodes if n not in step.drained]
+            return record.with_step(i, _enter(step, "staging", now)).say(
+                now, f"step {i + 1} ({names}): drain timed out after {opts.drain_timeout_s:.0f}s "
+                     f"({', '.join(left) or 'the proxy'} not drained); going on"), []  # fmt: skip
+        return None
+    if step.phase == "staging":
+        if step.stage_errors:
+            node, why = next(iter(step.stage_errors.items()))
+            return _fail(record, i, step, f"{node} cannot take the config: {why}", now), []
+        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+        if set(nodes) <= set(step.staged):
+            base = {g: obs.groups[g].generation or 0 for g in step.groups}
+            return record.with_step(i, _enter(step, "restarting", now, base=base)).say(
+                now, f"step {i + 1} ({names}): restarting with {step.to_hash[:12]}"), _asks(record, step, base)
+        if now - step.since >= STAGE_TIMEOUT_S:
+            left = [n for n in nodes if n not in step.staged]
+            return _fail(record, i, step, f"{', '.join(left)} did not take the config within "
+                                          f"{STAGE_TIMEOUT_S:.0f}s", now), []  # fmt: skip
+        return None
+    if step.phase == "restarting":
+        if all((obs.groups[g].generation or 0) > step.base.get(g, 0) for g in step.groups):
+            return record.with_step(i, _enter(step, "gating", now)).say(
+                now, f"step {i + 1} ({names}): restarted; waiting for every rank ready and a canary answer"), []
+        return None if now - step.since < 10.0 else (record, _asks(record, step, dict(step.base)))
+    problem = _health_problem(step, obs)
+    if step.phase == "gating":
+        if problem is not None:
+            return _fail(record, i, step, problem, now), []
+        canary_bad = {g: v for g, v in step.canary.items() if v != "ok"}
+        if canary_bad:
+            group, why = next(iter(canary_bad.items()))
+            return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
+        if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
+            return record.with_step(i, _enter(step, "rejoining", now)).say(
+                now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
+        if now - step.since >= opts.gate_timeout_s:
+            waiting = "; ".join(f"{g}: {obs.groups[g].why or 'canary pending'}" for g in step.groups)
+            return _fail(record, i, step, f"not ready within the gate timeout {opts.gate_timeout_s:.0f}s "
+                                          f"({waiting})", now), []  # fmt: skip
+        return None
+    if step.phase == "rejoining":
+        if problem is not None:
+            return _fail(record, i, step, problem, now), []
+        if step.proxy_in or not obs.proxy:
+            if step.failed:
+                ended = record.with_step(i, _enter(step, "rolled_back", now, finished=now))
+                return ended.say(now, f"step {i + 1} ({names}) rolled back after: {step.failed}; the rollout is "
+                                      "halted (resume retries it, rollback undoes the steps done)", "halted"), []
+            bake = 0.0 if step.rollback else opts.bake_s
+            return record.with_step(i, _enter(step, "baking", now)).say(
+                now, f"step {i + 1} ({names}): in the proxy; baking {bake:.0f}s"), []
+        if now - step.since >= REJOIN_TIMEOUT_S:
+            # Not the group's fault (vllm-ascend's proxy takes a removed instance back only once it was idle):
+            # wait, and say so once; the next step must not take another group out meanwhile.
+            text = (f"step {i + 1} ({names}): healthy, not back in the proxy after {REJOIN_TIMEOUT_S:.0f}s (see "
+                    "the proxy's groups in nodeagentctl cluster --json); waiting")  # fmt: skip
+            return (record.say(now, text), []) if record.message != text else None
+        return None
+    if step.phase == "baking":
+        if problem is not None:
+            return _fail(record, i, step, f"while baking: {problem}", now), []
+        if now - step.since >= (0.0 if step.rollback else opts.bake_s):
+            done = record.with_step(i, _enter(step, "done", now, finished=now)).say(
+                now, f"step {i + 1} ({names}) done")
+            return done, []
+        return None
+    return None
+
+
+def _asks(record: Record, step: Step, base: Mapping[str, int]) -> list[Ask]:
+    why = "rollback" if step.failed or step.rollback else "rollout"
+    return [Ask(g, base.get(g, 0), f"{why} {record.id}: {step.from_hash[:12]} → {step.to_hash[:12]}")
+            for g in step.groups]  # fmt: skip
+
+
+def _health_problem(step: Step, obs: Observed) -> str | None:
+    """A failed rank, or a generation past ours (a rank crashed with the new config and its group restarted)."""
+    for g in step.groups:
+        o = obs.groups[g]
+        failed = [rank for rank, gen in o.failed.items() if gen > step.base.get(g, 0)]
+        if failed:
+            return f"{', '.join(failed)} failed"
+        if o.generation is not None and o.generation > step.base.get(g, 0) + 1:
+            return f"group {g} restarted again (generation {o.generation}): a rank failed"
+    return None
+
+
+def ready_again(step: Step, obs: Observed, group: str) -> bool:
+    """Every rank ready at a generation past the step's base. Each agent reads the member records and the gang
+    record through its own watch, a little late: without the generation a late view of the old ranks would pass
+    the gate, and a late view after it would fail a healthy group — so after the gate only hard signals count (a
+    failed rank, a generation past ours; a rank that stays unready is its own probes' business)."""
+    o = obs.groups[group]
+    return o.healthy and (o.generation or 0) > step.base.get(group, 0)
+
+
+# ---- marks: what one agent saw, merged into the step it belongs to ------------------------------------------------
+
+
+def mark(record: Record, index: int, what: str, node: str, value: str = "") -> Record | None:
+    """The record with this agent's observation added (None: already there, or the step moved on)."""
+    step = record.steps[index]
+    phase_of = {"drained": "draining", "proxy_out": "draining", "staged": "staging", "stage_error": "staging",
+                "canary": "gating", "proxy_in": "rejoining"}  # fmt: skip
+    if step.phase != phase_of[what]:
+        return None
+    if what == "drained":
+        new = replace(step, drained=(*step.drained, node)) if node not in step.drained else None
+    elif what == "staged":
+        new = replace(step, staged=(*step.staged, node)) if node not in step.staged else None
+    elif what == "stage_error":
+        new = replace(step, stage_errors={**step.stage_errors, node: value}) if node not in step.stage_errors else None
+    elif what == "canary":
+        new = replace(step, canary={**step.canary, node: value}) if node not in step.canary else None
+    elif what == "proxy_out":
+        new = replace(step, proxy_out=True) if not step.proxy_out else None
+    else:
+        new = replace(step, proxy_in=True) if not step.proxy_in else None
+    return record.with_step(index, new) if new is not None else None
+
+
+def held_out(record: Record | None) -> dict[str, str]:
+    """group → why the proxy must not route to it now (the step in progress, from its drain to its gate)."""
+    if record is None:
+        return {}
+    out = {}
+    for i, s in enumerate(record.steps):
+        if s.phase in OUT_OF_PROXY:
+            for g in s.groups:
+                out[g] = f"rollout {record.id} step {i + 1}: {s.phase}"
+    return out
+
+
+def wanted_hash(record: Record | None, group: str | None, node: str) -> str | None:
+    """The file this member's ranks of `group` run (or are staged to run) as the rollout stands; None: no say.
+    A member no step changes (another group, or none) follows the cluster: the new file once done."""
+    if record is None:
+        return None
+    if group is None or not any(group in s.groups for s in record.steps):
+        # Nothing of this member renders differently: it takes the new file once the rollout is done.
+        return record.new_hash if record.status == "done" else record.old_hash
+    want = record.old_hash
+    for s in record.steps:
+        if group not in s.groups or s.phase in ("pending", "draining", "skipped"):
+            continue
+        staged = s.phase != "staging" or node in s.staged
+        want = s.to_hash if staged else s.from_hash
+    return want
+
+
+def control(record: Record, action: str, now: float, by: str) -> Record:
+    """pause | resume | abort | rollback, as the operator asked; raises ValueError when it does not apply."""
+    if action == "pause":
+        if record.status != "running":
+            raise ValueError(f"rollout {record.id} is {record.status}: only a running rollout pauses")
+        return record.say(now, f"paused by {by}: the step in progress finishes, no next one starts", "paused")
+    if action == "resume":
+        if record.status == "paused":
+            return record.say(now, f"resumed by {by}", "running")
+        if record.status == "halted":
+            steps = tuple(replace(s, phase="pending", failed="", from_hash=s.to_hash, to_hash=s.from_hash,
+                                  since=now, drained=(), staged=(), stage_errors={}, canary={}, proxy_out=False,
+                                  proxy_in=False, base={}, finished=None) if s.phase == "rolled_back" else s
+                          for s in record.steps)  # fmt: skip
+            return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed", "running")
+        raise ValueError(f"rollout {record.id} is {record.status}: nothing to resume")
+    if action == "abort":
+        if not record.active:
+            raise ValueError(f"rollout {record.id} is {record.status} already")
+        steps = tuple(replace(s, phase="skipped", finished=now) if s.phase == "pending" else s for s in record.steps)
+        return replace(record, steps=steps).say(now, f"aborted by {by}: no further step; a step past its restart "
+                                                     "finishes", "aborting")  # fmt: skip
+    if action == "rollback":
+        if record.status in ("rolling_back", "rolled_back"):
+            raise ValueError(f"rollout {record.id} is {record.status} already")
+        back = [s for s in record.steps if (s.phase == "done" or s.in_progress) and not s.rollback and not s.failed]
+        steps = tuple(replace(s, phase="skipped", finished=now) if s.phase == "pending" else s for s in record.steps)
+        undo = tuple(Step(s.groups, s.kinds, s.to_hash, s.from_hash, rollback=True, outage=s.outage,
+                          expected_outage_s=s.expected_outage_s, note="rollback") for s in reversed(back))  # fmt: skip
+        if not undo:
+            raise ValueError(f"rollout {record.id}: no step was done, nothing to roll back")
+        return replace(record, steps=steps + undo).say(
+            now, f"rollback by {by}: {', '.join(g for s in undo for g in s.groups)} go back to the previous config",
+            "rolling_back")  # fmt: skip
+    raise ValueError(f"unknown rollout action {action!r} (pause, resume, abort, rollback)")
+
+
+def time_left(record: Record, load_s: Mapping[str, float], now: float) -> float | None:
+    """Seconds until the last step ends, estimated: each step's groups' last load (or the mean duration of the
+    steps done) plus the bake; None when nothing is known to estimate from."""
+    if not record.active:
+        return 0.0
+    took = [s.finished - s.started for s in record.steps
+            if s.phase == "done" and s.finished is not None and s.started is not None]  # fmt: skip
+    mean = sum(took) / len(took) if took else None
+    total = 0.0
+    for s in record.steps:
+        if s.phase in ENDED:
+            continue
+        load = max((load_s[g] for g in s.groups if g in load_s), default=None)
+        each = mean if mean is not None else (load + (0.0 if s.rollback else record.options.bake_s)
+                                              if load is not None else None)  # fmt: skip
+        if each is None:
+            return None
+        total += max(0.0, each - (now - s.started if s.in_progress and s.started else 0.0))
+    return total

@@ -1,0 +1,246 @@
+"""The rollout executor without processes: five agents (Membership, Coordinator, ProxySync, RolloutExecutor) on
+one FakeStore, fake stacks, a fake PD proxy and a virtual clock (`tests/cluster_fakes.py`). A change walks
+through the groups one at a time under the floor, restarts each as one generation with the new file, halts and
+rolls back a group that fails its gate, and survives the death of any agent (the initiator's too)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_fakes import World
+
+from nodeagent.config_cluster import cluster_file_hash
+
+NODES = ["n0", "n1", "n2", "n3", "n4"]
+GROUPS = [
+    {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+    {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+    {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+]
+FAST = {"bake_s": 5, "drain_timeout_s": 30, "gate_timeout_s": 60}
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a rollout-layer test started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
+    w.start()
+    await w.until("every component of every node up", w.all_up, within=120)
+    await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+    yield w
+    await w.close()
+
+
+def set_group_env(groups: list[str], env: dict[str, str]) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        for g in data["cluster"]["vllm_groups"]:
+            if g["name"] in groups:
+                g["env"] = {**g.get("env", {}), **env}
+
+    return edit
+
+
+def disk_hash(world: World, node: str = "n0") -> str:
+    return cluster_file_hash(world.agents[node].rollout.host.read_config_file())
+
+
+def launched(world: World, node: str) -> list[str]:
+    return world.stacks[node].launched["vllm"]
+
+
+def record(world: World, node: str = "n0") -> Any:
+    return world.agents[node].rollout.record
+
+
+def status(world: World, node: str = "n0") -> str | None:
+    rec = record(world, node)
+    return rec.status if rec is not None else None
+
+
+async def start(world: World, node: str = "n0", **options: Any) -> dict[str, Any]:
+    return await world.run(world.agents[node].rollout.plan(None, {**FAST, **options}, dry_run=False, by="test"))
+
+
+async def test_a_prefill_change_walks_group_by_group_under_the_floor(world: World) -> None:
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0", "p1"], {"VLLM_NEW_FLAG": "1"}))
+    new = disk_hash(world)
+    await world.until("every member reports the new file",
+                      lambda: all(r.get("hash") == new for r in world.agents["n0"].rollout.reports.values()))
+    dry = await world.run(world.agents["n0"].rollout.plan(None, FAST, dry_run=True, by="test"))
+    assert dry["ok"] and not dry["started"], dry
+    assert [s["groups"] for s in dry["steps"]] == [["p0"], ["p1"]]
+    assert dry["changes"][0]["reasons"] == ["n0/vllm: env VLLM_NEW_FLAG added", "n1/vllm: env VLLM_NEW_FLAG added"]
+    assert dry["have_new_file"] == NODES
+    assert record(world) is None, "a dry run stores nothing"
+
+    down: list[tuple[float, set[str]]] = []
+
+    def watch_floor() -> None:
+        routed = world.proxy.routed["prefill"]
+        p = {g: set(world.agents["n0"].coordinator.layout.group(g).endpoints) for g in ("p0", "p1")}
+        down.append((world.clock.monotonic(), {g for g, e in p.items() if not e <= routed}))
+
+    world.clock.on_tick.append(lambda _d: watch_floor())
+    answer = await start(world)
+    assert answer["started"], answer
+    await world.until("the rollout done", lambda: status(world, "n3") == "done", 300)
+    assert new != old
+    await world.until("n4 (nothing of it changes) takes the new file too",
+                      lambda: cluster_file_hash(world.stacks["n4"].config) == new)
+    for node in ("n0", "n1", "n2", "n3"):
+        assert launched(world, node) == [old, new], f"{node}: restarted once, with the new file"
+    assert launched(world, "n4") == [old], "d0 did not change: untouched"
+    assert all(len(gone) <= 1 for _, gone in down), "never both prefill groups out of the proxy"
+    assert any(gone == {"p0"} for _, gone in down) and any(gone == {"p1"} for _, gone in down)
+    p0_done = record(world).steps[0].finished
+    assert p0_done is not None and record(world).steps[1].started >= p0_done, "p1 starts after p0 baked"
+    for node in ("n0", "n1"):
+        assert world.gang(node, "p0").acted == 2, "one generation for the step"
+    await world.until("p1 back in the proxy", lambda: not world.agents["n0"].coordinator.proxies[0].health["p1"])
+
+
+async def test_the_only_decode_group_refuses_without_allow_outage(world: World) -> None:
+    world.install(set_group_env(["d0"], {"X": "1"}))
+    answer = await start(world)
+    assert not answer["started"] and not answer["ok"]
+    assert any("decode has one group (d0)" in r and "--allow-outage decode" in r for r in answer["refused"]), answer
+    assert record(world) is None
+    answer = await start(world, allow_outage=["decode"])
+    assert answer["started"], answer
+    assert answer["steps"][0]["outage"] == ["decode"]
+    await world.until("done", lambda: status(world) == "done", 200)
+    assert launched(world, "n4")[-1] == cluster_file_hash(world.stacks["n4"].config)
+
+
+async def test_drain_waits_for_the_groups_own_requests(world: World) -> None:
+    world.install(set_group_env(["p0"], {"X": "1"}))
+    world.stacks["n0"].inflight["vllm"] = (2, 1)
+    await start(world, drain_timeout_s=100)
+    await world.until("p0 draining", lambda: record(world).steps[0].phase == "draining", 30)
+    await world.until("p0 out of the proxy", lambda: record(world).steps[0].proxy_out, 30)
+    await world.advance(20)
+    assert record(world).steps[0].phase == "draining" and len(launched(world, "n0")) == 1, "still serving its own"
+    assert "n1" in record(world).steps[0].drained and "n0" not in record(world).steps[0].drained
+    world.stacks["n0"].inflight["vllm"] = (0, 0)
+    await world.until("restarted", lambda: len(launched(world, "n0")) == 2, 30)
+    await world.until("done", lambda: status(world) == "done", 100)
+
+
+async def test_a_group_failing_its_gate_is_rolled_back_and_the_rollout_halts(world: World) -> None:
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0"], {"X": "1"}))
+    world.install(set_group_env(["p1"], {"FAKE_START": "crash"}))
+    new = disk_hash(world)
+    await start(world)
+    await world.until("halted", lambda: status(world, "n2") == "halted", 300)
+    rec = record(world)
+    assert rec.steps[0].phase == "done" and rec.steps[1].phase == "rolled_back"
+    assert "failed" in rec.steps[1].failed and "rolled back" in rec.message
+    for node in ("n2", "n3"):
+        assert launched(world, node)[0] == old and new in launched(world, node)
+        assert launched(world, node)[-1] == old, f"{node} runs the previous file again"
+        assert cluster_file_hash(world.stacks[node].config) == old
+    assert launched(world, "n0") == [old, new], "p0 stays as it is"
+    await world.until("p1 healthy in the proxy", lambda: not world.agents["n0"].coordinator.proxies[0].health["p1"])
+    again = await start(world)
+    assert not again["started"] and any("is halted: abort or roll it back first" in r for r in again["refused"])
+
+
+async def test_an_agent_killed_mid_step_and_the_initiator_pick_the_plan_up(world: World) -> None:
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    new = disk_hash(world)
+    await start(world, node="n1")
+    await world.until("p0's step running", lambda: record(world).steps[0].phase != "pending", 60)
+    await world.kill_agent("n1")  # the initiator, a member of the step in progress
+    await world.advance(10)
+    world.start_agent("n1")  # loads the new file from disk
+    await world.until("p1's step running", lambda: record(world).steps[1].phase != "pending", 200)
+    await world.kill_agent("n3")  # a p1 member, before its group's restart... or during it
+    await world.advance(5)
+    world.start_agent("n3")
+    await world.until("done", lambda: status(world) == "done", 400)
+    for node in ("n0", "n1", "n2", "n3"):
+        assert launched(world, node) == [old, new], f"{node}: exactly one restart, with the new file"
+    for node, group in (("n0", "p0"), ("n2", "p1")):
+        assert world.gang(node, group).acted == 2
+
+
+async def test_an_agent_restarted_before_its_group_keeps_the_previous_config(world: World) -> None:
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    await start(world, bake_s=60)
+    await world.until("p0 baking", lambda: record(world).steps[0].phase == "baking", 120)
+    await world.kill_agent("n2")
+    world.start_agent("n2")  # loaded the new file; its group is not rolled yet
+    await world.until("n2 back on the previous config", lambda: cluster_file_hash(world.stacks["n2"].config) == old)
+    world.stacks["n2"].crash("vllm")  # a crash before p1's step: the group restarts with what it runs
+    await world.until("p1 restarted", lambda: len(launched(world, "n3")) == 2, 60)
+    assert launched(world, "n2")[-1] == launched(world, "n3")[-1] == old, "one file within the group"
+
+
+async def test_pause_resume_abort_and_rollback(world: World) -> None:
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    await start(world, bake_s=30)
+    await world.until("p0 draining", lambda: record(world).steps[0].phase == "draining", 30)
+    await world.run(world.agents["n4"].rollout.control("pause", "test"))
+    await world.until("p0 done", lambda: record(world).steps[0].phase == "done", 200)
+    await world.advance(30)
+    assert record(world).steps[1].phase == "pending", "paused: no next step"
+    await world.run(world.agents["n4"].rollout.control("resume", "test"))
+    await world.until("p1 draining", lambda: record(world).steps[1].phase != "pending", 30)
+    await world.run(world.agents["n2"].rollout.control("rollback", "test"))
+    await world.until("rolled back", lambda: status(world) == "rolled_back", 600)
+    for node in ("n0", "n1", "n2", "n3"):
+        assert launched(world, node)[-1] == old, f"{node} back on the previous file"
+        assert cluster_file_hash(world.stacks[node].config) == old
+    with pytest.raises(Exception, match="rolled_back"):
+        await world.run(world.agents["n0"].rollout.control("abort", "test"))
+
+
+async def test_a_busy_proxy_keeps_a_group_isolated_and_the_next_step_waits(world: World) -> None:
+    """vllm-ascend's proxy deletes a removed instance only once it is idle and ignores an add of it meanwhile:
+    the step waits in rejoining (not a failure), and no other group is taken out while it is not routed."""
+    proxy = world.proxy
+    assert proxy is not None
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    proxy.busy = True
+    await start(world)
+    p0 = set(world.agents["n0"].coordinator.layout.group("p0").endpoints)
+    await world.until("p0 restarted and healthy", lambda: record(world).steps[0].phase == "rejoining", 120)
+    await world.advance(300)
+    assert record(world).steps[0].phase == "rejoining" and record(world).steps[1].phase == "pending"
+    assert "not back in the proxy after 180s" in record(world).message
+    assert p0 <= proxy.tainted["prefill"] and not p0 & proxy.serving("prefill"), "isolated, so not routed"
+    proxy.busy = False
+    proxy.idle()
+    await world.until("p0 back, really", lambda: p0 <= proxy.serving("prefill") and record(world).steps[0].proxy_in,
+                      60)  # fmt: skip
+    await world.until("done", lambda: status(world) == "done", 300)
+
+
+async def test_a_report_lost_with_its_lease_is_written_again(world: World) -> None:
+    """Reports live on the member's lease; a long stall can lose it (found by the simulation at N = 256, where
+    steps waited for reports that were gone)."""
+    from nodeagent.cluster.rollout_rules import report_prefix
+
+    key = report_prefix(world.harness.cluster_name) + "n2"
+    await world.until("n2's report", lambda: "n2" in world.agents["n0"].rollout.reports)
+    assert await world.run(world.store.delete(key))
+    await world.until("n2's report written again", lambda: key in world.store.data, 15)
+    await world.until("and seen by n0", lambda: "n2" in world.agents["n0"].rollout.reports, 5)

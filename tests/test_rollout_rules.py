@@ -1,0 +1,269 @@
+"""The rollout's pure parts: the planner (what changes, the order under the floor, refusals) on real cluster
+files, and the step state machine on hand-made observations."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_harness import ClusterHarness
+
+from nodeagent.cluster import rollout_rules as rr
+from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.config import load_config
+from nodeagent.config_cluster import cluster_file_hash
+
+NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
+
+
+def harness(tmp: Path, decode_groups: int = 1) -> ClusterHarness:
+    h = ClusterHarness(tmp, "127.0.0.1:2379", NODES)
+    groups = [{"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+              {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+              {"name": "d0", "kind": "decode", "nodes": ["n4"]}]  # fmt: skip
+    if decode_groups == 2:
+        groups.append({"name": "d1", "kind": "decode", "nodes": ["n5"]})
+    else:
+        groups[2]["nodes"] = ["n4", "n5"]
+        groups[2]["data_parallel_rpc_port"] = 43002
+    h.data["cluster"]["vllm_groups"] = groups
+    h.data["cluster"]["pd"] = {"kv_port_base": 41000}
+    return h
+
+
+def plan_for(tmp: Path, edit: Any, decode_groups: int = 1, load_s: dict[str, float] | None = None,
+             **options: Any) -> Any:  # fmt: skip
+    h = harness(tmp / "old", decode_groups)
+    old = load_config(h.write("n0"))
+    new_h = harness(tmp / "new", decode_groups)
+    new_h.data = copy.deepcopy(h.data)
+    new_h.home = tmp / "new"
+    edit(new_h.data)
+    new = load_config(new_h.write("n0"))
+    return make_plan(old, new, Options.from_dict(options), old_hash=cluster_file_hash(old),
+                     new_hash=cluster_file_hash(new), load_s=load_s)  # fmt: skip
+
+
+def group_env(*groups: str, **env: str) -> Any:
+    def edit(data: dict[str, Any]) -> None:
+        for g in data["cluster"]["vllm_groups"]:
+            if g["name"] in groups:
+                g["env"] = {**g.get("env", {}), **env}
+
+    return edit
+
+
+def test_a_change_of_every_group_steps_prefill_then_decode_and_the_single_decode_refuses(tmp_path: Path) -> None:
+    def edit(data: dict[str, Any]) -> None:
+        data["components"]["vllm"]["max_model_len"] = 8192
+
+    plan = plan_for(tmp_path, edit, load_s={"d0": 1800.0})
+    assert [c.group for c in plan.changes] == ["p0", "p1", "d0"]
+    assert "n0/vllm: --max_model_len 204800 → 8192" in plan.changes[0].reasons
+    assert [s.groups for s in plan.steps] == [("p0",), ("p1",), ("d0",)]
+    assert not plan.ok
+    assert plan.refused == ("decode has one group (d0): its step takes decode down for ~30 min (its last load); "
+                            "pass --allow-outage decode",)  # fmt: skip
+    allowed = plan_for(tmp_path / "b", edit, load_s={"d0": 1800.0}, allow_outage="decode")
+    assert allowed.ok and allowed.steps[2].outage == ("decode",) and allowed.steps[2].expected_outage_s == 1800.0
+
+
+def test_order_canary_and_max_unavailable(tmp_path: Path) -> None:
+    edit = group_env("p0", "p1", "d0", "d1", X="1")
+    plan = plan_for(tmp_path, edit, decode_groups=2, order="decode,prefill", canary="p1")
+    assert [s.groups for s in plan.steps] == [("p1",), ("d0",), ("d1",), ("p0",)] and plan.ok
+    assert plan.steps[0].note == "canary"
+    wide = plan_for(tmp_path / "b", edit, decode_groups=2, max_unavailable=3)
+    assert [s.groups for s in wide.steps] == [("p0",), ("p1",), ("d0",), ("d1",)], "never every group of a kind"
+    with pytest.raises(PlanError, match="unknown group 'nope'"):
+        plan_for(tmp_path / "c", edit, canary="nope")
+    with pytest.raises(PlanError, match="order: unknown kind 'prefil'"):
+        Options.from_dict({"order": "prefil,decode"})
+
+
+def test_unchanged_groups_are_left_and_nothing_to_do_is_said(tmp_path: Path) -> None:
+    plan = plan_for(tmp_path, group_env("p1", X="1"))
+    assert [c.group for c in plan.changes] == ["p1"] and plan.unchanged == ("p0", "d0") and plan.ok
+    none = plan_for(tmp_path / "b", lambda data: None)
+    assert not none.ok and none.notes == ("no vLLM group renders differently: nothing to roll out",)
+
+
+def test_topology_and_changes_outside_the_groups_are_refused(tmp_path: Path) -> None:
+    def move(data: dict[str, Any]) -> None:
+        data["cluster"]["vllm_groups"][1]["nodes"] = ["n3", "n2"]
+
+    assert any("group p1 changes its kind, nodes or ranks: that is a topology change" in r
+               for r in plan_for(tmp_path, move).refused)  # fmt: skip
+
+    def worker(data: dict[str, Any]) -> None:
+        data["components"]["datasystem"]["shared_memory_size_mb"] = 512
+
+    refused = plan_for(tmp_path / "b", worker).refused
+    assert refused and all("datasystem changes" in r and "vLLM groups only" in r for r in refused)
+
+
+def test_an_incompatible_connector_change_switches_a_pair_then_the_rest(tmp_path: Path) -> None:
+    def connector(data: dict[str, Any]) -> None:
+        data["cluster"]["pd"]["use_ascend_direct"] = False
+
+    plan = plan_for(tmp_path, connector, decode_groups=2, max_unavailable=2)
+    assert plan.incompatible and all("KV connector" in i for i in plan.incompatible)
+    assert [s.groups for s in plan.steps] == [("p0", "d0"), ("p1", "d1")]
+    assert plan.ok, plan.refused
+    narrow = plan_for(tmp_path / "b", connector, decode_groups=2)
+    assert any("needs --max-unavailable 2" in r for r in narrow.refused)
+    half = plan_for(tmp_path / "c", group_env("p0", "d1", VLLM_ASCEND_X="1"), decode_groups=2)
+    assert not half.incompatible, "an env change is compatible"
+
+
+# ---- the state machine ----------------------------------------------------------------------------------------
+
+GROUPS = {"p0": ("prefill", ("n0", "n1")), "p1": ("prefill", ("n2", "n3")), "d0": ("decode", ("n4",))}
+
+
+def observed(now: float, gens: dict[str, int], healthy: dict[str, bool] | None = None,
+             failed: dict[str, dict[str, int]] | None = None, proxy: bool = True) -> rr.Observed:  # fmt: skip
+    healthy = healthy or {}
+    groups = {g: rr.GroupObs(kind, nodes, gens.get(g, 1), healthy.get(g, True), "" if healthy.get(g, True) else
+                             "n2/vllm is starting", (failed or {}).get(g, {}))
+              for g, (kind, nodes) in GROUPS.items()}  # fmt: skip
+    reports = {n: {"hash": "new", "previous": "old"} for _, (_, nodes) in GROUPS.items() for n in nodes}
+    return rr.Observed(now, groups, reports, proxy)
+
+
+def record(*steps: tuple[str, ...], **options: Any) -> rr.Record:
+    opts = Options.from_dict({"bake_s": 60, "drain_timeout_s": 30, "gate_timeout_s": 600, **options})
+    return rr.Record("r1", "n0", 0.0, "old", "new", opts, tuple(rr.Step(s, ("prefill",), "old", "new") for s in steps))
+
+
+def move(rec: rr.Record, obs: rr.Observed) -> tuple[rr.Record, list[rr.Ask]]:
+    out = rr.advance(rec, obs)
+    assert out is not None, f"nothing moved from {rec.steps[rec.current() or 0].phase}: {rec.message}"
+    return out
+
+
+def marked(rec: rr.Record, what: str, *nodes: str, value: str = "") -> rr.Record:
+    for node in nodes:
+        new = rr.mark(rec, rec.current() or 0, what, node, value)
+        assert new is not None
+        rec = new
+    return rec
+
+
+def test_one_step_through_every_phase() -> None:
+    rec = record(("p0",), ("p1",))
+    rec, _ = move(rec, observed(10, {}))
+    assert rec.steps[0].phase == "draining" and rr.held_out(rec) == {"p0": "rollout r1 step 1: draining"}
+    assert rr.advance(rec, observed(11, {})) is None, "no drain yet"
+    rec = marked(rec, "drained", "n0", "n1")
+    assert rr.advance(rec, observed(12, {})) is None, "the proxy has not taken it out yet"
+    rec = marked(rec, "proxy_out", "n0")
+    rec, _ = move(rec, observed(12, {}))
+    assert rec.steps[0].phase == "staging"
+    assert rr.wanted_hash(rec, "p0", "n0") == "old"
+    rec = marked(rec, "staged", "n0")
+    assert rr.wanted_hash(rec, "p0", "n0") == "new" and rr.wanted_hash(rec, "p0", "n1") == "old"
+    rec = marked(rec, "staged", "n1")
+    rec, asks = move(rec, observed(13, {"p0": 4}))
+    assert rec.steps[0].phase == "restarting" and asks == [rr.Ask("p0", 4, "rollout r1: old → new")]
+    assert rr.advance(rec, observed(14, {"p0": 4})) is None
+    assert move(rec, observed(30, {"p0": 4}))[1] == asks, "asked again after 10 s (idempotent)"
+    rec, _ = move(rec, observed(31, {"p0": 5}, {"p0": False}))
+    assert rec.steps[0].phase == "gating"
+    assert rr.advance(rec, observed(32, {"p0": 5})) is None, "healthy, canary not answered yet"
+    rec = marked(rec, "canary", "p0", value="ok")
+    rec, _ = move(rec, observed(33, {"p0": 5}))
+    assert rec.steps[0].phase == "rejoining" and rr.held_out(rec) == {}
+    rec = marked(rec, "proxy_in", "n0")
+    rec, _ = move(rec, observed(34, {"p0": 5}))
+    assert rec.steps[0].phase == "baking"
+    assert rr.advance(rec, observed(60, {"p0": 5})) is None
+    rec, _ = move(rec, observed(94, {"p0": 5}))
+    assert rec.steps[0].phase == "done" and rec.current() == 1
+
+
+def test_the_floor_holds_a_step_and_the_drain_times_out() -> None:
+    rec = record(("p0",))
+    out = move(rec, observed(1, {}, {"p1": False}))[0]
+    assert out.steps[0].phase == "pending" and "floor: no other prefill group serving (p1" in out.message
+    assert rr.advance(out, observed(2, {}, {"p1": False})) is None, "the same wait is written once"
+    assert rr.advance(out, observed(3, {}, {"p1": False, "d0": False})) is None, "another wait: not within 30 s"
+    assert "floor: no other decode" in move(out, observed(40, {}, {"p1": True, "d0": False}))[0].message
+    rec, _ = move(rec, observed(3, {}))
+    rec, _ = move(rec, observed(40, {}))
+    assert rec.steps[0].phase == "staging" and "drain timed out after 30s" in rec.message
+
+
+def test_a_failure_in_the_gate_turns_the_step_back_and_halts() -> None:
+    rec = record(("p0",), ("p1",))
+    rec, _ = move(rec, observed(1, {}))
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(2, {}))
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
+    rec, _ = move(rec, observed(4, {"p0": 2}))
+    rec, _ = move(rec, observed(5, {"p0": 2}, failed={"p0": {"n1/vllm": 2}}))
+    step = rec.steps[0]
+    assert step.phase == "staging" and step.failed == "n1/vllm failed" and (step.from_hash, step.to_hash) == ("new",
+                                                                                                            "old")
+    assert rr.held_out(rec) == {"p0": "rollout r1 step 1: staging"}, "still out of the proxy"
+    rec, asks = move(marked(rec, "staged", "n0", "n1"), observed(6, {"p0": 3}))
+    assert asks[0].base == 3 and asks[0].reason.startswith("rollback")
+    rec, _ = move(rec, observed(7, {"p0": 4}, failed={"p0": {"n1/vllm": 2}}))
+    assert rec.steps[0].phase == "gating", "the old failure (generation 2) is not the rollback's"
+    rec, _ = move(marked(rec, "canary", "p0", value="ok"), observed(8, {"p0": 4}))
+    rec, _ = move(marked(rec, "proxy_in", "n0"), observed(9, {"p0": 4}))
+    assert rec.steps[0].phase == "rolled_back" and rec.status == "halted" and rec.steps[1].phase == "pending"
+    assert rr.wanted_hash(rec, "p0", "n0") == "old" and rr.advance(rec, observed(10, {"p0": 4})) is None
+    resumed = rr.control(rec, "resume", 11, "op")
+    assert resumed.status == "running" and resumed.steps[0].phase == "pending"
+    assert (resumed.steps[0].from_hash, resumed.steps[0].to_hash) == ("old", "new")
+
+
+def test_pause_abort_and_rollback_controls() -> None:
+    rec = record(("p0",), ("p1",))
+    rec, _ = move(rec, observed(1, {}))
+    paused = rr.control(rec, "pause", 2, "op")
+    assert paused.status == "paused" and paused.steps[0].phase == "draining"
+    with pytest.raises(ValueError, match="only a running rollout pauses"):
+        rr.control(paused, "pause", 3, "op")
+    aborted = rr.control(rec, "abort", 3, "op")
+    assert [s.phase for s in aborted.steps] == ["draining", "skipped"]
+    aborted, _ = move(aborted, observed(4, {}))
+    assert aborted.steps[0].phase == "skipped" and rr.held_out(aborted) == {}
+    aborted, _ = move(aborted, observed(5, {}))
+    assert aborted.status == "aborted"
+    back = rr.control(rec, "rollback", 6, "op")
+    assert back.status == "rolling_back" and [(s.groups, s.rollback, s.phase) for s in back.steps] == [
+        (("p0",), False, "draining"), (("p1",), False, "skipped"), (("p0",), True, "pending")]
+    assert (back.steps[2].from_hash, back.steps[2].to_hash) == ("new", "old")
+
+
+def test_time_left_from_load_times_then_from_steps_done() -> None:
+    rec = record(("p0",), ("p1",))
+    assert rr.time_left(rec, {}, 0) is None
+    assert rr.time_left(rec, {"p0": 100.0, "p1": 200.0}, 0) == 100 + 60 + 200 + 60
+    done = rec.with_step(0, rr.Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
+    assert rr.time_left(done, {}, 600) == 500
+    assert rr.Record.from_dict(done.to_dict()) == done, "the record survives etcd"
+
+
+def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None:
+    """Each agent sees member and gang records through its own watch, a little late (found by the simulation at
+    N = 64: a healthy group failed its bake on one agent's late view)."""
+    rec = record(("p0",))
+    rec, _ = move(rec, observed(1, {}))
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(2, {}))
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
+    rec, _ = move(rec, observed(4, {"p0": 2}))
+    rec = marked(rec, "canary", "p0", value="ok")
+    assert rr.advance(rec, observed(5, {"p0": 1})) is None, "the old generation, all ready: not the gate"
+    assert not rr.ready_again(rec.steps[0], observed(5, {"p0": 1}), "p0")
+    rec, _ = move(rec, observed(6, {"p0": 2}))
+    rec, _ = move(marked(rec, "proxy_in", "n0"), observed(7, {"p0": 2}))
+    assert rec.steps[0].phase == "baking"
+    assert rr.advance(rec, observed(8, {"p0": 2}, {"p0": False})) is None, "a late view of a healthy group"
+    failed, _ = move(rec, observed(9, {"p0": 3}))
+    assert failed.steps[0].failed == "while baking: group p0 restarted again (generation 3): a rank failed"

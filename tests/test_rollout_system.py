@@ -1,0 +1,194 @@
+"""A rollout on real processes: five agents on one machine (the master runs etcd and vllm-ascend's real PD proxy),
+real datasystem workers, the vLLM stand-in; groups p0 (prefill, n0 + n1), p1 (prefill, n2 + n3), d0 (decode, n4).
+Requests flow through the proxy the whole time. What the process-less tests (test_rollout_layer.py) cannot show:
+that no request sent while a group was drained fails through the real proxy, that the real agents restart their
+ranks with the new file (their member records publish its hash), that a group failing its canary is rolled
+back, that an agent killed mid-step picks the plan up, and the CLI's refusal for the single decode group."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_harness import ClusterHarness
+from conftest import free_port, wait_for
+
+pytestmark = pytest.mark.system
+
+ROOT = Path(__file__).resolve().parents[1]
+PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+NODES = ["n0", "n1", "n2", "n3", "n4"]
+
+
+@pytest.fixture(scope="module")
+def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
+    if not PROXY.is_file():
+        pytest.fail("vllm-ascend's proxy is not fetched: scripts/test.sh fetches it "
+                    "(scripts/fetch_vllm_ascend_examples.py)")
+    h = ClusterHarness(tmp_path_factory.mktemp("rollout"), None, NODES, run_etcd=True, ttl_s=3.0, heartbeat_s=5.0)
+    h.data["cluster"]["vllm_groups"] = [
+        {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": free_port()},
+        {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": free_port()},
+        {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+    ]
+    h.data["cluster"]["pd"] = {"kv_port_base": free_port()}
+    h.data["components"]["proxy"] = {"kind": "proxy", "command": sys.executable, "script": str(PROXY),
+                                     "port": free_port(), "host": "127.0.0.1",
+                                     "probes": {"readiness": {"period_s": 1, "timeout_s": 10}}}  # fmt: skip
+    try:
+        h.start()
+        h.wait_up(timeout=180)
+        wait_for("the proxy ready", lambda: h.cluster("n0")["coordination"]["proxies"][0]["groups"] ==
+                 {"p0": "in", "p1": "in", "d0": "in"}, 120)  # fmt: skip
+        yield h
+    finally:
+        h.cleanup()
+
+
+class Traffic:
+    """Requests through the proxy one after the other (with short gaps: the proxy deletes a removed instance
+    only at an idle moment), each noted with when it was sent and how it ended."""
+
+    def __init__(self, h: ClusterHarness) -> None:
+        self.url = f"http://127.0.0.1:{h.data['components']['proxy']['port']}/v1/completions"
+        self.results: list[tuple[float, int, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def ask(self) -> tuple[int, str]:
+        body = json.dumps({"model": "dsv4", "prompt": "hello there", "max_tokens": 4}).encode()
+        request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                response.read()
+                return response.status, ""
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")[:200]
+        except OSError as exc:
+            return 0, str(exc)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            sent = time.monotonic()
+            self.results.append((sent, *self.ask()))
+            time.sleep(0.05)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        wait_for("traffic flowing", lambda: sum(1 for r in self.results if r[1] == 200) >= 3, 30)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    def failed(self) -> list[tuple[float, int, str]]:
+        return [r for r in self.results if r[1] != 200]
+
+
+def install(h: ClusterHarness, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """The operator's tool writes the new file on every member (the agents keep what they loaded)."""
+    edit(h.data)
+    for name in NODES:
+        h.write(name)
+    return h.config_path("n1")
+
+
+def group_env(*groups: str, **env: str) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        for g in data["cluster"]["vllm_groups"]:
+            if g["name"] in groups:
+                g["env"] = {**g.get("env", {}), **env}
+
+    return edit
+
+
+def rollout(h: ClusterHarness, node: str = "n1") -> dict[str, Any]:
+    return h.cluster(node).get("rollout") or {}
+
+
+def pids(h: ClusterHarness) -> dict[str, int]:
+    return {n: h.agents[n].children()["vllm"]["pid"] for n in NODES}
+
+
+def hashes(h: ClusterHarness) -> dict[str, str]:
+    return {m["name"]: m.get("cluster_hash") for m in h.cluster("n0")["members"]}
+
+
+def generation(h: ClusterHarness, group: str) -> int:
+    node = {"p0": "n0", "p1": "n2", "d0": "n4"}[group]
+    out = h.ctl(node, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return int(json.loads(out.stdout)["cluster"]["gangs"][group]["generation"])
+
+
+def test_the_single_decode_group_refuses_without_allow_outage(cl: ClusterHarness) -> None:
+    path = install(cl, lambda data: data["components"]["vllm"]["env"].update(VLLM_ROLLOUT_TEST="1"))
+    out = cl.ctl("n1", "cluster", "rollout", str(path))
+    assert out.returncode == 1, out
+    assert "d0 (decode, n4) changes:" in out.stdout and "env VLLM_ROLLOUT_TEST added" in out.stdout, out.stdout
+    assert "REFUSED: decode has one group (d0): its step takes decode down for" in out.stdout, out.stdout
+    assert "pass --allow-outage decode" in out.stdout, out.stdout
+    assert cl.ctl("n1", "cluster", "rollout", "status").stdout.strip() == "rollout: none"
+    install(cl, lambda data: data["components"]["vllm"]["env"].pop("VLLM_ROLLOUT_TEST"))
+
+
+def test_a_rollout_under_traffic_survives_a_killed_agent_and_no_request_fails(cl: ClusterHarness) -> None:
+    before, old = pids(cl), set(hashes(cl).values())
+    gens = {g: generation(cl, g) for g in ("p0", "p1", "d0")}
+    path = install(cl, group_env("p0", "p1", VLLM_ROLLOUT_FLAG="on"))
+    with Traffic(cl) as traffic:
+        dry = cl.ctl("n1", "cluster", "rollout", str(path), "--dry-run", "--bake", "5s")
+        assert dry.returncode == 0 and "step 1: p0" in dry.stdout and "step 2: p1" in dry.stdout, dry
+        out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "5s", "--drain-timeout", "60s")
+        assert out.returncode == 0 and "stored as rollout" in out.stdout, out
+        wait_for("p1's step begun", lambda: rollout(cl)["steps"][1]["phase"] != "pending", 240, 0.5)
+        cl.kill("n3")  # a member of the step in progress
+        cl.start("n3")
+        wait_for("the rollout done", lambda: rollout(cl, "n4")["status"] == "done", 300, 1.0)
+        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
+                 == "in", 60)  # fmt: skip
+        sent_at = time.monotonic()
+        wait_for("requests after the rollout", lambda: any(r[0] > sent_at for r in traffic.results), 30)
+    print(f"{len(traffic.results)} requests during the rollout")
+    assert not traffic.failed(), f"requests failed during the rollout: {traffic.failed()[:5]}"
+    after = pids(cl)
+    assert all(after[n] != before[n] for n in ("n0", "n1", "n2", "n3")) and after["n4"] == before["n4"]
+    new = set(hashes(cl).values())
+    assert len(new) == 1 and new != old, "every member runs the new file (d0's too: nothing of it changed)"
+    steps = rollout(cl)["steps"]
+    assert [s["phase"] for s in steps] == ["done", "done"]
+    want = {g: n + (g != "d0") for g, n in gens.items()}
+    assert {g: generation(cl, g) for g in gens} == want, "one generation per step, d0 none"
+
+
+def test_a_group_failing_its_gate_is_rolled_back_and_the_rollout_halts(cl: ClusterHarness) -> None:
+    before = pids(cl)
+    old = hashes(cl)["n2"]
+    path = install(cl, group_env("p1", VLLM_STANDIN_FAULT="empty"))  # answers without tokens: the canary fails
+    with Traffic(cl) as traffic:
+        out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "5s")
+        assert out.returncode == 0, out
+        wait_for("halted", lambda: rollout(cl)["status"] == "halted", 300, 1.0)
+        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
+                 == "in", 60)  # fmt: skip
+    view = rollout(cl)
+    # the stand-in answers without tokens: the canary fails, or the rank's own probes restart it first
+    why = view["steps"][0]["failed"]
+    assert "the canary request to p1 failed" in why or "a rank failed" in why, view
+    assert "rolled back" in view["message"]
+    assert not traffic.failed(), f"requests failed: {traffic.failed()[:5]}"
+    assert hashes(cl)["n2"] == hashes(cl)["n3"] == old, "p1 runs the previous file again"
+    after = pids(cl)
+    assert after["n2"] != before["n2"] and after["n0"] == before["n0"], "only p1 restarted (twice)"
+    status = cl.ctl("n1", "cluster", "rollout", "status")
+    assert "halted" in status.stdout and "1. p1: rolled_back" in status.stdout, status.stdout
+    assert cl.ctl("n1", "cluster", "rollout", "abort").returncode != 0, "a halted rollout is over already"
