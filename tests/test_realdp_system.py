@@ -1,0 +1,254 @@
+"""A real vLLM data-parallel group through the agents (issue 16 items 0 and 1): two agents on one machine, one
+cluster file, one external-launch group `g` of two ranks — `vllm-dp0` on n0 (the head: it binds the DP RPC port)
+and `vllm-dp1` on n1 — each a real CPU `vllm serve` of the tiny random MoE made at test time. Probed with
+/health only (a completion fails on this CPU build under DP and takes the whole group down).
+
+What real ranks do that the stand-in never did: a rank whose API server is killed leaves its EngineCore and
+Worker running re-parented to PID 1, and that EngineCore ignores SIGTERM; the survivor keeps answering /health
+200. So the tests watch every process of the cluster (by the DSV4_AGENT_CLUSTER variable each child inherits)
+and fail if any process of an old generation is still alive when a process of the new one appears, on either
+node. One group for the module: a rank costs ~70 s and a core to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import pytest
+import realvllm
+from cluster_harness import ClusterHarness
+from conftest import free_port, wait_for
+from etcdserver import EtcdServer
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
+
+RANKS = {"n0": "vllm-dp0", "n1": "vllm-dp1"}
+
+
+@dataclass
+class Seen:
+    name: str
+    component: str
+    first: float
+    last: float
+    gone: float | None = None
+
+    @property
+    def title(self) -> str:
+        """Its program or vLLM title (`VLLM::EngineCore_DP1`); `?` while its command line is empty."""
+        return (self.name.split() or ["?"])[0]
+
+
+@dataclass
+class ProcessWatch:
+    """Every process carrying DSV4_AGENT_CLUSTER=<cluster>, polled every 20 ms: when each was first and last seen
+    alive (a zombie counts as gone: it holds nothing but its PID)."""
+
+    cluster: str
+    seen: dict[tuple[int, float], Seen] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> ProcessWatch:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="process-watch")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        sids: dict[int, str] = {}
+        """session → component"""
+        while not self._stop.is_set():
+            now = time.monotonic()
+            alive = set()
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                pid = int(entry)
+                try:
+                    proc = psutil.Process(pid)
+                    key = (pid, proc.create_time())
+                    if key not in self.seen:
+                        # setproctitle (VLLM::EngineCore_DP1) overwrites the environment block /proc shows, so a
+                        # process is ours by the variable or by the session of one that was
+                        env, sid = realvllm.environ(pid), os.getsid(pid)
+                        if env.get("DSV4_AGENT_CLUSTER") == self.cluster:
+                            sids.setdefault(sid, env.get("DSV4_AGENT_COMPONENT", "?"))
+                        if sid not in sids:
+                            continue
+                        at = time.monotonic()  # when it was seen, not when this scan began
+                        self.seen[key] = Seen("", sids[sid], at, at)
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        continue
+                    seen = self.seen[key]
+                    seen.last = time.monotonic()
+                    if not seen.name.startswith("VLLM::"):  # its title is set once its imports are done
+                        line = " ".join(proc.cmdline()).strip()
+                        seen.name = line if line.startswith("VLLM::") else line[-40:]
+                    alive.add(key)
+                except (OSError, psutil.Error):
+                    continue
+            for key, s in self.seen.items():
+                if key not in alive and s.gone is None:
+                    s.gone = now
+            self._stop.wait(0.02)
+
+    def timeline(self, since: float) -> str:
+        """Every process seen, in order of appearance, with times relative to `since` (for failure messages)."""
+        rows = sorted(self.seen.items(), key=lambda kv: kv[1].first)
+        return "\n".join(f"  {s.component:9} pid {pid:<7} {s.name:40} seen {s.first - since:8.2f} .. "
+                         f"{s.last - since:8.2f}  gone {'-' if s.gone is None else f'{s.gone - since:.2f}'}"
+                         for (pid, _), s in rows)  # fmt: skip
+
+    def alive(self) -> dict[tuple[int, float], Seen]:
+        return {k: s for k, s in self.seen.items() if s.gone is None}
+
+
+@dataclass
+class Group:
+    h: ClusterHarness
+    watch: ProcessWatch
+    ports: dict[str, int]
+    up_after_s: float
+
+    def status(self, node: str) -> dict[str, Any]:
+        out = self.h.ctl(node, "status", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    def gang(self, node: str) -> dict[str, Any]:
+        return self.status(node)["cluster"]["gangs"]["g"]  # type: ignore[no-any-return]
+
+    def main_pid(self, node: str) -> int:
+        return int(self.h.agents[node].children()[RANKS[node]]["pid"])
+
+    def healthy(self) -> bool:
+        return all(realvllm.health(p) == 200 for p in self.ports.values())
+
+    def wait_serving(self, timeout: float = 300) -> None:
+        """Both ranks ready in their agents and answering /health 200."""
+        try:
+            for node, comp in RANKS.items():
+                self.h.wait_states(node, {comp: {"ready"}}, timeout)
+            wait_for("both ranks /health 200", self.healthy, 60, 0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.h.log_tails(60)}") from None
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory, etcd: EtcdServer) -> Iterator[Group]:
+    why = realvllm.missing()
+    if why is not None:
+        pytest.skip(f"no real CPU vLLM: {why}")
+    home = tmp_path_factory.mktemp("realdp")
+    model = realvllm.make_model(home / "tiny-moe")
+    h = ClusterHarness(home, etcd.endpoint, list(RANKS), ttl_s=3.0, heartbeat_s=5.0)
+    realvllm.dp_group(h, model, free_port())
+    ports = {n: h.node(n)["components"]["vllm"]["port"] for n in RANKS}
+    watch = ProcessWatch(h.cluster_name).start()
+    try:
+        began = time.monotonic()
+        h.start()
+        g = Group(h, watch, ports, 0.0)
+        g.wait_serving()
+        g.up_after_s = time.monotonic() - began
+        print(f"\ncold start: both ranks /health 200 after {g.up_after_s:.1f}s")
+        yield g
+    finally:
+        watch.stop()
+        h.cleanup()
+
+
+def test_cold_start_through_the_barrier_with_real_ranks(group: Group) -> None:
+    for node in RANKS:
+        g = group.gang(node)
+        assert g["generation"] == g["acted"] and g["barrier"] == {"arrived": ["n0", "n1"], "released": True}, g
+    assert "every node arrived (n0, n1)" in group.h.agents["n1"].log()
+    comps = {s.component for s in group.watch.alive().values()}
+    assert comps == set(RANKS.values()), comps
+
+
+def engine_core(group: Group, node: str) -> int:
+    """The PID of that rank's `VLLM::EngineCore_DP<r>` (in its session)."""
+    sid = int(group.h.agents[node].children()[RANKS[node]]["sid"])
+    title = f"VLLM::EngineCore_DP{node[1:]}"
+    (pid,) = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0] == title
+              and os.getsid(p.pid) == sid]  # fmt: skip
+    return pid
+
+
+def restarts(group: Group) -> dict[str, int]:
+    return {n: group.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
+
+
+def one_generation_after(group: Group, gen: int, before: dict[str, int], killed_at: float,
+                         old: dict[tuple[int, float], Seen]) -> None:  # fmt: skip
+    """Exactly one new generation, acted on once per node, each rank restarted once, and no process of it
+    started on either node before every process of the old trees was gone."""
+    new = {k: s for k, s in group.watch.seen.items() if k not in old and s.first > killed_at}
+    timeline = f"processes (seconds from the kill):\n{group.watch.timeline(killed_at)}\n{group.h.log_tails(40)}"
+    assert all(s.gone is not None for s in old.values()), f"old processes alive\n{timeline}"
+    # last seen alive vs first seen: a process seen alive after a new one was seen proves they overlapped
+    last_old = max(s.last for s in old.values())
+    first_new = min(s.first for s in new.values())
+    print(f"last old process seen alive → first new one seen: {first_new - last_old:.2f}s; "
+          f"old: {sorted({s.title for s in old.values()})}")  # fmt: skip
+    assert last_old < first_new, f"a process of the new generation appeared while one of the old was alive\n{timeline}"
+    for node, comp in RANKS.items():
+        g = group.gang(node)
+        assert (g["generation"], g["acted"]) == (gen + 1, gen + 1), f"{node}: {g}\n{timeline}"
+        assert group.h.agents[node].log().count(f"group g generation {gen + 1} (") == 1, "acted on exactly once"
+        assert group.status(node)["components"][comp]["restarts"] == before[node] + 1, f"{node}\n{timeline}"
+    mains = [s for s in new.values() if s.gone is None and "--port" in s.name]  # the API servers
+    assert sorted(s.component for s in mains) == sorted(RANKS.values()), f"one API server per rank\n{timeline}"
+
+
+def test_a_killed_api_server_restarts_the_group_once_after_every_old_process_is_gone(group: Group) -> None:
+    """kill -9 of rank 1's API server: its EngineCore_DP1 and Worker_DP1 run on (re-parented, and the
+    EngineCore ignores SIGTERM) while rank 0 still answers /health 200 — both ranks restart, once."""
+    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
+    titles = {s.title for s in old.values() if s.component == RANKS["n1"]}
+    assert "VLLM::EngineCore_DP1" in titles and any(t.startswith("VLLM::Worker") for t in titles), titles
+    killed_at = time.monotonic()
+    os.kill(group.main_pid("n1"), signal.SIGKILL)
+    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 120, 0.5)
+    group.wait_serving()
+    print(f"kill -9 of rank 1's API server → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
+    one_generation_after(group, gen, before, killed_at, old)
+
+
+def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank_restarts(group: Group) -> None:
+    """kill -9 of rank 0's EngineCore alone (its API server is left to notice), then, while the group
+    restarts, kill -9 of n1's agent as its new rank loads, long enough for its member key to expire: the next
+    agent adopts that rank, and nobody starts another generation."""
+    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
+    killed_at = time.monotonic()
+    old_pid = group.main_pid("n1")
+    os.kill(engine_core(group, "n0"), signal.SIGKILL)
+    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 120, 0.5)
+
+    def loading() -> int | None:
+        rec = group.h.agents["n1"].children().get(RANKS["n1"])
+        state = group.h.agents["n1"].states().get(RANKS["n1"])
+        return int(rec["pid"]) if rec and int(rec["pid"]) != old_pid and state == "starting" else None
+
+    pid = wait_for("n1's new rank loading", loading, 120, 0.2)
+    group.h.kill("n1")
+    group.h.wait_members("n0", {"n0"}, timeout=30)  # n1's member key is gone too: its rank loads on, unwatched
+    group.h.start("n1")
+    group.wait_serving()
+    print(f"kill -9 of rank 0's EngineCore → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
+    assert group.main_pid("n1") == pid, "the new agent adopted the loading rank"
+    assert f"adopted running pid {pid}" in group.h.agents["n1"].log()
+    one_generation_after(group, gen, before, killed_at, old)
