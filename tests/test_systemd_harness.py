@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from parallel import HEAVY
 from systemd_container import SystemdContainer, default_binds, ensure_rootfs, nspawn_unavailable_reason
 
 import nodeagent
@@ -21,6 +22,7 @@ PY = sys.executable
 _reason = nspawn_unavailable_reason()
 pytestmark = [
     pytest.mark.system,
+    HEAVY,
     pytest.mark.skipif(_reason is not None, reason=f"cannot boot a systemd container here: {_reason}"),
 ]
 
