@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,17 +36,32 @@ def private_announcements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     yield
 
 
-_MADE_RUN_DIR: list[Path | None] = []
+_MADE: dict[str, Any] = {}
+"""What this process made for the run: the run folder, the short basetemp (tests/parallel.py); the exit status."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    """The run folder (tests/parallel.py) before xdist starts its workers, so that they inherit it."""
-    _MADE_RUN_DIR.append(parallel.make_run_dir())
+    """The run folder before xdist starts its workers (they inherit it), and under xdist a short basetemp."""
+    _MADE["run_dir"] = parallel.make_run_dir()
+    distributed = bool(getattr(config.option, "numprocesses", None)) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if distributed and config.option.basetemp is None:
+        _MADE["basetemp"] = config.option.basetemp = str(parallel.short_basetemp())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _MADE["exitstatus"] = exitstatus
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int) -> None:
+    if exitstatus != 0 and _MADE.get("basetemp"):
+        terminalreporter.write_line(f"the tests' folders are kept in {_MADE['basetemp']}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _MADE_RUN_DIR:
-        parallel.remove_run_dir(_MADE_RUN_DIR.pop())
+    parallel.remove_run_dir(_MADE.pop("run_dir", None))
+    if _MADE.get("basetemp") and _MADE.get("exitstatus") == 0:
+        shutil.rmtree(_MADE["basetemp"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,6 +21,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -48,6 +49,20 @@ def remove_run_dir(made: Path | None) -> None:
     if made is not None:
         shutil.rmtree(made, ignore_errors=True)
         os.environ.pop(RUN_DIR_VAR, None)
+
+
+def short_basetemp() -> Path:
+    """The run's temporary folder under xdist, when none was given: each worker's lies in it as `popen-gwN`, so
+    pytest's own /tmp/pytest-of-root/pytest-NNN/popen-gwN would put a test's folder 10 characters deeper than a
+    plain run does, and the datasystem worker's unix sockets (under a test's folder) would no longer fit in
+    sun_path's 108 bytes. /tmp/dsv4t-XXXXXXXX/popen-gwN is no longer than pytest's plain folder. Removed after a
+    run that passed; a failed run's is kept (named at the end of the run) until a run a day later."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob("dsv4t-*"):
+        with contextlib.suppress(OSError):
+            if old.is_dir() and time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix="dsv4t-", dir=root))
 
 
 def run_dir() -> Path:

@@ -68,8 +68,10 @@ def test_newlines_use_the_binary_form(fake_journald: tuple[socket.socket, str]) 
     assert parse_entry(data)["MESSAGE"] == raw
 
 
-def test_field_names_are_sanitised_and_none_dropped(fake_journald: tuple[socket.socket, str]) -> None:
+def test_field_names_are_sanitised_and_none_dropped(fake_journald: tuple[socket.socket, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     sock, path = fake_journald
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/dsv4-agent", *sys.argv[1:]])  # not pytest's own (xdist: -c)
     fields = {"my-field": 1, "_trusted": "x", "9lives": "y", "gone": None, "priority": 0, "ok": b"\x00\x01"}
     assert JournalSender(path).send("m", 6, **fields)
     got = parse_entry(sock.recv(65536))
@@ -79,7 +81,10 @@ def test_field_names_are_sanitised_and_none_dropped(fake_journald: tuple[socket.
     assert got["PRIORITY"] == b"6"  # the priority argument wins over a stray field
     assert got["OK"] == b"\x00\x01"
     assert "GONE" not in got
-    assert got["SYSLOG_IDENTIFIER"] == os.path.basename(sys.argv[0]).encode()
+    assert got["SYSLOG_IDENTIFIER"] == b"dsv4-agent"  # the program's name, as sd_journal_send(3) does
+    monkeypatch.setattr(sys, "argv", ["-c"])  # `python -c ...` has no program name
+    assert JournalSender(path).send("m", 6)
+    assert parse_entry(sock.recv(65536))["SYSLOG_IDENTIFIER"] == b"python"
 
 
 def test_large_entry_goes_through_a_sealed_memfd(fake_journald: tuple[socket.socket, str]) -> None:

@@ -7,6 +7,7 @@ Chromium: `apt-get install chromium` (scripts/test.sh does); without it the brow
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -278,8 +279,12 @@ async def test_a_node_live_restarts_cache_rates_and_the_agent_going_away(tmp_pat
         assert points["local_win"] >= 1, "the requests' windows"
         asks = [u.split("/cache", 1)[1] for u in page.requests if "/cache" in u]
         assert asks[0] == "" and len(asks) >= 3 and all(a.startswith("?since=") for a in asks[1:]), asks
-        gaps = [b["ts"] - a["ts"] for a, b in zip(history["samples"], history["samples"][1:], strict=False)]
-        assert min(gaps) > PERIOD_S * 0.5 and PERIOD_S * 0.8 < statistics.median(gaps) < PERIOD_S * 1.5, gaps
+        stamps = [s["ts"] for s in history["samples"]]
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        # On the sampler's grid: never more samples than periods. A sample's time is taken after its scrape, so
+        # one gap may be short when the scrape before it was slow (a loaded machine), never two in one period.
+        assert min(gaps) > 0 and len(gaps) <= (stamps[-1] - stamps[0]) / PERIOD_S + 1, gaps
+        assert PERIOD_S * 0.8 < statistics.median(gaps) < PERIOD_S * 1.5, gaps
         shot = await page.screenshot(tmp_path / "ui-node.png")
         assert shot.stat().st_size > 20_000
         assert_only_the_agent(page, stack.url)
