@@ -30,17 +30,26 @@ def _node_name(client: Client) -> str:
     return str(client.get("/status")["node"]["name"])
 
 
+def _summary(status: dict[str, Any]) -> str:
+    return ", ".join(f"{n} {c['state']}" + (f" (held: {c['held']})" if c.get("held") else "")
+                     for n, c in status["components"].items())  # fmt: skip
+
+
 def _wait(client: Client, what: str, done: Any, timeout: float, interval: float = 0.5) -> dict[str, Any]:
     """Poll /status until done(status) returns a message (success) or raises CliError (failure)."""
+    message = _poll(lambda: client.get("/status"), what, lambda status: (done(status), _summary(status)), timeout,
+                    interval)  # fmt: skip
+    return {"message": message}
+
+
+def _poll(fetch: Any, what: str, progress: Any, timeout: float, interval: float = 0.5) -> str:
+    """fetch() until progress(it) gives (message, summary) with a message; each new summary is shown."""
     deadline = time.monotonic() + timeout
     last = ""
     while True:
-        status = client.get("/status")
-        message = done(status)
+        message, summary = progress(fetch())
         if message:
-            return {"message": message}
-        summary = ", ".join(f"{n} {c['state']}" + (f" (held: {c['held']})" if c.get("held") else "")
-                            for n, c in status["components"].items())  # fmt: skip
+            return str(message)
         if summary != last:
             print(f"  … {summary}", file=sys.stderr)
             last = summary
@@ -124,24 +133,9 @@ def _wait_group(client: Client, wait: GroupWait, timeout: float) -> int:
             else f"{wait.nodes[0]}/{next(iter(wait.before[wait.nodes[0]]))} (through its member key)")  # fmt: skip
     print(f"  waiting for {what}" + (f" on {', '.join(wait.nodes)}" if wait.group else ""), file=sys.stderr)
     began = time.monotonic()
-    result = _wait_view(client, what, lambda view: group_progress(wait, view), timeout)
+    result = _poll(lambda: cluster_view(client), what, lambda view: group_progress(wait, view), timeout)
     print(f"{result} after {time.monotonic() - began:.1f}s")
     return 0
-
-
-def _wait_view(client: Client, what: str, progress: Any, timeout: float, interval: float = 0.5) -> str:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        message, summary = progress(cluster_view(client))
-        if message:
-            return str(message)
-        if summary != last:
-            print(f"  … {summary}", file=sys.stderr)
-            last = summary
-        if time.monotonic() >= deadline:
-            raise CliError(f"timed out after {timeout:g}s waiting for {what} ({summary})")
-        time.sleep(interval)
 
 
 def _remote_component(client: Client, args: argparse.Namespace) -> int:
