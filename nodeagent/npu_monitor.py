@@ -98,10 +98,16 @@ class NpuMonitor:
 
     # ------------------------------------------------------------------------------------------- polling
 
-    async def poll(self) -> NpuSnapshot | None:
-        """One snapshot now (concurrent callers share it); None where npu-smi does not exist."""
+    async def poll(self, begun_after_call: bool = False) -> NpuSnapshot | None:
+        """One snapshot now (concurrent callers share it); None where npu-smi does not exist.
+
+        `begun_after_call`: the snapshot must be read after this call (an uncordon judges the chips as they are
+        now; a poll already under way may have read them before the operator fixed them)."""
         if self.skipped is not None:
             return None
+        if begun_after_call and self._inflight is not None and not self._inflight.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._inflight)
         if self._inflight is None or self._inflight.done():
             self._inflight = asyncio.ensure_future(self._poll())
         return await asyncio.shield(self._inflight)

@@ -194,7 +194,7 @@ class NodeRecovery:
             return  # no automatic action under a maintenance pause
         if self._look_now:  # an operator fixed the chips and uncordoned: judge them as they are, not as last seen
             self._look_now = False
-            await self.npu.poll()
+            await self.npu.poll(begun_after_call=True)
         self._note_baseline()
         now = self.clock.time()
         faults = [*self.npu.faults, *([self.unverified] if self.unverified else [])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,34 @@ async def test_fault_holds_start_emits_events_and_clears(tmp_path: Path) -> None
     assert status["checked"] and status["start"] == {"allowed": True, "reasons": []}
     assert status["npus"][0] == {"npu": 0, "chip": 0, "name": "910B3", "health": "OK", "hbm_used_mb": 3162,
                                  "hbm_total_mb": 65536, "link": None}  # fmt: skip
+
+
+async def test_a_poll_begun_after_the_call_never_answers_with_a_reading_from_before(tmp_path: Path) -> None:
+    """An uncordon judges the chips as they are now: a poll already under way read them before the operator fixed
+    them. A plain poll shares it (one npu-smi at a time); `begun_after_call` waits it out and reads again."""
+    fake, clock = FakeAscend(tmp_path, "critical-chip"), Clock()
+    mon = monitor(fake, clock)
+    read, release = asyncio.Event(), asyncio.Event()
+    real = mon.tools.snapshot
+
+    async def slow_snapshot(**kwargs: Any) -> Any:
+        snap = await real(**kwargs)
+        read.set()
+        await release.wait()  # the reading is taken; its answer is late (a loaded host)
+        return snap
+
+    mon.tools.snapshot = slow_snapshot  # type: ignore[method-assign]
+    stale = asyncio.ensure_future(mon.poll())
+    await read.wait()
+    fake.set("healthy-a2")  # the operator replaced the chip
+    shared = asyncio.ensure_future(mon.poll())
+    now = asyncio.ensure_future(mon.poll(begun_after_call=True))
+    release.set()
+    assert (await stale) is (await shared), "a plain poll shares the one under way"
+    mon.tools.snapshot = real  # type: ignore[method-assign]
+    snap = await now
+    assert snap is not None and snap is not (await stale) and mon.faults == [], mon.faults
+    assert mon.polls == 2
 
 
 async def test_override_lets_the_start_through_and_says_so(tmp_path: Path) -> None:
