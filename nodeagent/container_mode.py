@@ -31,6 +31,7 @@ from nodeagent.container_options import ContainerRenderError
 from nodeagent.container_plan import ContainerState, SetupStepFailed
 from nodeagent.errors import AdoptError, LaunchError
 from nodeagent.policy import RestartDecision
+from nodeagent.probe_resolve import ResolvedProbe
 from nodeagent.render_container import container_spec, shared_folders
 from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
 from nodeagent.stackport import ComponentView, Hold, HoldKind
@@ -71,6 +72,7 @@ class ContainerMode:
         self._task: asyncio.Task[None] | None = None
         self._recreating = False
         """A planned recreate is draining: nothing more is adopted into the old container."""
+        self._reconfigured = asyncio.Event()
 
     # ---- where the supervisor hooks it in -------------------------------------------------------------------
     def host(self, cfg: Any) -> Any:
@@ -129,6 +131,26 @@ class ContainerMode:
             actions.append(action)
         return replace(plan, actions=tuple(actions))
 
+    def adapt_probes(self, name: str, probes: dict[str, list[ResolvedProbe]]) -> dict[str, list[ResolvedProbe]]:
+        """The commands probes run (exec, the datasystem KV round trip) run where their component runs: the
+        guide's scripts and the datasystem wheel are in the image, not on the host. The KV probe's interpreter is
+        the container's `python3` unless the probe names one (the host's lookup beside dscli means nothing in
+        here). HTTP, TCP, file and etcd probes reach the component from the host, as before (`--net=host`,
+        shared folders)."""
+        if not self.runs_inside(name):
+            return probes
+        out: dict[str, list[ResolvedProbe]] = {}
+        for role, resolved in probes.items():
+            out[role] = []
+            for probe in resolved:
+                if probe.kind == "exec":
+                    probe = replace(probe, inside=self.spec)
+                elif probe.kind == "datasystem_kv":
+                    python = str(probe.spec.python) if getattr(probe.spec, "python", None) else "python3"
+                    probe = replace(probe, inside=self.spec, python=python)
+                out[role].append(probe)
+        return out
+
     # ---- NodeLayer: the gate of the components inside --------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         return self.problem if self.runs_inside(comp.name) else None
@@ -160,6 +182,46 @@ class ContainerMode:
             "setup": {"steps": len(self.section.setup), "done": record.setup_done if record else 0},
             "on_stop": self.section.on_stop, "deaths": self.deaths, "last_death": self.last_death,
         }  # fmt: skip
+
+    def reconfigure(self, config: Any, apply: bool = True) -> str | None:
+        """A reloaded config: the new run line, image or setup takes effect as at a start — a planned recreate
+        (drain, stop the stack inside, recreate, set up, start) — without an agent restart. What changed, or None.
+        Raises ValueError for what a reload cannot do (render errors; a component moving in or out); `apply`
+        False checks only (a rollout's staging leaves the container as it is)."""
+        assert config.container is not None
+        moved = [n for n, c in config.active_components().items()
+                 if n in self.sup.components and bool(c.container) != self.runs_inside(n)]  # fmt: skip
+        if moved:
+            raise ValueError(f"reload cannot move {', '.join(moved)} into or out of the container: restart the agent")
+        spec, what = self._differences(config)
+        if not apply:
+            return None
+        self.section, self.spec = config.container, spec
+        self.engine = ContainerEngine(spec)
+        if what is None:
+            return None
+        # held from now, not from when the watch loop gets to it: a component inside must not start in the old
+        # container in between (a rollout's rank, released by the generation, did so)
+        self._hold(f"container {self.spec.name}: recreating ({what} changed)")
+        self._reconfigured.set()
+        return what
+
+    def pending(self, config: Any) -> str | None:
+        """What of `config`'s container differs from the container kept (a rollout staged a new image), or None."""
+        try:
+            return self._differences(config)[1] if config.container is not None else None
+        except ValueError:
+            return None
+
+    def _differences(self, config: Any) -> tuple[Any, str | None]:
+        try:
+            spec = container_spec(config, os.environ)
+        except ContainerRenderError as exc:
+            raise ValueError(f"container: {exc}") from None
+        what = [w for w, differs in (("the run line", spec.fingerprint() != self.spec.fingerprint()),
+                                     ("the setup steps", list(config.container.setup) != list(self.section.setup)))
+                if differs]  # fmt: skip
+        return spec, " and ".join(what) or None
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -220,7 +282,17 @@ class ContainerMode:
             if plan.redeploy and not redeployed:
                 self._redeploy(f"container {plan.reason}")
             redeployed = False
-            death = await self.engine.watch(state.id, state.started_at, wake=self._wake)
+            watch = asyncio.create_task(self.engine.watch(state.id, state.started_at, wake=self._wake))
+            changed = asyncio.create_task(self._reconfigured.wait())
+            await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if not watch.done():  # a reload changed the container: plan again (a planned recreate)
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+                self._reconfigured.clear()
+                continue
+            death = watch.result()
             self._lost(death.detail)
             self.deaths += 1
             at = self.sup.clock.time()

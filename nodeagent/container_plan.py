@@ -43,8 +43,9 @@ class ContainerState:
 
     def describe(self) -> str:
         """One line for logs and the post-mortem: status, exit code, OOM, the engine's error."""
-        text = self.status
-        if self.status in ("exited", "stopped", "dead") and self.exit_code is not None:
+        # podman says `stopped` for an exited container whose cleanup has not run yet: the same fact
+        text = "exited" if self.status == "stopped" else self.status
+        if text in ("exited", "dead") and self.exit_code is not None:
             text += f" with code {self.exit_code}"
         if self.oom_killed:
             text += " (OOM-killed)"

@@ -86,8 +86,9 @@ class PostMortems:
 
     async def _write(self, name: str, evidence: Evidence) -> None:
         try:
-            npu_text = await npu_info_text()
-            agent = self._config().agent
+            config = self._config()
+            npu_text = await npu_info_text(config.node.npu_health.npu_smi)
+            agent = config.agent
             path = await write_bundle(evidence, agent.state_dir / "postmortem" / name, agent.archive_keep, npu_text)
         except Exception as exc:  # evidence is best effort: it must never take the agent down
             self.events.emit("postmortem_failed", f"cannot write the post-mortem: {exc}", name, "warning")

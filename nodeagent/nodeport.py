@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.failure import Failure
+from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import hold_for_dependency
 from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeLayer, NodeView, first_hold
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from nodeagent.config_model import Config
     from nodeagent.events import EventBus
     from nodeagent.evidence import PostMortems
+    from nodeagent.host import Clock
     from nodeagent.intent import NodeIntent
     from nodeagent.policy import RestartDecision
     from nodeagent.postmortem import Evidence
@@ -36,6 +38,7 @@ class NodePort:
 
     config: Config
     events: EventBus
+    clock: Clock
     components: dict[str, Component]
     intent_store: NodeIntent
     redeploying: asyncio.Task[None] | None
@@ -54,6 +57,8 @@ class NodePort:
 
     def _init_port(self, recorded: Mapping[str, Any]) -> None:
         self.layers: list[NodeLayer] = []
+        self.liveness_holds = LivenessHolds(self.clock, self.emit, lambda name, gen, detail: self.components[
+            name].signal("liveness_failed", gen, detail))  # fmt: skip
         self._gate_poked = asyncio.Event()
         self._cluster_pause: dict[str, Any] | None = None
         """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
@@ -102,14 +107,15 @@ class NodePort:
             name=comp.name, kind=comp.kind, state=str(comp.state), running=comp.running, up=comp.up.is_set(),
             ready=comp.ready, desired=self.desired(comp.name), deps=tuple(self.deps(comp)),
             deps_up=not self.deps_waiting(comp), restart=comp.cfg.restart, pid=record.pid if record else None,
-            hold=comp.hold,
+            hold=comp.hold, clean=comp.stopped_cleanly,
         )  # fmt: skip
 
     def snapshot(self) -> NodeView:
         return NodeView(node=self.config.node.name, paused=self.paused, pause=self.pause_info(),
                         redeploying=self.redeploying is not None and not self.redeploying.done(),
                         components={n: self.view(c) for n, c in self.components.items()},
-                        adoptable=self._recorded, recovery=self.recovery_view())  # fmt: skip
+                        adoptable=frozenset(n for n in self._recorded if not self.components[n].adoption_tried),
+                        recovery=self.recovery_view())  # fmt: skip
 
     def component(self, name: str) -> ComponentView:
         return self.view(self.get(name))
@@ -136,6 +142,10 @@ class NodePort:
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
+
+    def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
+        self.get(name)
+        self.liveness_holds.set(name, reason, for_s)
 
     def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
         comp = self.get(name)

@@ -467,9 +467,10 @@ def describe_process(proc: NpuProcess) -> str:
     return f"npu {proc.npu} pid {proc.pid} {proc.name} {proc.memory_mb} MB"
 
 
-async def npu_info_text() -> str | None:
-    """The raw `npu-smi info` page for a post-mortem; None where npu-smi is absent or fails."""
-    tools = NpuTools.locate()
+async def npu_info_text(npu_smi: Path | str | None = None) -> str | None:
+    """The raw `npu-smi info` page for a post-mortem (`npu_smi`: the configured one); None where npu-smi is
+    absent."""
+    tools = NpuTools.locate(npu_smi)
     if tools.missing is not None:
         return None
     try:

@@ -218,7 +218,9 @@ def openapi_document() -> dict[str, Any]:
                 "canary": {"type": "string"}, "bake_s": {"type": "number", "minimum": 0},
                 "allow_outage": {"type": "array", "items": {"type": "string"}},
                 "drain_timeout_s": {"type": "number", "minimum": 0},
-                "gate_timeout_s": {"type": "number", "minimum": 0}}},
+                "gate_timeout_s": {"type": "number", "minimum": 0},
+                "bake_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
+                "bake_ttft_factor": {"type": "number", "minimum": 1}}},
         ),
         "/cluster/rollout/{action}": _post(
             "Pause (the step in progress finishes), resume (a halted rollout retries its failed step), abort (no "

@@ -85,6 +85,9 @@ class ResolvedProbe:
     client_log_dir: Path | None = None
     expected_npus: int = 0
     stall_after_s: float = 0.0
+    inside: Any = None
+    """The node's container (a `render_container.ContainerSpec`) when the command of an exec or datasystem_kv
+    probe runs inside it, with its component (`ContainerMode.adapt_probes`); None: on the host."""
 
     @property
     def timeout_s(self) -> float:

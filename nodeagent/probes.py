@@ -242,8 +242,12 @@ def _exit_text(code: int) -> str:
     return f"exit {code}"
 
 
-async def check_exec(argv: tuple[str, ...] | list[str], cwd: Path | None = None) -> tuple[bool, str]:
-    """Exit 0 is success; the detail is the command's last line of output (so the guide's scripts fit)."""
+async def check_exec(argv: tuple[str, ...] | list[str], cwd: Path | None = None,
+                     inside: Any = None) -> tuple[bool, str]:  # fmt: skip
+    """Exit 0 is success; the detail is the command's last line of output (so the guide's scripts fit).
+    `inside`: the container the command runs in (its engine's `exec`, the cwd as `-w`)."""
+    if inside is not None:
+        argv, cwd = inside.exec_argv(argv, cwd=str(cwd) if cwd is not None else None), None
     try:
         code, output = await run_command(argv, cwd)
     except FileNotFoundError as exc:
@@ -368,14 +372,18 @@ def _kv_client_timeout_ms(timeout_s: float) -> int:
 
 
 async def check_datasystem_kv(
-    host: str, port: int, key: str, python: str, client_log_dir: Path | None, timeout_s: float
+    host: str, port: int, key: str, python: str, client_log_dir: Path | None, timeout_s: float, inside: Any = None
 ) -> tuple[bool, str]:
-    """A real set/get/delete through `yr.datasystem.KVClient`, in a subprocess (the client is C++)."""
+    """A real set/get/delete through `yr.datasystem.KVClient`, in a subprocess (the client is C++); `inside`:
+    in the node's container, where the guide installs the datasystem wheel."""
     env = dict(os.environ)
+    extra: dict[str, str] = {}
     if client_log_dir is not None:
         client_log_dir.mkdir(parents=True, exist_ok=True)
-        env["DATASYSTEM_CLIENT_LOG_DIR"] = str(client_log_dir)
-    argv = (python, "-c", _KV_SCRIPT, host, str(port), key, str(_kv_client_timeout_ms(timeout_s)))
+        env["DATASYSTEM_CLIENT_LOG_DIR"] = extra["DATASYSTEM_CLIENT_LOG_DIR"] = str(client_log_dir)
+    argv: tuple[str, ...] = (python, "-c", _KV_SCRIPT, host, str(port), key, str(_kv_client_timeout_ms(timeout_s)))
+    if inside is not None:
+        argv = tuple(inside.exec_argv(argv, env=extra))
     try:
         code, output = await run_command(argv, env=env)
     except OSError as exc:
@@ -441,12 +449,12 @@ class ProbeContext:
             assert probe.host is not None and probe.port is not None
             return await check_tcp(probe.host, probe.port)
         if kind == "exec":
-            return await check_exec(probe.command, probe.cwd)
+            return await check_exec(probe.command, probe.cwd, probe.inside)
         if kind == "datasystem_kv":
             assert probe.host is not None and probe.port is not None and probe.python is not None
             return await check_datasystem_kv(
                 probe.host, probe.port, probe.key or kv_key("unnamed"), probe.python, probe.client_log_dir,
-                probe.timeout_s,
+                probe.timeout_s, probe.inside,
             )  # fmt: skip
         if kind == "npu":
             return await self.npu_monitor(probe).check()

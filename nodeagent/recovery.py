@@ -369,7 +369,7 @@ class NodeRecovery:
 
         try:
             agent = self.config.agent
-            text = await npu_info_text()
+            text = await npu_info_text(self.config.node.npu_health.npu_smi)
             path = await write_bundle(evidence, agent.state_dir / "postmortem" / "node", agent.archive_keep, text)
         except Exception as exc:  # best effort, as every post-mortem
             self.port.emit("postmortem_failed", f"cannot write the ladder's post-mortem: {exc}", None, "warning")

@@ -413,7 +413,7 @@ def _ours(action: WaitDevicesFree, npu: int) -> bool:
 
 async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
     """(ok, detail, held): held = a process is still on an NPU after the timeout (not provably ours)."""
-    tools = NpuTools.locate()
+    tools = NpuTools.locate(action.npu_smi)
     if tools.missing is not None:
         return True, f"skipped: {tools.missing}", False
     baseline = _read_baseline(action.baseline_file)

@@ -151,6 +151,8 @@ class WaitDevicesFree:
     tolerance_mb: int = 512
     devices: tuple[int, ...] | None = None
     """Only these NPUs (a DP rank's `visible_devices`: its neighbours run on the others); None: every NPU."""
+    npu_smi: Path | None = None
+    """The node's configured npu-smi (`node.npu_health.npu_smi`); None: on PATH, else the driver's place."""
 
     def describe(self) -> str:
         which = f" {','.join(map(str, self.devices))}" if self.devices is not None else "s"
@@ -343,7 +345,7 @@ def plan_start_cleanup(
         baseline = config.agent.state_dir / "npu-hbm-baseline.json"
         devices = tuple(component.visible_devices) if component.visible_devices is not None else None
         actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb,
-                                    devices), RemoveShmSegments()]  # fmt: skip
+                                    devices, config.node.npu_health.npu_smi), RemoveShmSegments()]  # fmt: skip
     elif isinstance(component, EtcdComponent) and scope == "redeploy":
         if not wipe_etcd:
             notes.append(f"etcd data dir {component.data_dir} kept (no cluster-level wipe requested)")

@@ -118,6 +118,9 @@ class ComponentView:
     pid: int | None = None
     hold: Hold | None = None
     """Why it is waiting to start, when it is."""
+    clean: bool = True
+    """Its last tree was seen to die whole, or its residue was cleaned since: `False` after a crash or an agent
+    restart (an orphaned EngineCore may still hold the group's ports)."""
 
     @property
     def stopped(self) -> bool:
@@ -136,7 +139,8 @@ class NodeView:
     redeploying: bool
     components: Mapping[str, ComponentView]
     adoptable: frozenset[str] = frozenset()
-    """Components whose process the previous agent recorded (being adopted at start)."""
+    """Components whose process the previous agent recorded and whose adoption has not been tried yet (at start:
+    whether the process still runs is not known until it has)."""
     recovery: Mapping[str, Any] | None = None
     """The ladder past node redeploy (`nodeagent.recovery`): `{"state": "resetting"|"isolated", "reason", "drain"}`
     while a chip reset runs or the node is isolated — its ranks must not arrive at a barrier; None otherwise."""
@@ -159,13 +163,19 @@ class StackPort(Protocol):
         """An operator's start/stop/restart, as the local API runs it (remote commands arrive here)."""
 
     async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
-        """Clean a stopped component's residue (scope `redeploy` archives logs; `wipe_etcd` its data)."""
+        """Clean a stopped component's residue (scope `redeploy` archives logs; `wipe_etcd` its data). Raises
+        `errors.LaunchError` (a leftover of ours would not die) or `host.StartHeld` (a port or NPU held by a
+        process not ours)."""
 
     async def wait(self, name: str, condition: str, timeout: float | None = None) -> bool:
         """Until the component is `stopped` (whole tree gone) or `up`; False on timeout. Event-driven."""
 
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None: ...  # fmt: skip
+
+    def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
+        """Do not act on this component's liveness failures for `for_s` (reason: why, for the operator); None
+        releases. A failure held is judged again by the first liveness result after the hold (`liveness_hold`)."""
 
     def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
         """A post-mortem of a component that did not fail by itself but that the cluster layer restarts (an engine

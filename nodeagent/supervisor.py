@@ -185,6 +185,8 @@ class Supervisor(NodePort):
                     raise StartHeld(f"NPUs not free: {outcome.detail} — not ours, never signalled")
                 raise LaunchError(f"no clean slate on the NPUs: {outcome.detail}")
             self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
+        if scan and not comp.running:
+            comp.stopped_cleanly = True  # scanned and nothing of ours survives: the next start need not scan again
 
     # `inside`: the node's container (container_mode.ContainerMode) for a component that runs in it; it launches
     # through the engine's exec, watches and stops by host PID, and signals nothing outside the container.
@@ -305,20 +307,23 @@ class Supervisor(NodePort):
 
     def start_probes(self, comp: Component) -> None:
         probes = resolve_probe_set(comp.cfg, self.config)
+        probes = self.container.adapt_probes(comp.name, probes) if self.container is not None else probes
         gen = comp.gen
 
         def on_change(role: str, status: str, result: Any) -> None:
             detail = getattr(result, "detail", "") if result is not None else ""
             if role == "startup":
                 comp.signal("startup_ok" if status == "success" else "startup_failed", gen, detail)
-            elif role == "liveness" and status == "failure":
+            elif role == "liveness" and status == "failure" and not self.liveness_holds.failed(comp.name, gen, detail):
                 comp.signal("liveness_failed", gen, detail)
             elif role == "readiness" and status in ("success", "failure"):
                 comp.signal("ready" if status == "success" else "not_ready", gen, detail)
 
         def on_result(role: str, probe: Any, result: Any) -> None:
-            if role == "liveness" and result.ok:
-                self.policy_healthy(comp)  # every passing check: a stable run must be noticed
+            if role == "liveness":
+                if result.ok:
+                    self.policy_healthy(comp)  # every passing check: a stable run must be noticed
+                self.liveness_holds.result(comp.name, gen, result.ok, result.detail)
             for callback in self.on_probe_result:
                 callback(comp.name, role, result)
 
@@ -542,38 +547,16 @@ class Supervisor(NodePort):
         await self.probe_ctx.close()
 
     def reload(self, config: Config, restart: bool = True) -> dict[str, list[str]]:
-        """Take a new config; restart only components whose rendered argv, env, cwd or files changed.
+        """Take a new config (`nodeagent.reload`)."""
+        from nodeagent.reload import reload_config
 
-        Added or removed components need an agent restart (their tasks and ordering are fixed at start).
-        restart=False (a rollout's staging): every component's next start uses it, none restarts now."""
-        old_names, new_names = set(self.components), set(config.active_components())
-        if old_names != new_names:
-            raise ValueError(
-                f"reload cannot add or remove components ({', '.join(sorted(old_names ^ new_names))}): "
-                "restart the agent (nodeagentctl detach + systemctl restart keeps the stack running)"
-            )
-        self.config = config
-        changed, unchanged = [], []
-        for name, comp in self.components.items():
-            comp.reconfigure(config.components[name])
-            self.trackers[name].spec = comp.cfg.restart
-            fingerprint = launch_fingerprint(render_component(name, config, self.base_env))
-            if restart and comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
-                changed.append(name)
-                comp.signal("restart", None, "config reload changed its command or environment", operator=True,
-                            cause="reload")  # fmt: skip
-            else:
-                unchanged.append(name)
-        if restart:
-            self.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
-        else:
-            self.events.emit("reload", "config staged: the next start of each component uses it")
-        return {"restarted": changed, "unchanged": unchanged}
+        return reload_config(self, config, restart)
 
     def status(self) -> dict[str, Any]:
         components = {}
         for name, comp in self.components.items():
             components[name] = {**comp.status(), "desired": self.desired(name), "policy": self.policy_view(comp),
+                                "liveness_hold": self.liveness_holds.status(name),
                                 "log_files": [str(p) for p in residue_plan.own_log_files(name, comp.cfg,
                                                                                          self.config)]}  # fmt: skip
         return {

@@ -34,7 +34,7 @@ from nodeagent.config_model import Config
 from nodeagent.errors import UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.failure import Failure
-from nodeagent.host import Clock
+from nodeagent.host import Clock, StartHeld
 from nodeagent.stackport import (
     STOPS_AUTOMATIC,
     ComponentView,
@@ -176,6 +176,12 @@ class FakeComponent:
     """The virtual monotonic time of each start."""
     gone: list[float] = field(default_factory=list)
     """The virtual monotonic time each run's whole tree was gone (stopped or crashed)."""
+    clean: bool = False
+    """As the supervisor's `stopped_cleanly`: the last tree was stopped whole by an agent, or cleaned since."""
+    cleaned_at: list[float] = field(default_factory=list)
+    """The virtual monotonic time of each residue cleanup."""
+    unclean: str | None = None
+    """Why cleaning its residue fails (a port held by a process not ours), while it does."""
 
     @property
     def ready(self) -> bool:
@@ -208,6 +214,8 @@ class FakeStack:
         self.cleaned: list[tuple[str, str, bool]] = []
         self.commands: list[tuple[str, str, str]] = []
         self.postmortems: list[dict[str, Any]] = []
+        self.liveness_holds: dict[str, tuple[str, float]] = {}
+        self.liveness_hold_log: list[tuple[str, str | None]] = []
         """Post-mortems the cluster layer asked for (a component that did not fail by itself)."""
         self.on_wipe_etcd: Callable[[], None] | None = None
         self.adoptable: frozenset[str] = frozenset()
@@ -223,6 +231,13 @@ class FakeStack:
         self.inflight: dict[str, tuple[int, int]] = {}
         """Requests running and waiting on a vLLM, as its /metrics would say (default: none)."""
         self.canary_answers: dict[str, str] = {}
+        self.metrics_text: dict[str, str] = {}
+        self.container_image: str | None = config.container.image if config.container is not None else None
+        """What the node's container runs (rollout tests: a step that changes it recreates it)."""
+        self.recreated: list[tuple[float, str | None]] = []
+        self.images: dict[str, list[str | None]] = {n: [] for n in self.components}
+        """component → the container image it was launched in, launch by launch."""
+        """endpoint → what its /metrics answers (the rollout's bake reads it); none: an empty page."""
         """endpoint → why the canary fails there (absent: it answers)."""
 
     # ---- the test's controls -----------------------------------------------------------------------------------
@@ -336,6 +351,7 @@ class FakeStack:
         from nodeagent.config_cluster import cluster_file_hash
 
         self.launched[comp.name].append(cluster_file_hash(self.config))
+        self.images[comp.name].append(self.container_image)
         self.emit("started", f"started pid {comp.pid}", comp.name)
         self.notify()
         task = asyncio.ensure_future(self._come_up(comp, comp.pid))
@@ -356,6 +372,7 @@ class FakeStack:
         comp.running = comp.up = False
         comp.pid, comp.state = None, state
         comp.gone.append(self.clock.monotonic())
+        comp.clean = state == "stopped"  # a crash may leave orphans; a stop waited for the whole tree
 
     def notify(self) -> None:
         for layer in self.layers:
@@ -369,7 +386,7 @@ class FakeStack:
         return ComponentView(name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up,
                              ready=comp.ready, desired=comp.desired, deps=comp.deps,
                              deps_up=all(self.components[d].up for d in comp.deps), restart=comp.restart_spec,
-                             pid=comp.pid, hold=comp.hold)  # fmt: skip
+                             pid=comp.pid, hold=comp.hold, clean=comp.clean)  # fmt: skip
 
     @property
     def paused(self) -> bool:
@@ -417,7 +434,13 @@ class FakeStack:
         return f"{action} {name}"
 
     async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
+        comp = self.components[name]
+        if comp.unclean is not None:
+            raise StartHeld(comp.unclean)
         self.cleaned.append((name, scope, wipe_etcd))
+        comp.cleaned_at.append(self.clock.monotonic())
+        if not comp.running:
+            comp.clean = True
         if wipe_etcd and self.on_wipe_etcd is not None:
             self.on_wipe_etcd()
 
@@ -436,6 +459,14 @@ class FakeStack:
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
+
+    def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
+        self.component(name)
+        self.liveness_hold_log.append((name, reason))
+        if reason is None:
+            self.liveness_holds.pop(name, None)
+        else:
+            self.liveness_holds[name] = (reason, self.clock.monotonic() + for_s)
 
     def postmortem(self, name: str, detail: str, ladder: Sequence[Mapping[str, Any]], decision: str) -> None:
         self.postmortems.append({"component": name, "detail": detail, "ladder": [dict(s) for s in ladder],
@@ -467,6 +498,9 @@ class FakeStack:
     def attach(self, layer: NodeLayer) -> None:
         self.layers.append(layer)
         self.agent_alive = True
+        self.adoptable = frozenset()  # adoption is instant here: what still runs is adopted, the rest is gone
+        for comp in self.components.values():
+            comp.clean = False  # as a new supervisor's components: it saw nothing die
 
     # ---- MemberHost ----------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -535,6 +569,17 @@ class FakeConfigHost:
         self.stack.config = config
         self.membership.update_config(config)
 
+    def container_pending(self) -> str | None:
+        """The staged file's image against the image the node's (fake) container runs."""
+        staged = self.stack.config.container.image if self.stack.config.container is not None else None
+        return f"the image {self.stack.container_image} → {staged}" if staged != self.stack.container_image else None
+
+    def recreate_container(self) -> str | None:
+        what = self.container_pending()
+        self.stack.container_image = self.stack.config.container.image if self.stack.config.container else None
+        self.stack.recreated.append((self.world.clock.monotonic(), self.stack.container_image))
+        return what
+
 
 @dataclass
 class Agent:
@@ -601,8 +646,13 @@ class World:
                 why = owner.canary_answers.get(endpoint)
                 return (why is None, why or "ok")
 
+            async def scrape(endpoint: str) -> str:
+                owner = next(s for s in self.stacks.values() if endpoint in s.endpoints())
+                return owner.metrics_text.get(endpoint, "")
+
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
-                                            clock=self.clock, inflight=inflight, canary=canary)  # fmt: skip
+                                            clock=self.clock, inflight=inflight, canary=canary,
+                                            scrape=scrape)  # fmt: skip
         membership.start()
         coordinator.start()
         if agent.rollout is not None:

@@ -96,6 +96,8 @@ class ClusterHarness:
         folder.mkdir(parents=True, exist_ok=True)
         data = copy.deepcopy(self.data)
         data["node"] = {"name": name, "npus": 0}  # the stand-in: no NPUs
+        if data.get("container") and data["container"].get("name"):  # one container per node, one machine
+            data["container"]["name"] = f"{data['container']['name']}-{name}"
         data["agent"] = {"state_dir": str(folder / "state"), "log_dir": str(folder / "logs"),
                          "systemd_scopes": "never",
                          "api": {"listen": f"127.0.0.1:{self.api_ports[name]}",

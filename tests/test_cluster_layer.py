@@ -125,6 +125,43 @@ async def test_a_rank_waits_at_the_barrier_for_a_dead_agent_which_acts_once_when
     assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}
 
 
+async def test_a_rank_that_died_unwatched_is_cleaned_before_its_node_arrives_at_the_barrier(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """Arriving means "my ranks are stopped": a rank that died while its agent was down (its EngineCore may run on,
+    holding the group's ports) is cleaned first, and a node whose cleanup is held does not arrive at all."""
+    world = await cold(make_world)
+    n2, n3 = world.stacks["n2"].components["vllm"], world.stacks["n3"].components["vllm"]
+    await world.kill_agent("n3")
+    world.stacks["n3"].crash("vllm")  # nobody watched it die
+    n3.unclean = "port 43001 in use by pid 4242 (python3), not ours, never signalled"
+    world.start_agent("n3")
+    await world.until("n3 says why it does not arrive", lambda: world.stacks["n3"].events_of("barrier_held"), 60)
+    held = world.stacks["n3"].events_of("barrier_held")
+    assert len(held) == 1 and "port 43001 in use by pid 4242" in held[0]["message"]
+    await world.advance(60)
+    gs = world.gang("n2", "p1")
+    assert gs.acted == 2 and "n3" not in gs.arrivals, "n3 never said it was stopped"
+    assert vllm_starts(world)["n2"] == 1 and not n2.running, "n2 stopped its rank and waits: no half group"
+    assert len(world.stacks["n3"].events_of("barrier_held")) == 1, "said once, not every retry"
+
+    n3.unclean = None  # the operator freed the port
+    await world.until("p1 started again on both", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)
+    assert n3.cleaned_at and n3.cleaned_at[-1] <= min(n2.starts[1], n3.starts[1]), "cleaned before any rank starts"
+    assert ("vllm", "start", False) in world.stacks["n3"].cleaned
+    await world.until("up", lambda: world.all_up(["n2", "n3"]))
+
+
+async def test_a_rank_stopped_whole_is_not_scanned_again_before_the_barrier(make_world: Callable[..., World]) -> None:
+    world = await cold(make_world)
+    for node in ("n2", "n3"):
+        world.stacks[node].cleaned.clear()
+    world.stacks["n3"].crash("vllm")
+    await world.until("p1 started again on both",
+                      lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)  # fmt: skip
+    assert world.stacks["n3"].cleaned == [("vllm", "start", False)], "the crashed rank: cleaned"
+    assert world.stacks["n2"].cleaned == [], "the rank its agent stopped whole: nothing to clean"
+
+
 async def test_a_cluster_pause_holds_every_automatic_action_until_resume(make_world: Callable[..., World]) -> None:
     world = await cold(make_world)
     await world.agents["n1"].coordinator.set_pause(True, "operator", "switch maintenance")

@@ -20,6 +20,7 @@ from nodeagent.events import EventBus
 from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
 from nodeagent.process import ProcessRecord
+from nodeagent.stackport import ComponentView, Hold, HoldKind, ReportLayer
 from nodeagent.supervisor import Supervisor
 
 _PIDS = itertools.count(4_000_000)
@@ -575,5 +576,47 @@ async def test_a_start_that_lost_a_port_race_is_retried_without_counting(tmp_pat
         await until("start 4", lambda: b.record is not None)
         r.crash("b")
         await until("the fourth counts", lambda: b.restarts == 1)
+    finally:
+        await stop(r)
+
+
+async def test_a_gate_that_closes_during_the_start_cleanup_holds_the_launch(tmp_path: Path) -> None:
+    """The start cleanup can take a minute (HBM back to idle). A group's new generation acted meanwhile finds no
+    process to restart here; the launch must then wait for the new generation's barrier, not go on as the old one
+    (CI saw a rank start into the old generation beside its peers in the new one)."""
+    r = await rig(tmp_path)
+    try:
+        cleaning, closed = asyncio.Event(), asyncio.Event()
+        plain = r.prepare
+
+        async def slow_prepare(comp: Any) -> None:
+            if comp.name == "b":
+                cleaning.set()
+                await closed.wait()
+            await plain(comp)
+
+        r.sup.prepare = slow_prepare  # type: ignore[method-assign]
+        hold = Hold(HoldKind.BARRIER, "group g generation 5: waiting at the start barrier")
+        gate: list[Hold] = []
+
+        class Barrier(ReportLayer):
+            def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
+                return gate[0] if gate and comp.name == "b" else None
+
+        r.sup.attach(Barrier())
+        r.crash("b")
+        await until("in its start cleanup", cleaning.is_set)
+        gate.append(hold)  # the new generation is acted while b has no process
+        closed.set()
+        b = r.sup.components["b"]
+        await until("held after the cleanup", lambda: b.hold == hold)
+        await asyncio.sleep(0.05)
+        assert r.count("b") == 1, "not launched into the old generation"
+        assert any("not starting after its cleanup" in m for m in r.events("state"))
+        cleaning.clear()
+        gate.clear()
+        r.sup.wake()
+        closed.set()
+        await until("launched once the barrier released", lambda: r.count("b") == 2)
     finally:
         await stop(r)

@@ -16,7 +16,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,15 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import wait_for
-from containerhelpers import INTERPRETER_HOME, ROOT, SKIP_REASON, VENV_PYTHON, built_image, run_args_here
+from containerhelpers import (
+    INTERPRETER_HOME,
+    ROOT,
+    SKIP_REASON,
+    VENV_PYTHON,
+    built_image,
+    podman_docker_api,
+    run_args_here,
+)
 
 from nodeagent.config_base import replace
 from nodeagent.config_container import ContainerConfig
@@ -63,6 +70,18 @@ def started(section: ContainerConfig, tmp_path: Path, setup: list[list[str]] | N
     state, plan = asyncio.run(ensure_container(engine, setup or [], store, print))
     assert state.running and Step.CREATE in plan.steps
     return engine, store, state.id
+
+
+def test_an_exec_probe_inside_runs_in_the_container(section: ContainerConfig, tmp_path: Path) -> None:
+    """podman writes /run/.containerenv into every container it runs: the probe sees it, the host does not."""
+    from nodeagent.probes import check_exec
+
+    engine, _store, _cid = started(section, tmp_path)
+    argv = ["sh", "-c", "test -e /run/.containerenv && pwd"]
+    assert asyncio.run(check_exec(argv, Path("/tmp"), engine.spec)) == (True, "/tmp")
+    assert not Path("/run/.containerenv").exists()
+    ok, detail = asyncio.run(check_exec(argv, Path("/tmp")))
+    assert not ok and detail == "exit 1"
 
 
 def test_rendered_line_is_what_podman_ran(section: ContainerConfig, tmp_path: Path) -> None:
@@ -210,19 +229,9 @@ def docker_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """podman's docker-compatible API on a private socket, for the docker CLI (no Docker daemon here)."""
     if shutil.which("docker") is None:
         pytest.skip("no docker CLI on PATH (Debian's docker.io ships one)")
-    folder = Path(tempfile.mkdtemp(prefix="pdapi-"))  # sun_path is 108 bytes at most
-    sock = folder / "api.sock"
-    service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
-    try:
-        wait_for("podman's API socket", lambda: subprocess.run(["docker", "version"], capture_output=True,
-                                                               timeout=10).returncode == 0, timeout=30)
-        yield str(sock)
-    finally:
-        service.terminate()
-        service.wait(timeout=30)
-        shutil.rmtree(folder, ignore_errors=True)
+    with podman_docker_api() as host:
+        monkeypatch.setenv("DOCKER_HOST", host)
+        yield host
 
 
 def test_the_docker_path_is_the_same_code(docker_api: str, section: ContainerConfig, tmp_path: Path) -> None:

@@ -130,3 +130,56 @@ def test_the_vllm_plan_inside_sweeps_the_containers_shm_or_nothing_while_it_is_d
     assert swept and swept[0].shm_dir == Path(f"/proc/{me}/root/dev/shm") and swept[0].seen_as == Path("/dev/shm")
     mode.state = ContainerState(CID, "n", "exited", False, "img", pid=None)
     assert not any(isinstance(a, RemoveShmSegments) for a in mode.adapt_plan("vllm", plan).actions)
+
+
+def test_exec_and_kv_probes_of_a_component_inside_run_inside(tmp_path: Path) -> None:
+    """The guide's probe scripts and the datasystem wheel live in the image: the commands of exec and
+    datasystem_kv probes run through the engine's exec for a component inside, on the host for one outside."""
+    from nodeagent.probe_resolve import resolve_probe_set
+    from nodeagent.supervisor import Supervisor
+
+    cfg = parse_config(
+        f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/state, log_dir: {tmp_path}/logs}}\n"
+        "container: {engine: docker, name: dsv4}\ncomponents:\n"
+        "  etcd: {kind: etcd, container: false, data_dir: /srv/etcd,\n"
+        "         probes: {readiness: [{kind: exec, command: [etcdctl, endpoint, health]}]}}\n"
+        "  datasystem: {kind: datasystem, workdir: /srv/yr, liveness_check_path: /srv/yr/liveness,\n"
+        "               depends_on: [etcd],\n"
+        "               probes: {readiness: [{kind: exec, command: [sh, -c, 'test -e /.dockerenv']},\n"
+        "                                    {kind: datasystem_kv}]}}\n", "c.yaml")  # fmt: skip
+    sup = Supervisor(cfg)
+    assert sup.container is not None
+    inside = sup.container.adapt_probes("datasystem", resolve_probe_set(cfg.components["datasystem"], cfg))
+    script, kv = inside["readiness"]
+    assert script.inside is sup.container.spec and kv.inside is sup.container.spec
+    assert kv.python == "python3", "the container's interpreter, where the guide pip-installs the wheel"
+    assert [p.inside for p in inside["liveness"]] == [None], "a file probe reads the shared folder from the host"
+    assert script.cwd == Path("/srv/yr") and script.inside.exec_argv(script.command, cwd="/srv/yr")[-7:] == (
+        "exec", "-w", "/srv/yr", "dsv4", "sh", "-c", "test -e /.dockerenv")
+    outside = sup.container.adapt_probes("etcd", resolve_probe_set(cfg.components["etcd"], cfg))
+    assert [p.inside for p in outside["readiness"]] == [None]
+
+
+def test_a_reload_refuses_what_only_an_agent_restart_can_do(tmp_path: Path) -> None:
+    """Switching container mode, or moving a component into or out of the container, is refused with the reason
+    and nothing of the running config changes."""
+    from nodeagent.supervisor import Supervisor
+
+    def text(container: str, etcd_inside: bool = False) -> str:
+        etcd = "" if etcd_inside else "container: false, "
+        return (f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/state, log_dir: {tmp_path}/l}}\n"
+                f"{container}components:\n  etcd: {{kind: etcd, {etcd}data_dir: /srv/etcd}}\n")
+
+    cfg = parse_config(text("container: {engine: docker, name: dsv4}\n"), "c.yaml")
+    sup = Supervisor(cfg)
+    with pytest.raises(ValueError, match="cannot switch container mode on or off"):
+        sup.reload(parse_config(text(""), "c.yaml"))
+    with pytest.raises(ValueError, match="cannot move etcd into or out of the container"):
+        sup.reload(parse_config(text("container: {engine: docker, name: dsv4}\n", etcd_inside=True), "c.yaml"))
+    with pytest.raises(ValueError, match="cannot move etcd"):
+        sup.reload(parse_config(text("container: {engine: docker, name: dsv4}\n", etcd_inside=True), "c.yaml"),
+                   restart=False)  # fmt: skip
+    assert sup.config is cfg
+    staged = sup.reload(parse_config(text("container: {engine: docker, name: dsv4, image: other:1}\n"), "c.yaml"),
+                        restart=False)  # fmt: skip
+    assert "container" not in staged, "a rollout's staging leaves the container as it is"

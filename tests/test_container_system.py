@@ -11,20 +11,23 @@ container removed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import yaml
 from conftest import BIN, LocalAgent, session_pids, wait_for
-from containerhelpers import SKIP_REASON, built_image, local_container_config
+from containerhelpers import SKIP_REASON, built_image, local_container_config, podman_docker_api
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -50,14 +53,15 @@ def engine_cores(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children(True) if p.cmdline()[:1] == ["VLLM::EngineCore"]]
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
+@contextlib.contextmanager
+def container_agent(tmp_path: Path, prefix: str, **container: Any) -> Iterator[tuple[LocalAgent, str]]:
+    """An agent on config/local.yaml's stack in container mode (what scripts/run-local.sh --container runs), the
+    container section updated with `container`; its container removed afterwards."""
     home = tmp_path / "home"  # under /tmp: the guide's -v /tmp:/tmp shows it inside at the same path
     home.mkdir()
-    name = f"dsv4-sys-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    data = local_container_config(built_image(), home, name)  # what scripts/run-local.sh --container runs
-    data["container"].update(on_stop="remove", setup=[["sh", "-c", f"echo setup-ran >> {home}/setup.log"],
-                                                      ["sh", "-c", "echo second step"]])  # fmt: skip
+    name = f"{prefix}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    data = local_container_config(built_image(), home, name)
+    data["container"].update(container)
     config = tmp_path / "container.yaml"
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     local = LocalAgent(home, config)
@@ -67,6 +71,13 @@ def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
     finally:
         local.cleanup()
         subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[LocalAgent, str]]:
+    setup = [["sh", "-c", f"echo setup-ran >> {tmp_path / 'home'}/setup.log"], ["sh", "-c", "echo second step"]]
+    with container_agent(tmp_path, "dsv4-sys", on_stop="remove", setup=setup) as out:
+        yield out
 
 
 def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
@@ -143,6 +154,20 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     assert "DSV4_TEST_RECREATE=1" in " ".join(inspect(name)["Config"]["Env"])
     assert (local.home / "setup.log").read_text().split() == ["setup-ran", "setup-ran"], "set up once more"
 
+    # The same through a reload (no agent restart): a planned recreate, nothing counted as a failure
+    data["container"]["run_args"].append("-e DSV4_TEST_RELOAD=1")
+    local.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    reload = subprocess.run([*ctl, "reload"], env=local.env, capture_output=True, text=True, timeout=60)
+    assert reload.returncode == 0, reload.stderr
+    wait_for("recreated by the reload", lambda: (i := inspect(name)) is not None and i["Id"] != cid, timeout=60)
+    reloaded = local.wait_all_up(120)
+    cid = inspect(name)["Id"]
+    assert cgroup_has(reloaded["vllm"]["pid"], cid) and reloaded["etcd"]["pid"] == before["etcd"][0]
+    assert "DSV4_TEST_RELOAD=1" in " ".join(inspect(name)["Config"]["Env"])
+    assert "the run line of the container changed: a planned recreate" in local.log()
+    assert local.status()["node_policy"]["redeploys_total"] == 0
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 3
+
     # podman kill of the container: noticed, recreated, set up again, a node redeploy, serving again
     redeploys = local.status()["node_policy"]["redeploys_total"]
     t0 = time.monotonic()
@@ -154,7 +179,7 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     recovered_s = time.monotonic() - t0
     new_cid = inspect(name)["Id"]
     assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
-    assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 3
+    assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 4
     status = local.status()
     assert status["node_policy"]["redeploys_total"] == redeploys + 1
     assert status["container"]["last_death"]["exit_code"] == 137
@@ -173,3 +198,44 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     assert all(gone(p) for p in pids)
     assert not any(session_pids(s) for s in sids)
     assert inspect(name) is None
+
+
+@pytest.fixture
+def docker_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LocalAgent, str]]:
+    """The same agent with `container.engine: docker`: the docker CLI against podman's docker-compatible API (no
+    Docker daemon on these machines)."""
+    if shutil.which("docker") is None:
+        pytest.skip("no docker CLI on PATH (Debian's docker.io ships one)")
+    with podman_docker_api() as docker_host:
+        monkeypatch.setenv("DOCKER_HOST", docker_host)
+        with container_agent(tmp_path, "dsv4-dck", engine="docker", on_stop="remove") as out:
+            yield out
+
+
+def test_the_docker_path_runs_the_stack_too(docker_agent: tuple[LocalAgent, str]) -> None:
+    """What differs from podman is only the CLI: the run line, inspect, events and exec go through `docker`."""
+    local, name = docker_agent
+    t0 = time.monotonic()
+    local.start()
+    first = local.wait_all_up(180)
+    up_s = time.monotonic() - t0
+    cid = inspect(name)["Id"]
+    assert cgroup_has(first["vllm"]["pid"], cid) and cgroup_has(first["datasystem"]["pid"], cid)
+    assert not cgroup_has(first["etcd"]["pid"], cid)
+    status = local.status()
+    assert status["container"]["engine"] == "docker" and status["container"]["id"] == cid[:12]
+
+    t0 = time.monotonic()
+    subprocess.run(["docker", "kill", name], check=True, capture_output=True, timeout=30)
+    wait_for("the death noticed", lambda: local.status()["container"]["deaths"] == 1, timeout=5)
+    noticed_s = time.monotonic() - t0
+    wait_for("a new container", lambda: (i := inspect(name)) is not None and i["Id"] != cid and i["State"]["Running"])
+    after = local.wait_all_up(180)
+    new_cid = inspect(name)["Id"]
+    assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
+    print(f"\ndocker path: stack up after {up_s:.1f} s; docker kill noticed after {noticed_s * 1000:.0f} ms, "
+          f"serving again after {time.monotonic() - t0:.1f} s")
+
+    pids = [c["pid"] for c in local.children().values()]
+    assert local.terminate(120) == 0
+    assert all(gone(p) for p in pids) and inspect(name) is None

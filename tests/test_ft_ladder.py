@@ -195,3 +195,57 @@ def test_the_status_table_names_a_rung_at_work_and_keeps_quiet_otherwise() -> No
     assert format_fault_tolerance({"g": sent, "h": said}) == [
         "fault tolerance g: retry sent — retry sent to rank 1; waiting up to 30 s (recovered 2, escalated 0)",
         "fault tolerance h: unsupported — the vLLM serves no /fault_tolerance routes (recovered 0, escalated 0)"]
+
+
+async def test_the_ranks_liveness_is_held_through_the_episode_and_given_back_after_it(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """vLLM parks its busy loop during the retry and the liveness canary fails: a local restart then would kill
+    the group the retry recovers. The rung holds the liveness of its ranks from the fault on, at most vLLM's own
+    recovery window, and gives it back when the episode ends — recovered, or taken over by the gang restart."""
+    world = await cold(make_world)
+    assert world.ft is not None
+    world.ft.fault("vllm-dp1", "transient")
+    await world.until("recovered on both nodes", lambda: all(ft(world, n)["recovered"] == 1 for n in NODES), 60)
+    for node in NODES:
+        log = world.stacks[node].liveness_hold_log
+        assert [reason is not None for _, reason in log] == [True, False], log
+        assert log[0][0] == RANKS[node] and "retry is recovering" in str(log[0][1])
+        assert not world.stacks[node].liveness_holds
+    world.ft.fault("vllm-dp1", "retry_hangs")
+    await world.until("a retry sent on both", lambda: all(ft(world, n)["rung"] == "retry sent" for n in NODES), 30)
+    now = world.clock.monotonic()
+    for node in NODES:
+        reason, until = world.stacks[node].liveness_holds[RANKS[node]]
+        assert "retry is recovering" in reason
+        assert now < until <= now + FT["engine_recovery_timeout_s"] + 10
+    await world.until("someone escalated", lambda: any(ft(world, n)["escalated"] for n in NODES), 60)
+    escalated = next(n for n in NODES if ft(world, n)["escalated"])
+    assert "generation 2 on n0, n1 is asked" in world.stacks[escalated].liveness_holds[RANKS[escalated]][0]
+    await world.until("generation 2", lambda: generation(world) == 2, 60)
+    await world.until("both ranks up again", world.all_up, 60)
+    await world.until("the holds given back", lambda: not any(world.stacks[n].liveness_holds for n in NODES), 30)
+
+
+async def test_a_peer_escalating_while_this_node_reads_its_ranks_makes_no_second_generation(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """n0's status read is slow (a loaded machine); n1's retry times out first and its generation is acted on n0
+    while n0's read is in flight. n0 must not then escalate the fault a second time (CI saw generations 2 and 3
+    for one hung retry)."""
+    world = await cold(make_world)
+    api = world.ft
+    assert api is not None
+    plain, slow = api.status, {"on": False}
+
+    async def status(url: str) -> Any:
+        out = await plain(url)
+        if slow["on"] and api.ranks[url].component == "vllm-dp0":
+            await world.clock.sleep(8)
+        return out
+
+    api.status = status  # type: ignore[method-assign]
+    api.fault("vllm-dp1", "retry_hangs")
+    await world.until("a retry sent on both", lambda: all(ft(world, n)["rung"] == "retry sent" for n in NODES), 30)
+    slow["on"] = True
+    await world.until("generation 2", lambda: generation(world) == 2, 60)
+    slow["on"] = False
+    await exactly_one_generation(world)

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.system
 
 NODES = ["n0", "n1"]
 RANKS = {"n0": "vllm-dp0", "n1": "vllm-dp1"}
-FT = {"enabled": True, "engine_recovery_timeout_s": 60, "retry_timeout_s": 4, "status_interval_s": 0.5}
+FT = {"enabled": True, "engine_recovery_timeout_s": 60, "retry_timeout_s": 10, "status_interval_s": 0.5}
+RETRY_S = 6
+"""How long the stand-in's collective re-initialisation takes: longer than the ranks' liveness takes to fail
+(a canary of 3 s, each second, one failure acts: <= 4 s after the fault), shorter than retry_timeout_s."""
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,8 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
     vllm = h.data["components"]["vllm"]
     vllm["fault_tolerance"] = FT
     vllm["env"]["VLLM_STANDIN_FT_DIR"] = str(home / "ft-group")
+    vllm["env"]["VLLM_STANDIN_FT_RETRY_S"] = str(RETRY_S)
+    vllm["probes"]["liveness"] = {"period_s": 1, "timeout_s": 3, "failure_threshold": 1}
     try:
         h.start()
         up(h, 180)
@@ -75,18 +80,28 @@ def fault(h: ClusterHarness, node: str, mode: str) -> None:
 
 
 def test_an_engine_fault_recovered_by_retry_restarts_nothing(cl: ClusterHarness) -> None:
+    """The retry takes longer than the ranks' liveness takes to fail (vLLM parks its busy loop, the canary
+    waits): the liveness failure is held through the episode, and nothing restarts."""
     before, gen = pids(cl), generation(cl, "n0")
     faulted = time.monotonic()
     fault(cl, "n1", "transient")
+    wait_for("the liveness hold on both ranks", lambda: all(
+        status(cl, n)["components"][RANKS[n]]["liveness_hold"] for n in NODES), 5, 0.2)  # fmt: skip
     wait_for("recovered on both nodes", lambda: all(ft(cl, n)["recovered"] == 1 for n in NODES), 30, 0.2)
-    print(f"fault → recovered by retry on both nodes: {time.monotonic() - faulted:.2f}s")
+    took = time.monotonic() - faulted
+    print(f"fault → recovered by retry on both nodes: {took:.2f}s (the re-initialisation takes {RETRY_S}s)")
+    assert took >= RETRY_S
     for node in NODES:
         steps = [(s["rung"], s["outcome"]) for s in ft(cl, node)["ladder"]]
         assert steps == [("retry", "fault"), ("retry", "sent"), ("retry", "recovered")], steps
         assert ft(cl, node)["ranks"][RANKS[node]]["state"] == "healthy"
-        assert "recovered by vLLM's retry" in cl.agents[node].log()
-    time.sleep(2 * FT["status_interval_s"])  # a few more reads: still nothing to do
+        log = cl.agents[node].log()
+        assert "recovered by vLLM's retry" in log
+        assert "not acted on: vLLM's fault-tolerance retry is recovering the group" in log, "the canary failed"
+        assert status(cl, node)["components"][RANKS[node]]["liveness_hold"] is None
+    time.sleep(2 * FT["status_interval_s"] + 2)  # a few more reads and liveness checks: still nothing to do
     assert pids(cl) == before and generation(cl, "n0") == generation(cl, "n1") == gen
+    assert not any("liveness still fails after the hold" in cl.agents[n].log() for n in NODES)
 
 
 def test_a_retry_that_hangs_escalates_to_exactly_one_generation(cl: ClusterHarness) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from cluster_harness import ClusterHarness
 from conftest import free_port, wait_for
@@ -92,6 +93,13 @@ def replaced(h: ClusterHarness, before: dict[str, int], nodes: list[str], timeou
 
     wait_for(f"vllm replaced on {nodes}", done, timeout, 0.2)
     h.wait_up(timeout=timeout)
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_cold_start_went_through_the_barriers(cl: ClusterHarness) -> None:
@@ -165,6 +173,48 @@ def test_restarting_a_remote_rank_restarts_its_group(cl: ClusterHarness) -> None
     assert bad.returncode == 4 and "unknown component 'nope'" in bad.stderr, bad
     gone = cl.ctl("n4", "--node", "n9", "restart", "vllm")
     assert gone.returncode == 4 and "node 'n9' has no agent" in gone.stderr, gone
+
+
+def test_a_rank_that_died_while_its_agent_was_down_restarts_its_group_once_after_its_orphan_is_gone(
+        cl: ClusterHarness) -> None:  # fmt: skip
+    """kill -9 of n3's agent, then of its rank's API server: the engine runs on as an orphan (still in the group,
+    as vLLM's EngineCore does) and n2's head notices nothing. The next agent finds the rank gone: not a rank to
+    start back into the old generation, but a new one for both, and the orphan killed before n3 arrives. (Which
+    node asks it depends on who sees first: n3's agent finding its rank gone, or the head losing the engine.)"""
+    before = pids(cl)
+    gen = gang(cl, "n2", "p1")["generation"]
+    orphans = psutil.Process(before["n3"]).children(recursive=True)
+    assert orphans, "the stand-in's engine runs under its API server"
+    cl.kill("n3")
+    os.kill(before["n3"], signal.SIGKILL)
+    wait_for("the API server gone", lambda: not psutil.pid_exists(before["n3"]), 10, 0.05)
+    assert all(alive(o) for o in orphans), "the engine outlives its API server"
+    seen: dict[str, float] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if "orphans gone" not in seen and not any(alive(o) for o in orphans):
+                seen["orphans gone"] = time.monotonic()
+            if "n2 new" not in seen and cl.agents["n2"].children().get("vllm", {}).get("pid") not in (None,
+                                                                                                    before["n2"]):
+                seen["n2 new"] = time.monotonic()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cl.start("n3")
+    replaced(cl, before, ["n2", "n3"], timeout=180)
+    done.set()
+    watcher.join(5)
+    assert seen["orphans gone"] <= seen["n2 new"] + 0.05, f"the head restarted beside the orphan: {seen}"
+    for node in ("n2", "n3"):
+        g = gang(cl, node, "p1")
+        assert g["generation"] == g["acted"] == gen + 1, f"one new generation: {g}"
+        assert cl.agents[node].log().count(f"group p1 generation {gen + 1} (") == 1, "acted on exactly once"
+    acted = [line for line in cl.agents["n2"].log().splitlines() if f"group p1 generation {gen + 1} (" in line]
+    print(f"orphan gone {seen['n2 new'] - seen['orphans gone']:.2f}s before the head's new rank; {acted[0]}")
+    assert pids(cl)["n0"] == before["n0"] and pids(cl)["n4"] == before["n4"], "others untouched"
 
 
 def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHarness) -> None:

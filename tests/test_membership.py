@@ -130,8 +130,7 @@ async def test_a_dead_agent_leaves_with_its_lease_and_is_flagged_missing(cluster
     n0, n1 = c.join("n0"), c.join("n1")
     await until("both", lambda: present(n0) == {"n0", "n1"})
     n0.view_since -= 60
-    for task in n1._tasks:  # kill -9: no revoke, no more keepalives
-        task.cancel()
+    n1.tasks.cancel()  # kill -9: no revoke, no more keepalives
     n1._lease.abandon()
     c.store.advance(9)
     await asyncio.sleep(0.05)
@@ -220,8 +219,7 @@ async def test_own_previous_incarnation_is_taken_over_at_once(cluster: Any) -> N
     c = cluster(["n0"])
     old = c.join("n0")
     await until("written", lambda: old.writes >= 1)
-    for task in old._tasks:
-        task.cancel()
+    old.tasks.cancel()
     old._lease.abandon()  # killed; its key lives on until the TTL
     new = c.join("n0", state_dir=old.identity.state_dir)
     await until("taken over", lambda: c.store.data[new.key].lease == new._lease.id)

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 from cluster_fakes import World
 
-from nodeagent.cluster.pd_watch import EmptyCounter, PdWatch, kv_pressure, kv_usage, merged_transfers, tokens_of
+from nodeagent.cluster.pd_watch import (
+    RESTART_COOLDOWN_S,
+    EmptyCounter,
+    PdWatch,
+    kv_pressure,
+    kv_usage,
+    merged_transfers,
+    tokens_of,
+)
 from nodeagent.config_recovery import PdWatchConfig
 
 GROUPS = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", "kind": "prefill", "nodes": ["n1"]},
@@ -104,6 +112,19 @@ async def test_a_decoder_answering_without_tokens_is_restarted(world: World, emp
     else:
         assert world.stacks["n2"].started("vllm") == 1 and watch.last_probe["d0"] == "2 tokens"
     assert not [c for c in backends.calls if c[1].endswith("/metrics")], "KV read only while decode is down"
+
+
+async def test_one_restart_of_a_group_per_cooldown_whatever_the_reason(world: World) -> None:
+    co = world.agents["n0"].coordinator
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=10), lambda: {}, model="dsv4", clock=world.clock,
+                    http=Backends())  # fmt: skip
+    assert await watch._restart("empty", "d0", "answers without tokens")
+    assert not await watch._restart("transfer", "d0", "transfer failures with every prefill peer")
+    assert await watch._restart("kv", "p0", "KV usage past the threshold"), "another group has its own cooldown"
+    await world.until("d0 restarted", lambda: world.stacks["n2"].started("vllm") == 2, 60)
+    await world.advance(RESTART_COOLDOWN_S)
+    assert await watch._restart("transfer", "d0", "transfer failures again, after the cooldown")
+    assert sorted(watch.status_section()["pd_watch"]["restarted"]) == ["d0 (empty)", "d0 (transfer)", "p0 (kv)"]
 
 
 async def test_a_node_publishes_its_ranks_transfer_failures(world: World) -> None:

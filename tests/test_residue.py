@@ -13,6 +13,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace as with_fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -701,6 +702,30 @@ def test_wait_devices_free_reads_npu_smi(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "info.txt").write_text(NPU_SMI_INFO.replace("| 0       0                 | 123456", "|"))
     (free,) = run(plan_of(tmp_path, WaitDevicesFree(timeout_s=0)))
     assert free.ok, free.detail
+
+
+def test_the_configured_npu_smi_is_the_one_the_clean_slate_and_the_post_mortem_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`node.npu_health.npu_smi` off PATH (a driver installed elsewhere): the start cleanup's wait for the NPUs and
+    the post-mortem's `npu-smi info` page read that one, not "npu-smi not found"."""
+    from nodeagent.npu import npu_info_text
+
+    tools = tmp_path / "driver" / "bin"
+    tools.mkdir(parents=True)
+    (tools / "npu-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{NPU_SMI_INFO}EOF\n")
+    (tools / "npu-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no npu-smi there (nor at /usr/local/bin on a test machine)
+    config = parse_config(
+        "cluster:\n  nodes: [{name: n, ip: 127.0.0.1, role: master}]\n"
+        f"node: {{name: n, npu_health: {{npu_smi: {tools / 'npu-smi'}}}}}\nagent: {{state_dir: {tmp_path}/state}}\n"
+        "components: {vllm: {kind: vllm, model: /m, tensor_parallel_size: 1}}\n", "c.yaml", base_dir=tmp_path)
+    (wait,) = [a for a in plan_start_cleanup("vllm", config.components["vllm"], config).actions
+               if isinstance(a, WaitDevicesFree)]  # fmt: skip
+    assert wait.npu_smi == tools / "npu-smi"
+    (busy,) = run(plan_of(tmp_path, with_fields(wait, timeout_s=0)))
+    assert not busy.ok and "pid 123456 VLLM::Worker_TP0" in busy.detail, busy.detail
+    assert "npu-smi 24.1.rc2" in str(asyncio.run(npu_info_text(wait.npu_smi)))
+    assert asyncio.run(npu_info_text()) is None  # PATH alone finds none
 
 
 def test_clean_slate_of_a_dp_rank_looks_at_its_own_npus_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

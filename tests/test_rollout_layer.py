@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from cluster_fakes import World
 
+from nodeagent.cluster.rollout_config import file_hash
 from nodeagent.config_cluster import cluster_file_hash
 
 NODES = ["n0", "n1", "n2", "n3", "n4"]
@@ -54,7 +55,7 @@ def set_group_env(groups: list[str], env: dict[str, str]) -> Callable[[dict[str,
 
 
 def disk_hash(world: World, node: str = "n0") -> str:
-    return cluster_file_hash(world.agents[node].rollout.host.read_config_file())
+    return file_hash(world.agents[node].rollout.host.read_config_file())
 
 
 def launched(world: World, node: str) -> list[str]:
@@ -244,3 +245,64 @@ async def test_a_report_lost_with_its_lease_is_written_again(world: World) -> No
     assert await world.run(world.store.delete(key))
     await world.until("n2's report written again", lambda: key in world.store.data, 15)
     await world.until("and seen by n0", lambda: "n2" in world.agents["n0"].rollout.reports, 5)
+
+
+def page(requests: int, errors: int) -> str:
+    return (f'http_requests_total{{handler="/v1/chat/completions",method="POST",status="2xx"}} {requests - errors}\n'
+            f'http_requests_total{{handler="/v1/chat/completions",method="POST",status="5xx"}} {errors}\n')
+
+
+async def test_a_group_failing_requests_while_it_bakes_is_rolled_back(world: World) -> None:
+    """The gate passed (ready, one canary answered) but real traffic fails on the new file: the head's reading
+    of its ranks' /metrics during the bake fails the step, and the group goes back."""
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p1"], {"X": "flaky"}))
+    new = disk_hash(world)
+    p1 = world.agents["n0"].coordinator.layout.group("p1")
+    ranks = [(world.stacks[proc.node], proc.endpoint) for proc in p1.processes if proc.endpoint]
+    assert len(ranks) == 1, "one API server for the group (vLLM's own DP launch)"
+    for stack, endpoint in ranks:
+        stack.metrics_text[endpoint] = page(1000, 0)  # the old processes' record; restarts do not reset a fake
+    await start(world, bake_s=60)
+    await world.until("p1 baking", lambda: record(world).steps[0].phase == "baking", 300)
+    await world.advance(3)  # the head took the bake's first reading
+    assert record(world).steps[0].phase == "baking" and not record(world).steps[0].bake
+    for stack, endpoint in ranks:
+        stack.metrics_text[endpoint] = page(1020, 4)
+    await world.until("halted", lambda: status(world, "n2") == "halted", 120)
+    rec = record(world)
+    assert rec.steps[0].phase == "rolled_back"
+    assert rec.steps[0].failed == "while baking, p1: 4 of 20 requests failed while baking (20%, more than 5%)"
+    for node in ("n2", "n3"):
+        assert launched(world, node) == [old, new, old], f"{node}: to the new file and back"
+
+
+async def test_a_new_image_recreates_each_members_container_between_the_stop_and_the_start(tmp_path: Path) -> None:
+    """Issue 20's "a new image or vllm-ascend version": the image is part of the file a rollout compares, and a
+    step that changes it recreates the container of each member after the step's generation stopped its ranks
+    and before they start again — the ranks never start in the old container within the new generation."""
+    old_image, new_image = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
+    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
+    w.harness.data["container"] = {"engine": "podman", "image": old_image}
+    w.start()
+    try:
+        await w.until("every component of every node up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+        before = disk_hash(w)
+        w.install(lambda data: data["container"].update(image=new_image))
+        assert disk_hash(w) != before, "the image is part of the file a rollout compares"
+        dry = await w.run(w.agents["n0"].rollout.plan(None, {**FAST, "allow_outage": ["decode"]}, dry_run=True,
+                                                      by="test"))  # fmt: skip
+        assert any(f"image {old_image} → {new_image}" in r for c in dry["changes"] for r in c["reasons"]), dry
+        answer = await start(w, allow_outage=["decode"])
+        assert answer["started"], (answer.get("refused"), answer.get("steps"))
+        await w.until("the rollout done", lambda: status(w, "n4") == "done", 600)
+        for node in NODES:
+            stack = w.stacks[node]
+            assert [image for _, image in stack.recreated] == [new_image], f"{node}: recreated once"
+            assert stack.images["vllm"] == [old_image, new_image], f"{node}: its rank restarted once, in the new one"
+            recreated_at = stack.recreated[0][0]
+            assert stack.components["vllm"].starts[-1] >= recreated_at, "started after the recreate"
+        assert any("recreating the container" in e.message for e in w.stacks["n2"].events.recent)
+    finally:
+        await w.close()

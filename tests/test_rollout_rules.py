@@ -4,6 +4,7 @@ files, and the step state machine on hand-made observations."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,18 @@ def test_pause_abort_and_rollback_controls() -> None:
     assert back.status == "rolling_back" and [(s.groups, s.rollback, s.phase) for s in back.steps] == [
         (("p0",), False, "draining"), (("p1",), False, "skipped"), (("p0",), True, "pending")]
     assert (back.steps[2].from_hash, back.steps[2].to_hash) == ("new", "old")
+
+
+def test_abort_closes_a_halted_rollout_so_the_next_can_start() -> None:
+    """A halted rollout whose only step was rolled back has nothing to resume into safely nor to roll back: abort
+    closes it (else no new rollout could ever start: `plan` refuses beside a halted one)."""
+    halted = replace(record(("p1",)), status="halted")
+    closed = rr.control(halted, "abort", 7, "op")
+    assert closed.status == "aborted" and not closed.active and "closed by op" in closed.message
+    with pytest.raises(ValueError, match="aborted already"):
+        rr.control(closed, "abort", 8, "op")
+    with pytest.raises(ValueError, match="no step was done"):
+        rr.control(halted, "rollback", 8, "op")
 
 
 def test_time_left_from_load_times_then_from_steps_done() -> None:

@@ -115,6 +115,30 @@ def rollout(h: ClusterHarness, node: str = "n1") -> dict[str, Any]:
     return h.cluster(node).get("rollout") or {}
 
 
+def until_status(h: ClusterHarness, want: str, timeout: float, node: str = "n1", *,
+                 after: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The rollout's record once its status is `want`; at once when it ended otherwise, and on a timeout before
+    the test's own: either way with the record's story, not a bare timeout. `after`: the id of the rollout
+    before this one (its record may still be what this agent shows for a moment)."""
+    deadline, view = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        try:
+            view = rollout(h, node)
+        except Exception:
+            view = view or {}
+        if after is not None and view.get("id") == after:
+            time.sleep(0.5)
+            continue
+        if view.get("status") == want:
+            return view
+        if view.get("status") in ("done", "failed", "aborted", "halted", "rolled_back"):
+            break
+        time.sleep(1.0)
+    story = "\n".join(f"  {line}" for line in json.dumps(view, indent=1).splitlines())
+    raise AssertionError(f"the rollout is {view.get('status')!r}, not {want!r} (waited up to {timeout:.0f}s):\n"
+                         f"{story}")
+
+
 def pids(h: ClusterHarness) -> dict[str, int]:
     return {n: h.agents[n].children()["vllm"]["pid"] for n in NODES}
 
@@ -148,12 +172,13 @@ def test_a_rollout_under_traffic_survives_a_killed_agent_and_no_request_fails(cl
     with Traffic(cl) as traffic:
         dry = cl.ctl("n1", "cluster", "rollout", str(path), "--dry-run", "--bake", "5s")
         assert dry.returncode == 0 and "step 1: p0" in dry.stdout and "step 2: p1" in dry.stdout, dry
+        previous = rollout(cl).get("id")
         out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "5s", "--drain-timeout", "60s")
         assert out.returncode == 0 and "stored as rollout" in out.stdout, out
         wait_for("p1's step begun", lambda: rollout(cl)["steps"][1]["phase"] != "pending", 240, 0.5)
         cl.kill("n3")  # a member of the step in progress
         cl.start("n3")
-        wait_for("the rollout done", lambda: rollout(cl, "n4")["status"] == "done", 300, 1.0)
+        until_status(cl, "done", 240, "n4", after=previous)
         wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
                  == "in", 60)  # fmt: skip
         sent_at = time.monotonic()
@@ -175,9 +200,10 @@ def test_a_group_failing_its_gate_is_rolled_back_and_the_rollout_halts(cl: Clust
     old = hashes(cl)["n2"]
     path = install(cl, group_env("p1", VLLM_STANDIN_FAULT="empty"))  # answers without tokens: the canary fails
     with Traffic(cl) as traffic:
+        previous = rollout(cl).get("id")
         out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "5s")
         assert out.returncode == 0, out
-        wait_for("halted", lambda: rollout(cl)["status"] == "halted", 300, 1.0)
+        until_status(cl, "halted", 240, after=previous)
         wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
                  == "in", 60)  # fmt: skip
     view = rollout(cl)
@@ -191,4 +217,33 @@ def test_a_group_failing_its_gate_is_rolled_back_and_the_rollout_halts(cl: Clust
     assert after["n2"] != before["n2"] and after["n0"] == before["n0"], "only p1 restarted (twice)"
     status = cl.ctl("n1", "cluster", "rollout", "status")
     assert "halted" in status.stdout and "1. p1: rolled_back" in status.stdout, status.stdout
-    assert cl.ctl("n1", "cluster", "rollout", "abort").returncode != 0, "a halted rollout is over already"
+    closed = cl.ctl("n1", "cluster", "rollout", "abort")  # a halted rollout is closed: the next may start
+    assert closed.returncode == 0, closed
+    until_status(cl, "aborted", 30)
+
+
+def test_a_group_slower_under_traffic_fails_its_bake_and_is_rolled_back(cl: ClusterHarness) -> None:
+    """The new file passes the gate (ready, a canary answered) but prefills 10000x slower: the bake reads the
+    group's TTFT from its ranks' /metrics against the old processes' and rolls the group back."""
+    old = hashes(cl)["n2"]
+
+    def slow_p1(data: dict[str, Any]) -> None:
+        for g in data["cluster"]["vllm_groups"]:
+            if g["name"] == "p1":
+                g["env"] = {"VLLM_STANDIN_PREFILL_TOKENS_PER_S": "5"}  # (the previous test's fault gone)
+
+    path = install(cl, slow_p1)
+    previous = rollout(cl).get("id")
+    with Traffic(cl) as traffic:
+        out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "90s", "--bake-ttft-factor", "2")
+        assert out.returncode == 0 and "stored as rollout" in out.stdout, out
+        view = until_status(cl, "halted", 240, after=previous)
+        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
+                 == "in", 60)  # fmt: skip
+    why = view["steps"][0]["failed"]
+    print(f"\nthe step failed {why}")
+    assert why.startswith("while baking, p1: mean TTFT") and "before the step (more than 2x)" in why, view
+    assert view["options"]["bake_ttft_factor"] == 2.0
+    assert not traffic.failed(), f"requests failed: {traffic.failed()[:5]}"
+    assert hashes(cl)["n2"] == hashes(cl)["n3"] == old, "p1 runs the previous file again"
+    assert cl.ctl("n1", "cluster", "rollout", "abort").returncode == 0

@@ -658,6 +658,26 @@ async def test_fault_modes_switch_at_run_time(launcher: Launcher) -> None:
     assert "EngineCore encountered a fatal error" in standin.output()
 
 
+async def test_served_and_failed_requests_show_in_the_metrics_a_rollouts_bake_reads(launcher: Launcher) -> None:
+    """vLLM's http_requests_total (the instrumentator's, status grouped) and the TTFT histogram, as
+    `cluster.rollout_bake.parse_serving` reads them."""
+    from nodeagent.cluster.rollout_bake import parse_serving
+
+    standin = launcher.start()
+    base = standin.url
+    async with aiohttp.ClientSession() as session:
+        for n in range(2):
+            assert (await chat(session, base, f"q{n}", max_tokens=2))[0] == 200
+        async with session.post(f"{base}/standin/fault", json={"mode": "503"}) as response:
+            assert response.status == 200
+        assert (await chat(session, base, "hello?"))[0] == 503
+        async with session.get(f"{base}/metrics") as response:
+            text = await response.text()
+    assert 'http_requests_total{handler="/v1/chat/completions",method="POST",status="5xx"} 1.0' in text
+    served = parse_serving(text)
+    assert (served.requests, served.errors, served.ttft_count) == (3, 1, 2)
+
+
 def test_crash_after_from_env_then_api_server_exits_non_zero(launcher: Launcher) -> None:
     standin = launcher.start(env={"VLLM_STANDIN_FAULT": "crash_after:2"}, workers=2)
     tree = standin.descendants()

@@ -169,6 +169,25 @@ async def test_a_transient_fault_is_seen_by_the_survivor_and_a_retry_recovers_th
         assert [s.state for s in (await states(session, ranks)).values()] == ["healthy", "healthy"]
 
 
+async def test_a_chat_sent_during_the_fault_waits_for_the_retry_as_in_vllm(launcher: Launcher) -> None:
+    """vLLM parks the busy loop while a rank is unhealthy: a request neither fails nor runs until the retry
+    (this is what makes the agent's liveness canary fail during an episode: `nodeagent.liveness_hold`)."""
+    ranks = start_group(launcher)
+    body = {"model": MODEL_PATH, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as session:
+        await wait_states(session, ranks, ["healthy", "healthy"])
+        await set_fault(session, ranks[1], "transient")
+        await wait_states(session, ranks, ["unhealthy", "unhealthy"])
+        chat = asyncio.ensure_future(session.post(ranks[0].url + "/v1/chat/completions", json=body))
+        done, _ = await asyncio.wait({chat}, timeout=1.0)
+        assert not done, "a chat during the fault is answered only after the retry"
+        for rank in (0, 1):
+            await apply(session, ranks[rank].url, "retry")
+        resp = await asyncio.wait_for(chat, 10)
+        assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 2
+        resp.release()
+
+
 async def test_a_retry_that_fails_reports_its_request_id_and_escalates(launcher: Launcher) -> None:
     ranks = start_group(launcher)
     async with aiohttp.ClientSession() as session:

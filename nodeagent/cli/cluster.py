@@ -64,6 +64,17 @@ def seconds(text: str, what: str) -> float:
     return value
 
 
+def fraction(text: str, what: str) -> float:
+    """`5%` or `0.05` → 0.05."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise CliError(f"{what}: {text!r} is not a rate (e.g. 5%, 0.05)", EXIT_USAGE) from None
+    if not 0 <= value <= 1:
+        raise CliError(f"{what}: {text!r} is not between 0 and 100%", EXIT_USAGE)
+    return value
+
+
 def rollout_body(args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"file": os.path.abspath(args.target), "dry_run": args.dry_run}
     if args.max_unavailable is not None:
@@ -75,6 +86,17 @@ def rollout_body(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key in (("bake", "bake_s"), ("drain_timeout", "drain_timeout_s"), ("gate_timeout", "gate_timeout_s")):
         if getattr(args, flag):
             body[key] = seconds(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.bake_error_rate:
+        body["bake_error_rate"] = fraction(args.bake_error_rate, "--bake-error-rate")
+    if args.bake_ttft_factor:
+        try:
+            body["bake_ttft_factor"] = float(args.bake_ttft_factor)
+        except ValueError:
+            raise CliError(f"--bake-ttft-factor: {args.bake_ttft_factor!r} is not a number (e.g. 2, 1.5)",
+                           EXIT_USAGE) from None
+        if body["bake_ttft_factor"] < 1:
+            raise CliError(f"--bake-ttft-factor: {args.bake_ttft_factor!r} is below 1 (2 fails a TTFT twice the one "
+                           "before the step)", EXIT_USAGE)  # fmt: skip
     if args.allow_outage:
         body["allow_outage"] = [k for item in args.allow_outage for k in item.split(",") if k]
     return body

@@ -116,6 +116,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     cluster.add_argument("--canary", metavar="GROUP", help="with rollout: this group first, alone")
     cluster.add_argument("--bake", metavar="DURATION", help="with rollout: healthy this long before the next step "
                          "(10m; 90s, 1h)")
+    cluster.add_argument("--bake-error-rate", metavar="RATE", help="with rollout: the bake fails when more of the "
+                         "group's requests fail (5%%; 0.05 or 5%%)")
+    cluster.add_argument("--bake-ttft-factor", metavar="X", help="with rollout: the bake fails when the group's mean "
+                         "TTFT is more than X times the one before the step (2)")
     cluster.add_argument("--drain-timeout", metavar="DURATION", help="with rollout: drain at most this long (2m)")
     cluster.add_argument("--gate-timeout", metavar="DURATION", help="with rollout: restart to ready at most (90m)")
     cluster.add_argument("--allow-outage", metavar="KIND", action="append", help="with rollout: a kind with a "

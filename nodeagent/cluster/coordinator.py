@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.cluster import rules
+from nodeagent.cluster.barrier import StartBarrier
 from nodeagent.cluster.ft_rung import FtClient, FtRung
+from nodeagent.cluster.gang import GangState
 from nodeagent.cluster.ops import ClusterOps
 from nodeagent.cluster.proxy_sync import ProxyPost, ProxySync
-from nodeagent.cluster.store import KV, Change, Resync, StoreError
+from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
+from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
-from nodeagent.layout import Group, cluster_layout
+from nodeagent.layout import cluster_layout
 from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
@@ -38,46 +41,11 @@ if TYPE_CHECKING:
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
 
-BARRIER_TIMEOUT_S = 300.0
-"""vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
 SETTLE_EVERY_S = 30.0
 RETRY_S = 1.0
 IDLE_TICK_S = 5.0
 """At rest the work loop wakes only for watch events and gate checks, and otherwise this often (barrier timeouts,
 settling): an idle agent costs next to nothing and sends no etcd request."""
-
-
-@dataclass
-class GangState:
-    """One group this node runs ranks of."""
-
-    group: Group
-    components: tuple[str, ...]
-    record: rules.GangRecord | None = None
-    mod_revision: int = 0
-    acted: int = 0
-    acted_epoch: str = ""
-    pending: tuple[int, str, bool] | None = None
-    """A generation bump this node asks for: (seen generation, reason, planned)."""
-    deferred: int | None = None
-    """A generation seen while paused, acted on at resume."""
-    arrivals: set[str] = field(default_factory=set)
-    arrived_for: int = 0
-    released: int = 0
-    """The generation whose barrier released."""
-    waiting_since: float | None = None
-    last_late_event: float = 0.0
-    up_since: float | None = None
-    fresh: bool = True
-    """Not yet compared with the store since this agent started."""
-    adopting: bool = False
-    """A process of this group was recorded by the previous agent (it is being adopted)."""
-    ran: dict[str, int] = field(default_factory=dict)
-    """The generation each local rank was last seen running in: a rank runs once per generation."""
-
-    @property
-    def multi(self) -> bool:
-        return len(self.group.nodes) > 1
 
 
 class Coordinator:
@@ -99,7 +67,6 @@ class Coordinator:
         self.state_path = config.agent.state_dir / "cluster.json"
         saved = read_json(self.state_path, {})
         here = port.snapshot()
-        adoptable = here.adoptable
         self.epoch: str | None = None
         self._epoch_before_reset: str | None = None
         """The epoch we knew when a watch said etcd was reset: a different one then means etcd lost our keys."""
@@ -113,7 +80,6 @@ class Coordinator:
             gs = GangState(group, mine)
             old = (saved.get("gangs") or {}).get(group.name) or {}
             gs.acted, gs.acted_epoch = int(old.get("acted", 0)), str(old.get("epoch", ""))
-            gs.adopting = any(c in adoptable for c in mine)
             self.gangs[group.name] = gs
         self.by_component = {c: gs for gs in self.gangs.values() for c in gs.components}
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
@@ -126,7 +92,8 @@ class Coordinator:
                                   self.clock, proxy_post)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip
-        self._tasks: list[asyncio.Future[Any]] = []
+        self.tasks = TaskSet()
+        self.barrier = StartBarrier(self.cluster, self.node, port, membership, self.clock)
         self._wake = asyncio.Event()
         self.ops = ClusterOps(self, self.clock) if operations else None
         self.ft = FtRung(self, self.clock, ft_client)  # attaches first: it sees every rank failure, takes none
@@ -146,24 +113,19 @@ class Coordinator:
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
         p = rules.prefix(self.cluster)
-        self._tasks = [asyncio.create_task(self._watch(p + "gangs/", self._on_gang), name="cluster:gangs"),
-                       asyncio.create_task(self._watch(p + "barriers/", self._on_barrier), name="cluster:barriers"),
-                       asyncio.create_task(self._watch(rules.pause_key(self.cluster), self._on_pause),
-                                           name="cluster:pause"),
-                       asyncio.create_task(self._work(), name="cluster:work"),
-                       asyncio.create_task(self.ft.run(), name="cluster:fault-tolerance")]  # fmt: skip
+        watches = [(p + "gangs/", self._on_gang), (p + "barriers/", self._on_barrier),
+                   (rules.pause_key(self.cluster), self._on_pause), *(self.ops.watches() if self.ops else ())]
+        for key, apply in watches:
+            self.tasks.start(follow(self.store, key, functools.partial(self._on_watch, key, apply), clock=self.clock,
+                                    retry_s=RETRY_S, what="cluster"), f"cluster:watch:{key}")  # fmt: skip
+        self.tasks.start(self._work(), "cluster:work")
+        self.tasks.start(self.ft.run(), "cluster:fault-tolerance")
         for proxy in self.proxies:
-            self._tasks.append(asyncio.create_task(proxy.run(), name=f"cluster:proxy:{proxy.plan.component}"))
-        for key, apply in self.ops.watches() if self.ops is not None else ():
-            self._tasks.append(asyncio.create_task(self._watch(key, apply), name=f"cluster:watch:{key}"))
+            self.tasks.start(proxy.run(), f"cluster:proxy:{proxy.plan.component}")
         self.store.on_state_change.append(lambda _s: self.wake())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.tasks.stop()
 
     def wake(self) -> None:
         self._wake.set()
@@ -182,22 +144,14 @@ class Coordinator:
 
     def spawn(self, work: Awaitable[Any]) -> None:
         """Run `work` beside the loop; it is cancelled when the coordinator stops."""
-        self._tasks.append(asyncio.ensure_future(work))
+        self.tasks.start(work)
 
-    async def _watch(self, prefix: str, apply: Any) -> None:
-        while True:
-            try:
-                async with contextlib.aclosing(self.store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
-                    async for item in items:
-                        if isinstance(item, Resync):
-                            await self._resync(prefix, item, apply)
-                        else:
-                            assert isinstance(item, Change)
-                            apply(item.key, item.kv)
-                        self.wake()
-            except Exception:  # the store retries outages itself: this is a bug's last resort
-                logger.exception(f"cluster: the watch of {prefix} failed; restarting it")
-                await self.clock.sleep(RETRY_S)
+    async def _on_watch(self, prefix: str, apply: Any, item: WatchItem) -> None:
+        if isinstance(item, Resync):
+            await self._resync(prefix, item, apply)
+        else:
+            apply(item.key, item.kv)
+        self.wake()
 
     async def _resync(self, prefix: str, item: Resync, apply: Any) -> None:
         if item.reason == "reset" and self.epoch is not None:
@@ -230,13 +184,7 @@ class Coordinator:
 
     def _on_barrier(self, key: str, kv: KV | None) -> None:
         parts = key.rsplit("/", 3)
-        if len(parts) != 4:
-            return
-        _, group, gen, node = parts
-        gs = self.gangs.get(group)
-        if gs is None or not gen.isdigit() or int(gen) != gs.acted:
-            return
-        (gs.arrivals.add if kv is not None else gs.arrivals.discard)(node)
+        self.barrier.on_key(self.gangs.get(parts[1]) if len(parts) == 4 else None, key, kv)
 
     def _on_pause(self, key: str, kv: KV | None) -> None:
         info = kv.json() if kv is not None else None
@@ -261,7 +209,7 @@ class Coordinator:
                     if self.ops is not None:
                         await self.ops.step()
                 for gs in self.gangs.values():
-                    self._check_barrier(gs)
+                    self.barrier.check(gs)
             except StoreError as exc:
                 logger.debug(f"cluster: deferred: {exc}")
             except Exception:
@@ -319,17 +267,20 @@ class Coordinator:
         if rules.baseline(view, epoch):
             await self._adopt_baseline(gs, epoch)
             return
+        here = self.port.snapshot()
         if gs.fresh:
+            if any(c in here.adoptable for c in gs.components):
+                return  # whether the previous agent's ranks still run is known once their adoption was tried
             gs.fresh = False
-            if gs.adopting:
-                gs.released = gs.acted
+            if any(here.components[c].running for c in gs.components):
+                gs.released = gs.acted  # adopted: they run on in the generation they started in
             elif gs.pending is None:
-                # Back without our ranks while the group ran on: a DP group cannot take a rank back; restart it.
+                # Back without our ranks while the group ran on (they died unwatched, or never ran): a DP group
+                # cannot take a rank back; restart it.
                 gs.pending = (gs.acted, f"{self.node} came back without its ranks of the group", False)
                 self.wake()
                 return
         target = rules.must_restart_for(view, epoch)
-        here = self.port.snapshot()
         if target is not None:
             assert gs.record is not None
             if here.paused and not gs.record.planned:
@@ -339,8 +290,7 @@ class Coordinator:
                                    f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
                 return
             self._act(gs, target, here)
-        if gs.arrived_for != gs.acted and self._wants_start(gs, here):
-            await self._arrive(gs)
+        await self.barrier.step(gs, here)
 
     async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
         """First contact with this store: take its generation as ours, or create generation 1."""
@@ -399,42 +349,6 @@ class Coordinator:
         if decision.action == "redeploy" and self.ops is not None:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
 
-    @staticmethod
-    def _wants_start(gs: GangState, here: NodeView) -> bool:
-        """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
-        its dependencies up (the worker is ready), no chip reset or isolation here: this node may arrive at the
-        group's start barrier."""
-        ranks = [here.components[c] for c in gs.components]
-        return here.recovery is None and all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
-
-    async def _arrive(self, gs: GangState) -> None:
-        gen = gs.acted
-        key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
-        await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.membership.lease)
-        if gs.arrived_for:
-            with contextlib.suppress(StoreError):
-                await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
-        gs.arrived_for = gen
-        gs.arrivals.add(self.node)
-        gs.waiting_since = self.clock.monotonic()
-        snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
-        gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
-
-    def _check_barrier(self, gs: GangState) -> None:
-        if gs.released == gs.acted or gs.arrived_for != gs.acted:
-            return
-        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
-        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
-        if state.released:
-            gs.released = gs.acted
-            self.port.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
-                           group=gs.group.name, generation=gs.acted)  # fmt: skip
-            self.port.wake()
-        elif state.overdue and self.clock.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
-            gs.last_late_event = self.clock.monotonic()
-            self.port.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
-                           "half a group", None, "error", missing=list(state.missing))  # fmt: skip
-
     async def _settle(self, gs: GangState) -> None:
         """The group ran stably: clear its crash loop in etcd (the head writes; only when it changes)."""
         if gs.record is None or gs.group.head != self.node:
@@ -492,12 +406,7 @@ class Coordinator:
                             f"({comp.name} ran in generation {gs.acted} already)")  # fmt: skip
             return None
         self.wake()
-        if gs.arrived_for != gs.acted:
-            return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
-        waited = self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
-        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
-        return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
-                    data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
+        return self.barrier.hold(gs)
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""

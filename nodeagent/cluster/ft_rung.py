@@ -43,10 +43,13 @@ if TYPE_CHECKING:
 
 LADDER_KEPT = 20
 """Ladder steps kept per group for /status and post-mortems (older ones are in the event log)."""
+LIVENESS_HOLD_SLACK_S = 10.0
+"""Past vLLM's own deadline (the engine gives up after `engine_recovery_timeout_s`): the ranks' liveness is held
+no longer than that, whatever the rung does."""
 
 
 class GangPosition(Protocol):
-    """What the rung reads of one of the coordinator's groups (`coordinator.GangState` is it)."""
+    """What the rung reads of one of the coordinator's groups (`gang.GangState` is it)."""
 
     group: Group
     components: tuple[str, ...]
@@ -212,6 +215,8 @@ class FtRung:
         if g.supported is False and g.unsupported_said:
             return
         await self._read(g)
+        if self.coordinator.gangs[g.name].acted != g.generation:
+            return  # the group moved on while the ranks were read (a peer escalated): the next step closes it
         situation = ft_rules.FtSituation(
             ranks=tuple(r.rank for r in g.ranks), statuses=dict(g.statuses), asked=True, supported=g.supported,
             support_reason=g.reason, now=self.clock.monotonic(),
@@ -276,6 +281,8 @@ class FtRung:
         if g.fault_at is not None:
             return
         g.fault_at = now
+        # vLLM parks the busy loop and chats wait: the liveness canary fails while the retry recovers the group
+        self._hold_liveness(g, "vLLM's fault-tolerance retry is recovering the group")
         bad = {s.rank: s.state for s in g.statuses.values() if s.state != "healthy"}
         what = ", ".join(f"rank {rank} {state}" for rank, state in sorted(bad.items()))
         self._step(g, "retry", "fault", f"{what} ({self._fault_info(g)})")
@@ -312,6 +319,8 @@ class FtRung:
         nxt = f"gang restart: generation {gs.acted + 1} on {', '.join(gs.group.nodes)}"
         self._step(g, "retry", "escalated", reason)
         self._step(g, "gang", "asked", nxt)
+        # the gang restart replaces the ranks: a local restart meanwhile would only count a second failure
+        self._hold_liveness(g, f"the retry failed; {nxt} is asked")
         self.port.emit("ft_escalate", f"group {g.name}: {reason}; next rung: {nxt}", self._first_bad(g), "warning",
                        group=g.name, generation=gs.acted + 1)  # fmt: skip
         for r in g.ranks:
@@ -330,6 +339,14 @@ class FtRung:
         else:
             self._step(g, "gang", outcome, detail)
         g.fault_at = g.attempt = g.escalated = None
+        self._hold_liveness(g, None)
+
+    def _hold_liveness(self, g: FtGroup, reason: str | None) -> None:
+        """Hold (reason) or release (None) the liveness of this node's ranks of the group; a hold lasts at most
+        vLLM's own recovery window from now."""
+        for_s = g.spec.engine_recovery_timeout_s + LIVENESS_HOLD_SLACK_S
+        for r in g.ranks:
+            self.port.hold_liveness(r.component, reason, for_s)
 
     def _step(self, g: FtGroup, rung: str, outcome: str, detail: str, **data: Any) -> None:
         g.ladder.append({"at": self.clock.time(), "rung": rung, "outcome": outcome, "detail": detail,

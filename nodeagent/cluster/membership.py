@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -33,6 +34,7 @@ from nodeagent import __version__
 from nodeagent.bindaddr import is_wildcard, url_host
 from nodeagent.cluster.consistency import ClockSamples, Expected, Finding, check_all
 from nodeagent.cluster.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
+from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.host import Clock
 
 if TYPE_CHECKING:
@@ -198,7 +200,7 @@ class Membership:
         self._dup_key: str | None = None
         self._dirty = asyncio.Event()
         self._last_write = 0.0
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = TaskSet()
         self._lease: Any = None
         self._recheck_timer: asyncio.Task[None] | None = None
         self._recheck_due: float | None = None
@@ -227,22 +229,17 @@ class Membership:
         self._lease.on_lost.append(self._on_lost)
         self.store.on_state_change.append(lambda _state: self.changed())
         prefix = cluster_prefix(self.cluster)
-        self._tasks = [asyncio.create_task(self._publish(), name="membership:publish"),
-                       asyncio.create_task(self._watch(prefix + "nodes/", self._on_member), name="membership:nodes"),
-                       asyncio.create_task(self._watch(prefix + "duplicates/", self._on_duplicate),
-                                           name="membership:duplicates")]  # fmt: skip
+        self.tasks.start(self._publish(), "membership:publish")
+        for key, apply in ((prefix + "nodes/", self._on_member), (prefix + "duplicates/", self._on_duplicate)):
+            self.tasks.start(follow(self.store, key, functools.partial(self._apply, key, apply=apply),
+                                    clock=self.clock, retry_s=RETRY_S, what="membership"), f"membership:{key}")
         self.changed()
 
     async def stop(self, leave: bool = True) -> None:
         """leave: revoke the lease (the key disappears now: the node is leaving). Otherwise (detach) the key
         expires by itself unless the next agent takes it over first."""
         self._cancel_recheck()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
+        await self.tasks.stop()
         if leave and self._lease is not None:
             await self._lease.revoke()
         with contextlib.suppress(Exception):
@@ -336,16 +333,6 @@ class Membership:
             self.changed()
 
     # ---- watching the others --------------------------------------------------------------------------------
-    async def _watch(self, prefix: str, apply: Callable[[str, KV | None, bool], None]) -> None:
-        while True:
-            try:
-                async with contextlib.aclosing(self.store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
-                    async for item in items:
-                        self._apply(prefix, item, apply)
-            except Exception:  # the watch retries outages itself: this is a bug's last resort
-                logger.exception(f"membership: the watch of {prefix} failed; restarting it")
-                await self.clock.sleep(RETRY_S)
-
     def _apply(self, prefix: str, item: WatchItem, apply: Callable[[str, KV | None, bool], None]) -> None:
         if isinstance(item, Resync):
             self.resyncs[item.reason] = self.resyncs.get(item.reason, 0) + 1

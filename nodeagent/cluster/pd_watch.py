@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 Http = Callable[[str, str, dict[str, Any] | None, float, Mapping[str, str]], Awaitable[tuple[int, str]]]
 """(method, url, JSON body or None, timeout, headers) → (status, body text); raises OSError when nobody answers."""
 RESTART_COOLDOWN_S = 300.0
-"""After a group was restarted for one of these reasons, the same reason waits this long before acting again."""
+"""After the watch restarted a group (for any of its reasons), the group waits this long before it acts on it again."""
 _KV_USAGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)', re.MULTILINE)
 
 
@@ -190,11 +190,13 @@ class PdWatch(ReportLayer):
             await self.clock.sleep(min(self.settings.probe_period_s, 5.0))
 
     async def _restart(self, why: str, group: str, reason: str) -> bool:
-        key = (why, group)
+        """One restart of the group per cooldown, whatever the reason: an empty-answer restart followed by a KV or
+        transfer verdict read before it took effect would restart a group that is loading already."""
         now = self.clock.monotonic()
-        if now - self.acted.get(key, -RESTART_COOLDOWN_S) < RESTART_COOLDOWN_S:
+        last = max((t for (_, g), t in self.acted.items() if g == group), default=-RESTART_COOLDOWN_S)
+        if now - last < RESTART_COOLDOWN_S:
             return False
-        self.acted[key] = now
+        self.acted[(why, group)] = now
         self.co.port.emit("pd_watch", f"group {group} restarts: {reason}", None, "warning", group=group, why=why)
         with contextlib.suppress(Exception):
             await self.co.ask_generations([group], f"pd watch: {reason}", planned=False)

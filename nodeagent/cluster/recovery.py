@@ -4,9 +4,9 @@ groups cleanly.
 It reads the node only through its port (`NodeView.recovery`, set by `nodeagent.recovery` while a chip reset
 runs or the node is isolated). Once per reset or isolation it asks a new generation of every group with a rank
 here (planned: drained first), so the other members restart their ranks at once instead of hanging on a lost
-peer and wait at the start barrier; this node does not arrive there while `recovery` is set (the coordinator's
-`_wants_start`). The member record carries `isolated` (membership), and the PD proxy sync keeps a group with an
-isolated member out of the proxy.
+peer and wait at the start barrier; this node does not arrive there while `recovery` is set
+(`barrier.StartBarrier`). The member record carries `isolated` (membership), and the PD proxy sync keeps a group
+with an isolated member out of the proxy.
 """
 
 from __future__ import annotations

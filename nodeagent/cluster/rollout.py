@@ -17,28 +17,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.cluster import rollout_rules as rr
 from nodeagent.cluster import rules
 from nodeagent.cluster.proxy_sync import group_healthy
+from nodeagent.cluster.rollout_bake import BakeWatch, Scrape
+from nodeagent.cluster.rollout_config import ConfigHost, file_hash, restore_config, snapshot_config
+from nodeagent.cluster.rollout_http import http_canary, http_inflight, http_scrape
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
-from nodeagent.cluster.store import KV, Change, Resync, StoreError
+from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
+from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
+from nodeagent.stackport import Hold, HoldKind
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
-    from nodeagent.stackport import ComponentView, Hold
+    from nodeagent.stackport import ComponentView
 
 ACTIVE_TICK_S = 1.0
 IDLE_TICK_S = 5.0
@@ -55,86 +61,12 @@ class RolloutRefused(ValueError):
     """A rollout that cannot start or a control that does not apply: the API answers 409 with the reason."""
 
 
-class ConfigHost(Protocol):
-    """What the executor needs from the agent beyond the port: configs (the agent satisfies it)."""
-
-    def running_config(self) -> Config: ...
-
-    def read_config_file(self, path: str | None = None) -> Config: ...
-
-    def stage_config(self, config: Config) -> None:
-        """The config for the next starts of every component; restarts nothing."""
-
-
-def file_hash(config: Config) -> str:
-    from nodeagent.config_cluster import cluster_file_hash
-
-    return cluster_file_hash(config)
-
-
-def snapshot_config(config: Config) -> dict[str, Any]:
-    """A config as JSON that `restore_config` turns back into the same config (the previous file may be gone)."""
-    from nodeagent.config_base import to_plain
-
-    return {"config": to_plain(replace_config(config, shared=None, source=None)),
-            "shared": to_plain(config.shared) if config.shared is not None else None,
-            "source": str(config.source) if config.source else None}  # fmt: skip
-
-
-def replace_config(config: Config, **changes: Any) -> Config:
-    from nodeagent.config_base import replace
-
-    return replace(config, **changes)  # type: ignore[no-any-return]
-
-
-def restore_config(data: Mapping[str, Any]) -> Config:
-    from pathlib import Path
-
-    from nodeagent.config_base import validate
-    from nodeagent.config_cluster import SharedSections
-    from nodeagent.config_model import Config
-
-    config = validate(Config, data["config"])
-    shared = validate(SharedSections, data["shared"]) if data.get("shared") else None
-    return replace_config(config, shared=shared, source=Path(data["source"]) if data.get("source") else None)
-
-
-async def http_inflight(name: str, cfg: Any) -> tuple[int, int] | None:
-    import aiohttp
-
-    from nodeagent.vllm_endpoints import vllm_inflight
-
-    async with aiohttp.ClientSession() as session:
-        return await vllm_inflight(session, name, cfg)
-
-
-async def http_canary(endpoint: str, cfg: Any, timeout_s: float = 60.0) -> tuple[bool, str]:
-    """The guide's 2-token chat request straight to one API server of the group: ok when tokens come back."""
-    import aiohttp
-
-    from nodeagent.probe_resolve import vllm_probe_body
-
-    url = f"http://{endpoint}/v1/chat/completions"
-    try:
-        body_out = vllm_probe_body(getattr(cfg, "served_model_name", None))
-        async with (aiohttp.ClientSession() as session, asyncio.timeout(timeout_s),
-                    session.post(url, json=body_out) as answer):  # fmt: skip
-            body = await answer.json(content_type=None)
-            if answer.status != 200:
-                return False, f"HTTP {answer.status} from {url}"
-            text = ((body.get("choices") or [{}])[0].get("message") or {}).get("content")
-            return (True, "ok") if text else (False, f"{url} answered no tokens")
-    except TimeoutError:
-        return False, f"no answer from {url} within {timeout_s:.0f}s"
-    except (OSError, ValueError, aiohttp.ClientError) as exc:
-        return False, f"{type(exc).__name__} from {url}: {exc}"
-
-
 class RolloutExecutor:
     """One agent's part in rollouts (`stackport.NodeLayer`): it attaches to the node's port when made."""
 
     def __init__(self, coordinator: Coordinator, host: ConfigHost, *, clock: Clock | None = None,
-                 inflight: Inflight | None = None, canary: Canary | None = None) -> None:  # fmt: skip
+                 inflight: Inflight | None = None, canary: Canary | None = None,
+                 scrape: Scrape | None = None) -> None:  # fmt: skip
         self.co = coordinator
         self.host = host
         self.port = coordinator.port
@@ -148,6 +80,8 @@ class RolloutExecutor:
         self.report_key = rr.report_prefix(self.cluster) + self.node
         self._inflight = inflight or http_inflight
         self._canary = canary or http_canary
+        self.bake = BakeWatch(scrape or http_scrape)
+        self._recreated: set[tuple[str, int, str]] = set()
         self.record: rr.Record | None = None
         self.mod_revision = 0
         self.changed_at = self.clock.monotonic()
@@ -166,7 +100,7 @@ class RolloutExecutor:
             self.previous = restore_config(saved) if saved else None
         self._hashed: list[tuple[Any, str]] = []
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.tasks = TaskSet()
         for proxy in self.co.proxies:
             proxy.holds.append(self.out_of_proxy)
         self.port.attach(self)
@@ -183,40 +117,28 @@ class RolloutExecutor:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(self.key, self._on_record), name="rollout:record"),
-                       asyncio.create_task(self._watch(rr.report_prefix(self.cluster), self._on_report),
-                                           name="rollout:reports"),
-                       asyncio.create_task(self._work(), name="rollout:work")]  # fmt: skip
+        for key, apply in ((self.key, self._on_record), (rr.report_prefix(self.cluster), self._on_report)):
+            self.tasks.start(follow(self.store, key, functools.partial(self._on_watch, key, apply), clock=self.clock,
+                                    retry_s=ACTIVE_TICK_S, what="rollout"), f"rollout:watch:{key}")  # fmt: skip
+        self.tasks.start(self._work(), "rollout:work")
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.tasks.stop()
 
     def wake(self) -> None:
         self._wake.set()
 
-    async def _watch(self, prefix: str, apply: Callable[[str, KV | None], None]) -> None:
-        while True:
-            try:
-                async with contextlib.aclosing(self.store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
-                    async for item in items:
-                        if isinstance(item, Resync):
-                            if prefix.endswith("/"):
-                                self.reports.clear()
-                            else:
-                                apply(prefix, None)
-                            for key, kv in item.snapshot.items.items():
-                                apply(key, kv)
-                        else:
-                            assert isinstance(item, Change)
-                            apply(item.key, item.kv)
-                        self.wake()
-            except Exception:  # the store retries outages itself: this is a bug's last resort
-                logger.exception(f"rollout: the watch of {prefix} failed; restarting it")
-                await self.clock.sleep(ACTIVE_TICK_S)
+    def _on_watch(self, prefix: str, apply: Callable[[str, KV | None], None], item: WatchItem) -> None:
+        if isinstance(item, Resync):
+            if prefix.endswith("/"):
+                self.reports.clear()
+            else:
+                apply(prefix, None)
+            for key, kv in item.snapshot.items.items():
+                apply(key, kv)
+        else:
+            apply(item.key, item.kv)
+        self.wake()
 
     def _on_record(self, key: str, kv: KV | None) -> None:
         if key != self.key:
@@ -339,7 +261,14 @@ class RolloutExecutor:
             return
         step = record.steps[i]
         nodes = step.nodes({g.name: g.nodes for g in self.layout.groups})
+        self.bake.keep_only(record.id)
+        if step.phase in ("restarting", "gating") and self.group is not None and self.group.name in step.groups:
+            await self._recreate_container(record, i, step)
         if step.phase == "draining":
+            for g in step.groups:  # the old processes' record, before the restart: the bake's baseline
+                group = self.layout.group(g)
+                if group.head == self.node and not step.failed and not step.rollback:
+                    await self.bake.remember_baseline((record.id, i, g), self._endpoints(group))
             if self.co.proxies and not step.proxy_out and all(self._proxy_out(p, step) for p in self.co.proxies):
                 await self._mark(i, "proxy_out")
             mine = self.node in nodes and self.node not in step.drained
@@ -354,6 +283,17 @@ class RolloutExecutor:
                 if group.head == self.node and g not in step.canary and rr.ready_again(step, obs, g):
                     ok, detail = await self._group_canary(group)
                     await self._mark(i, "canary", g, "ok" if ok else detail)
+        elif step.phase == "baking" and not step.failed and not step.rollback:
+            for g in step.groups:
+                group = self.layout.group(g)
+                if group.head == self.node and g not in step.bake:
+                    opts = record.options
+                    peers = [e for other in self.layout.groups if other.kind == group.kind
+                             and other.name not in step.groups for e in self._endpoints(other)]  # fmt: skip
+                    why = await self.bake.check((record.id, i, g), self._endpoints(group), opts.bake_error_rate,
+                                                opts.bake_ttft_factor, peers)  # fmt: skip
+                    if why is not None:
+                        await self._mark(i, "bake", g, why)
         elif step.phase == "rejoining" and self.co.proxies and not step.proxy_in and all(
                 all(p.health.get(g) == "" for g in step.groups) for p in self.co.proxies):  # fmt: skip
             await self._mark(i, "proxy_in")
@@ -406,6 +346,30 @@ class RolloutExecutor:
                        f"{', '.join(self.group.components(self.node)) if self.group else 'vLLM'} uses "
                        f"{step.to_hash[:12]}")  # fmt: skip
         await self._mark(index, "staged")
+
+    async def _recreate_container(self, record: rr.Record, i: int, step: rr.Step) -> None:
+        """A step that changes the container's image: once the step's generation stopped this node's ranks, the
+        container is recreated with it (a planned recreate: the worker inside stops and starts too) before the
+        ranks start again; `gate` holds them until then."""
+        assert self.group is not None
+        key = (record.id, i, step.to_hash)
+        gs = self.co.gangs.get(self.group.name)
+        if key in self._recreated or gs is None or gs.acted <= step.base.get(self.group.name, 0):
+            return
+        here = self.port.snapshot().components
+        if not all(here[c].stopped for c in self.group.components(self.node) if c in here):
+            return
+        pending = self.host.container_pending()
+        self._recreated.add(key)
+        if pending is None:
+            return
+        what = self.host.recreate_container()
+        self.port.emit("rollout_container", f"rollout {record.id} step {i + 1}: recreating the container ({what} "
+                       "changed); the ranks start in the new one")  # fmt: skip
+
+    @staticmethod
+    def _endpoints(group: Any) -> list[str]:
+        return [proc.endpoint for proc in group.processes if proc.endpoint]
 
     async def _group_canary(self, group: Any) -> tuple[bool, str]:
         for proc in group.processes:
@@ -488,8 +452,13 @@ class RolloutExecutor:
             raise PlanError(f"the new file: {exc}") from None
         old = self.host.running_config()
         old_hash, new_hash = self._hash(old), self._hash(new)
+        from nodeagent.config_cluster import cluster_file_hash
+
+        shared = cluster_file_hash(old)  # what member records publish: the shared sections (the image is not in it)
         differ = {n: str(m.record.get("cluster_hash"))[:12] for n, m in self.co.membership.members.items()
-                  if m.record.get("cluster_hash") != old_hash}  # fmt: skip
+                  if m.record.get("cluster_hash") != shared}  # fmt: skip
+        differ |= {n: str(r.get("running"))[:12] for n, r in self.reports.items()
+                   if r.get("running") not in (None, old_hash)}  # fmt: skip
         load_s: dict[str, float] = {}
         for report in self.reports.values():
             for g, s in (report.get("load_s") or {}).items():
@@ -551,7 +520,21 @@ class RolloutExecutor:
 
     # ---- NodeLayer ---------------------------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
-        return None
+        """A rank of a step that changes the container's image starts only in the new container."""
+        record, group = self.record, self.group
+        if record is None or group is None or comp.name not in group.components(self.node):
+            return None
+        i = record.current()
+        step = record.steps[i] if i is not None else None
+        if step is None or group.name not in step.groups or step.phase not in ("staging", "restarting", "gating"):
+            return None
+        if step.phase == "staging" and self.node not in step.staged:
+            return None
+        pending = self.host.container_pending()
+        if pending is None:
+            return None
+        return Hold(HoldKind.CONTAINER, f"rollout {record.id} step {i + 1}: the container is recreated first "
+                    f"({pending} changed), after the step's generation stopped the ranks")  # fmt: skip
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         return None

@@ -45,11 +45,16 @@ class Options:
     drain_timeout_s: float = 120.0
     gate_timeout_s: float = 5400.0
     """From the restart to every rank ready and the canary answered (a DeepSeek-V4 load takes 30-60 min)."""
+    bake_error_rate: float = 0.05
+    """The bake fails when more of the group's requests than this fail (`rollout_bake`)."""
+    bake_ttft_factor: float = 2.0
+    """The bake fails when the group's mean TTFT is more than this times the one before the step."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_unavailable": self.max_unavailable, "order": list(self.order), "canary": self.canary,
                 "bake_s": self.bake_s, "allow_outage": sorted(self.allow_outage),
-                "drain_timeout_s": self.drain_timeout_s, "gate_timeout_s": self.gate_timeout_s}  # fmt: skip
+                "drain_timeout_s": self.drain_timeout_s, "gate_timeout_s": self.gate_timeout_s,
+                "bake_error_rate": self.bake_error_rate, "bake_ttft_factor": self.bake_ttft_factor}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Options:
@@ -74,6 +79,14 @@ class Options:
                     out[key] = float(data[key])
                     if out[key] < 0:
                         raise PlanError(f"{key} must not be negative")
+            if "bake_error_rate" in data:
+                out["bake_error_rate"] = float(data["bake_error_rate"])
+                if not 0 <= out["bake_error_rate"] <= 1:
+                    raise PlanError("bake_error_rate must be between 0 and 1 (a fraction: 0.05 is 5%)")
+            if "bake_ttft_factor" in data:
+                out["bake_ttft_factor"] = float(data["bake_ttft_factor"])
+                if out["bake_ttft_factor"] < 1:
+                    raise PlanError("bake_ttft_factor must be at least 1 (2 fails a TTFT twice the one before)")
             if "allow_outage" in data:
                 kinds = data["allow_outage"]
                 kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
@@ -161,9 +174,10 @@ def rendered(config: Config, base_env: Mapping[str, str]) -> dict[str, dict[str,
         comps = {}
         for comp in layout.components_of(m.name):
             spec = render_component(comp, cfg, base_env)
+            inside = bool(getattr(cfg.components.get(comp), "container", True))
             comps[comp] = {"argv": list(spec.argv), "env": dict(spec.env), "unset": sorted(spec.unset),
                            "cwd": str(spec.cwd), "files": {str(k): v for k, v in spec.files.items()},
-                           "image": image}  # fmt: skip
+                           "image": image if inside else None}  # fmt: skip
         out[m.name] = comps
     return out
 
@@ -271,6 +285,7 @@ def diff(old: Config, new: Config, base_env: Mapping[str, str]) -> tuple[list[Gr
         return [], [], problems
     a, b = rendered(old, base_env), rendered(new, base_env)
     owner = {(n, c): g for g in old_layout.groups for n in g.nodes for c in g.components(n)}
+    node_group = {n: g for g in old_layout.groups for n in g.nodes}
     reasons: dict[str, list[str]] = {g.name: [] for g in old_layout.groups}
     incompatible: dict[str, list[str]] = {g.name: [] for g in old_layout.groups}
     for node, comps in a.items():
@@ -282,6 +297,10 @@ def diff(old: Config, new: Config, base_env: Mapping[str, str]) -> tuple[list[Gr
                 continue
             group = owner.get((node, comp))
             lines = describe_difference(spec, other)
+            if group is None and {**spec, "image": None} == {**other, "image": None} and node in node_group:
+                # only the image: the component restarts with its node's container, in the step of its group
+                group = node_group[node]
+                lines = [f"{line} (restarts with the node's container)" for line in lines]
             if group is None:
                 problems.append(f"{node}/{comp} changes ({'; '.join(lines)}): a rollout restarts vLLM groups "
                                 "only; change it with `nodeagentctl reload` on that node")  # fmt: skip

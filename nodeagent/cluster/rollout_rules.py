@@ -63,6 +63,8 @@ class Step:
     stage_errors: Mapping[str, str] = field(default_factory=dict)
     canary: Mapping[str, str] = field(default_factory=dict)
     """group → "ok" or why not, written by the group's head."""
+    bake: Mapping[str, str] = field(default_factory=dict)
+    """group → why its bake failed (errors, TTFT: `rollout_bake`), written by the group's head."""
     proxy_out: bool = False
     proxy_in: bool = False
     base: Mapping[str, int] = field(default_factory=dict)
@@ -79,8 +81,9 @@ class Step:
         return {"groups": list(self.groups), "kinds": list(self.kinds), "from": self.from_hash, "to": self.to_hash,
                 "rollback": self.rollback, "failed": self.failed, "phase": self.phase, "since": self.since,
                 "started": self.started, "finished": self.finished, "drained": list(self.drained),
-                "staged": list(self.staged), "stage_errors": dict(self.stage_errors), "canary": dict(self.canary),
-                "proxy_out": self.proxy_out, "proxy_in": self.proxy_in, "base": dict(self.base),
+                "staged": list(self.staged), "stage_errors": dict(self.stage_errors),
+                "canary": dict(self.canary), "bake": dict(self.bake), "proxy_out": self.proxy_out,
+                "proxy_in": self.proxy_in, "base": dict(self.base),
                 "outage": list(self.outage), "expected_outage_s": self.expected_outage_s,
                 "note": self.note}  # fmt: skip
 
@@ -90,7 +93,7 @@ class Step:
                    bool(d.get("rollback")), str(d.get("failed", "")), str(d.get("phase", "pending")),
                    float(d.get("since") or 0.0), d.get("started"), d.get("finished"), tuple(d.get("drained", ())),
                    tuple(d.get("staged", ())), dict(d.get("stage_errors") or {}), dict(d.get("canary") or {}),
-                   bool(d.get("proxy_out")), bool(d.get("proxy_in")),
+                   dict(d.get("bake") or {}), bool(d.get("proxy_out")), bool(d.get("proxy_in")),
                    {k: int(v) for k, v in (d.get("base") or {}).items()}, tuple(d.get("outage", ())),
                    d.get("expected_outage_s"), str(d.get("note", "")))  # fmt: skip
 
@@ -236,7 +239,7 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
         return record.with_step(i, replace(step, failed=step.failed or why)).say(
             now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
     back = _enter(step, "staging", now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
-                  staged=(), stage_errors={}, canary={}, proxy_in=False, base={})  # fmt: skip
+                  staged=(), stage_errors={}, canary={}, bake={}, proxy_in=False, base={})  # fmt: skip
     return record.with_step(i, back).say(now, f"step {i + 1} ({names}) failed: {why}; rolling {names} back to the "
                                               "previous config, then halting")  # fmt: skip
 
@@ -348,6 +351,9 @@ def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
     if step.phase == "baking":
         if problem is not None:
             return _fail(record, i, step, f"while baking: {problem}", now), []
+        if step.bake:
+            group, why = next(iter(step.bake.items()))
+            return _fail(record, i, step, f"while baking, {group}: {why}", now), []
         if now - step.since >= (0.0 if step.rollback else opts.bake_s):
             done = record.with_step(i, _enter(step, "done", now, finished=now)).say(
                 now, f"step {i + 1} ({names}) done")
@@ -390,7 +396,7 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "") -> R
     """The record with this agent's observation added (None: already there, or the step moved on)."""
     step = record.steps[index]
     phase_of = {"drained": "draining", "proxy_out": "draining", "staged": "staging", "stage_error": "staging",
-                "canary": "gating", "proxy_in": "rejoining"}  # fmt: skip
+                "canary": "gating", "proxy_in": "rejoining", "bake": "baking"}  # fmt: skip
     if step.phase != phase_of[what]:
         return None
     if what == "drained":
@@ -401,6 +407,8 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "") -> R
         new = replace(step, stage_errors={**step.stage_errors, node: value}) if node not in step.stage_errors else None
     elif what == "canary":
         new = replace(step, canary={**step.canary, node: value}) if node not in step.canary else None
+    elif what == "bake":
+        new = replace(step, bake={**step.bake, node: value}) if node not in step.bake else None
     elif what == "proxy_out":
         new = replace(step, proxy_out=True) if not step.proxy_out else None
     else:
@@ -448,12 +456,17 @@ def control(record: Record, action: str, now: float, by: str) -> Record:
             return record.say(now, f"resumed by {by}", "running")
         if record.status == "halted":
             steps = tuple(replace(s, phase="pending", failed="", from_hash=s.to_hash, to_hash=s.from_hash,
-                                  since=now, drained=(), staged=(), stage_errors={}, canary={}, proxy_out=False,
-                                  proxy_in=False, base={}, finished=None) if s.phase == "rolled_back" else s
+                                  since=now, drained=(), staged=(), stage_errors={}, canary={}, bake={},
+                                  proxy_out=False, proxy_in=False, base={}, finished=None)
+                          if s.phase == "rolled_back" else s
                           for s in record.steps)  # fmt: skip
             return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed", "running")
         raise ValueError(f"rollout {record.id} is {record.status}: nothing to resume")
     if action == "abort":
+        if record.status == "halted":
+            # nothing runs for a halted rollout; closing it is what lets the operator start the next one
+            return record.say(now, f"closed by {by}: the halted rollout ends here; the groups stay as they are",
+                              "aborted")  # fmt: skip
         if not record.active:
             raise ValueError(f"rollout {record.id} is {record.status} already")
         steps = tuple(replace(s, phase="skipped", finished=now) if s.phase == "pending" else s for s in record.steps)

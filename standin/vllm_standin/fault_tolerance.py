@@ -15,6 +15,9 @@ of the group has been told to retry. `POST /standin/ft_fault {"mode": M}` makes 
 `transient` (a retry recovers it), `retry_fails` (its retry fails, and so the group's), `retry_hangs` (its retry
 never completes), `dead` (its executor failed: `dead`, retry refused), `none`.
 The stand-in detects a peer's fault whether or not requests are running; vLLM does so at its next step.
+While a rank is `unhealthy` its busy loop is parked: a request waits until the rank is healthy again (or dies),
+as in vLLM, so a liveness canary times out meanwhile. `VLLM_STANDIN_FT_RETRY_S` (default 0) is how long the
+collective re-initialisation takes once every rank has joined the retry (seconds on a real cluster).
 """
 
 from __future__ import annotations
@@ -292,10 +295,16 @@ class RankFt:
                     (p.get("joined") or 0) >= target or int(p.get("epoch", 0)) >= target for p in peers.values()):
                 break
             await asyncio.sleep(POLL_S)
+        await asyncio.sleep(float(os.environ.get("VLLM_STANDIN_FT_RETRY_S", "0") or 0))
         self.epoch, self.joined, self.mode = target, None, "none"
         self.state, self.fault_info, self.ft_error, self.last_ft_request_id = "healthy", None, None, None
         log(PROC, "engine_core_sentinel.py:131", f"[FT] Engine {self.rank} status -> HEALTHY")
         self._write()
+
+    async def parked(self) -> None:
+        """Until the busy loop runs again: a request sent during an episode waits (vLLM queues it)."""
+        while self.state == "unhealthy":
+            await asyncio.sleep(POLL_S)
 
     def _reject(self, request_id: str, reason: str) -> None:
         log(PROC, "engine_core_sentinel.py:53", reason, "WARNING")

@@ -73,6 +73,8 @@ API_FAULTS = ("503", "kv_fail")
 """Modes of the API server alone (the engine keeps stepping)."""
 FAULT_EXEMPT_PATHS = frozenset({"/standin/fault", "/metrics"})
 HEALTH_PATHS = frozenset({"/health", "/ping"})
+UNINSTRUMENTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+"""Paths vLLM's prometheus-fastapi-instrumentator leaves out of http_requests_total (`instrumentator/metrics.py`)."""
 ENGINE_DEAD_EXIT_DELAY_S = 0.5
 BOOL_PREFIXES = ("--enable-", "--disable-", "--no-")
 BOOL_FLAGS = frozenset(
@@ -402,6 +404,9 @@ class Metrics:
         self.request_success = {
             reason: success.labels(*values, reason) for reason in ("stop", "length", "abort", "error")
         }
+        # prometheus-fastapi-instrumentator's counter, as vLLM's API server exposes it (status grouped: "2xx")
+        self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                     ["method", "status", "handler"], registry=reg)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -789,6 +794,16 @@ class ApiServer:
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        response = await self._answer(request, handler)
+        if request.path not in UNINSTRUMENTED and not request.path.startswith("/standin/"):
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "none"
+            self.metrics.http_requests.labels(request.method, f"{response.status // 100}xx", route).inc()
+        return response
+
+    async def _answer(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         unhealthy = self.fault_mode == "503" or self.engine.errored
         if unhealthy and request.path not in FAULT_EXEMPT_PATHS:
             if request.path in HEALTH_PATHS:
@@ -1074,6 +1089,8 @@ class ApiServer:
         first = True
         finish: str | None = None
         try:
+            if self.fault_tolerance is not None:
+                await self.fault_tolerance.parked()
             async for delta, reason in self.engine.generate(rid, tokens, max_tokens, ignore_eos):
                 finish = reason
                 if first:

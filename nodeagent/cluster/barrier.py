@@ -1,0 +1,119 @@
+"""A group's start barrier, as one node takes part in it: arrive once every local rank is stopped and clean, wait
+for every node of the group, release.
+
+Arriving means "my ranks of the old generation are gone", not "I would like to start": a node arrives only once
+each local rank's whole old tree is gone and, where it was not seen to go (a crash, a death while no agent
+watched), its residue is cleaned. The keys live under the member's lease: a dead agent's arrival goes with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import TYPE_CHECKING
+
+from nodeagent.cluster import rules
+from nodeagent.cluster.gang import GangState
+from nodeagent.cluster.store import KV, StoreError
+from nodeagent.errors import AgentError
+from nodeagent.host import Clock
+from nodeagent.stackport import Hold, HoldKind, NodeView, StackPort
+
+if TYPE_CHECKING:
+    from nodeagent.cluster.membership import Membership
+
+BARRIER_TIMEOUT_S = 300.0
+"""vLLM's headless engines give up after ~5 min without their head: say who is missing by then."""
+
+
+class StartBarrier:
+    """This node's side of every start barrier of its groups (the coordinator's work loop drives it)."""
+
+    def __init__(self, cluster: str, node: str, port: StackPort, membership: Membership, clock: Clock) -> None:
+        self.cluster, self.node, self.port, self.membership, self.clock = cluster, node, port, membership, clock
+        self.store = membership.store
+
+    async def step(self, gs: GangState, here: NodeView) -> None:
+        """Arrive for the generation acted on, once this node may."""
+        if gs.arrived_for != gs.acted and self._wants_start(gs, here) and await self._clean_ranks(gs, here):
+            await self._arrive(gs)
+
+    def on_key(self, gs: GangState | None, key: str, kv: KV | None) -> None:
+        """A barrier key changed: an arrival for the generation acted on, or one gone with its lease."""
+        parts = key.rsplit("/", 3)
+        if gs is None or len(parts) != 4:
+            return
+        _, _, gen, node = parts
+        if gen.isdigit() and int(gen) == gs.acted:
+            (gs.arrivals.add if kv is not None else gs.arrivals.discard)(node)
+
+    @staticmethod
+    def _wants_start(gs: GangState, here: NodeView) -> bool:
+        """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
+        its dependencies up (the worker is ready), no chip reset or isolation here."""
+        ranks = [here.components[c] for c in gs.components]
+        return here.recovery is None and all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
+
+    async def _clean_ranks(self, gs: GangState, here: NodeView) -> bool:
+        """A rank whose old tree was not seen to die whole may have left an EngineCore holding the group's ports:
+        clean it first, or the peers start beside it. False: not cleanable now (the event says why, once); the
+        next step tries again."""
+        for name in gs.components:
+            if here.components[name].clean:
+                continue
+            try:
+                await self.port.clean(name, "start", f"gang {gs.group.name} generation {gs.acted}: before arriving")
+            except AgentError as exc:
+                if gs.unclean != str(exc):
+                    gs.unclean = str(exc)
+                    self.port.emit("barrier_held", f"group {gs.group.name} generation {gs.acted}: not arriving at "
+                                   f"the start barrier: {exc}", name, "error", group=gs.group.name,
+                                   generation=gs.acted)  # fmt: skip
+                return False
+        gs.unclean = None
+        return True
+
+    async def _arrive(self, gs: GangState) -> None:
+        gen = gs.acted
+        key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
+        await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.membership.lease)
+        if gs.arrived_for:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
+        gs.arrived_for = gen
+        gs.arrivals.add(self.node)
+        gs.waiting_since = self.clock.monotonic()
+        snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
+        gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
+
+    def check(self, gs: GangState) -> None:
+        """Release when every node arrived; say who is late once per timeout."""
+        if gs.released == gs.acted or gs.arrived_for != gs.acted:
+            return
+        waited = self._waited(gs)
+        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
+        if state.released:
+            gs.released = gs.acted
+            self.port.emit("barrier_released", state.describe(gs.group.name, gs.acted, waited), None,
+                           group=gs.group.name, generation=gs.acted)  # fmt: skip
+            self.port.wake()
+        elif state.overdue and self.clock.monotonic() - gs.last_late_event >= BARRIER_TIMEOUT_S:
+            gs.last_late_event = self.clock.monotonic()
+            self.port.emit("barrier_late", state.describe(gs.group.name, gs.acted, waited) + "; not starting "
+                           "half a group", None, "error", missing=list(state.missing))  # fmt: skip
+
+    def hold(self, gs: GangState) -> Hold:
+        """What a rank of a generation not yet released waits for."""
+        name = gs.group.name
+        if gs.arrived_for != gs.acted:
+            if gs.unclean:
+                return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: not arriving at the start "
+                            f"barrier before its residue is cleaned: {gs.unclean}")  # fmt: skip
+            return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
+        waited = self._waited(gs)
+        state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)
+        return Hold(HoldKind.BARRIER, state.describe(name, gs.acted, waited),
+                    data={"group": name, "generation": gs.acted, "missing": list(state.missing)})
+
+    def _waited(self, gs: GangState) -> float:
+        return self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())

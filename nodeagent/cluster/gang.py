@@ -1,0 +1,41 @@
+"""What one node knows of one data-parallel group it runs ranks of: the generation it acted on, its barrier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nodeagent.cluster import rules
+from nodeagent.layout import Group
+
+
+@dataclass
+class GangState:
+    """One group this node runs ranks of."""
+
+    group: Group
+    components: tuple[str, ...]
+    record: rules.GangRecord | None = None
+    mod_revision: int = 0
+    acted: int = 0
+    acted_epoch: str = ""
+    pending: tuple[int, str, bool] | None = None
+    """A generation bump this node asks for: (seen generation, reason, planned)."""
+    deferred: int | None = None
+    """A generation seen while paused, acted on at resume."""
+    arrivals: set[str] = field(default_factory=set)
+    arrived_for: int = 0
+    released: int = 0
+    """The generation whose barrier released."""
+    waiting_since: float | None = None
+    last_late_event: float = 0.0
+    up_since: float | None = None
+    fresh: bool = True
+    """Not yet compared with the store since this agent started."""
+    ran: dict[str, int] = field(default_factory=dict)
+    """The generation each local rank was last seen running in: a rank runs once per generation."""
+    unclean: str | None = None
+    """Why a local rank's residue could not be cleaned before arriving (last said)."""
+
+    @property
+    def multi(self) -> bool:
+        return len(self.group.nodes) > 1

@@ -1,0 +1,65 @@
+"""`systemctl reload` (and a rollout's staging): take a new config without an agent restart.
+
+A component restarts only when what it launches changed (its rendered argv, env, cwd or files: the launch
+fingerprint); the node's container, when its run line, image or setup changed, is recreated as at a start (a
+planned recreate: drained, the stack inside stopped, recreated, set up, started). What a running agent cannot take
+(components added or removed, container mode switched, a component moved into or out of the container) is refused
+before anything changes: the stack keeps running on the old config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nodeagent.render import launch_fingerprint, render_component
+
+if TYPE_CHECKING:
+    from nodeagent.component import Component
+    from nodeagent.config_model import Config
+    from nodeagent.events import EventBus
+
+
+class Reloadable(Protocol):
+    """What a reload touches of the supervisor (which imports this module)."""
+
+    config: Config
+    components: dict[str, Component]
+    container: Any
+    """The node's `ContainerMode`, or None on the host."""
+    events: EventBus
+    base_env: Mapping[str, str]
+
+    @property
+    def trackers(self) -> dict[str, Any]: ...
+
+
+def reload_config(sup: Reloadable, config: Config, restart: bool = True) -> dict[str, list[str]]:
+    """restart=False (a rollout's staging): every component's next start uses the config, none restarts now, and
+    the container is left as it is (the rollout's generation restarts the ranks, not the container)."""
+    old_names, new_names = set(sup.components), set(config.active_components())
+    if old_names != new_names:
+        raise ValueError(f"reload cannot add or remove components ({', '.join(sorted(old_names ^ new_names))}): "
+                         "restart the agent (nodeagentctl detach + systemctl restart keeps the stack running)")
+    if (config.container is None) != (sup.container is None):
+        raise ValueError("reload cannot switch container mode on or off: restart the agent")
+    recreate = sup.container.reconfigure(config, apply=restart) if sup.container is not None else None
+    sup.config = config
+    changed, unchanged = [], []
+    for name, comp in sup.components.items():
+        comp.reconfigure(config.components[name])
+        sup.trackers[name].spec = comp.cfg.restart
+        fingerprint = launch_fingerprint(render_component(name, config, sup.base_env))
+        if restart and comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
+            changed.append(name)
+            comp.signal("restart", None, "config reload changed its command or environment", operator=True,
+                        cause="reload")  # fmt: skip
+        else:
+            unchanged.append(name)
+    if recreate:
+        sup.events.emit("reload", f"config reloaded: {recreate} of the container changed: a planned recreate")
+    if restart:
+        sup.events.emit("reload", f"config reloaded; restarting: {', '.join(changed) or 'nothing'}")
+    else:
+        sup.events.emit("reload", "config staged: the next start of each component uses it")
+    return {"restarted": changed, "unchanged": unchanged, **({"container": [recreate]} if recreate else {})}
