@@ -55,12 +55,16 @@ class ContainerConfig(Strict):
     (`--shm-size=64g`, `-v /models:/models`, `-e HCCL_BUFFSIZE=512`). An option the defaults already have is
     replaced: single-valued flags by name (`--name`, `--shm-size`, `-w`, `--net`, ...), `-v` by its container
     path, `--device` by its device path, `-e` by variable, `--ulimit` by limit. `!` first removes a default:
-    `!--device=/dev/davinci_manager` that one, `!--device` every device, `!-v /data` the mount at /data."""
+    `!--device=/dev/davinci_manager` that one, `!--device` every device, `!-v /data` the mount at /data.
+    The defaults (never these entries) adapt to the host, each change said by preflight and `render container`:
+    missing NPU devices and driver paths left out when `node.npus: 0`, a missing zoneinfo left out, a missing
+    /home, /mnt, /tmp or /data created, `--ulimit` without CAP_SYS_RESOURCE."""
     setup: list[Annotated[list[str], Meta(min_length=1)]] = field(default_factory=list)
     """Commands run inside once per new container before any component starts (the guide's `git am` patches,
     `pip install` of the datasystem wheel), in order; a failure names the step and holds the stack."""
     runtime: str | None = None
-    """The OCI runtime (`podman --runtime runc`, `docker run --runtime=runc`); default: the engine's."""
+    """The OCI runtime (`podman --runtime runc`, `docker run --runtime=runc`), always used as given; default: the
+    engine's, except podman's crun on hybrid cgroups it refuses, where the agent uses runc and says so."""
     on_stop: Literal["stop", "remove", "keep"] = "stop"
     """What the agent does to the container when it stops: stop it (kept for inspection), remove it, or leave it
     running."""

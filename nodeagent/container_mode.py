@@ -32,7 +32,7 @@ from nodeagent.container_plan import ContainerState, SetupStepFailed
 from nodeagent.errors import AdoptError, LaunchError
 from nodeagent.policy import RestartDecision
 from nodeagent.probe_resolve import ResolvedProbe
-from nodeagent.render_container import container_spec, shared_folders
+from nodeagent.render_container import container_spec, host_facts, shared_folders
 from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
 from nodeagent.stackport import ComponentView, Hold, HoldKind
 
@@ -59,7 +59,10 @@ class ContainerMode:
         assert sup.config.container is not None
         self.section = sup.config.container
         try:
-            self.spec = container_spec(sup.config, os.environ)
+            self.facts = host_facts(sup.config)
+            """Read once, at the agent's start (a reload renders against the same facts: restart the agent after
+            installing the driver or runc on the host)."""
+            self.spec = container_spec(sup.config, os.environ, facts=self.facts)
         except ContainerRenderError as exc:
             raise LaunchError(str(exc)) from None
         self.engine = ContainerEngine(self.spec)
@@ -181,6 +184,7 @@ class ContainerMode:
             "components": sorted(n for n in self.sup.components if self.runs_inside(n)),
             "setup": {"steps": len(self.section.setup), "done": record.setup_done if record else 0},
             "on_stop": self.section.on_stop, "deaths": self.deaths, "last_death": self.last_death,
+            "adapted": [a.text for a in self.spec.adaptations],
         }  # fmt: skip
 
     def reconfigure(self, config: Any, apply: bool = True) -> str | None:
@@ -215,7 +219,7 @@ class ContainerMode:
 
     def _differences(self, config: Any) -> tuple[Any, str | None]:
         try:
-            spec = container_spec(config, os.environ)
+            spec = container_spec(config, os.environ, facts=self.facts)
         except ContainerRenderError as exc:
             raise ValueError(f"container: {exc}") from None
         what = [w for w, differs in (("the run line", spec.fingerprint() != self.spec.fingerprint()),
@@ -233,7 +237,12 @@ class ContainerMode:
             record = self.records.load()
             if found is not None and found.running and record is not None and record.container_id == found.id:
                 self.state = found
-        for folder in shared_folders(self.sup.config):  # a bind mount's source must exist before the run line
+        for note in (*self.spec.adaptations, *self.spec.problems):
+            self.sup.events.emit("container_adapted", f"container {self.spec.name}: {note.text}", None,
+                                 "error" if note in self.spec.problems else "info")  # fmt: skip
+        # a bind mount's source must exist before the run line: the agent's folders, and the guide's shared folders
+        # this host lacks (docker would create them; podman refuses the line)
+        for folder in (*shared_folders(self.sup.config), *map(Path, self.spec.create_on_host)):
             with contextlib.suppress(OSError):
                 folder.mkdir(parents=True, exist_ok=True)
         self._task = asyncio.create_task(self._run(), name="container")

@@ -10,7 +10,7 @@ device, `!--device=/dev/hisi_hdc` that one).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALIASES = {
     "-v": "--volume", "-e": "--env", "-w": "--workdir", "--net": "--network", "-d": "--detach",
@@ -62,6 +62,9 @@ class RunOption:
     value: str | None = None
     joined: bool = False
     """`--net=host` (one word) rather than `-w /home` (two)."""
+    guide: bool = field(default=False, compare=False)
+    """One of start-docker.sh's own options, not replaced by run_args: only these adapt to the host
+    (`nodeagent.container_host`); an operator's run_args are never altered."""
 
     @classmethod
     def parse(cls, text: str) -> RunOption:
@@ -89,18 +92,31 @@ class RunOption:
         return (self.canonical, by(self.value) if by and self.value is not None else None)
 
 
+GUIDE_DEVICES = ("/dev/davinci_manager", "/dev/hisi_hdc", "/dev/devmm_svm")
+DRIVER_MOUNTS = ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi", "/etc/ascend_install.info",
+                 "/usr/local/sbin", "/etc/hccn.conf")  # fmt: skip
+"""What the Ascend driver (HDK) install puts on an NPU host, mounted at the same path."""
+DATA_MOUNTS = ("/home", "/mnt", "/tmp", "/data")
+"""The host folders the guide shares with the container (scripts, weights, logs)."""
+ZONEINFO = "/usr/share/zoneinfo/Asia/Shanghai"
+"""Mounted at /etc/localtime: the container keeps China Standard Time like its host."""
+
+
 def guide_options(env: Mapping[str, str]) -> list[RunOption]:
     """`start-docker.sh`'s options in its order; `-e http_proxy="$http_proxy"` takes the value from `env`."""
     opts = [RunOption("--name", "NAME"), RunOption("-it"), RunOption("-d"), RunOption("--net", "host", True),
             RunOption("--shm-size", "800g", True), RunOption("--privileged", "true", True), RunOption("-w", "/home")]
-    opts += [RunOption("--device", dev, True) for dev in ("/dev/davinci_manager", "/dev/hisi_hdc", "/dev/devmm_svm")]
+    opts += [RunOption("--device", dev, True) for dev in GUIDE_DEVICES]
     opts.append(RunOption("--entrypoint", "bash", True))
-    mounts = ["/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi", "/etc/ascend_install.info",
-              "/usr/local/sbin", "/etc/hccn.conf", "/home", "/mnt", "/tmp", "/data"]
-    opts += [RunOption("-v", f"{path}:{path}") for path in mounts]
-    opts.append(RunOption("-v", "/usr/share/zoneinfo/Asia/Shanghai:/etc/localtime"))
+    opts += [RunOption("-v", f"{path}:{path}") for path in (*DRIVER_MOUNTS, *DATA_MOUNTS)]
+    opts.append(RunOption("-v", f"{ZONEINFO}:/etc/localtime"))
     opts += [RunOption("-e", f"{var}={env.get(var, '')}") for var in ("http_proxy", "https_proxy")]
-    return opts
+    return [RunOption(o.flag, o.value, o.joined, guide=True) for o in opts]
+
+
+def guide_paths() -> list[str]:
+    """The host paths start-docker.sh's line names (its devices and bind-mount sources)."""
+    return [*GUIDE_DEVICES, *DRIVER_MOUNTS, *DATA_MOUNTS, ZONEINFO]
 
 
 def merge_options(defaults: Sequence[RunOption], run_args: Iterable[str]) -> list[RunOption]:

@@ -1,7 +1,9 @@
 """Preflight in container mode: what the node's container needs from the host, as PASS/WARN/FAIL/SKIP checks.
 
 The engine is present and answers; the image is there (or how to pull it); every device and bind-mount source of
-the run line exists on the host; the datasystem worker's working folder is not on a bind mount that breaks
+the run line exists on the host, and each adaptation of the guide's defaults to this host is a WARN naming it
+(`nodeagent.container_host`: dropped NPU devices and driver paths on a `node.npus: 0` host, folders created,
+`--runtime runc`, `--ulimit`); the datasystem worker's working folder is not on a bind mount that breaks
 `dscli start` (openYuanrong FAQ §2); Ascend MindCluster's Container Manager does not run beside us unless the
 config says the two coexist. Everything is read through `hostfacts.Host` (fixture trees and fake engines in
 tests). `nodeagent.preflight` registers `check_container` and leaves the programs inside to the image.
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.config_container import NO_CONTAINER
 from nodeagent.container_options import ContainerRenderError
-from nodeagent.render_container import ContainerSpec, render_container
+from nodeagent.render_container import ContainerSpec, host_facts, render_container
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -52,7 +54,7 @@ def check_container(config: Config, host: Host) -> Iterable[Check]:
         yield NO_CONTAINER
         return
     try:
-        spec = render_container(config, which=host.which)
+        spec = render_container(config, which=host.which, facts=host_facts(config, host))
     except ContainerRenderError as exc:
         yield _check("container_engine", "FAIL", str(exc), "apt-get install docker.io (or podman)")
         return
@@ -74,23 +76,64 @@ def check_container(config: Config, host: Host) -> Iterable[Check]:
     else:
         yield _check("container_image", "WARN", f"{image} is not present locally: the first start pulls it",
                      f"{engine} pull {image} beforehand (offline: {engine} load -i IMAGE.tar)")  # fmt: skip
+    yield from _devices_and_mounts(spec, host)
+    yield from _runtime_and_limits(spec)
+    yield from _dscli_workdir(config, spec)
+    yield _container_manager(config, host)
+
+
+def _said(spec: ContainerSpec, topic: str) -> str:
+    return "; ".join(a.text for a in spec.adaptations if a.topic == topic)
+
+
+def _devices_and_mounts(spec: ContainerSpec, host: Host) -> Iterable[Check]:
+    """What the line still names that the host lacks FAILs (the engine would refuse it); what was adapted WARNs."""
+    dropped = _said(spec, "devices")
     missing_dev = [d for d in devices(spec) if not host.file(d).exists()]
     if missing_dev:
         yield _check("container_devices", "FAIL", "missing on the host: " + ", ".join(missing_dev),
-                     "install the Ascend driver (HDK), or drop them from the line with container.run_args: "
+                     "install the Ascend driver (HDK); a host without NPUs says node.npus: 0 (the guide's devices are "
+                     "then left out), or drop them with container.run_args: "
                      + ", ".join(f"'!--device={d}'" for d in missing_dev))  # fmt: skip
+    elif dropped:
+        yield _check("container_devices", "WARN", dropped, "on an NPU host: install the driver and set node.npus")
     else:
         yield _check("container_devices", "PASS", ", ".join(devices(spec)) or "no --device on the run line")
-    missing = [src for src, _dst in bind_sources(spec) if not host.file(src).exists()]
+    adapted = _said(spec, "mounts")
+    missing = [src for src, _dst in bind_sources(spec) if not host.file(src).exists()
+               and src not in spec.create_on_host]  # fmt: skip
     if missing:
-        yield _check("container_mounts", "FAIL", "bind-mount sources missing on the host: " + ", ".join(missing),
+        yield _check("container_mounts", "FAIL", "bind-mount sources missing on the host: " + ", ".join(missing)
+                     + (f" ({adapted})" if adapted else ""),
                      "create them, install what provides them (the driver, npu-smi, hccn.conf), or drop them with "
                      "container.run_args: " + ", ".join(f"'!-v {dst}'" for src, dst in bind_sources(spec)
                                                         if src in missing))  # fmt: skip
+    elif adapted:
+        yield _check("container_mounts", "WARN", adapted, "create or install what is missing to keep the guide's "
+                     "line (tzdata for the time zone), or set container.run_args yourself")  # fmt: skip
     else:
         yield _check("container_mounts", "PASS", f"{len(bind_sources(spec))} bind-mount sources exist")
-    yield from _dscli_workdir(config, spec)
-    yield _container_manager(config, host)
+
+
+def _runtime_and_limits(spec: ContainerSpec) -> Iterable[Check]:
+    problem = next((a.text for a in spec.problems if a.topic == "runtime"), None)
+    runtime = spec.global_args[1] if spec.global_args[:1] == ("--runtime",) else \
+        next((o.value for o in spec.options if o.canonical == "--runtime"), None)
+    if problem:
+        yield _check("container_runtime", "FAIL", problem, "apt-get install runc, or set container.runtime")
+    elif _said(spec, "runtime"):
+        yield _check("container_runtime", "WARN", _said(spec, "runtime"), "container.runtime chooses another "
+                     "(a configured runtime is always used as it is)")  # fmt: skip
+    else:
+        yield _check("container_runtime", "PASS", f"{runtime} (configured)" if runtime else
+                     f"{spec.engine}'s default runtime")  # fmt: skip
+    limits = _said(spec, "ulimits")
+    if limits:
+        yield _check("container_ulimits", "WARN", limits, "other values: --ulimit in container.run_args")
+    else:
+        set_here = [" ".join(o.words()) for o in spec.options if o.canonical == "--ulimit"]
+        yield _check("container_ulimits", "PASS", ", ".join(set_here) + " (run_args)" if set_here else
+                     "the engine's default rlimits (CAP_SYS_RESOURCE held)")  # fmt: skip
 
 
 def _dscli_workdir(config: Config, spec: ContainerSpec) -> Iterable[Check]:

@@ -2,7 +2,8 @@
 
 The defaults are exactly the options `start-docker.sh` passes (`tests/golden/start-docker.sh`, compared flag for
 flag by `tests/test_render_container.py`); `container.run_args` adds, replaces or removes options by the rules
-of `nodeagent.container_options`.
+of `nodeagent.container_options`. Given the host's facts, the defaults adapt to a host that lacks what they name
+(`nodeagent.container_host`); the spec carries each adaptation so that whoever shows the line says it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nodeagent.config_container import ContainerConfig
+from nodeagent.container_host import Adaptation, HostFacts, adapt, read_host_facts
 from nodeagent.container_options import ContainerRenderError, RunOption, guide_options, merge_options
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
+    from nodeagent.hostfacts import Host
 
 ENGINES = ("docker", "podman")
 
@@ -43,6 +46,12 @@ class ContainerSpec:
     """Engine options before the subcommand (podman's `--runtime` is one)."""
     command: tuple[str, ...] = ()
     """After the image; the guide's line has none (its entrypoint `bash -it` waits forever)."""
+    adaptations: tuple[Adaptation, ...] = ()
+    """How the guide's defaults were adapted to this host (`nodeagent.container_host`)."""
+    problems: tuple[Adaptation, ...] = ()
+    """What the host lacks that no adaptation fixes (preflight FAILs)."""
+    create_on_host: tuple[str, ...] = ()
+    """Missing bind-mount sources the agent creates before the run line (as docker would)."""
 
     def cli(self, *args: str) -> tuple[str, ...]:
         """An engine command (`podman --runtime runc ARGS...`)."""
@@ -106,22 +115,43 @@ class ContainerSpec:
 
 
 def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | None = None,
-                     which: Callable[[str], str | None] = shutil.which) -> ContainerSpec:
-    """The node's container (`config.container`); `env` supplies `-e http_proxy=...` (default: empty)."""
+                     which: Callable[[str], str | None] = shutil.which, facts: HostFacts | None = None,
+                     npu_less: bool | None = None) -> ContainerSpec:  # fmt: skip
+    """The node's container (`config.container`); `env` supplies `-e http_proxy=...` (default: empty). With
+    `facts` (`host_facts`), start-docker.sh's defaults adapt to that host; without, the line is the guide's.
+    `npu_less` defaults to the config's `node.npus: 0` (a bare section: an NPU host)."""
     container = config if isinstance(config, ContainerConfig) else config.container
     if container is None:
         raise ContainerRenderError("this config has no container: section (its components are host processes)")
     engine = container.engine or pick_engine(which)
-    defaults = [RunOption("--name", container.name) if o.flag == "--name" else o for o in guide_options(env or {})]
+    defaults = [replace(o, value=container.name) if o.flag == "--name" else o for o in guide_options(env or {})]
     options = merge_options(defaults, container.run_args)
+    runtime, notes, problems, create = container.runtime, (), (), ()
+    if facts is not None:
+        if npu_less is None:
+            npu_less = not isinstance(config, ContainerConfig) and config.node.npus == 0
+        adapted = adapt(options, engine, runtime, facts, npu_less)
+        options, runtime = list(adapted.options), adapted.runtime
+        notes, problems, create = adapted.notes, adapted.problems, adapted.create
     global_args: tuple[str, ...] = ()
-    if container.runtime and engine == "podman":
-        global_args = ("--runtime", container.runtime)
-    elif container.runtime and not any(o.canonical == "--runtime" for o in options):
-        options.append(RunOption("--runtime", container.runtime, True))
+    if runtime and engine == "podman":
+        global_args = ("--runtime", runtime)
+    elif runtime and not any(o.canonical == "--runtime" for o in options):
+        options.append(RunOption("--runtime", runtime, True))
     name = next((o.value for o in options if o.canonical == "--name" and o.value), container.name)
     return ContainerSpec(engine=engine, name=name, image=container.image, options=tuple(options),
-                         global_args=global_args)
+                         global_args=global_args, adaptations=notes, problems=problems, create_on_host=create)
+
+
+def host_facts(config: Config | ContainerConfig, host: Host | None = None) -> HostFacts:
+    """This host's facts for the config's container (`host`: default the real one, PATH as the environment's)."""
+    from nodeagent.hostfacts import Host
+
+    host = host or Host()
+    container = config if isinstance(config, ContainerConfig) else config.container
+    if container is None:
+        raise ContainerRenderError("this config has no container: section (its components are host processes)")
+    return read_host_facts(container, container.engine or pick_engine(host.which), host)
 
 
 exec_argv = ContainerSpec.exec_argv
@@ -129,11 +159,14 @@ exec_argv = ContainerSpec.exec_argv
 
 
 def _mounted_at_same_path(options: Sequence[RunOption], path: Path) -> bool:
-    """A `-v SRC:DST` of the line with SRC == DST covers `path` (the container sees it where the host does)."""
+    """A read-write `-v SRC:DST` of the line with SRC == DST covers `path` (the container sees it where the host
+    does, and the stack can write there: a `:ro` mount of a parent does not cover a state folder)."""
     for opt in options:
         if opt.canonical != "--volume" or not opt.value:
             continue
         parts = opt.value.split(":")
+        if len(parts) > 2 and "ro" in parts[2].split(","):
+            continue
         if len(parts) >= 2 and parts[0] == parts[1] and parts[0].startswith("/") and \
                 (path == Path(parts[0]) or Path(parts[0]) in path.parents):
             return True
@@ -167,8 +200,10 @@ def agent_mounts(config: Config, spec: ContainerSpec) -> list[RunOption]:
 
 
 def container_spec(config: Config, env: Mapping[str, str] | None = None,
-                   which: Callable[[str], str | None] = shutil.which) -> ContainerSpec:  # fmt: skip
-    """The container the agent runs: the rendered line plus the agent's shared folders (`agent_mounts`)."""
-    spec = render_container(config, env, which)
+                   which: Callable[[str], str | None] = shutil.which,
+                   facts: HostFacts | None = None) -> ContainerSpec:  # fmt: skip
+    """The container the agent runs: the rendered line (adapted to `facts`) plus the agent's shared folders
+    (`agent_mounts`)."""
+    spec = render_container(config, env, which, facts)
     extra = agent_mounts(config, spec)
     return replace(spec, options=(*spec.options, *extra)) if extra else spec

@@ -1,5 +1,6 @@
-"""What the container tests share: the test image (built once per run, offline), the run line this machine
-needs, and the reason to skip where there is no podman."""
+"""What the container tests share: the test image (built once per run, offline), what it needs to run the stack
+(`stack_run_args`), the run line as the agent renders it on this machine (`spec_here`), and the reason to skip
+where there is no podman."""
 
 from __future__ import annotations
 
@@ -19,16 +20,24 @@ VENV_PYTHON = Path(sys.executable)
 INTERPRETER_HOME = Path(os.path.realpath(sys.executable)).parents[1]
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from local_container_config import local_container_config, run_args_here  # noqa: E402
+from local_container_config import local_container_config, stack_run_args  # noqa: E402
+
+from nodeagent.config_container import ContainerConfig  # noqa: E402
+from nodeagent.render_container import ContainerSpec, host_facts, render_container  # noqa: E402
 
 __all__ = ["INTERPRETER_HOME", "ROOT", "SKIP_REASON", "VENV_PYTHON", "built_image", "local_container_config",
-           "podman_docker_api", "run_args_here"]
+           "podman_docker_api", "spec_here", "stack_run_args"]
 
 SKIP_REASON = None
 if shutil.which("podman") is None:
     SKIP_REASON = "podman is not installed (scripts/test.sh installs it: apt-get install podman runc)"
 elif os.geteuid() != 0:
     SKIP_REASON = "podman runs as root on these machines (rootless needs subuids)"
+
+
+def spec_here(section: ContainerConfig) -> ContainerSpec:
+    """The section's run line as the agent renders it here (adapted to this host, which has no NPUs)."""
+    return render_container(section, facts=host_facts(section), npu_less=True)
 
 
 @functools.cache

@@ -1,9 +1,9 @@
 """A real container engine (Debian's podman with runc): the rendered run line, exec, setup, and the death watch.
 
 The image is the cached test rootfs imported offline (scripts/build-test-image.sh); the worktree with its venv and
-the venv's interpreter are bind-mounted read-only at their own paths. The run line is the guide's with what this
-machine lacks taken out by run_args (`!--device`, `!-v` of the Ascend paths) and what podman needs here added
-(runc, explicit ulimits: DESIGN §10). Measurements print with `pytest -s`.
+the venv's interpreter are bind-mounted read-only at their own paths. The run line is the guide's as the agent
+adapts it to this machine (no NPU devices or Ascend paths, runc and explicit ulimits where podman needs them:
+DESIGN §10, nodeagent/container_host.py). Measurements print with `pytest -s`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import psutil
 import pytest
 from conftest import wait_for
 from containerhelpers import (
-    INTERPRETER_HOME,
-    ROOT,
     SKIP_REASON,
     VENV_PYTHON,
     built_image,
     podman_docker_api,
-    run_args_here,
+    spec_here,
+    stack_run_args,
 )
 
 from nodeagent.config_base import replace
@@ -44,7 +43,6 @@ from nodeagent.container import (
     run_engine,
 )
 from nodeagent.container_plan import SetupStepFailed, Step
-from nodeagent.render_container import render_container
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -57,15 +55,14 @@ def image() -> str:
 @pytest.fixture
 def section(image: str) -> Iterator[ContainerConfig]:
     name = f"dsv4-test-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-    cfg = ContainerConfig(engine="podman", image=image, name=name, runtime="runc",
-                          run_args=run_args_here([ROOT, INTERPRETER_HOME]))  # fmt: skip
+    cfg = ContainerConfig(engine="podman", image=image, name=name, run_args=stack_run_args())
     yield cfg
-    subprocess.run(render_container(cfg).rm_argv(), capture_output=True, timeout=60)
+    subprocess.run(spec_here(cfg).rm_argv(), capture_output=True, timeout=60)
 
 
 def started(section: ContainerConfig, tmp_path: Path, setup: list[list[str]] | None = None
             ) -> tuple[ContainerEngine, RecordStore, str]:
-    engine = ContainerEngine(render_container(section))
+    engine = ContainerEngine(spec_here(section))
     store = RecordStore(tmp_path / "state")
     state, plan = asyncio.run(ensure_container(engine, setup or [], store, print))
     assert state.running and Step.CREATE in plan.steps
@@ -92,7 +89,7 @@ def test_rendered_line_is_what_podman_ran(section: ContainerConfig, tmp_path: Pa
     data = json.loads(out)[0]
     assert data["Config"]["CreateCommand"] == list(engine.spec.run_argv())
     assert data["HostConfig"]["NetworkMode"] == "host" and data["HostConfig"]["Privileged"] is True
-    assert data["HostConfig"]["ShmSize"] == 1 << 30 and data["OCIRuntime"] == "runc"
+    assert data["HostConfig"]["ShmSize"] == 800 << 30 and data["OCIRuntime"] == "runc"  # the guide's 800g
     assert "/tmp:/tmp" in " ".join(engine.spec.run_argv())  # the guide's mounts that exist here stay
     # The venv runs inside from the read-only bind mount: the agent, etcd and dscli are all there.
     t0 = time.monotonic()
@@ -179,7 +176,7 @@ def test_podman_kill_is_noticed_within_5s(section: ContainerConfig, tmp_path: Pa
 def test_setup_runs_once_per_container_and_again_after_a_death(section: ContainerConfig, tmp_path: Path) -> None:
     setup = [["sh", "-c", "echo patched >> /root/setup.log"], ["sh", "-c", "echo wheel >> /root/setup.log"]]
     lines: list[str] = []
-    engine = ContainerEngine(render_container(section))
+    engine = ContainerEngine(spec_here(section))
     store = RecordStore(tmp_path / "state")
     state, plan = asyncio.run(ensure_container(engine, setup, store, lines.append))
     assert plan.steps == (Step.CREATE, Step.SETUP) and "container setup step 2/2: sh -c echo wheel >> /root/setup.log" \
@@ -198,7 +195,7 @@ def test_setup_runs_once_per_container_and_again_after_a_death(section: Containe
 def test_a_failed_setup_step_is_named_and_resumed_there(section: ContainerConfig, tmp_path: Path) -> None:
     marker = tmp_path / "fixed"
     setup = [["sh", "-c", "echo one >> /root/steps"], ["sh", "-c", f"test -e {marker} || {{ echo no wheel; exit 3; }}"]]
-    engine = ContainerEngine(render_container(section))
+    engine = ContainerEngine(spec_here(section))
     store = RecordStore(tmp_path / "state")
     with pytest.raises(SetupStepFailed) as failed:
         asyncio.run(ensure_container(engine, setup, store, lambda line: None))
@@ -212,7 +209,7 @@ def test_a_failed_setup_step_is_named_and_resumed_there(section: ContainerConfig
 
 def test_a_changed_run_line_is_a_planned_recreate(section: ContainerConfig, tmp_path: Path) -> None:
     _engine, store, cid = started(section, tmp_path)
-    changed = ContainerEngine(render_container(replace(section, run_args=[*section.run_args,
+    changed = ContainerEngine(spec_here(replace(section, run_args=[*section.run_args,
                                                                            "-e HCCL_BUFFSIZE=512"])))
     drained: list[str] = []
 
@@ -235,7 +232,7 @@ def docker_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def test_the_docker_path_is_the_same_code(docker_api: str, section: ContainerConfig, tmp_path: Path) -> None:
-    docker = replace(section, engine="docker")
+    docker = replace(section, engine="docker", runtime="runc")  # a configured runtime: docker's run option
     engine, store, cid = started(docker, tmp_path)
     assert engine.spec.run_argv()[:2] == ("docker", "run") and "--runtime=runc" in engine.spec.run_argv()
     assert asyncio.run(engine.exec(["sh", "-c", "echo inside"])).stdout.strip() == "inside"

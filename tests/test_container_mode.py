@@ -45,6 +45,15 @@ def test_the_agents_folders_are_shared_at_their_own_paths_unless_a_mount_covers_
     assert container_spec(under).run_argv() == render_container(under).run_argv()  # type: ignore[arg-type]
 
 
+def test_a_read_only_mount_does_not_cover_a_folder_the_stack_writes() -> None:
+    """`-v /srv:/srv:ro` shows the state folder inside, but read-only: the agent mounts it read-write itself."""
+    cfg = parse_config("node: {name: n1, ip: 127.0.0.1}\nagent: {state_dir: /srv/agent/state, log_dir: /var/log/x}\n"
+                       "container: {engine: docker, run_args: ['-v /srv:/srv:ro', '-v /opt:/opt:rw']}\n"
+                       "components: {w: {kind: process, command: [sleep, '9'], workdir: /opt/w}}\n")  # fmt: skip
+    added = [o.value for o in agent_mounts(cfg, render_container(cfg))]  # type: ignore[arg-type]
+    assert added == ["/srv/agent/state:/srv/agent/state"]
+
+
 def test_the_exec_line_carries_the_components_env_cwd_and_marker() -> None:
     cfg = config("/tmp/agent/state")
     spec = render_component("datasystem", cfg, {})  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster_harness import ClusterHarness
 from conftest import wait_for
-from containerhelpers import INTERPRETER_HOME, ROOT, SKIP_REASON, built_image, run_args_here
+from containerhelpers import SKIP_REASON, built_image, stack_run_args
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -40,11 +39,8 @@ def cl(tmp_path: Path) -> Iterator[tuple[ClusterHarness, str, str]]:
     subprocess.run(["podman", "tag", image, new_image], check=True, capture_output=True, timeout=60)
     name = f"dsv4-ro-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     h = ClusterHarness(tmp_path / "c", None, NODES, run_etcd=True, ttl_s=3.0, heartbeat_s=5.0)
-    h.data["container"] = {
-        "engine": "podman", "image": image, "name": name, "runtime": "runc", "on_stop": "remove",
-        "run_args": [*run_args_here([ROOT, INTERPRETER_HOME]),
-                     f"-e PATH={Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/bin:/bin"],
-    }  # fmt: skip
+    h.data["container"] = {"engine": "podman", "image": image, "name": name, "on_stop": "remove",
+                           "run_args": stack_run_args()}  # fmt: skip
     h.data["components"]["etcd"]["container"] = False
     try:
         yield h, name, new_image

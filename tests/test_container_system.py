@@ -7,6 +7,10 @@ before the relaunch), a killed exec client (the process stays supervised), kill 
 PIDs), a changed run line (a planned recreate), `podman kill` of the container (recreated, setup re-run, a node
 redeploy, the stack serving again, the post-mortem with the engine's inspect), SIGTERM (nothing of ours left, the
 container removed).
+
+And the section an operator writes first, `container: {engine: podman, image: ..., name: ...}` with nothing else
+for this host (no `!` removals, no runtime, no ulimits): the agent adapts the guide's line itself, says so, and the
+whole stack, etcd included, runs inside — found by its listening ports, in the container's cgroup.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import psutil
 import pytest
 import yaml
 from conftest import BIN, LocalAgent, session_pids, wait_for
-from containerhelpers import SKIP_REASON, built_image, local_container_config, podman_docker_api
+from containerhelpers import SKIP_REASON, built_image, local_container_config, podman_docker_api, stack_run_args
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -239,3 +243,64 @@ def test_the_docker_path_runs_the_stack_too(docker_agent: tuple[LocalAgent, str]
     pids = [c["pid"] for c in local.children().values()]
     assert local.terminate(120) == 0
     assert all(gone(p) for p in pids) and inspect(name) is None
+
+
+def listener(port: int) -> int:
+    """The PID listening on a TCP port, from the kernel's socket table (not from the agent)."""
+    found = [c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+             and c.pid is not None]  # fmt: skip
+    assert found, f"nothing listens on {port}"
+    return found[0]
+
+
+def test_a_section_of_only_engine_image_and_name_runs_the_stack_inside(tmp_path: Path) -> None:
+    """No run_args for this host: it has no NPUs (node.npus: 0 in config/local.yaml), podman needs explicit ulimits
+    (no CAP_SYS_RESOURCE) and /data is absent — the agent adapts the guide's defaults and says so. The only
+    run_args are what the test image needs to find the stack at all (`stack_run_args`): the image is a bare Debian
+    userland (scripts/build-test-image.sh), so the venv with etcd, dscli, the datasystem wheel and the stand-in,
+    the worktree it is installed from and its interpreter are bind-mounted read-only, and the venv put first on
+    PATH; the vllm-ascend image has its stack inside and needs none of that."""
+    home = tmp_path / "home"  # under /tmp: the guide's -v /tmp:/tmp shows it inside at the same path
+    home.mkdir()
+    name = f"dsv4-min-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "local.yaml").read_text())
+    data["container"] = {"engine": "podman", "image": built_image(), "name": name, "run_args": stack_run_args()}
+    config = tmp_path / "container.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    local = LocalAgent(home, config)
+    ctl = [str(BIN / "nodeagentctl"), "--config", str(config)]
+    try:
+        pre = subprocess.run([*ctl, "preflight", "--json"], env=local.env, capture_output=True, text=True, timeout=120)
+        rows = {c["name"]: c for c in json.loads(pre.stdout)["checks"]}
+        assert rows["container_devices"]["status"] == "WARN", rows["container_devices"]
+        assert "/dev/davinci_manager" in rows["container_devices"]["value"]
+        limits = rows["container_ulimits"]
+        assert limits["status"] == "WARN" and "--ulimit nofile=" in limits["value"]
+        assert rows["container_mounts"]["status"] in ("PASS", "WARN") and rows["container_runtime"]["status"] != "FAIL"
+        shown = json.loads(subprocess.run([*ctl, "render", "container", "--json"], env=local.env, capture_output=True,
+                                          text=True, timeout=60, check=True).stdout)  # fmt: skip
+        assert shown["adapted"] and not any(w.startswith("--device") for w in shown["argv"])
+
+        t0 = time.monotonic()
+        local.start()
+        local.wait_all_up(180)
+        up_s = time.monotonic() - t0
+        found = inspect(name)
+        assert found is not None and found["State"]["Running"]
+        cid = found["Id"]
+        ports = {"etcd": local.env["DSV4_ETCD_PORT"], "datasystem": local.env["DSV4_WORKER_PORT"],
+                 "vllm": local.env["DSV4_VLLM_PORT"]}  # fmt: skip
+        for comp, port in ports.items():
+            pid = listener(int(port))
+            assert cgroup_has(pid, cid), f"{comp} (pid {pid}, port {port}) is not in container {name}"
+        # The line podman ran is the one `render container` printed (plus the agent's folders, when any).
+        added = [w for m in shown["agent_mounts"] for w in ("-v", m)]
+        assert found["Config"]["CreateCommand"] == [*shown["argv"][:-1], *added, shown["argv"][-1]]
+        assert local.status()["container"]["adapted"] == shown["adapted"]
+        print(f"\nonly engine/image/name: stack (etcd, worker, stand-in) up inside after {up_s:.1f} s; adapted: "
+              + "; ".join(shown["adapted"]))
+        assert local.terminate(120) == 0
+        assert inspect(name)["State"]["Running"] is False  # on_stop: stop (the default) keeps it for inspection
+    finally:
+        local.cleanup()
+        subprocess.run(["podman", "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)

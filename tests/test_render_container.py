@@ -1,7 +1,8 @@
 """The node's container: the guide's `start-docker.sh` run line, flag for flag, and how run_args change it.
 
 bash runs the guide's script verbatim (tests/golden/start-docker.sh) with a recording `docker` first on PATH; we
-compare its argv with `render_container` of a config naming the same image and container.
+compare its argv with `render_container` of a config naming the same image and container, on an NPU host as the
+guide expects it (every device and path there: nothing adapts; tests/test_container_host.py has the rest).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 
 from nodeagent.config import parse_config
 from nodeagent.config_container import ContainerConfig
-from nodeagent.container_options import ContainerRenderError, RunOption
+from nodeagent.container_host import HostFacts
+from nodeagent.container_options import ContainerRenderError, RunOption, guide_paths
 from nodeagent.errors import ConfigError
 from nodeagent.render_container import render_container
 
@@ -49,9 +51,10 @@ def config_with(container: str, components: str = "") -> object:
 def test_guide_script_equals_render(tmp_path: Path) -> None:
     guide = run_start_docker_sh(tmp_path, IMAGE, NAME)
     config = config_with(f"{{engine: docker, image: '{IMAGE}', name: {NAME}}}")
-    spec = render_container(config, PROXY_ENV)
-    assert spec.run_argv() == ("docker", *guide)
-    assert (spec.engine, spec.name, spec.image) == ("docker", NAME, IMAGE)
+    for facts in (None, HostFacts()):  # no facts, or an NPU host's: every path there, unified cgroups, CAP held
+        spec = render_container(config, PROXY_ENV, facts=facts)
+        assert spec.run_argv() == ("docker", *guide)
+        assert (spec.engine, spec.name, spec.image) == ("docker", NAME, IMAGE) and spec.adaptations == ()
     assert guide[-1] == IMAGE and "-e" in guide and "https_proxy=" in guide  # the script ran as the guide wrote it
 
 
@@ -61,25 +64,61 @@ def test_guide_defaults_are_the_sections_defaults(tmp_path: Path) -> None:
     assert spec.run_argv()[1:] == tuple(guide)
 
 
+def host_tree(root: Path, lacking: tuple[str, ...] = ()) -> Path:
+    """A host as the guide expects it (its devices and mount sources), less `lacking`."""
+    for path in guide_paths():
+        if path not in lacking:
+            (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (root / path.lstrip("/")).touch()
+    return root
+
+
+def render_cli(tmp_path: Path, cfg: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", **PROXY_ENV}
+    return subprocess.run([sys.executable, "-m", "nodeagent.cli", "render", "container", *extra, "--config", str(cfg),
+                           "--root", str(root)], capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+
+
 def test_render_container_command_prints_the_run_line(tmp_path: Path) -> None:
     guide = run_start_docker_sh(tmp_path, IMAGE, "box1")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"node: {{name: n1, ip: 127.0.0.1}}\ncontainer: {{engine: docker, image: '{IMAGE}', name: box1}}\n"
                    "components:\n  etcd: {kind: etcd, container: false}\n  w: {kind: process, command: [sleep, '9']}\n")
-    env = {"PATH": "/usr/bin:/bin", **PROXY_ENV}
-    out = subprocess.run([sys.executable, "-m", "nodeagent.cli", "render", "container", "--json", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60, env=env)
+    root = host_tree(tmp_path / "a2")
+    out = render_cli(tmp_path, cfg, root, "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["argv"] == ["docker", *guide] and data["components"] == ["w"]
-    text = subprocess.run([sys.executable, "-m", "nodeagent.cli", "render", "container", "--config", str(cfg)],
-                          capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+    assert data["argv"] == ["docker", *guide] and data["components"] == ["w"] and data["adapted"] == []
+    text = render_cli(tmp_path, cfg, root).stdout
     # The printed line, run by a shell, is the same argv.
     record = tmp_path / "printed.json"
     script = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     subprocess.run(["bash", "-c", script], check=True, timeout=30,
                    env={"PATH": f"{recording_engine(tmp_path)}:/usr/bin:/bin", "RECORD": str(record)})
     assert json.loads(record.read_text()) == guide
+
+
+def test_render_container_shows_the_line_adapted_to_this_host(tmp_path: Path) -> None:
+    """A host without NPUs (node.npus: 0) and without /data: the line used, and each adaptation said."""
+    guide = run_start_docker_sh(tmp_path, IMAGE, "box1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"node: {{name: n1, ip: 127.0.0.1, npus: 0}}\n"
+                   f"container: {{engine: docker, image: '{IMAGE}', name: box1}}\n")
+    root = host_tree(tmp_path / "devbox", ("/dev/davinci_manager", "/dev/hisi_hdc", "/dev/devmm_svm",
+                                           "/usr/local/Ascend/driver", "/data"))  # fmt: skip
+    data = json.loads(render_cli(tmp_path, cfg, root, "--json").stdout)
+    expected = list(guide)
+    for dev in ("/dev/davinci_manager", "/dev/hisi_hdc", "/dev/devmm_svm"):
+        expected.remove(f"--device={dev}")
+    at = expected.index("/usr/local/Ascend/driver:/usr/local/Ascend/driver")
+    del expected[at - 1:at + 1]
+    assert data["argv"] == ["docker", *expected] and data["create_on_host"] == ["/data"]
+    text = render_cli(tmp_path, cfg, root).stdout
+    said = [line for line in text.splitlines() if line.startswith("# adapted to this host")]
+    assert len(said) == 3 and "(devices): dropped --device /dev/davinci_manager" in said[0]
+    assert "/usr/local/Ascend/driver" in said[1] and "/data missing on the host" in said[2]
+    line = "\n".join(x for x in text.splitlines() if not x.startswith("#"))
+    assert "--device" not in line and "-v /data:/data" in line
 
 
 def test_render_container_without_section_says_so(tmp_path: Path) -> None:
@@ -203,3 +242,21 @@ def test_config_section_keys() -> None:
         config_with("{name: 'a b'}")
     with pytest.raises(ConfigError, match="engine"):
         config_with("{engine: lxc}")
+
+
+@pytest.mark.parametrize(("words", "inside"), [
+    (["--", "git", "diff", "--", "f"], ["git", "diff", "--", "f"]),  # the separator goes, the command's own stays
+    (["git", "diff", "--", "f"], ["git", "diff", "--", "f"]),
+    (["--", "sh", "-c", "echo -- x"], ["sh", "-c", "echo -- x"]),
+    (["--"], ["bash"]),
+    ([], ["bash"]),
+])  # fmt: skip
+def test_shell_runs_the_command_as_given(tmp_path: Path, words: list[str], inside: list[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("node: {name: n1, ip: 127.0.0.1}\ncontainer: {engine: docker, name: box1}\n")
+    record = tmp_path / "argv.json"
+    env = {"PATH": f"{recording_engine(tmp_path)}:/usr/bin:/bin", "RECORD": str(record)}
+    out = subprocess.run([sys.executable, "-m", "nodeagent.cli", "--config", str(cfg), "shell", *words],
+                         capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(record.read_text()) == ["exec", "box1", *inside]

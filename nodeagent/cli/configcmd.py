@@ -18,7 +18,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.component == "container" and "container" not in config.components:
         from nodeagent.cli.containercmd import print_container
 
-        return print_container(config, args.json)
+        return print_container(config, args.json, args.root)
     names = [args.component] if args.component else list(config.active_components())
     if args.component and args.component not in config.components:
         known = ", ".join(config.components)

@@ -1,5 +1,6 @@
-"""`nodeagentctl render container` (the exact run line of the node's container: the guide's start-docker.sh, and
-the folders the agent adds) and `nodeagentctl shell` (the guide's `docker exec -it NAME bash`)."""
+"""`nodeagentctl render container` (the exact run line of the node's container on this host: the guide's
+start-docker.sh adapted to what the host lacks, each adaptation said, and the folders the agent adds) and
+`nodeagentctl shell` (the guide's `docker exec -it NAME bash`)."""
 
 from __future__ import annotations
 
@@ -12,32 +13,42 @@ from typing import Any
 from nodeagent.cli.common import EXIT_CONFIG, EXIT_UNKNOWN, CliError
 
 
-def _spec(config: Any) -> Any:
-    """The config's container (the guide's line with its run_args), or a CLI error saying why there is none."""
+def _spec(config: Any, root: str = "/") -> Any:
+    """The config's container on this host (the guide's line with its run_args, adapted to the host as the agent
+    adapts it), or a CLI error saying why there is none. `root`: a fixture tree standing for the host (tests)."""
+    from pathlib import Path
+
     from nodeagent.container_options import ContainerRenderError
-    from nodeagent.render_container import render_container
+    from nodeagent.hostfacts import Host
+    from nodeagent.render_container import host_facts, render_container
 
     if config.container is None:
         raise CliError("this config has no container: section (its components run on the host)", EXIT_UNKNOWN)
     try:
-        return render_container(config, os.environ)
+        return render_container(config, os.environ, facts=host_facts(config, Host(root=Path(root))))
     except ContainerRenderError as exc:
         raise CliError(str(exc), EXIT_CONFIG) from None
 
 
-def print_container(config: Any, as_json: bool) -> int:
+def print_container(config: Any, as_json: bool, root: str = "/") -> int:
     from nodeagent.render_container import agent_mounts
 
-    spec = _spec(config)
+    spec = _spec(config, root)
     inside = [n for n, c in config.active_components().items() if c.container]
     added = agent_mounts(config, spec)
     if as_json:
         print(json.dumps({"engine": spec.engine, "name": spec.name, "image": spec.image,
                           "argv": list(spec.run_argv()), "agent_mounts": [o.value for o in added],
+                          "adapted": [a.text for a in spec.adaptations], "problems": [a.text for a in spec.problems],
+                          "create_on_host": list(spec.create_on_host),
                           "setup": [list(s) for s in config.container.setup],
                           "components": inside, "node": config.node.name}, indent=2))
         return 0
     print(f"# --- container {spec.name} ({spec.engine}; runs {', '.join(inside) or 'no component'})")
+    for note in spec.adaptations:
+        print(f"# adapted to this host ({note.topic}): {note.text}")
+    for problem in spec.problems:
+        print(f"# NOT adaptable ({problem.topic}): {problem.text}")
     print(spec.shell())
     if added:
         print("# the agent adds (its folders, not under a mount of this line, seen inside at the same path): "
@@ -52,7 +63,9 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from nodeagent.cli.agentconfig import full_config
 
     spec = _spec(full_config(args))
-    command = [a for a in args.shell_command if a != "--"] or ["bash"]
+    words = list(args.shell_command)
+    # only the separator goes: `shell -- git diff -- f` runs `git diff -- f`
+    command = (words[1:] if words[:1] == ["--"] else words) or ["bash"]
     argv = spec.exec_argv(command, interactive=sys.stdin.isatty())
     try:
         os.execvp(argv[0], list(argv))

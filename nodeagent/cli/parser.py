@@ -206,6 +206,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     render.add_argument("--json", action="store_true")
     render.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
                         help="render this member of a cluster file (default: node.name)")
+    render.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: a fixture host for `container`
     if only in (None, "config"):
         config = sub.add_parser("config", help="config tools")
         config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
