@@ -8,22 +8,18 @@ background. Errors come out as one of three exceptions, each with a one-line mes
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from nodeagent.ft_rules import Instruction, RankStatus
+# the support rule is pure (ft_rules: rendering imports it without aiohttp); its callers read it here too
+from nodeagent.ft_rules import Instruction, RankStatus, Support, supports_fault_tolerance  # noqa: F401
 
 STATUS_PATH = "/fault_tolerance/status"
 APPLY_PATH = "/fault_tolerance/apply"
 SCHEMA_VERSION = 1
-FIRST_VERSION = (0, 32)
-"""The first vLLM release whose fault-tolerance API this client was written against."""
 ENGINE_STATES = frozenset({"healthy", "unhealthy", "dead"})
 DEFAULT_TIMEOUT_S = 5.0
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
 
 
 class FtError(Exception):
@@ -40,33 +36,6 @@ class FtNotServed(FtError):
 
 class FtRejected(FtError):
     """An answer, but not the expected one: another status code, or a body of another shape."""
-
-
-@dataclass(frozen=True)
-class Support:
-    supported: bool | None
-    """None: not known from what was given."""
-    reason: str
-
-
-def supports_fault_tolerance(version_text: str | None = None, status_code: int | None = None) -> Support:
-    """From the status endpoint's answer (it wins: it is the server itself) or else from the version string."""
-    if status_code == 200:
-        return Support(True, "the fault-tolerance status endpoint answers")
-    if status_code == 404:
-        return Support(False, "the vLLM serves no /fault_tolerance routes (older than 0.32, or started without "
-                              "--enable-fault-tolerance)")
-    if version_text:
-        match = _VERSION_RE.match(version_text)
-        if match:
-            version = (int(match.group(1)), int(match.group(2)))
-            if version >= FIRST_VERSION:
-                return Support(True, f"vLLM {version_text.strip()} has the fault-tolerance API (0.32 or later)")
-            return Support(False, f"vLLM {version_text.strip()} predates the fault-tolerance API of vLLM 0.32")
-        return Support(None, f"cannot read a version from {version_text.strip()!r}")
-    if status_code is not None:
-        return Support(None, f"the fault-tolerance status endpoint answered {status_code}")
-    return Support(None, "no version and no status answer yet")
 
 
 def parse_status(body: Any, where: str = "status") -> list[RankStatus]:

@@ -9,7 +9,8 @@ decides with the pure `ft_rules.decide`, sends `retry` to this node's ranks (the
 theirs) and follows it until every rank is `healthy` again or the timeout — and only then asks the group's new
 generation from the coordinator, through which the gang restart runs as for any other rank failure. A retry that
 fails or times out escalates at once; a rank whose process is gone goes straight to the gang restart (the
-coordinator's `decide`; this layer only notes the skipped rung); a vLLM without the routes (404) is said once.
+coordinator's `decide`; this layer only notes the skipped rung); a vLLM that cannot do it is said once — known at
+the launch from its version (`ComponentView.ft_unsupported`: the flags were not rendered), or from a 404.
 
 It is a `NodeLayer` of its own, attached before the coordinator so that it sees every rank failure: it never
 holds a start and never takes a failure over. What happened at each rung is in its /status section
@@ -210,11 +211,20 @@ class FtRung:
             if g.in_episode:
                 self._close(g, "superseded", f"the gang restart took over (generation {gs.acted})")
             g.pids, g.generation, g.statuses = pids, gs.acted, {}
-        if g.escalated is not None or not all(here[r.component].up for r in g.ranks):
-            return  # waiting for the generation asked, or a rank not serving yet (its route refuses until ready)
+            if g.supported is False:
+                g.supported = None  # new processes, maybe of another vLLM: learned again (said only once)
+        if g.escalated is not None:
+            return  # waiting for the generation asked
+        # known from the launch: the installed vLLM cannot take the flags, so they were not rendered
+        told = next((here[r.component].ft_unsupported for r in g.ranks if here[r.component].ft_unsupported), None)
+        if told is not None:
+            g.supported, g.reason = False, told
+        elif not all(here[r.component].up for r in g.ranks):
+            return  # a rank not serving yet (its route refuses until ready)
         if g.supported is False and g.unsupported_said:
             return
-        await self._read(g)
+        if told is None:
+            await self._read(g)
         if self.coordinator.gangs[g.name].acted != g.generation:
             return  # the group moved on while the ranks were read (a peer escalated): the next step closes it
         situation = ft_rules.FtSituation(
