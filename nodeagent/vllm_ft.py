@@ -3,11 +3,14 @@
 The shapes are those read from the 0.32 wheel (docs/architecture.md, "vLLM fault tolerance"): the status lists
 this server's engines (one, its DP rank, in external load balancing), `apply` takes
 `{"instruction": "retry", "params": {}}` and answers 202 with a request id while the recovery runs in the
-background. Errors come out as one of three exceptions, each with a one-line message naming the server.
+background. `apply` also speaks the earlier upstream shape (`fault_tolerance_instruction`/`_timeout`, answered 200
+once done) in the same body: each reads its own keys. Errors come out as one of three exceptions, each with a
+one-line message naming the server.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import aiohttp
@@ -105,19 +108,35 @@ async def fetch_status(session: aiohttp.ClientSession, base_url: str,
     return parse_status(body, where=f"GET {url}")
 
 
-async def apply(session: aiohttp.ClientSession, base_url: str, instruction: Instruction,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """Send one instruction; the request id vLLM gave it (its outcome shows in the status, under that id).
+def apply_body(instruction: Instruction, instruction_timeout_s: float) -> dict[str, Any]:
+    """One body both API shapes take, each reading its keys and ignoring the other's: the wheel's
+    (`instruction`, `params`; 0.32's `_validate_payload` reads only those) and the earlier upstream router's
+    (`fault_tolerance_instruction`, and `fault_tolerance_timeout`, required: a positive int; it reads nothing else
+    but `fault_tolerance_params`, passed as keyword arguments to the engine, so not sent)."""
+    return {"instruction": instruction, "params": {}, "fault_tolerance_instruction": instruction,
+            "fault_tolerance_timeout": max(1, math.ceil(instruction_timeout_s))}
 
-    `timeout_s` bounds the HTTP exchange only: vLLM 0.32 takes no timeout with the instruction.
+
+async def apply(session: aiohttp.ClientSession, base_url: str, instruction: Instruction,
+                timeout_s: float = DEFAULT_TIMEOUT_S, instruction_timeout_s: float = 60.0) -> str:
+    """Send one instruction; the request id the server gave it ("" when it gave none).
+
+    vLLM 0.32 answers 202 with a `request_id` at once and runs the instruction in the background (its outcome shows
+    in the status, under that id). The earlier upstream router (vllm-project/vllm 04918f3e,
+    `vllm/entrypoints/serve/fault_tolerance/api_router.py`) runs it before answering: 200 when it succeeded (no
+    id), 500 when it failed, within `fault_tolerance_timeout`. So the exchange may take `instruction_timeout_s`
+    plus `timeout_s`.
     """
     url = base_url.rstrip("/") + APPLY_PATH
-    status, body, text = await _call(session, "POST", url, timeout_s, {"instruction": instruction, "params": {}})
+    status, body, text = await _call(session, "POST", url, timeout_s + instruction_timeout_s,
+                                     apply_body(instruction, instruction_timeout_s))  # fmt: skip
     if status == 404:
         raise FtNotServed(f"POST {url}: 404 {_error_message(body, text)}")
-    if status != 202:
+    if status not in (200, 202):
         raise FtRejected(f"POST {url}: {status} {_error_message(body, text)}")
     request_id = body.get("request_id") if isinstance(body, dict) else None
-    if not isinstance(request_id, str) or not request_id:
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise FtRejected(f"POST {url}: {status} with a request_id that is not a string: {text.strip()[:200]}")
+    if status == 202 and request_id is None:
         raise FtRejected(f"POST {url}: 202 without a request_id: {text.strip()[:200]}")
-    return request_id
+    return request_id or ""

@@ -84,8 +84,8 @@ class FtClient(Protocol):
     async def status(self, url: str) -> list[RankStatus]:
         """The rank's engines; raises `vllm_ft.FtError` (FtNotServed on a 404)."""
 
-    async def retry(self, url: str) -> str:
-        """Send `retry`; the request id vLLM answered with."""
+    async def retry(self, url: str, timeout_s: float) -> str:
+        """Send `retry` (to be done within `timeout_s`); the request id vLLM answered with ("" if none)."""
 
     async def close(self) -> None: ...
 
@@ -104,8 +104,8 @@ class HttpFtClient:
     async def status(self, url: str) -> list[RankStatus]:
         return await vllm_ft.fetch_status(self._get(), url)
 
-    async def retry(self, url: str) -> str:
-        return await vllm_ft.apply(self._get(), url, "retry")
+    async def retry(self, url: str, timeout_s: float) -> str:
+        return await vllm_ft.apply(self._get(), url, "retry", instruction_timeout_s=timeout_s)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -301,7 +301,7 @@ class FtRung:
 
     async def _instruct(self, g: FtGroup, decision: ft_rules.Instruct, now: float) -> None:
         urls = {r.rank: r.url for r in g.ranks}
-        sent = await asyncio.gather(*(self._send(urls[rank]) for rank in decision.ranks))
+        sent = await asyncio.gather(*(self._send(urls[rank], decision.timeout_s) for rank in decision.ranks))
         ids = {rank: rid for rank, rid in zip(decision.ranks, sent, strict=True) if not rid.startswith("!")}
         errors = [f"rank {rank}: {rid[1:]}" for rank, rid in zip(decision.ranks, sent, strict=True)
                   if rid.startswith("!")]  # fmt: skip
@@ -314,10 +314,10 @@ class FtRung:
         self.port.emit("ft_retry", f"group {g.name}: {detail}", self._first_bad(g), "warning", group=g.name,
                        request_ids={str(k): v for k, v in ids.items()}, timeout_s=decision.timeout_s)  # fmt: skip
 
-    async def _send(self, url: str) -> str:
-        """The request id, or `!` and why the rank did not take the retry."""
+    async def _send(self, url: str, timeout_s: float) -> str:
+        """The request id ("" when the server gives none), or `!` and why the rank did not take the retry."""
         try:
-            return await self.client.retry(url)
+            return await self.client.retry(url, timeout_s)
         except vllm_ft.FtError as exc:
             return f"!{exc}"
 
