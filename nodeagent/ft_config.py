@@ -15,6 +15,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from nodeagent.config_base import RuleProblem, Strict
+from nodeagent.ft_rules import Support
 
 
 class FaultToleranceSpec(Strict):
@@ -35,8 +36,11 @@ class FaultToleranceSpec(Strict):
                          "the latter")
 
 
-def fault_tolerance_argv(spec: FaultToleranceSpec, data_parallel_rank: int | None) -> list[str]:
-    if not spec.enabled:
+def fault_tolerance_argv(spec: FaultToleranceSpec, data_parallel_rank: int | None,
+                         support: Support | None = None) -> list[str]:
+    """The flags; none when not enabled, or when the installed vLLM is known not to take them (`support`, from
+    its version: an older vLLM refuses to start on an unknown flag). Unknown support renders them."""
+    if not spec.enabled or (support is not None and support.supported is False):
         return []
     if data_parallel_rank is None:
         raise ValueError("fault_tolerance needs external load balancing (one vllm serve per data-parallel rank, "

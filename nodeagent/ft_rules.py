@@ -15,13 +15,20 @@ for the ranks to report `healthy` again), capped by the engines' own recovery ti
 `decide` takes what the caller learned (statuses parsed by `vllm_ft`, the clock, what was tried) and answers one
 of: `Instruct` (send `retry` to these ranks), `WaitRetry` (look again by `deadline`), `Recovered`, `AllHealthy`
 (nothing to do), `Escalate` (gang restart now) or `Unsupported` (gang restart; `announce` is true once).
+`supports_fault_tolerance` is the rule for whether a vLLM can take part at all (from its version or its status
+endpoint): rendering asks it before it writes the flags, the rung when a rank answers.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+
+FIRST_VERSION = (0, 32)
+"""The first vLLM release whose fault-tolerance API the agent was written against (`vllm_ft`)."""
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
 
 RankState = Literal["healthy", "unhealthy", "dead", "unreachable"]
 """vLLM's three `EngineStatusType`s, plus `unreachable`: the rank's server did not answer its status."""
@@ -189,3 +196,30 @@ def attempt_for(decision: Instruct, now: float, request_ids: Mapping[int, str]) 
     """What the caller records after sending `decision`: the next `decide` judges it."""
     return Attempt(ranks=decision.ranks, at=now, deadline=now + decision.timeout_s, request_ids=dict(request_ids),
                    instruction=decision.instruction)
+
+
+@dataclass(frozen=True)
+class Support:
+    supported: bool | None
+    """None: not known from what was given."""
+    reason: str
+
+
+def supports_fault_tolerance(version_text: str | None = None, status_code: int | None = None) -> Support:
+    """From the status endpoint's answer (it wins: it is the server itself) or else from the version string."""
+    if status_code == 200:
+        return Support(True, "the fault-tolerance status endpoint answers")
+    if status_code == 404:
+        return Support(False, "the vLLM serves no /fault_tolerance routes (older than 0.32, or started without "
+                              "--enable-fault-tolerance)")
+    if version_text:
+        match = _VERSION_RE.match(version_text)
+        if match:
+            version = (int(match.group(1)), int(match.group(2)))
+            if version >= FIRST_VERSION:
+                return Support(True, f"vLLM {version_text.strip()} has the fault-tolerance API (0.32 or later)")
+            return Support(False, f"vLLM {version_text.strip()} predates the fault-tolerance API of vLLM 0.32")
+        return Support(None, f"cannot read a version from {version_text.strip()!r}")
+    if status_code is not None:
+        return Support(None, f"the fault-tolerance status endpoint answered {status_code}")
+    return Support(None, "no version and no status answer yet")

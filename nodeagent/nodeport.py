@@ -108,6 +108,7 @@ class NodePort:
             ready=comp.ready, desired=self.desired(comp.name), deps=tuple(self.deps(comp)),
             deps_up=not self.deps_waiting(comp), restart=comp.cfg.restart, pid=record.pid if record else None,
             hold=comp.hold, clean=comp.stopped_cleanly,
+            ft_unsupported=comp.proc.extra.get("ft_unsupported") if comp.proc is not None else None,
         )  # fmt: skip
 
     def snapshot(self) -> NodeView:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nodeagent.render import launch_fingerprint, render_component
+from nodeagent.render import launch_fingerprint
+from nodeagent.vllm_install import launch_spec
 
 if TYPE_CHECKING:
     from nodeagent.component import Component
@@ -49,7 +50,7 @@ def reload_config(sup: Reloadable, config: Config, restart: bool = True) -> dict
     for name, comp in sup.components.items():
         comp.reconfigure(config.components[name])
         sup.trackers[name].spec = comp.cfg.restart
-        fingerprint = launch_fingerprint(render_component(name, config, sup.base_env))
+        fingerprint = launch_fingerprint(launch_spec(name, config, sup.base_env))  # as its launch renders it
         if restart and comp.fingerprint is not None and fingerprint != comp.fingerprint and comp.record is not None:
             changed.append(name)
             comp.signal("restart", None, "config reload changed its command or environment", operator=True,

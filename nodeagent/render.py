@@ -25,6 +25,7 @@ from nodeagent.config_model import (
     VllmComponent,
 )
 from nodeagent.ft_config import fault_tolerance_argv
+from nodeagent.ft_rules import Support, supports_fault_tolerance
 
 # Variables the agent sets on every child so leftovers can be recognised (residue) and TMPDIR is private.
 AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "DSV4_AGENT_STATE", "TMPDIR")
@@ -41,6 +42,9 @@ class LaunchSpec:
     cwd: Path
     files: dict[Path, str] = field(default_factory=dict)
     """Files written before the start (e.g. the YR_CONFIG_PATH JSON)."""
+    ft_unsupported: str | None = None
+    """The config asks for vLLM's fault tolerance but the installed vLLM cannot take it: why (its flags are left
+    out; the FT rung says so and a rank fault goes straight to the gang restart)."""
     daemonizes: bool = False
     """The launcher exits after starting the real process (`dscli start`); its PID is read from its output."""
     ports: tuple[int, ...] = ()
@@ -204,7 +208,8 @@ def _flag(argv: list[str], name: str, value: Any) -> None:
         argv.append(_json(value) if isinstance(value, dict | list) else str(value))
 
 
-def render_vllm_argv(comp: VllmComponent) -> list[str]:
+def render_vllm_argv(comp: VllmComponent, vllm_version: str | None = None) -> list[str]:
+    """`vllm_version`: of the vLLM installed where it runs (`vllm_install`), None when not known."""
     if comp.data_parallel_start_rank and not comp.headless:
         raise ValueError("a data-parallel start rank without --headless: vLLM would silently switch to hybrid "
                          "load balancing")
@@ -248,8 +253,15 @@ def render_vllm_argv(comp: VllmComponent) -> list[str]:
     _flag(argv, "--compilation-config", comp.compilation_config)
     _flag(argv, "--async-scheduling", comp.async_scheduling)
     _flag(argv, "--additional-config", comp.additional_config)
-    argv += fault_tolerance_argv(comp.fault_tolerance, comp.data_parallel_rank)
+    argv += fault_tolerance_argv(comp.fault_tolerance, comp.data_parallel_rank, ft_support(comp, vllm_version))
     return argv + comp.extra_args
+
+
+def ft_support(comp: VllmComponent, vllm_version: str | None) -> Support | None:
+    """Whether that vLLM takes the fault-tolerance flags the config asks for (None: not asked, or not known)."""
+    if not comp.fault_tolerance.enabled or not vllm_version:
+        return None
+    return supports_fault_tolerance(vllm_version)
 
 
 def datasystem_for(config: Config, comp: Any) -> DatasystemComponent | None:
@@ -262,7 +274,8 @@ def datasystem_for(config: Config, comp: Any) -> DatasystemComponent | None:
     return next(iter(candidates.values()), None) if len(candidates) == 1 else None
 
 
-def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
+def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mapping[str, str],
+                vllm_version: str | None = None) -> LaunchSpec:
     ip = config.node.ip
     nic = config.node.nic_name
     env: dict[str, str] = {"HCCL_IF_IP": ip}
@@ -298,9 +311,12 @@ def render_vllm(name: str, comp: VllmComponent, config: Config, base_env: Mappin
     if datasystem is not None:
         env["YR_CONFIG_PATH"] = str(yr_config)
     env, unset = _component_env(name, comp, config, env, ["GOOGLE_LOGTOSTDERR", "GOOGLE_ALSOLOGTOSTDERR"])
+    support = ft_support(comp, vllm_version)
+    unsupported = f"{support.reason}: its flags are not rendered" if support and support.supported is False else None
     return LaunchSpec(
-        component=name, kind="vllm", argv=tuple(render_vllm_argv(comp)), env=env, unset=unset,
+        component=name, kind="vllm", argv=tuple(render_vllm_argv(comp, vllm_version)), env=env, unset=unset,
         cwd=comp.workdir or component_dir(config, name), files=files, ports=() if comp.headless else (comp.port,),
+        ft_unsupported=unsupported,
     )  # fmt: skip
 
 
@@ -339,7 +355,9 @@ def render_proxy(name: str, comp: ProxyComponent, config: Config) -> LaunchSpec:
     )  # fmt: skip
 
 
-def render_component(name: str, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
+def render_component(name: str, config: Config, base_env: Mapping[str, str],
+                     vllm_version: str | None = None) -> LaunchSpec:
+    """`vllm_version`: of the vLLM a vllm component runs (`vllm_install.launch_spec` reads it), None: not known."""
     comp = config.components[name]
     if isinstance(comp, ProxyComponent):
         return render_proxy(name, comp, config)
@@ -348,7 +366,7 @@ def render_component(name: str, config: Config, base_env: Mapping[str, str]) -> 
     if isinstance(comp, DatasystemComponent):
         return render_datasystem(name, comp, config)
     if isinstance(comp, VllmComponent):
-        return render_vllm(name, comp, config, base_env)
+        return render_vllm(name, comp, config, base_env, vllm_version)
     return render_process(name, comp, config)
 
 

@@ -121,6 +121,9 @@ class ComponentView:
     clean: bool = True
     """Its last tree was seen to die whole, or its residue was cleaned since: `False` after a crash or an agent
     restart (an orphaned EngineCore may still hold the group's ports)."""
+    ft_unsupported: str | None = None
+    """Its config asks for vLLM's fault tolerance but the vLLM it was launched with cannot take it (why): the
+    flags were left out of its command line."""
 
     @property
     def stopped(self) -> bool:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nodeagent import launcher, logsink, residue, residue_plan
+from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
 from nodeagent.component import Component
 from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
@@ -36,7 +36,7 @@ from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
-from nodeagent.render import component_dir, launch_fingerprint, render_component
+from nodeagent.render import component_dir, launch_fingerprint
 from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
 from nodeagent.states import State
@@ -197,7 +197,7 @@ class Supervisor(NodePort):
         await self.cleanup(comp)
 
     async def launch(self, comp: Component, inside: Any = None) -> Process:
-        spec = render_component(comp.name, self.config, self.base_env)
+        spec = vllm_install.launch_spec(comp.name, self.config, self.base_env)
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
@@ -206,7 +206,8 @@ class Supervisor(NodePort):
         launched, watch = await start(spec, self.config.agent.log_dir, self.base_env,
                                       component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
-                       {"log_offset": log_offset, "tail_file": tail}, launch_fingerprint(spec))  # fmt: skip
+                       {"log_offset": log_offset, "tail_file": tail, "ft_unsupported": spec.ft_unsupported},
+                       launch_fingerprint(spec))  # fmt: skip
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)

@@ -3,27 +3,26 @@
 The shapes are those read from the 0.32 wheel (docs/architecture.md, "vLLM fault tolerance"): the status lists
 this server's engines (one, its DP rank, in external load balancing), `apply` takes
 `{"instruction": "retry", "params": {}}` and answers 202 with a request id while the recovery runs in the
-background. Errors come out as one of three exceptions, each with a one-line message naming the server.
+background. `apply` also speaks the earlier upstream shape (`fault_tolerance_instruction`/`_timeout`, answered 200
+once done) in the same body: each reads its own keys. Errors come out as one of three exceptions, each with a
+one-line message naming the server.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import math
 from typing import Any
 
 import aiohttp
 
-from nodeagent.ft_rules import Instruction, RankStatus
+# the support rule is pure (ft_rules: rendering imports it without aiohttp); its callers read it here too
+from nodeagent.ft_rules import Instruction, RankStatus, Support, supports_fault_tolerance  # noqa: F401
 
 STATUS_PATH = "/fault_tolerance/status"
 APPLY_PATH = "/fault_tolerance/apply"
 SCHEMA_VERSION = 1
-FIRST_VERSION = (0, 32)
-"""The first vLLM release whose fault-tolerance API this client was written against."""
 ENGINE_STATES = frozenset({"healthy", "unhealthy", "dead"})
 DEFAULT_TIMEOUT_S = 5.0
-_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
 
 
 class FtError(Exception):
@@ -40,33 +39,6 @@ class FtNotServed(FtError):
 
 class FtRejected(FtError):
     """An answer, but not the expected one: another status code, or a body of another shape."""
-
-
-@dataclass(frozen=True)
-class Support:
-    supported: bool | None
-    """None: not known from what was given."""
-    reason: str
-
-
-def supports_fault_tolerance(version_text: str | None = None, status_code: int | None = None) -> Support:
-    """From the status endpoint's answer (it wins: it is the server itself) or else from the version string."""
-    if status_code == 200:
-        return Support(True, "the fault-tolerance status endpoint answers")
-    if status_code == 404:
-        return Support(False, "the vLLM serves no /fault_tolerance routes (older than 0.32, or started without "
-                              "--enable-fault-tolerance)")
-    if version_text:
-        match = _VERSION_RE.match(version_text)
-        if match:
-            version = (int(match.group(1)), int(match.group(2)))
-            if version >= FIRST_VERSION:
-                return Support(True, f"vLLM {version_text.strip()} has the fault-tolerance API (0.32 or later)")
-            return Support(False, f"vLLM {version_text.strip()} predates the fault-tolerance API of vLLM 0.32")
-        return Support(None, f"cannot read a version from {version_text.strip()!r}")
-    if status_code is not None:
-        return Support(None, f"the fault-tolerance status endpoint answered {status_code}")
-    return Support(None, "no version and no status answer yet")
 
 
 def parse_status(body: Any, where: str = "status") -> list[RankStatus]:
@@ -136,19 +108,35 @@ async def fetch_status(session: aiohttp.ClientSession, base_url: str,
     return parse_status(body, where=f"GET {url}")
 
 
-async def apply(session: aiohttp.ClientSession, base_url: str, instruction: Instruction,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """Send one instruction; the request id vLLM gave it (its outcome shows in the status, under that id).
+def apply_body(instruction: Instruction, instruction_timeout_s: float) -> dict[str, Any]:
+    """One body both API shapes take, each reading its keys and ignoring the other's: the wheel's
+    (`instruction`, `params`; 0.32's `_validate_payload` reads only those) and the earlier upstream router's
+    (`fault_tolerance_instruction`, and `fault_tolerance_timeout`, required: a positive int; it reads nothing else
+    but `fault_tolerance_params`, passed as keyword arguments to the engine, so not sent)."""
+    return {"instruction": instruction, "params": {}, "fault_tolerance_instruction": instruction,
+            "fault_tolerance_timeout": max(1, math.ceil(instruction_timeout_s))}
 
-    `timeout_s` bounds the HTTP exchange only: vLLM 0.32 takes no timeout with the instruction.
+
+async def apply(session: aiohttp.ClientSession, base_url: str, instruction: Instruction,
+                timeout_s: float = DEFAULT_TIMEOUT_S, instruction_timeout_s: float = 60.0) -> str:
+    """Send one instruction; the request id the server gave it ("" when it gave none).
+
+    vLLM 0.32 answers 202 with a `request_id` at once and runs the instruction in the background (its outcome shows
+    in the status, under that id). The earlier upstream router (vllm-project/vllm 04918f3e,
+    `vllm/entrypoints/serve/fault_tolerance/api_router.py`) runs it before answering: 200 when it succeeded (no
+    id), 500 when it failed, within `fault_tolerance_timeout`. So the exchange may take `instruction_timeout_s`
+    plus `timeout_s`.
     """
     url = base_url.rstrip("/") + APPLY_PATH
-    status, body, text = await _call(session, "POST", url, timeout_s, {"instruction": instruction, "params": {}})
+    status, body, text = await _call(session, "POST", url, timeout_s + instruction_timeout_s,
+                                     apply_body(instruction, instruction_timeout_s))  # fmt: skip
     if status == 404:
         raise FtNotServed(f"POST {url}: 404 {_error_message(body, text)}")
-    if status != 202:
+    if status not in (200, 202):
         raise FtRejected(f"POST {url}: {status} {_error_message(body, text)}")
     request_id = body.get("request_id") if isinstance(body, dict) else None
-    if not isinstance(request_id, str) or not request_id:
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise FtRejected(f"POST {url}: {status} with a request_id that is not a string: {text.strip()[:200]}")
+    if status == 202 and request_id is None:
         raise FtRejected(f"POST {url}: 202 without a request_id: {text.strip()[:200]}")
-    return request_id
+    return request_id or ""

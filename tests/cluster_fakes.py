@@ -172,6 +172,8 @@ class FakeComponent:
     stopping: bool = False
     operator_start: bool = False
     blocks: dict[str, str] = field(default_factory=dict)
+    ft_unsupported: str | None = None
+    """What its launch said of vLLM's fault tolerance (`ComponentView.ft_unsupported`)."""
     starts: list[float] = field(default_factory=list)
     """The virtual monotonic time of each start."""
     gone: list[float] = field(default_factory=list)
@@ -386,7 +388,8 @@ class FakeStack:
         return ComponentView(name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up,
                              ready=comp.ready, desired=comp.desired, deps=comp.deps,
                              deps_up=all(self.components[d].up for d in comp.deps), restart=comp.restart_spec,
-                             pid=comp.pid, hold=comp.hold, clean=comp.clean)  # fmt: skip
+                             pid=comp.pid, hold=comp.hold, clean=comp.clean,
+                             ft_unsupported=comp.ft_unsupported if comp.running else None)  # fmt: skip
 
     @property
     def paused(self) -> bool:

@@ -92,7 +92,7 @@ class FakeFtApi:
         return [RankStatus(rank.rank, rank.state, rank.fault_info if rank.state == "unhealthy" else None,  # type: ignore[arg-type]
                            rank.ft_error, rank.last_id if rank.ft_error else None)]  # fmt: skip
 
-    async def retry(self, url: str) -> str:
+    async def retry(self, url: str, timeout_s: float) -> str:
         rank = self._by_url(url)
         self.calls.append(("retry", rank.component))
         request_id = f"req-{next(_IDS)}"

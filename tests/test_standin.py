@@ -595,6 +595,31 @@ async def test_idle_tree_is_small_and_quiet(shared: StandIn) -> None:
     assert pss_mb < 100, f"idle tree PSS {pss_mb:.0f} MB (RSS {rss_mb:.0f} MB)"
 
 
+def test_a_slow_engine_keeps_the_tree_alive_after_sigterm_or_ignores_it(launcher: Launcher) -> None:
+    """VLLM_STANDIN_EXIT_S: the engine (and the API server, which waits for it) runs on that long after a
+    SIGTERM, as an A2 engine freeing its NPUs does; `inf`: the engine ignores SIGTERM, only SIGKILL ends it."""
+    slow = launcher.start(env={"VLLM_STANDIN_EXIT_S": "2"})
+    tree = [slow.api, slow.engine(), *slow.workers()]
+    signalled = time.monotonic()
+    slow.proc.terminate()
+    time.sleep(1.5)
+    assert all(alive(p) for p in tree), "the whole tree runs on during the engine's exit"
+    assert slow.wait_exit(10) == 0
+    took = time.monotonic() - signalled
+    wait_until("the tree gone", lambda: not any(alive(p) for p in tree), 5)
+    assert 2.0 <= took < 5.0, took
+    assert "shutting down in 2s (VLLM_STANDIN_EXIT_S" in slow.output()
+    stubborn = launcher.start(env={"VLLM_STANDIN_EXIT_S": "inf"})
+    engine = stubborn.engine()
+    engine.terminate()
+    stubborn.proc.terminate()
+    time.sleep(2.5)
+    assert alive(engine) and stubborn.proc.poll() is None, "SIGTERM ignored; its API server waits for it"
+    assert "received SIGTERM; ignored (VLLM_STANDIN_EXIT_S=inf)" in stubborn.output()
+    engine.kill()
+    assert stubborn.wait_exit(10) == 0
+
+
 def test_port_is_bound_only_after_the_startup_delay(launcher: Launcher) -> None:
     started = time.monotonic()
     standin = launcher.start(env={"VLLM_STANDIN_STARTUP_DELAY_S": "1.5"}, wait=False)

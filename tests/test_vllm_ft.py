@@ -1,10 +1,12 @@
 """The fault-tolerance client against the stand-in's copy of vLLM 0.32's API: two real rank processes of one
-external-LB group, their faults, `retry` recovering them or failing, and the rule judging what the client read.
+external-LB group, their faults, `retry` recovering them or failing, and the rule judging what the client read;
+and `apply` against a small server with the earlier upstream router's shape (synchronous, its own keys).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from conftest import free_port
 from test_standin import MODEL_PATH, Launcher, StandIn
 from vllm_standin.fault_tolerance import settings_from_argv
@@ -25,6 +28,7 @@ from nodeagent.vllm_ft import (
     FtRejected,
     FtUnreachable,
     apply,
+    apply_body,
     fetch_status,
     parse_status,
     supports_fault_tolerance,
@@ -249,6 +253,10 @@ async def test_apply_errors_are_the_wheels(launcher: Launcher) -> None:
         async with session.post(url, json={"instruction": "retry"}) as resp:
             body = await resp.json()
             assert resp.status == 202 and body["message"].startswith("Request accepted") and body["request_id"]
+        # the wheel's validator reads `instruction` and `params` only: the earlier shape's keys beside them pass
+        async with session.post(url, json=apply_body("retry", 30)) as resp:
+            body = await resp.json()
+            assert resp.status == 202 and body["request_id"]
 
 
 async def test_a_killed_rank_makes_the_survivor_unhealthy_and_the_rule_escalates(launcher: Launcher) -> None:
@@ -284,3 +292,84 @@ async def test_without_the_flag_there_are_no_routes(launcher: Launcher) -> None:
             await fetch_status(session, instance.url)
         with pytest.raises(FtNotServed):
             await apply(session, instance.url, "retry")
+
+
+# ---- the earlier upstream shape ------------------------------------------------------------------------------
+
+
+def test_one_body_carries_both_shapes() -> None:
+    assert apply_body("retry", 29.2) == {"instruction": "retry", "params": {}, "fault_tolerance_instruction": "retry",
+                                         "fault_tolerance_timeout": 30}  # fmt: skip
+    assert apply_body("retry", 0.2)["fault_tolerance_timeout"] == 1, "a positive int, as that router requires"
+
+
+class EarlierRouter:
+    """`POST /fault_tolerance/apply` as vllm-project/vllm had it at 04918f3e
+    (`vllm/entrypoints/serve/fault_tolerance/api_router.py`): both keys required, `pause` or `retry`, a positive
+    int timeout; the instruction runs before the answer — 200 `{"message": "Instruction executed successfully."}`,
+    500 when it fails; FastAPI's `{"detail"}` for errors; no request id."""
+
+    def __init__(self, succeeds: bool = True, takes_s: float = 0.0) -> None:
+        self.succeeds, self.takes_s = succeeds, takes_s
+        self.handled: list[tuple[str, int]] = []
+
+    async def apply(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.text())
+        except ValueError:
+            return web.json_response({"detail": "Invalid JSON format"}, status=400)
+        instruction = body.get("fault_tolerance_instruction")
+        timeout = body.get("fault_tolerance_timeout")
+        if instruction is None or timeout is None:
+            return web.json_response({"detail": "Both 'fault_tolerance_instruction' and 'fault_tolerance_timeout' "
+                                                "are required."}, status=400)  # fmt: skip
+        if not isinstance(instruction, str):
+            return web.json_response({"detail": "'fault_tolerance_instruction' must be a string."}, status=400)
+        if instruction not in ("pause", "retry"):
+            return web.json_response({"detail": "Invalid 'fault_tolerance_instruction' value."}, status=400)
+        if not isinstance(timeout, int) or timeout <= 0:
+            return web.json_response({"detail": "'fault_tolerance_timeout' must be a positive integer."}, status=400)
+        self.handled.append((instruction, timeout))
+        await asyncio.sleep(self.takes_s)
+        if not self.succeeds:
+            return web.json_response({"detail": "Failed to handle fault."}, status=500)
+        return web.json_response({"message": "Instruction executed successfully."})
+
+
+async def serve_earlier(router: EarlierRouter) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/fault_tolerance/apply", router.apply)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_apply_speaks_the_earlier_upstream_shape_too() -> None:
+    router = EarlierRouter(takes_s=1.5)
+    runner, url = await serve_earlier(router)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/fault_tolerance/apply", json={"instruction": "retry", "params": {}}) as r:
+                assert r.status == 400, "the wheel's keys alone are refused there"
+            # done before the answer (1.5 s), past the exchange's own 1 s: the instruction's timeout bounds it too
+            assert await apply(session, url, "retry", timeout_s=1.0, instruction_timeout_s=20) == ""
+            assert router.handled == [("retry", 20)]
+            router.succeeds, router.takes_s = False, 0.0
+            with pytest.raises(FtRejected, match=r"500 Failed to handle fault\."):
+                await apply(session, url, "retry", instruction_timeout_s=20)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_retry_accepted_without_an_id_is_judged_by_the_statuses() -> None:
+    """The earlier shape's 200 carries no id: the attempt records the rank as having accepted, and the rule
+    judges it by the statuses as ever (recovered when all are healthy, timed out past its deadline)."""
+    decision = Instruct((0, 1), "retry", 10.0)
+    attempt = attempt_for(decision, 100.0, {0: "", 1: ""})
+    unhealthy = {r: RankStatus(r, "unhealthy", "RuntimeError") for r in (0, 1)}
+    assert decide(situation(unhealthy, 105.0, attempt=attempt)).__class__.__name__ == "WaitRetry"
+    healthy = {r: RankStatus(r, "healthy") for r in (0, 1)}
+    assert decide(situation(healthy, 106.0, attempt=attempt)) == Recovered(attempt)
+    assert decide(situation(unhealthy, 110.0, attempt=attempt)) == Escalate("retry timed out after 10 s")

@@ -12,7 +12,7 @@ from nodeagent.cli.common import EXIT_CONFIG, EXIT_UNKNOWN, CliError
 
 def cmd_render(args: argparse.Namespace) -> int:
     from nodeagent.launcher import base_environment
-    from nodeagent.render import render_component
+    from nodeagent.vllm_install import launch_spec
 
     config = full_config(args, args.node)
     if args.component == "container" and "container" not in config.components:
@@ -25,7 +25,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         where = f"node {config.node.name} has" if config.cluster.nodes else "config has"
         raise CliError(f"unknown component {args.component!r} ({where}: {known})", EXIT_UNKNOWN)
     base = base_environment(os.environ)
-    specs = [render_component(name, config, base) for name in names]
+    # as the agent launches them: vLLM's fault-tolerance flags only for a vLLM installed here that takes them
+    specs = [launch_spec(name, config, base) for name in names]
     if args.json:
         out = [{"component": s.component, "kind": s.kind, "argv": list(s.argv), "env": s.env,
                 "unset": list(s.unset), "cwd": str(s.cwd), "daemonizes": s.daemonizes,

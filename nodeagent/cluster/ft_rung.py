@@ -9,7 +9,8 @@ decides with the pure `ft_rules.decide`, sends `retry` to this node's ranks (the
 theirs) and follows it until every rank is `healthy` again or the timeout — and only then asks the group's new
 generation from the coordinator, through which the gang restart runs as for any other rank failure. A retry that
 fails or times out escalates at once; a rank whose process is gone goes straight to the gang restart (the
-coordinator's `decide`; this layer only notes the skipped rung); a vLLM without the routes (404) is said once.
+coordinator's `decide`; this layer only notes the skipped rung); a vLLM that cannot do it is said once — known at
+the launch from its version (`ComponentView.ft_unsupported`: the flags were not rendered), or from a 404.
 
 It is a `NodeLayer` of its own, attached before the coordinator so that it sees every rank failure: it never
 holds a start and never takes a failure over. What happened at each rung is in its /status section
@@ -83,8 +84,8 @@ class FtClient(Protocol):
     async def status(self, url: str) -> list[RankStatus]:
         """The rank's engines; raises `vllm_ft.FtError` (FtNotServed on a 404)."""
 
-    async def retry(self, url: str) -> str:
-        """Send `retry`; the request id vLLM answered with."""
+    async def retry(self, url: str, timeout_s: float) -> str:
+        """Send `retry` (to be done within `timeout_s`); the request id vLLM answered with ("" if none)."""
 
     async def close(self) -> None: ...
 
@@ -103,8 +104,8 @@ class HttpFtClient:
     async def status(self, url: str) -> list[RankStatus]:
         return await vllm_ft.fetch_status(self._get(), url)
 
-    async def retry(self, url: str) -> str:
-        return await vllm_ft.apply(self._get(), url, "retry")
+    async def retry(self, url: str, timeout_s: float) -> str:
+        return await vllm_ft.apply(self._get(), url, "retry", instruction_timeout_s=timeout_s)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -210,11 +211,20 @@ class FtRung:
             if g.in_episode:
                 self._close(g, "superseded", f"the gang restart took over (generation {gs.acted})")
             g.pids, g.generation, g.statuses = pids, gs.acted, {}
-        if g.escalated is not None or not all(here[r.component].up for r in g.ranks):
-            return  # waiting for the generation asked, or a rank not serving yet (its route refuses until ready)
+            if g.supported is False:
+                g.supported = None  # new processes, maybe of another vLLM: learned again (said only once)
+        if g.escalated is not None:
+            return  # waiting for the generation asked
+        # known from the launch: the installed vLLM cannot take the flags, so they were not rendered
+        told = next((here[r.component].ft_unsupported for r in g.ranks if here[r.component].ft_unsupported), None)
+        if told is not None:
+            g.supported, g.reason = False, told
+        elif not all(here[r.component].up for r in g.ranks):
+            return  # a rank not serving yet (its route refuses until ready)
         if g.supported is False and g.unsupported_said:
             return
-        await self._read(g)
+        if told is None:
+            await self._read(g)
         if self.coordinator.gangs[g.name].acted != g.generation:
             return  # the group moved on while the ranks were read (a peer escalated): the next step closes it
         situation = ft_rules.FtSituation(
@@ -291,7 +301,7 @@ class FtRung:
 
     async def _instruct(self, g: FtGroup, decision: ft_rules.Instruct, now: float) -> None:
         urls = {r.rank: r.url for r in g.ranks}
-        sent = await asyncio.gather(*(self._send(urls[rank]) for rank in decision.ranks))
+        sent = await asyncio.gather(*(self._send(urls[rank], decision.timeout_s) for rank in decision.ranks))
         ids = {rank: rid for rank, rid in zip(decision.ranks, sent, strict=True) if not rid.startswith("!")}
         errors = [f"rank {rank}: {rid[1:]}" for rank, rid in zip(decision.ranks, sent, strict=True)
                   if rid.startswith("!")]  # fmt: skip
@@ -304,10 +314,10 @@ class FtRung:
         self.port.emit("ft_retry", f"group {g.name}: {detail}", self._first_bad(g), "warning", group=g.name,
                        request_ids={str(k): v for k, v in ids.items()}, timeout_s=decision.timeout_s)  # fmt: skip
 
-    async def _send(self, url: str) -> str:
-        """The request id, or `!` and why the rank did not take the retry."""
+    async def _send(self, url: str, timeout_s: float) -> str:
+        """The request id ("" when the server gives none), or `!` and why the rank did not take the retry."""
         try:
-            return await self.client.retry(url)
+            return await self.client.retry(url, timeout_s)
         except vllm_ft.FtError as exc:
             return f"!{exc}"
 

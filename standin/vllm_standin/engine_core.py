@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -52,6 +53,9 @@ class EngineConfig:
     prefix_caching: bool = True
     startup_delay_s: float = 2.0
     orphan_exit_s: float | None = None
+    exit_s: float = 0.0
+    """After SIGTERM, how long it runs on before it shuts down (an A2 engine freeing its NPUs takes up to ~50 s);
+    inf: it ignores SIGTERM (vLLM's EngineCore did once: only SIGKILL ends it)."""
     block_size: int = 16
     local_blocks: int = 256
     external_blocks: int = 16384
@@ -69,6 +73,7 @@ class EngineConfig:
             prefix_caching=bool(data.get("prefix_caching", True)),
             startup_delay_s=max(0.0, env_float("VLLM_STANDIN_STARTUP_DELAY_S", 2.0) or 0.0),
             orphan_exit_s=env_float("VLLM_STANDIN_ORPHAN_EXIT_S", None),
+            exit_s=max(0.0, env_float("VLLM_STANDIN_EXIT_S", 0.0) or 0.0),
             block_size=max(1, env_int("VLLM_STANDIN_BLOCK_SIZE", 16)),
             local_blocks=max(0, env_int("VLLM_STANDIN_LOCAL_BLOCKS", 256)),
             external_blocks=max(0, env_int("VLLM_STANDIN_EXTERNAL_BLOCKS", 16384)),
@@ -179,6 +184,7 @@ class Engine:
         self._crash_reason: str | None = None
         self._crashing = False
         self._ppid = os.getppid()
+        self._exit_timer: asyncio.TimerHandle | None = None
         self._local_stats = [0, 0, 0]
         self._external_stats = [0, 0, 0]
         self._last_gauges: tuple[int, int, float] | None = None
@@ -231,8 +237,17 @@ class Engine:
         return 0
 
     def _on_signal(self, sig: int) -> None:
-        log(PROC, "core.py:874", f"EngineCore received {signal.Signals(sig).name}; shutting down")
-        self.stop.set()
+        name, exit_s = signal.Signals(sig).name, self.cfg.exit_s
+        if math.isinf(exit_s):
+            log(PROC, "core.py:874", f"EngineCore received {name}; ignored (VLLM_STANDIN_EXIT_S=inf)", "WARNING")
+        elif exit_s > 0:
+            if self._exit_timer is None:
+                log(PROC, "core.py:874", f"EngineCore received {name}; shutting down in {exit_s:g}s "
+                    "(VLLM_STANDIN_EXIT_S: freeing the devices)")  # fmt: skip
+                self._exit_timer = asyncio.get_running_loop().call_later(exit_s, self.stop.set)
+        else:
+            log(PROC, "core.py:874", f"EngineCore received {name}; shutting down")
+            self.stop.set()
 
     async def _await_workers_ready(self) -> None:
         loop = asyncio.get_running_loop()

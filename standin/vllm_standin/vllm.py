@@ -11,6 +11,8 @@ max_tokens returns where its KV can be pulled from; a consumer logs the remote p
 Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
 --tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `kv_fail`,
 `crash_after:N`), VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
+VLLM_STANDIN_EXIT_S (0: how long the engine, and so the API server, runs on after a SIGTERM — an A2 engine freeing
+its NPUs takes up to ~50 s; `inf`: the engine ignores SIGTERM and only SIGKILL ends the tree),
 VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing for NPU memory),
 VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
 blocks = no KV connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -544,15 +547,18 @@ class EngineClient:
                 self.send({"t": "abort", "id": rid})
 
     async def shutdown(self) -> None:
-        """SIGTERM the engine (it stops its workers), SIGKILL it if it has not gone within 1.5 s."""
+        """SIGTERM the engine (it stops its workers), SIGKILL it if it has not gone within 1.5 s (plus the time
+        VLLM_STANDIN_EXIT_S gives it; forever when it ignores SIGTERM: then only the agent's SIGKILL ends it)."""
         if self._writer is not None:
             self._writer.close()
         proc = self.proc
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
+            exit_s = max(0.0, env_float("VLLM_STANDIN_EXIT_S", 0.0) or 0.0)
             try:
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=1.5)
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]),
+                                       timeout=None if math.isinf(exit_s) else 1.5 + exit_s)  # fmt: skip
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
