@@ -210,7 +210,7 @@ def _health(fake: FakeAscend) -> dict[int, str]:
 
 
 def test_fake_npu_smi_reset_clears_the_fault_of_every_chip(tmp_path: Path) -> None:
-    fake = FakeAscend(tmp_path, "alarm-then-reset")
+    fake = FakeAscend(tmp_path, "doc-alarm-then-reset")
     assert _health(fake)[3] == "Alarm"
     done = _reset(fake, 3)
     assert done.returncode == 0, done.stdout

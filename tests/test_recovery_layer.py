@@ -205,7 +205,7 @@ def test_the_fake_npu_smi_reset_answers_through_the_facade(tmp_path: Path) -> No
     from nodeagent.ladder import reset_command
     from nodeagent.npu import NpuToolError
 
-    fake = FakeAscend(tmp_path, "alarm-then-reset")
+    fake = FakeAscend(tmp_path, "doc-alarm-then-reset")
     tools = fake.tools()
     out = asyncio.run(tools.reset(reset_command(3)))
     assert "Reset card successfully." in out

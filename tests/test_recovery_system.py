@@ -26,7 +26,7 @@ pytestmark = pytest.mark.system
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[LocalAgent, FakeAscend]]:
-    fake = FakeAscend(tmp_path / "ascend", "healthy-a2")
+    fake = FakeAscend(tmp_path / "ascend", "doc-healthy-a2")
     home = tmp_path / "home"
     config = {
         "node": {"name": "a2", "npus": 8,
@@ -83,7 +83,7 @@ def test_a_chip_reset_that_works_then_isolation_past_the_budget_until_uncordon(
     first = vllm_pid(agent)
 
     # one rung that works: an Alarm (RestartNPU) on chips 3 and 6, which the reset clears
-    fake.set("alarm-then-reset")
+    fake.set("doc-alarm-then-reset")
     wait_for("the reset done", lambda: (steps := api_status(agent)["recovery"]["steps"]) and steps[-1]["step"] ==
              "start", 60, 0.3)  # fmt: skip
     recovery = api_status(agent)["recovery"]
@@ -116,7 +116,7 @@ def test_a_chip_reset_that_works_then_isolation_past_the_budget_until_uncordon(
              lambda: len(list((agent.state_dir / "postmortem" / "node").glob("*.tar.gz"))) == 2, 20, 0.2)
 
     # the operator: the chip replaced / healthy again, uncordon → vLLM starts
-    fake.set("healthy-a2")
+    fake.set("doc-healthy-a2")
     out = ctl(agent, "uncordon")
     assert out.returncode == 0 and "uncordon: the node is back" in out.stdout, (out.stdout, out.stderr)
     agent.wait_states({"vllm": {"ready"}}, 60)
