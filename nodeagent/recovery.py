@@ -225,8 +225,9 @@ class NodeRecovery:
                 if c.npu not in busy and c.hbm_used_mb is not None and c.health == "OK"}  # fmt: skip
         lowered = lower_baseline(idle, self.baseline)
         if lowered != self.baseline:
-            self.baseline = lowered
-            write_baseline(self.baseline_file, lowered)
+            # merged with the file: the clean-slate wait writes it too, for chips this loop has not seen idle
+            self.baseline = lower_baseline(read_baseline(self.baseline_file), lowered)
+            write_baseline(self.baseline_file, self.baseline)
 
     # ---- a chip reset -----------------------------------------------------------------------------------------
     async def reset(self, action: ChipReset) -> bool:
