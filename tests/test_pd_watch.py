@@ -132,14 +132,19 @@ PROXY_PORT = 42000
 """tests/cluster_fakes.py's proxy."""
 
 
-@pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[World]:
-    w = World(tmp_path / "w", ["n0", "n1", "n2"], GROUPS, proxy=True)
+async def pd_world(folder: Path, groups: list[dict[str, Any]]) -> AsyncIterator[World]:
+    w = World(folder, ["n0", "n1", "n2"], groups, proxy=True)
     w.start()
     await w.until("every component up", w.all_up, within=120)
     await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready)
     yield w
     await w.close()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    async for w in pd_world(tmp_path / "w", GROUPS):
+        yield w
 
 
 @pytest.mark.parametrize("empty", [True, False])
@@ -172,12 +177,8 @@ GROUPS_DP = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", 
 
 @pytest.fixture
 async def world_dp(tmp_path: Path) -> AsyncIterator[World]:
-    w = World(tmp_path / "w", ["n0", "n1", "n2"], GROUPS_DP, proxy=True)
-    w.start()
-    await w.until("every component up", w.all_up, within=120)
-    await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready)
-    yield w
-    await w.close()
+    async for w in pd_world(tmp_path / "w", GROUPS_DP):
+        yield w
 
 
 def d0_starts(world: World) -> list[int]:
