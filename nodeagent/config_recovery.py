@@ -17,11 +17,13 @@ class PdWatchConfig(Strict):
     enabled: bool = True
     """Run the PD watches (empty answers, prefill KV while decode is down, KV transfer failures per pair)."""
     probe_period_s: Annotated[float, Meta(gt=0)] = 30.0
-    """How often each prefill→decode pair is probed end to end with a 2-token request (vllm-ascend #13140)."""
+    """One round: every decode instance probed end to end (prefill → it) with a 2-token request, then the same
+    request through the proxy, spread evenly over the period (vllm-ascend #13140)."""
     probe_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """How long one probe request (prefill, then decode) may take."""
     empty_after: Annotated[int, Meta(ge=1)] = 2
-    """Empty (or tokenless) 200 answers in a row from one decode instance before it is removed and restarted."""
+    """Answers in a row without the 2 tokens asked (an error, an empty or tokenless 200, a short answer) from one
+    decode instance before its group is removed and restarted."""
     kv_usage_threshold: Annotated[float, Meta(gt=0, le=1)] = 0.9
     """While a decode group is down: a prefill group whose `vllm:kv_cache_usage_perc` passes this restarts
     (vllm-ascend #13240: prefill never frees KV blocks a dead decoder would have pulled)."""

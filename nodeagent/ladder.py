@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.npu_health import Fault, Level
+from nodeagent.portlint import format_ranges, merge_ranges
 
 RESET_AT_ONCE = (Level.FreeRestartNPU, Level.RestartNPU)
 RESET_AFTER_LASTING = (Level.RestartRequest, Level.RestartBusiness)
@@ -282,7 +283,25 @@ def verify_after_reset(health: dict[int, str], hbm_used_mb: dict[int, int], poli
             if c in baseline_mb and c in hbm_used_mb and hbm_used_mb[c] > baseline_mb[c] + margin_mb]  # fmt: skip
     if high:
         return False, "; ".join(high)
-    return True, "all chips OK, HBM at baseline"
+    unknown = [c for c in domain if c not in baseline_mb]
+    unread = [c for c in domain if c in baseline_mb and c not in hbm_used_mb]
+    if not unknown and not unread:
+        return True, "all chips OK, HBM at baseline"
+    # passed on health alone: the record says which HBM was not judged, and why
+    why = []
+    if unknown:
+        why.append(f"no idle baseline known for npu {_chips(unknown)} (never seen idle: not by this agent, not by a "
+                   "clean-slate wait before a vLLM start)")
+    if unread:
+        why.append(f"npu-smi gave no HBM use for npu {_chips(unread)}")
+    checked = [c for c in domain if c not in unknown and c not in unread]
+    at = f"HBM at baseline on npu {_chips(checked)}; " if checked else ""
+    return True, f"all chips OK; {at}HBM NOT CHECKED: " + "; ".join(why)
+
+
+
+def _chips(chips: Sequence[int]) -> str:
+    return format_ranges(merge_ranges((c, c) for c in chips))
 
 
 # ------------------------------------------------------------------------------------ persistence, detection

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.hbm_baseline import baseline_path, lower_baseline, read_baseline, write_baseline
 from nodeagent.host import Clock
 from nodeagent.ladder import (
     ChipReset,
@@ -106,8 +107,10 @@ class NodeRecovery:
         """The last reset's steps with their outcomes (status, post-mortem)."""
         self.unverified: Fault | None = None
         """A reset that did not bring the chips back: a fault the ladder judges again (reset or isolate)."""
-        self.baseline: dict[int, int] = {}
-        """Each chip's lowest HBM use seen with no process on it: the verify step's reference."""
+        self.baseline_file = baseline_path(config.agent.state_dir)
+        self.baseline: dict[int, int] = read_baseline(self.baseline_file)
+        """Each chip's lowest HBM use seen with no process on it: the verify step's reference. Kept on disk with
+        the clean-slate wait's (`hbm_baseline`): an agent that adopted running ranks never sees the chips idle."""
         self.resets_total = 0
         self._seen_redeploy = max((r.at for r in self.state.redeploys), default=0.0)
         self._skipped_for: str | None = None
@@ -218,9 +221,13 @@ class NodeRecovery:
         if snap is None or snap.info is None:
             return
         busy = {p.npu for p in snap.info.processes}
-        for chip in snap.info.chips:
-            if chip.npu not in busy and chip.hbm_used_mb is not None and chip.health == "OK":
-                self.baseline[chip.npu] = min(self.baseline.get(chip.npu, chip.hbm_used_mb), chip.hbm_used_mb)
+        idle = {c.npu: c.hbm_used_mb for c in snap.info.chips
+                if c.npu not in busy and c.hbm_used_mb is not None and c.health == "OK"}  # fmt: skip
+        lowered = lower_baseline(idle, self.baseline)
+        if lowered != self.baseline:
+            # merged with the file: the clean-slate wait writes it too, for chips this loop has not seen idle
+            self.baseline = lower_baseline(read_baseline(self.baseline_file), lowered)
+            write_baseline(self.baseline_file, self.baseline)
 
     # ---- a chip reset -----------------------------------------------------------------------------------------
     async def reset(self, action: ChipReset) -> bool:
@@ -234,6 +241,8 @@ class NodeRecovery:
         self.port.emit("npu_reset", f"chip reset of npu {', '.join(map(str, action.chips))}: {action.reason} "
                        "(a reset on A2 resets all eight: the node's groups drain)", None, "critical",
                        chips=list(action.chips))  # fmt: skip
+        # the clean-slate waits before vLLM starts may have seen the chips idle since: theirs counts too
+        self.baseline = lower_baseline(read_baseline(self.baseline_file), self.baseline)
         plan = reset_plan(action, self.groups, self.users, self.state.policy, self.baseline)
         verified, detail, checked = False, "", ""
         for step in plan:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import errno
 import fnmatch
-import json
 import os
 import re
 import shutil
@@ -34,6 +33,7 @@ from typing import Any
 import psutil
 from loguru import logger
 
+from nodeagent.hbm_baseline import lower_baseline, read_baseline, write_baseline
 from nodeagent.npu import NpuToolError, NpuTools, describe_process
 from nodeagent.pathsafety import (
     check_deletable,
@@ -55,7 +55,6 @@ from nodeagent.residue_plan import (  # the plan's names are this module's API t
     WaitPortsFree,
     _joined,
     hbm_dirty,
-    lower_baseline,
     match_reason,
 )
 
@@ -416,7 +415,7 @@ async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
     tools = NpuTools.locate(action.npu_smi)
     if tools.missing is not None:
         return True, f"skipped: {tools.missing}", False
-    baseline = _read_baseline(action.baseline_file)
+    baseline = read_baseline(action.baseline_file)
     deadline = time.monotonic() + action.timeout_s
     while True:
         try:
@@ -430,7 +429,7 @@ async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
             used = {c.npu: c.hbm_used_mb for c in info.chips if c.hbm_used_mb is not None and _ours(action, c.npu)}
             dirty = hbm_dirty(used, baseline, action.tolerance_mb)
             if not dirty:
-                _write_baseline(action.baseline_file, lower_baseline(used, baseline))
+                write_baseline(action.baseline_file, lower_baseline(used, baseline))
                 return True, "clean slate: no process on the NPUs, HBM at idle", False
         if time.monotonic() >= deadline:
             if failure is not None:
@@ -440,24 +439,6 @@ async def _wait_devices_free(action: WaitDevicesFree) -> tuple[bool, str, bool]:
                 return False, f"still held after {action.timeout_s:g}s: {held}", True
             return False, f"HBM not back to idle after {action.timeout_s:g}s: {'; '.join(dirty)}", False
         await asyncio.sleep(2.0)
-
-
-def _read_baseline(path: Path | None) -> dict[int, int]:
-    if path is None:
-        return {}
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return {int(k): int(v) for k, v in json.loads(path.read_text()).items()}
-    return {}
-
-
-def _write_baseline(path: Path | None, baseline: dict[int, int]) -> None:
-    if path is None or baseline == _read_baseline(path):
-        return
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({str(k): v for k, v in sorted(baseline.items())}))
-        os.replace(tmp, path)
 
 
 def _in_use(folder: Path) -> tuple[set[str], set[int]]:

@@ -21,6 +21,7 @@ from nodeagent.config_model import (
     VllmComponent,
 )
 from nodeagent.errors import AgentError
+from nodeagent.hbm_baseline import baseline_path
 from nodeagent.render import component_dir, component_tmpdir, worker_address
 
 Scope = Literal["start", "redeploy", "failure"]
@@ -231,14 +232,6 @@ def hbm_dirty(used: Mapping[int, int], baseline: Mapping[int, int], tolerance_mb
             for npu, mb in sorted(used.items()) if npu in baseline and mb > baseline[npu] + tolerance_mb]
 
 
-def lower_baseline(used: Mapping[int, int], baseline: Mapping[int, int]) -> dict[int, int]:
-    """The idle baseline after seeing `used` with no process on the chips: the lowest usage yet."""
-    merged = dict(baseline)
-    for npu, mb in used.items():
-        merged[npu] = min(mb, merged.get(npu, mb))
-    return merged
-
-
 def own_log_files(name: str, comp: Any, config: Config) -> list[Path]:
     """Logs a component writes itself, beside its output: the datasystem worker's real logs (dscli prints three
     lines; the worker's stderr is a dead pipe once dscli exits)."""
@@ -342,7 +335,7 @@ def plan_start_cleanup(
             ]
     elif isinstance(component, VllmComponent):
         # Killed runs leave 160-250 MB psm_* segments each, and device memory frees only slowly.
-        baseline = config.agent.state_dir / "npu-hbm-baseline.json"
+        baseline = baseline_path(config.agent.state_dir)
         devices = tuple(component.visible_devices) if component.visible_devices is not None else None
         actions += [WaitDevicesFree(component.clean_slate_timeout_s, baseline, component.hbm_idle_tolerance_mb,
                                     devices, config.node.npu_health.npu_smi), RemoveShmSegments()]  # fmt: skip

@@ -17,7 +17,7 @@ SCENARIOS = FIXTURES / "scenarios"
 class FakeAscend:
     """A scenario file and its call counters under `folder`; `tools()` is a facade pointed at the fakes."""
 
-    def __init__(self, folder: Path, scenario: str | dict[str, Any] = "healthy-a2") -> None:
+    def __init__(self, folder: Path, scenario: str | dict[str, Any] = "doc-healthy-a2") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "scenario.json"
         self.state = folder / "calls"

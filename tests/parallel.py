@@ -82,9 +82,10 @@ def locked(path: Path) -> Iterator[IO[str]]:
         yield handle
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
     """A port the OS says is free now and that no process of this run was given before: the kernel may offer one
-    port twice in a row once its socket is closed, to one worker or to two (two listeners must never share one)."""
+    port twice in a row once its socket is closed, to one worker or to two (two listeners must never share one).
+    `count` > 1: the first of that many consecutive such ports (external DP ranks listen on port + local index)."""
     with locked(run_dir() / "ports") as given_file:
         given_file.seek(0)
         given = {int(word) for word in given_file.read().split()}
@@ -92,10 +93,20 @@ def free_port() -> int:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
-            if port not in given:
-                given_file.write(f"{port}\n")
+            block = range(port, port + count)
+            if block[-1] <= 65535 and not given.intersection(block) and all(_bindable(p) for p in block[1:]):
+                given_file.write("".join(f"{p}\n" for p in block))
                 given_file.flush()
                 return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def group_of(item: pytest.Item) -> str | None:

@@ -326,6 +326,26 @@ def test_status_wide_shows_note_and_last_exit_whole() -> None:
     assert cut.splitlines()[:2] == wide.splitlines()[:2]
 
 
+def test_status_heads_with_an_isolation_or_a_chip_reset() -> None:
+    """The node-wide states of the ladder come first, under the node's line — not only in a component's NOTE."""
+    from nodeagent.cli.status import format_status
+
+    base = {"node": {"name": "a2-3"}, "agent": {}, "components": {"vllm": {"state": "stopped", "held": "x"}}}
+    assert format_status(base, now=0).splitlines()[1] == "", "nothing to say: no line"
+    isolated = {**base, "isolated": "npu 5 health Critical (SeparateNPU: never reset)", "paused": True}
+    lines = format_status(isolated, now=0).splitlines()
+    assert lines[1] == ("ISOLATED: npu 5 health Critical (SeparateNPU: never reset) — its NPU users stay stopped "
+                        "until `nodeagentctl uncordon`")
+    assert lines[2] == "PAUSED (no automatic restarts)", "before every other flag"
+    rung = {"step": "settle", "why": "npu 3 health Alarm (RestartNPU)", "at": 1.0, "chips": [3]}
+    lines = format_status({**base, "recovery": {"rung": rung}}, now=0).splitlines()
+    assert lines[1] == ("CHIP RESET IN PROGRESS of npu 3 (step settle): npu 3 health Alarm (RestartNPU) — every NPU "
+                        "user here is stopped, its groups drained")
+    failed = {**rung, "step": "failed", "why": "chip reset failed at verify: npu 3 Alarm after the reset"}
+    assert format_status({**base, "recovery": {"rung": failed}}, now=0).splitlines()[1].startswith(
+        "CHIP RESET FAILED of npu 3: chip reset failed at verify")
+
+
 class ClusterOf:
     """The local agent's GET /cluster answer, as `nodeagentctl --node N status` reads it."""
 

@@ -1,8 +1,8 @@
 """The container's lifecycle decisions (nodeagent.container_plan), without an engine: inspect states in, steps out.
 
-tests/fixtures/podman_inspect_{running,exited}.json are real `podman inspect` output captured on the build machine
-(podman 4.3.1, runc) of a container made by the guide's run line, before and after `podman kill`;
-docker_api_inspect_*.json the same through the docker CLI 28.2.2 against podman's docker-compatible API
+tests/fixtures/captured-podman_inspect_{running,exited}.json are real `podman inspect` output captured on the build
+machine (podman 4.3.1, runc) of a container made by the guide's run line, before and after `podman kill`;
+captured-docker_api_inspect_*.json the same through the docker CLI 28.2.2 against podman's docker-compatible API
 (`podman system service`): docker's schema as podman renders it, not a Docker daemon's own output.
 """
 
@@ -54,10 +54,10 @@ def plan(state: ContainerState | None, rec: ContainerRecord | None, fp: str = FP
 
 
 def test_parse_real_podman_inspect() -> None:
-    up = parse_inspect((FIXTURES / "podman_inspect_running.json").read_text())
+    up = parse_inspect((FIXTURES / "captured-podman_inspect_running.json").read_text())
     assert up is not None and up.running and up.status == "running" and up.pid and up.image == IMAGE
     assert up.name == "probe1" and up.started_at and up.describe() == "running"
-    down = parse_inspect((FIXTURES / "podman_inspect_exited.json").read_text())
+    down = parse_inspect((FIXTURES / "captured-podman_inspect_exited.json").read_text())
     assert down is not None and not down.running and down.pid is None and down.id == up.id
     assert (down.status, down.exit_code, down.describe()) == ("exited", 137, "exited with code 137")
     assert parse_inspect("[]") is None
@@ -68,8 +68,8 @@ def test_parse_real_podman_inspect() -> None:
 
 
 def test_parse_docker_cli_inspect() -> None:
-    up = parse_inspect((FIXTURES / "docker_api_inspect_running.json").read_text())
-    down = parse_inspect((FIXTURES / "docker_api_inspect_exited.json").read_text())
+    up = parse_inspect((FIXTURES / "captured-docker_api_inspect_running.json").read_text())
+    down = parse_inspect((FIXTURES / "captured-docker_api_inspect_exited.json").read_text())
     assert up is not None and up.running and up.name == "d1" and up.image.startswith("localhost/dsv4-agent-test:")
     assert down is not None and down.describe() == "exited with code 137" and down.id == up.id
 
@@ -206,5 +206,5 @@ def test_event_lines() -> None:
 
 
 def test_never_is_none() -> None:
-    up = parse_inspect((FIXTURES / "podman_inspect_running.json").read_text())
+    up = parse_inspect((FIXTURES / "captured-podman_inspect_running.json").read_text())
     assert up is not None and up.finished_at is None

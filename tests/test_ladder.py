@@ -196,6 +196,21 @@ def test_verify_after_reset() -> None:
     assert not verify_after_reset(ok, {**base, 2: 60000}, policy, base)[0], "HBM still held"
 
 
+def test_verify_says_when_it_could_not_judge_the_hbm() -> None:
+    """No idle baseline (an agent that adopted running ranks never saw the chips idle): health alone passes the
+    step, and its record says the HBM was not checked and for which chips — never a silent `at baseline`."""
+    policy = LadderPolicy()
+    ok = dict.fromkeys(range(8), "OK")
+    used = dict.fromkeys(range(8), 60000)
+    passed, detail = verify_after_reset(ok, used, policy, {})
+    assert passed and detail.startswith("all chips OK; HBM NOT CHECKED: no idle baseline known for npu 0-7"), detail
+    partial = {c: 3162 for c in range(8) if c != 3}
+    passed, detail = verify_after_reset(ok, {c: 3162 for c in range(8) if c != 5}, policy, partial)
+    assert passed and "HBM at baseline on npu 0-2,4,6-7" in detail, detail
+    assert "no idle baseline known for npu 3" in detail and "npu-smi gave no HBM use for npu 5" in detail
+    assert not verify_after_reset(ok, {**dict.fromkeys(range(8), 3162), 2: 60000}, policy, partial)[0]
+
+
 # ------------------------------------------------------------------------------ the fake npu-smi reset
 
 
@@ -210,7 +225,7 @@ def _health(fake: FakeAscend) -> dict[int, str]:
 
 
 def test_fake_npu_smi_reset_clears_the_fault_of_every_chip(tmp_path: Path) -> None:
-    fake = FakeAscend(tmp_path, "alarm-then-reset")
+    fake = FakeAscend(tmp_path, "doc-alarm-then-reset")
     assert _health(fake)[3] == "Alarm"
     done = _reset(fake, 3)
     assert done.returncode == 0, done.stdout

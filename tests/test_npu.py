@@ -151,7 +151,7 @@ async def test_healthy_a2_snapshot_from_the_fakes(tmp_path: Path) -> None:
 
 
 async def test_sick_chip_gets_its_error_codes_and_a_failing_tool_is_an_error(tmp_path: Path) -> None:
-    fake = FakeAscend(tmp_path, "critical-chip")
+    fake = FakeAscend(tmp_path, "doc-critical-chip")
     snap = await fake.tools(roce=False).snapshot()
     assert snap.info is not None and snap.info.chips[3].health == "Critical"
     assert snap.health[3].error_codes == ("80E01801",) and not snap.roce_checked and snap.links == {}

@@ -181,8 +181,9 @@ async def test_the_fake_scenarios_through_the_facade(tmp_path: Path) -> None:
     """Each preset scenario, polled 5 s apart on a fake clock, gives the verdict the issue asks for."""
     verdicts = {}
     # name: (polls, check RoCE links, read ECC)
-    plan = {"healthy-a2": (2, True, True), "critical-chip": (1, False, False), "link-flap-10s": (5, True, False),
-            "link-down": (7, True, False), "foreign-process": (1, False, False), "ecc-rising": (5, False, True)}
+    plan = {"doc-healthy-a2": (2, True, True), "doc-critical-chip": (1, False, False),
+            "doc-link-flap-10s": (5, True, False), "doc-link-down": (7, True, False),
+            "doc-foreign-process": (1, False, False), "doc-ecc-rising": (5, False, True)}
     for name, (polls, roce, ecc) in plan.items():
         fake = FakeAscend(tmp_path / name, name)
         tools, ev = fake.tools(roce=roce), evaluator()
@@ -190,9 +191,10 @@ async def test_the_fake_scenarios_through_the_facade(tmp_path: Path) -> None:
             shot = await tools.snapshot(detail=ecc)
             ev.observe(shot, ours=set(), now=T0 + 5 * step)
         verdicts[name] = (ev.start_decision().reasons, [f.what for f in ev.faults])
-    assert verdicts["healthy-a2"] == ((), [])
-    assert verdicts["critical-chip"][0] == ("npu 3 health Critical (error code 80E01801: HBM multi-bit ECC error)",)
-    assert verdicts["link-flap-10s"] == ((), [])
-    assert verdicts["link-down"][0] == ("npu 5 RoCE link down for 25s",)
-    assert verdicts["foreign-process"][0] == ("npu 4 held by pid 1 python3 (30210 MB), not ours",)
-    assert verdicts["ecc-rising"][0] == ("npu 2 HBM double-bit ECC errors rose 2 times within 24 h (now 2)",)
+    assert verdicts["doc-healthy-a2"] == ((), [])
+    assert verdicts["doc-critical-chip"][0] == (
+        "npu 3 health Critical (error code 80E01801: HBM multi-bit ECC error)",)
+    assert verdicts["doc-link-flap-10s"] == ((), [])
+    assert verdicts["doc-link-down"][0] == ("npu 5 RoCE link down for 25s",)
+    assert verdicts["doc-foreign-process"][0] == ("npu 4 held by pid 1 python3 (30210 MB), not ours",)
+    assert verdicts["doc-ecc-rising"][0] == ("npu 2 HBM double-bit ECC errors rose 2 times within 24 h (now 2)",)

@@ -41,7 +41,7 @@ def monitor(fake: FakeAscend, clock: Clock, events: EventBus | None = None, ours
 
 
 async def test_fault_holds_start_emits_events_and_clears(tmp_path: Path) -> None:
-    fake, clock, bus = FakeAscend(tmp_path, "critical-chip"), Clock(), EventBus()
+    fake, clock, bus = FakeAscend(tmp_path, "doc-critical-chip"), Clock(), EventBus()
     mon = monitor(fake, clock, bus)
     decision = await mon.may_start_vllm()
     assert not decision.allowed and decision.reasons[0].startswith("npu 3 health Critical")
@@ -54,7 +54,7 @@ async def test_fault_holds_start_emits_events_and_clears(tmp_path: Path) -> None
     await mon.may_start_vllm()
     assert mon.polls == polls, "younger than a period: no new poll"
 
-    fake.set("healthy-a2")
+    fake.set("doc-healthy-a2")
     clock.now += 10
     assert (await mon.may_start_vllm()).allowed
     assert [e.event for e in bus.recent][-1] == "npu_fault_cleared"
@@ -69,7 +69,7 @@ async def test_fault_holds_start_emits_events_and_clears(tmp_path: Path) -> None
 async def test_a_poll_begun_after_the_call_never_answers_with_a_reading_from_before(tmp_path: Path) -> None:
     """An uncordon judges the chips as they are now: a poll already under way read them before the operator fixed
     them. A plain poll shares it (one npu-smi at a time); `begun_after_call` waits it out and reads again."""
-    fake, clock = FakeAscend(tmp_path, "critical-chip"), Clock()
+    fake, clock = FakeAscend(tmp_path, "doc-critical-chip"), Clock()
     mon = monitor(fake, clock)
     read, release = asyncio.Event(), asyncio.Event()
     real = mon.tools.snapshot
@@ -83,7 +83,7 @@ async def test_a_poll_begun_after_the_call_never_answers_with_a_reading_from_bef
     mon.tools.snapshot = slow_snapshot  # type: ignore[method-assign]
     stale = asyncio.ensure_future(mon.poll())
     await read.wait()
-    fake.set("healthy-a2")  # the operator replaced the chip
+    fake.set("doc-healthy-a2")  # the operator replaced the chip
     shared = asyncio.ensure_future(mon.poll())
     now = asyncio.ensure_future(mon.poll(begun_after_call=True))
     release.set()
@@ -95,7 +95,7 @@ async def test_a_poll_begun_after_the_call_never_answers_with_a_reading_from_bef
 
 
 async def test_override_lets_the_start_through_and_says_so(tmp_path: Path) -> None:
-    fake, clock, bus = FakeAscend(tmp_path, "link-down"), Clock(), EventBus()
+    fake, clock, bus = FakeAscend(tmp_path, "doc-link-down"), Clock(), EventBus()
     mon = monitor(fake, clock, bus, roce=True)
     for _ in range(5):
         await mon.poll()
@@ -181,7 +181,7 @@ def load(tmp_path: Path, data: dict[str, Any]) -> Any:
 
 
 async def test_npu_probe_kind_in_a_role_and_the_node_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeAscend(tmp_path / "fake", "critical-chip")
+    fake = FakeAscend(tmp_path / "fake", "doc-critical-chip")
     monkeypatch.setenv("ASCEND_FAKE_SCENARIO", str(fake.path))
     monkeypatch.setenv("ASCEND_FAKE_STATE", str(fake.state))
     npu = {"kind": "npu", "npu_smi": str(FAKE_BIN / "npu-smi"), "roce": False}

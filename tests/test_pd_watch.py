@@ -17,9 +17,11 @@ from nodeagent.cluster.pd_watch import (
     RESTART_COOLDOWN_S,
     EmptyCounter,
     PdWatch,
+    completion_request,
     kv_pressure,
     kv_usage,
     merged_transfers,
+    proxy_fault,
     tokens_of,
 )
 from nodeagent.config_recovery import PdWatchConfig
@@ -28,15 +30,32 @@ GROUPS = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", "ki
           {"name": "d0", "kind": "decode", "nodes": ["n2"]}]  # fmt: skip
 
 
-def test_an_answer_needs_tokens() -> None:
+def test_an_answer_needs_the_tokens_asked() -> None:
     assert tokens_of(200, "") == (False, "200 with an empty body")  # what the proxy sends when decode failed
     assert not tokens_of(200, json.dumps({"choices": [{"text": ""}], "usage": {"completion_tokens": 0}}))[0]
     assert not tokens_of(503, "Service Unavailable")[0]
     assert tokens_of(200, json.dumps({"choices": [{"text": " a b"}], "usage": {"completion_tokens": 2}})) == (
         True, "2 tokens")
+    assert tokens_of(200, json.dumps({"choices": [{"text": " a"}], "usage": {"completion_tokens": 1}})) == (
+        False, "200 with 1 of the 2 tokens asked (a short answer)"), "a 2-token request must return both"
+    assert tokens_of(200, json.dumps({"choices": [{"text": " a b"}]}))[0], "no usage: the text is all there is"
+    request = completion_request("dsv4")
+    assert (request["max_tokens"], request["min_tokens"], request["ignore_eos"]) == (2, 2, True), \
+        "a healthy engine cannot stop short of the 2 tokens"
     counter = EmptyCounter(after=2)
     assert [counter.observe("d0", ok) for ok in (False, True, False, False, False)] == [
-        False, False, False, True, False], "two in a row act once; a good answer starts the count again"
+        False, False, False, True, True], "two in a row act; a good answer starts the count again"
+    counter.clear(["d0"])
+    assert not counter.observe("d0", False), "acted on: counted afresh"
+
+
+def test_the_proxy_is_the_fault_only_when_every_instance_answers() -> None:
+    assert proxy_fault(True, "2 tokens", {"a:1": True}) is None
+    why = proxy_fault(False, "200 with an empty body", {"a:1": True, "a:2": True})
+    assert why == ("the proxy answers 200 with an empty body while every prefill→decode pair answers with tokens "
+                   "(2 decode instances probed): the proxy itself is the fault")
+    assert proxy_fault(False, "200 with an empty body", {"a:1": True, "a:2": False}) is None, "a backend explains it"
+    assert proxy_fault(False, "no answer", {}) is None, "nothing probed: nothing to compare"
 
 
 def test_kv_pressure_only_while_decode_is_down_one_group_at_a_time() -> None:
@@ -62,35 +81,70 @@ def test_transfer_failures_are_summed_per_pair_from_every_member() -> None:
     assert merged_transfers(kinds, [n2], 5, 300, {"d0": 300.0}).decide(350.0) is None, "counted again after a restart"
 
 
-class Backends:
-    """The prefill and decode instances as the probe calls them."""
+TWO_TOKENS = (200, json.dumps({"choices": [{"text": " a b"}], "usage": {"completion_tokens": 2}}))
 
-    def __init__(self) -> None:
-        self.decode_answer = (200, json.dumps({"choices": [{"text": " a b"}], "usage": {"completion_tokens": 2}}))
+
+class Backends:
+    """The prefill and decode instances, and the proxy, as the watch calls them (by port); `calls` keeps when."""
+
+    def __init__(self, clock: Any = None) -> None:
+        self.clock = clock
+        self.decode_answer = TWO_TOKENS
+        self.decode_answers: dict[int, tuple[int, str]] = {}
+        """decode port → its answer (default: `decode_answer`)."""
+        self.dead: set[int] = set()
+        """Ports nobody answers on (connection refused)."""
+        self.bad_prefills: set[int] = set()
+        """Prefill ports whose KV handle no decoder can pull: a decoder handed one answers 200 without a body."""
+        self.proxy_answer = TWO_TOKENS
+        self.usage: dict[int, float] = {}
+        """prefill port → its `vllm:kv_cache_usage_perc` (default 0.1)."""
         self.calls: list[tuple[str, str]] = []
+        self.at: list[tuple[float, str]] = []
         self.prefill_id = ""
 
     async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float,
                        headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
         self.calls.append((method, url))
+        if self.clock is not None:
+            self.at.append((self.clock.monotonic(), url))
+        port = int(url.split("/")[2].rsplit(":", 1)[1])
+        if port in self.dead:
+            raise ConnectionRefusedError(111, "Connection refused")
         if url.endswith("/metrics"):
-            return 200, 'vllm:kv_cache_usage_perc{engine="0",model_name="dsv4"} 0.1\n'
+            return 200, f'vllm:kv_cache_usage_perc{{engine="0",model_name="dsv4"}} {self.usage.get(port, 0.1)}\n'
+        if port == PROXY_PORT:
+            assert body is not None and "kv_transfer_params" not in body, "a client's request"
+            return self.proxy_answer
         if body and body["kv_transfer_params"].get("do_remote_decode"):
             self.prefill_id = headers["X-Request-Id"]
-            return 200, json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "p"}})
-        assert body and body["kv_transfer_params"] == {"remote_engine_id": "p"}, "decode gets prefill's KV handle"
+            return 200, json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_engine_id": "p",
+                                                                                       "remote_port": port}})
+        assert body and body["kv_transfer_params"]["remote_engine_id"] == "p", "decode gets prefill's KV handle"
         assert headers["X-Request-Id"] == self.prefill_id, "one request id on both halves, as the proxy sends it"
-        return self.decode_answer
+        assert (body["max_tokens"], body["min_tokens"], body["ignore_eos"]) == (2, 2, True)
+        if body["kv_transfer_params"]["remote_port"] in self.bad_prefills:
+            return 200, ""
+        return self.decode_answers.get(port, self.decode_answer)
 
 
-@pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[World]:
-    w = World(tmp_path / "w", ["n0", "n1", "n2"], GROUPS, proxy=True)
+PROXY_PORT = 42000
+"""tests/cluster_fakes.py's proxy."""
+
+
+async def pd_world(folder: Path, groups: list[dict[str, Any]]) -> AsyncIterator[World]:
+    w = World(folder, ["n0", "n1", "n2"], groups, proxy=True)
     w.start()
     await w.until("every component up", w.all_up, within=120)
     await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready)
     yield w
     await w.close()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    async for w in pd_world(tmp_path / "w", GROUPS):
+        yield w
 
 
 @pytest.mark.parametrize("empty", [True, False])
@@ -103,15 +157,194 @@ async def test_a_decoder_answering_without_tokens_is_restarted(world: World, emp
                     http=backends)  # fmt: skip
     co.spawn(watch.run())
     await world.advance(35)
+    (d0,) = co.layout.group("d0").endpoints
     if empty:
         await world.until("d0 restarted", lambda: world.stacks["n2"].started("vllm") == 2, 60)
         assert world.gang("n2", "d0").record.generation == 2  # type: ignore[union-attr]
-        assert "2 answers in a row without tokens from decode d0 (200 with an empty body)" in (
-            world.gang("n2", "d0").record.reason)  # type: ignore[union-attr]
+        assert f"2 answers in a row without the 2 tokens asked from decode d0 instance {d0} (200 with an empty " \
+            "body)" in world.gang("n2", "d0").record.reason  # type: ignore[union-attr]
         assert {s.started("vllm") for n, s in world.stacks.items() if n != "n2"} == {1}, "prefill untouched"
     else:
-        assert world.stacks["n2"].started("vllm") == 1 and watch.last_probe["d0"] == "2 tokens"
+        assert world.stacks["n2"].started("vllm") == 1 and watch.last_probe["d0"] == {d0: "2 tokens"}
     assert not [c for c in backends.calls if c[1].endswith("/metrics")], "KV read only while decode is down"
+
+
+GROUPS_DP = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", "kind": "prefill", "nodes": ["n1"]},
+             {"name": "d0", "kind": "decode", "nodes": ["n2"], "dp_launch": "external",
+              "data_parallel_size_local": 2}]  # fmt: skip
+"""d0: two DP ranks on n2, each its own API server (`vllm-dp0`, `vllm-dp1`) — the proxy routes to both."""
+
+
+@pytest.fixture
+async def world_dp(tmp_path: Path) -> AsyncIterator[World]:
+    async for w in pd_world(tmp_path / "w", GROUPS_DP):
+        yield w
+
+
+def d0_starts(world: World) -> list[int]:
+    return [world.stacks["n2"].started(f"vllm-dp{r}") for r in (0, 1)]
+
+
+@pytest.mark.parametrize("bad", ["second rank empty", "first rank short", "none"])
+async def test_every_decode_rank_is_probed_and_a_bad_one_restarts_its_group(world_dp: World, bad: str) -> None:
+    """Each DP rank has its own API server, and the proxy routes to each: a rank other than the first that
+    answers 200 without a body, or one that answers short (1 of the 2 tokens), restarts the group; ranks that
+    all answer both tokens are left alone. One round per period, spread evenly (the ranks, then the proxy)."""
+    co = world_dp.agents["n0"].coordinator
+    first, second = co.layout.group("d0").endpoints
+    backends = Backends(world_dp.clock)
+    if bad == "second rank empty":
+        backends.decode_answers[int(second.rsplit(":", 1)[1])] = (200, "")
+    elif bad == "first rank short":
+        backends.decode_answers[int(first.rsplit(":", 1)[1])] = (
+            200, json.dumps({"choices": [{"text": " a"}], "usage": {"completion_tokens": 1}}))
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=12), lambda: {}, model="dsv4", clock=world_dp.clock,
+                    http=backends)  # fmt: skip
+    co.spawn(watch.run())
+    await world_dp.advance(30)
+    if bad == "none":
+        assert d0_starts(world_dp) == [1, 1] and world_dp.gang("n2", "d0").record.generation == 1  # type: ignore[union-attr]
+        assert watch.last_probe["d0"] == {first: "2 tokens", second: "2 tokens"}
+        assert watch.status_section()["pd_watch"]["proxy"]["ok"] is True
+        decode = [(t, u) for t, u in backends.at if u.endswith("/v1/completions") and u.split("/")[2] in (
+            first, second)]  # fmt: skip
+        proxy = [t for t, u in backends.at if f":{PROXY_PORT}/" in u]
+        assert [u.split("/")[2] for _, u in decode[:4]] == [first, second, first, second], "every rank, each round"
+        assert decode[1][0] - decode[0][0] == pytest.approx(4.0) and proxy[0] - decode[1][0] == pytest.approx(4.0), \
+            "spread over the 12 s period: rank, rank, proxy"
+        assert decode[2][0] - decode[0][0] == pytest.approx(12.0), "one round per period"
+        return
+    await world_dp.until("d0 restarted", lambda: d0_starts(world_dp) == [2, 2], 60)
+    gang = world_dp.gang("n2", "d0").record
+    assert gang.generation == 2, "one generation for the group"  # type: ignore[union-attr]
+    culprit, what = (second, "200 with an empty body") if bad == "second rank empty" else (
+        first, "200 with 1 of the 2 tokens asked (a short answer)")
+    assert f"answers in a row without the 2 tokens asked from decode d0 instance {culprit} ({what})" in \
+        gang.reason  # type: ignore[union-attr]
+    assert {s.started("vllm") for n, s in world_dp.stacks.items() if n != "n2"} == {1}, "prefill untouched"
+
+
+@pytest.mark.parametrize("prefill", ["its KV cannot be pulled", "it does not answer"])
+async def test_a_bad_prefill_rank_is_not_blamed_on_the_decoders(world_dp: World, prefill: str) -> None:
+    """The prefill side turns through every prefill instance: decoders fed by a prefill whose KV cannot be
+    pulled fail every other round, never `empty_after` in a row — no decode group restarts (the transfer
+    watch, per pair, is what names that prefill). A prefill that does not answer at all is no decoder's failure
+    even once (`empty_after` 1 here)."""
+    co = world_dp.agents["n0"].coordinator
+    backends = Backends(world_dp.clock)
+    (p1,) = co.layout.group("p1").endpoints
+    settings = PdWatchConfig(probe_period_s=10)
+    if prefill == "its KV cannot be pulled":
+        backends.bad_prefills.add(int(p1.rsplit(":", 1)[1]))
+    else:
+        backends.dead.add(int(p1.rsplit(":", 1)[1]))
+        settings = PdWatchConfig(probe_period_s=10, empty_after=1)
+    watch = PdWatch(co, settings, lambda: {}, model="dsv4", clock=world_dp.clock, http=backends)
+    co.spawn(watch.run())
+    await world_dp.advance(65)
+    assert d0_starts(world_dp) == [1, 1] and not watch.acted
+    if prefill == "its KV cannot be pulled":
+        assert set(watch.last_probe["d0"].values()) <= {"2 tokens", "200 with an empty body"}
+        assert max(watch.empties.streak.values()) == 1
+    else:
+        assert set(watch.last_probe["d0"].values()) == {"2 tokens"} and max(watch.empties.streak.values()) == 0
+
+
+@pytest.mark.parametrize("backend_ok", [True, False])
+async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault(world_dp: World,
+                                                                           backend_ok: bool) -> None:
+    """The 2-token request through the proxy itself: when it comes back empty while every instance's probe of
+    the round answered, status and an event say the proxy is the fault (and no group restarts for it); when an
+    instance fails too, the instance is the explanation."""
+    co = world_dp.agents["n0"].coordinator
+    second = co.layout.group("d0").endpoints[1]
+    backends = Backends(world_dp.clock)
+    backends.proxy_answer = (200, "")
+    if not backend_ok:
+        backends.decode_answers[int(second.rsplit(":", 1)[1])] = (503, "Service Unavailable")
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=10, empty_after=5), lambda: {}, model="dsv4",
+                    clock=world_dp.clock, http=backends)  # fmt: skip
+    co.spawn(watch.run())
+    await world_dp.advance(25)
+    proxy = watch.status_section()["pd_watch"]["proxy"]
+    assert proxy["ok"] is False and proxy["what"] == "200 with an empty body"
+    faults = [e for e in world_dp.stacks["n0"].events_of("pd_watch") if "the proxy itself is the fault" in
+              e["message"]]  # fmt: skip
+    if backend_ok:
+        assert proxy["fault"].startswith("the proxy answers 200 with an empty body while every prefill→decode pair "
+                                         "answers with tokens (2 decode instances probed)"), proxy
+        assert len(faults) == 1 and faults[0]["level"] == "error" and faults[0]["component"] == "proxy", \
+            "said once, not every round"
+        backends.proxy_answer = TWO_TOKENS
+        await world_dp.advance(10)
+        assert watch.status_section()["pd_watch"]["proxy"]["fault"] is None
+        assert "the proxy answers with tokens again (2 tokens)" in [
+            e["message"] for e in world_dp.stacks["n0"].events_of("pd_watch")]
+    else:
+        assert proxy["fault"] is None and not faults
+    assert d0_starts(world_dp) == [1, 1] and not watch.acted, "no restart for the proxy's fault"
+
+
+def port_of(world: World, group: str) -> int:
+    (endpoint,) = world.agents["n0"].coordinator.layout.group(group).endpoints
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("case", ["decode down, p1 full", "decode down, prefill not full", "decode up, p1 full"])
+async def test_prefill_full_of_a_dead_decoders_kv_restarts_while_decode_is_down(world: World, case: str) -> None:
+    """The loop (#13240): while d0 is out of the proxy, prefill's KV usage is read; the fullest group past the
+    threshold restarts, one group at a time. Prefill under the threshold, or decode up, restart nothing."""
+    co = world.agents["n0"].coordinator
+    backends = Backends()
+    if case != "decode down, prefill not full":
+        backends.usage = {port_of(world, "p0"): 0.93, port_of(world, "p1"): 0.97}
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=10), lambda: {}, model="dsv4", clock=world.clock,
+                    http=backends)  # fmt: skip
+    co.spawn(watch.run())
+    sync = co.proxies[0]
+    world.stacks["n1"].components["vllm"].start_s = 60.0  # a restarted prefill is out of the proxy a while
+    if case != "decode up, p1 full":
+        world.stacks["n2"].command("vllm", "stop", by="operator (test)")  # d0 dies and stays down
+        await world.until("d0 out of the proxy", lambda: sync.health.get("d0"), 60)
+    await world.advance(60)
+    metrics = [u for _, u in backends.calls if u.endswith("/metrics")]
+    starts = {n: world.stacks[n].started("vllm") for n in ("n0", "n1")}
+    if case == "decode down, p1 full":
+        await world.until("p1 restarted", lambda: world.stacks["n1"].started("vllm") == 2, 60)
+        assert world.gang("n1", "p1").record.generation == 2  # type: ignore[union-attr]
+        assert "KV cache 97% >= 90% while decode d0 is down" in world.gang("n1", "p1").record.reason  # type: ignore[union-attr]
+        backends.usage[port_of(world, "p1")] = 0.1  # a fresh engine holds no KV
+        await world.until("p0 restarted next", lambda: world.stacks["n0"].started("vllm") == 2, 120)
+        p1 = world.stacks["n1"].components["vllm"]
+        assert watch.acted[("kv", "p0")] >= p1.starts[-1] + p1.start_s, "one group at a time: p0 once p1 is back"
+        assert sorted(watch.status_section()["pd_watch"]["restarted"]) == ["p0 (kv)", "p1 (kv)"]
+    elif case == "decode down, prefill not full":
+        assert metrics and starts == {"n0": 1, "n1": 1} and not watch.acted, "read, under the threshold: nothing"
+    else:
+        assert not metrics and starts == {"n0": 1, "n1": 1} and not watch.acted, "decode up: prefill's KV is its own"
+
+
+@pytest.mark.parametrize("failures", [5, 3])
+async def test_transfer_failures_with_every_prefill_restart_the_decoder_only(world: World, failures: int) -> None:
+    """The loop (#10224): n2 publishes its decode rank's transfer failures with both prefill groups in its member
+    record; at the threshold (5 per pair in 300 s) d0 restarts — never the prefills — and once only (the events
+    before its restart no longer count); below it nothing restarts."""
+    co = world.agents["n0"].coordinator
+    now = world.clock.time()
+    record = {"kv_transfers": [[now - 10 + i, "d0", peer] for peer in ("p0", "p1") for i in range(failures)]}
+    settings = PdWatchConfig(probe_period_s=10, transfer_window_s=3600)  # still in the window after the cooldown
+    watch = PdWatch(co, settings, lambda: {"n2": record}, model="dsv4", clock=world.clock, http=Backends())
+    co.spawn(watch.run())
+    await world.advance(30)
+    if failures >= 5:
+        await world.until("d0 restarted", lambda: world.stacks["n2"].started("vllm") == 2, 60)
+        assert "10 KV transfer failures in 3600s with every prefill engine (p0, p1)" in world.gang(
+            "n2", "d0").record.reason  # type: ignore[union-attr]
+        await world.advance(RESTART_COOLDOWN_S + 60)
+        assert world.stacks["n2"].started("vllm") == 2, "the failures before the restart are not counted again"
+    else:
+        assert world.stacks["n2"].started("vllm") == 1 and not watch.acted
+    assert {n: world.stacks[n].started("vllm") for n in ("n0", "n1")} == {"n0": 1, "n1": 1}, "never the prefills"
 
 
 async def test_one_restart_of_a_group_per_cooldown_whatever_the_reason(world: World) -> None:

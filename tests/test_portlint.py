@@ -35,7 +35,7 @@ from nodeagent.preflight import PASS, WARN, check_ports_lint
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT = ROOT / "config" / "dsv4-flash-a2-8node.yaml"
-SYSCTL_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "sysctl"
+SYSCTL_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "doc-sysctl"
 DEFAULT = (32768, 60999)
 
 

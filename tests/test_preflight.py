@@ -24,7 +24,7 @@ from nodeagent.statefile import StateStore
 from nodeagent.weights import check_weights
 
 ROOT = Path(__file__).resolve().parents[1]
-A2_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "a2"
+A2_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "doc-a2"
 VENV_BIN = Path(sys.executable).parent
 NODE_IP = "10.20.30.40"
 

@@ -8,7 +8,7 @@ mild fault or under an external resetter, isolation after the budget, isolation 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ from cluster_fakes import World
 
 from nodeagent.cluster.recovery import RecoveryFollower
 from nodeagent.failure import Failure
-from nodeagent.npu import NpuChip, NpuInfo, NpuSnapshot
+from nodeagent.hbm_baseline import baseline_path, read_baseline, write_baseline
+from nodeagent.npu import NpuChip, NpuInfo, NpuProcess, NpuSnapshot
 from nodeagent.npu_health import HealthPolicy
 from nodeagent.npu_monitor import NpuMonitor
 from nodeagent.recovery import NodeRecovery, NotIsolated
@@ -39,25 +40,34 @@ class FakeTools:
         self.hbm = dict.fromkeys(range(8), 3162)
         self.resets: list[int] = []
         self.heals = True
+        self.busy: Callable[[], bool] = lambda: False
+        """While true, a process holds every chip (the node's vLLM ranks), as npu-smi's process table lists it."""
+        self.after_reset: dict[int, int] = {}
+        """HBM use (MB) per chip once reset: device memory a reset did not give back."""
 
     async def snapshot(self, detail: bool = False, roce: bool = True) -> NpuSnapshot:
         chips = tuple(NpuChip(n, 0, "910B3", h, hbm_used_mb=self.hbm[n], hbm_total_mb=65536)
                       for n, h in self.health.items())  # fmt: skip
-        return NpuSnapshot(self.clock.time(), NpuInfo("24.1.rc2", chips, ()))
+        procs = tuple(NpuProcess(n, 0, 4000 + n, "python3", 50000) for n in self.health) if self.busy() else ()
+        return NpuSnapshot(self.clock.time(), NpuInfo("24.1.rc2", chips, procs))
 
     async def reset(self, argv: list[str]) -> str:
         self.resets.append(int(argv[argv.index("-i") + 1]))
         if self.heals:
             self.health = dict.fromkeys(self.health, "OK")
+        self.hbm.update(self.after_reset)
         return ("        Status                         : OK\n"
                 "        Message                        : Reset card successfully.")
 
 
 class Ladder:
-    def __init__(self, world: World, node: str, resetter: str | None = None) -> None:
+    def __init__(self, world: World, node: str, resetter: str | None = None,
+                 busy: Callable[[], bool] | None = None) -> None:  # fmt: skip
         agent = world.agents[node]
         self.stack = agent.stack
         self.tools = FakeTools(world.clock)
+        if busy is not None:
+            self.tools.busy = busy
         self.npu = NpuMonitor(self.tools, HealthPolicy(expected_npus=8), clock=world.clock.time,  # type: ignore[arg-type]
                               events=self.stack.events)  # fmt: skip
         self.redeploys: list[float] = []
@@ -109,6 +119,37 @@ async def test_an_alarm_resets_the_chips_as_a_whole_node_event(world: World) -> 
     await world.until("the post-mortem bundle", lambda: ladder.events("postmortem"), 30)
     assert "(npu_reset)" in ladder.events("postmortem")[0]["message"]
     assert list((ladder.stack.config.agent.state_dir / "postmortem" / "node").glob("*.tar*"))
+    assert read_baseline(baseline_path(ladder.stack.config.agent.state_dir)) == dict.fromkeys(range(8), 3162), \
+        "the idle chips the ladder saw are kept on disk, for the next agent"
+
+
+@pytest.mark.parametrize("known", ["on disk", "none", "beside what the ladder saw"])
+async def test_after_an_agent_restart_the_reset_is_verified_against_the_baseline_on_disk(world: World,
+                                                                                        known: str) -> None:
+    """The agent restarted beside running ranks: the chips are never idle while it watches, so only the baseline
+    kept on disk (a former agent's, the clean-slate wait's) can judge the HBM after the reset. Known: a chip whose
+    memory the reset did not give back fails the verify. Unknown: the verify says the HBM was not checked. The
+    ladder's own idle readings (npu 3 in Alarm is not one) are merged into the file, never written over it."""
+    n1 = world.stacks["n1"]
+    path = baseline_path(n1.config.agent.state_dir)
+    path.unlink(missing_ok=True)
+    if known == "on disk":
+        write_baseline(path, dict.fromkeys(range(8), 3162))
+    busy = (lambda: False) if known == "beside what the ladder saw" else (lambda: n1.components["vllm"].running)
+    ladder = Ladder(world, "n1", busy=busy)
+    if known == "beside what the ladder saw":  # the clean-slate wait before a vLLM start, after the agent began
+        write_baseline(path, dict.fromkeys(range(8), 3162))
+    ladder.tools.after_reset = {3: 60000}
+    await ladder.chips(npu3="Alarm")
+    await world.until("the reset's verify", lambda: any(s["step"] == "verify" for s in ladder.rec.steps), 120)
+    verify = next(s for s in ladder.rec.steps if s["step"] == "verify")
+    if known != "none":
+        assert not verify["ok"] and verify["detail"] == "npu 3 HBM 60000 MB > baseline 3162 MB", verify
+        assert "chip reset failed at verify: npu 3 HBM 60000 MB" in ladder.events("npu_reset_failed")[0]["message"]
+    else:
+        assert verify["ok"], verify
+        assert verify["detail"].startswith("all chips OK; HBM NOT CHECKED: no idle baseline known for npu 0-7"), verify
+        assert "HBM NOT CHECKED" in ladder.events("npu_reset_done")[0]["message"]
 
 
 async def test_a_mild_fault_or_an_external_resetter_resets_nothing(world: World) -> None:
@@ -205,7 +246,7 @@ def test_the_fake_npu_smi_reset_answers_through_the_facade(tmp_path: Path) -> No
     from nodeagent.ladder import reset_command
     from nodeagent.npu import NpuToolError
 
-    fake = FakeAscend(tmp_path, "alarm-then-reset")
+    fake = FakeAscend(tmp_path, "doc-alarm-then-reset")
     tools = fake.tools()
     out = asyncio.run(tools.reset(reset_command(3)))
     assert "Reset card successfully." in out

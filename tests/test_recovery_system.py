@@ -26,7 +26,7 @@ pytestmark = pytest.mark.system
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[LocalAgent, FakeAscend]]:
-    fake = FakeAscend(tmp_path / "ascend", "healthy-a2")
+    fake = FakeAscend(tmp_path / "ascend", "doc-healthy-a2")
     home = tmp_path / "home"
     config = {
         "node": {"name": "a2", "npus": 8,
@@ -64,11 +64,15 @@ def api_status(agent: LocalAgent) -> dict[str, Any]:
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
-def isolated_metric(agent: LocalAgent) -> float:
+def http_get(agent: LocalAgent, path: str) -> str:
     listen = yaml.safe_load(agent.config_path.read_text())["agent"]["api"]["listen"]
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://{listen}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    with opener.open(f"http://{listen}{path}", timeout=10) as response:
+        return response.read().decode()  # type: ignore[no-any-return]
+
+
+def isolated_metric(agent: LocalAgent) -> float:
+    text = http_get(agent, "/metrics")
     return float(re.search(r"^dsv4_node_isolated(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
 
 
@@ -83,7 +87,11 @@ def test_a_chip_reset_that_works_then_isolation_past_the_budget_until_uncordon(
     first = vllm_pid(agent)
 
     # one rung that works: an Alarm (RestartNPU) on chips 3 and 6, which the reset clears
-    fake.set("alarm-then-reset")
+    fake.set("doc-alarm-then-reset")
+    # the 20 s settle leaves time to see the reset head `nodeagentctl status`
+    head = wait_for("the reset in the status's header", lambda: (out := ctl(agent, "status").stdout.splitlines())
+                    and out[1].startswith("CHIP RESET IN PROGRESS of npu 3, 6 (step ") and out[1], 60, 0.3)  # fmt: skip
+    assert "npu 3 health Alarm" in head, head
     wait_for("the reset done", lambda: (steps := api_status(agent)["recovery"]["steps"]) and steps[-1]["step"] ==
              "start", 60, 0.3)  # fmt: skip
     recovery = api_status(agent)["recovery"]
@@ -112,11 +120,14 @@ def test_a_chip_reset_that_works_then_isolation_past_the_budget_until_uncordon(
     assert not (fake.state / "resets").exists(), "no reset past the budget"
     assert "node isolated" in agent.log()
     assert state["hold"]["kind"] == "isolated" and "nodeagentctl uncordon" in state["hold"]["reason"], state
+    assert ctl(agent, "status").stdout.splitlines()[1] == f"ISOLATED: {status['isolated']} — its NPU users stay " \
+        "stopped until `nodeagentctl uncordon`"
+    assert f"<div>ISOLATED: {status['isolated']} — " in http_get(agent, "/ui"), "the status page's header too"
     wait_for("a post-mortem bundle of each rung (the reset, the isolation)",
              lambda: len(list((agent.state_dir / "postmortem" / "node").glob("*.tar.gz"))) == 2, 20, 0.2)
 
     # the operator: the chip replaced / healthy again, uncordon → vLLM starts
-    fake.set("healthy-a2")
+    fake.set("doc-healthy-a2")
     out = ctl(agent, "uncordon")
     assert out.returncode == 0 and "uncordon: the node is back" in out.stdout, (out.stdout, out.stderr)
     agent.wait_states({"vllm": {"ready"}}, 60)

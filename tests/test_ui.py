@@ -132,6 +132,26 @@ def test_the_first_paint_escapes_every_value() -> None:
     assert "PAUSED by &lt;img" in html and "held: &lt;img" in html
 
 
+def test_the_first_paint_heads_with_an_isolation_or_a_chip_reset() -> None:
+    """The ladder's node-wide states in the page's header, on the server's paint already (and escaped)."""
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    page = read_static("index.html").decode()
+    quiet = first_paint(page, {"node": {"name": "a2"}}, now=0)
+    assert '<div id="node-alerts" class="alerts" hidden></div>' in quiet, "nothing to say: hidden"
+    html = first_paint(page, {"node": {"name": "a2"}, "isolated": "npu 5 health Critical <SeparateNPU>",
+                              "recovery": {"rung": None}}, now=0)  # fmt: skip
+    alerts = re.search(r'<div id="node-alerts" class="alerts">(.*?)</div>\n', html, re.S)
+    assert alerts, html[:2000]
+    assert alerts[1] == ("<div>ISOLATED: npu 5 health Critical &lt;SeparateNPU&gt; — its NPU users stay stopped "
+                         "until `nodeagentctl uncordon`</div>")
+    assert html.index("node-alerts") < html.index('id="components"'), "above the components"
+    rung = {"step": "wait_idle", "why": "npu 3 health Alarm (RestartNPU)", "chips": [3], "at": 1.0}
+    html = first_paint(page, {"node": {"name": "a2"}, "recovery": {"rung": rung}}, now=0)
+    assert "<div>CHIP RESET IN PROGRESS of npu 3 (step wait_idle): npu 3 health Alarm (RestartNPU)" in html
+
+
 async def test_the_page_can_be_switched_off(tmp_path: Path) -> None:
     data = tiny_config(tmp_path / "home")
     data["agent"]["ui"] = {"enabled": False}
@@ -154,6 +174,26 @@ async def browser(tmp_path: Path) -> AsyncIterator[Chromium]:
         yield chromium
     finally:
         await chromium.close()
+
+
+async def test_an_isolated_node_says_so_in_the_header_live(stack: InProcess, browser: Chromium) -> None:
+    """ui.js draws the same header lines from /status as the server's paint: the node isolated by the ladder
+    (the real executor's `isolate`), gone again once the operator uncordons."""
+    recovery = stack.agent.guards.recovery
+    page = await browser.new_page()
+    await page.goto(stack.url + "/ui")
+    await page.wait_js("the live paint", "document.getElementById('conn').textContent.startsWith('live')")
+    assert await page.js("document.getElementById('node-alerts').hidden") is True
+    await recovery.isolate("npu 5 health Critical (error code 80E01801) (SeparateNPU: never reset)")
+    text = await page.wait_js("the isolation in the header", """(() => {
+        const box = document.getElementById('node-alerts');
+        return !box.hidden && box.textContent; })()""")
+    assert text == ("ISOLATED: npu 5 health Critical (error code 80E01801) (SeparateNPU: never reset) — its NPU "
+                    "users stay stopped until `nodeagentctl uncordon`")
+    status, _ = await stack.post("/uncordon")
+    assert status == 200
+    await page.wait_js("the header clear again", "document.getElementById('node-alerts').hidden")
+    assert_only_the_agent(page, stack.url)
 
 
 def rows_js(table_id: str, key: str) -> str:

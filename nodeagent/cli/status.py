@@ -10,6 +10,7 @@ from typing import Any
 
 from nodeagent.cli.agentconfig import Client, connect
 from nodeagent.cli.common import EXIT_UNKNOWN, EXIT_USAGE, CliError, error_text, human_duration, table
+from nodeagent.node_alerts import node_alerts
 
 LAST_EXIT_WIDTH = 48
 OUTPUT_WIDTH = 100
@@ -91,7 +92,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     node, agent = data.get("node", {}), data.get("agent", {})
     head = (f"node {node.get('name')} ({node.get('role')}) · cluster {node.get('cluster')} · agent "
             f"{agent.get('version', '?')} pid {agent.get('pid', '?')} up {human_duration(agent.get('uptime_s'))}")
-    flags = []
+    flags = node_alerts(data)
     if data.get("paused"):
         flags.append("PAUSED (no automatic restarts)")
     if data.get("redeploying"):

@@ -3,10 +3,16 @@
 - **empty 200s** (vllm-ascend #13140, #8588): the proxy streams the decoder's answer after sending 200, so a
   decoder that fails (503, a dropped connection) becomes a 200 with an empty body — its generator logs `Error
   during streaming from decoder ...` and ends (load_balance_proxy_server_example.py `generate_stream`). So every
-  decode instance is probed end to end as the proxy would use it: the 2-token request to a prefill instance
-  with `kv_transfer_params.do_remote_decode` (the proxy's `build_prefill_request`), then to the decoder with
-  the prefill's KV handle; no tokens back `empty_after` times in a row → its group restarts (a new generation:
-  the proxy sync takes it out meanwhile and back once healthy).
+  decode instance — each DP rank's API server, the proxy routes to each — is probed end to end as the proxy
+  would use it: the request to a prefill instance with `kv_transfer_params.do_remote_decode` (the proxy's
+  `build_prefill_request`), then a 2-token request to the decoder with the prefill's KV handle. An answer
+  without tokens or with fewer than the 2 asked (forced: `min_tokens`, `ignore_eos`) `empty_after` times in a
+  row → that instance's group restarts (a new generation: the proxy sync takes it out meanwhile and back once
+  healthy). One round of probes per `probe_period_s`, spread evenly over it (never a burst), the prefill side
+  turning through every prefill instance: a bad prefill rank then fails a decoder's probe only now and then,
+  never in a row. Each round ends with the same 2-token request through the proxy itself; when that fails while
+  every instance's probe of the round passed, the proxy is the fault (said in status and an event; its own
+  probes and restart policy act on it).
 - **prefill holding KV for a dead decoder** (#13240): while a decode group is out of the proxy, prefill's
   `vllm:kv_cache_usage_perc` is read; past the threshold the prefill groups restart one at a time (the next
   only once the previous is back), before they wedge.
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
 
 Http = Callable[[str, str, dict[str, Any] | None, float, Mapping[str, str]], Awaitable[tuple[int, str]]]
 """(method, url, JSON body or None, timeout, headers) → (status, body text); raises OSError when nobody answers."""
+PROBE_TOKENS = 2
+"""The issue's test: a 2-token request must return tokens — both of them."""
 RESTART_COOLDOWN_S = 300.0
 """After the watch restarted a group (for any of its reasons), the group waits this long before it acts on it again."""
 _KV_USAGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)', re.MULTILINE)
@@ -54,14 +62,20 @@ _KV_USAGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)', re
 
 
 def prefill_request(model: str) -> dict[str, Any]:
-    """The proxy's `build_prefill_request` of a 2-token completion."""
+    """The proxy's `build_prefill_request` of the probe's completion."""
     return {"model": model, "prompt": "ping", "max_tokens": 1, "min_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}}  # fmt: skip
 
 
-def tokens_of(status: int, body: str) -> tuple[bool, str]:
-    """A completion answer that carries tokens: (ok, what it was)."""
+def completion_request(model: str) -> dict[str, Any]:
+    """A completion of exactly PROBE_TOKENS tokens: a healthy engine cannot stop short (EOS ignored)."""
+    return {"model": model, "prompt": "ping", "max_tokens": PROBE_TOKENS, "min_tokens": PROBE_TOKENS,
+            "ignore_eos": True, "stream": False}  # fmt: skip
+
+
+def tokens_of(status: int, body: str, asked: int = PROBE_TOKENS) -> tuple[bool, str]:
+    """A completion answer that carries the tokens asked: (ok, what it was). Fewer than asked is short."""
     if status != 200:
         return False, f"HTTP {status}: {body.strip()[:120] or 'no body'}"
     if not body.strip():
@@ -75,23 +89,40 @@ def tokens_of(status: int, body: str) -> tuple[bool, str]:
         return False, "200 without choices"
     first = choices[0] or {}
     text = first.get("text") or (first.get("message") or {}).get("content") or ""
-    used = ((data.get("usage") or {}).get("completion_tokens")) or 0
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    used = usage.get("completion_tokens")
     if not text and not used:
         return False, "200 without a token"
-    return True, f"{used or len(text)} tokens"
+    if isinstance(used, int) and used < asked:
+        return False, f"200 with {used} of the {asked} tokens asked (a short answer)"
+    return True, f"{used} tokens" if isinstance(used, int) else f"{len(text)} characters (no usage to count)"
 
 
 @dataclass
 class EmptyCounter:
-    """Answers without tokens in a row, per decode group."""
+    """Answers without (enough) tokens in a row, per decode instance."""
 
     after: int
     streak: dict[str, int] = field(default_factory=dict)
 
-    def observe(self, group: str, ok: bool) -> bool:
-        """True when this group's streak just reached `after` (act now)."""
-        self.streak[group] = 0 if ok else self.streak.get(group, 0) + 1
-        return not ok and self.streak[group] == self.after
+    def observe(self, instance: str, ok: bool) -> bool:
+        """True while this instance's streak is at `after` or more (act: `clear` once acted on)."""
+        self.streak[instance] = 0 if ok else self.streak.get(instance, 0) + 1
+        return not ok and self.streak[instance] >= self.after
+
+    def clear(self, instances: Iterable[str]) -> None:
+        """The group was restarted: its instances count afresh once back."""
+        for instance in instances:
+            self.streak[instance] = 0
+
+
+def proxy_fault(proxy_ok: bool, proxy_what: str, instances: Mapping[str, bool]) -> str | None:
+    """Why the proxy itself is the fault, or None: its answer failed while every instance probed in the same
+    round answered with tokens (with none probed, or one failing, the backends explain it)."""
+    if proxy_ok or not instances or not all(instances.values()):
+        return None
+    return (f"the proxy answers {proxy_what} while every prefill→decode pair answers with tokens "
+            f"({len(instances)} decode instances probed): the proxy itself is the fault")
 
 
 def kv_usage(metrics_text: str) -> float | None:
@@ -165,7 +196,11 @@ class PdWatch(ReportLayer):
         self.empties = EmptyCounter(settings.empty_after)
         self.acted: dict[tuple[str, str], float] = {}
         """(why, group) → when it was last restarted for it (cooldown)."""
-        self.last_probe: dict[str, str] = {}
+        self.last_probe: dict[str, dict[str, str]] = {}
+        """decode group → instance (host:port) → what its last probe got."""
+        self.proxy: dict[str, Any] = {}
+        """The last probe through the proxy: ok, what, at, and `fault` when the proxy itself is to blame."""
+        self.rounds = 0
         coordinator.port.attach(self)
 
     def _of(self, kind: str) -> list[Group]:
@@ -177,17 +212,29 @@ class PdWatch(ReportLayer):
         return {name: health.get(name, "") == "" for name in self.groups}
 
     async def run(self) -> None:
-        next_probe = 0.0
+        await asyncio.gather(self._probe_loop(), self._watch_loop())
+
+    async def _probe_loop(self) -> None:
+        while True:
+            started = self.clock.monotonic()
+            try:
+                await self.probe_round()
+            except Exception:  # a bug must not end the watch
+                logger.exception("pd watch: probe round failed")
+            await self._sleep_until(started + self.settings.probe_period_s)
+
+    async def _watch_loop(self) -> None:
         while True:
             try:
-                if self.clock.monotonic() >= next_probe:
-                    next_probe = self.clock.monotonic() + self.settings.probe_period_s
-                    await self.probe_decoders()
                 await self.watch_kv()
                 await self.watch_transfers()
             except Exception:  # a bug must not end the watch
                 logger.exception("pd watch: step failed")
             await self.clock.sleep(min(self.settings.probe_period_s, 5.0))
+
+    async def _sleep_until(self, at: float) -> None:
+        if (left := at - self.clock.monotonic()) > 0:
+            await self.clock.sleep(left)
 
     async def _restart(self, why: str, group: str, reason: str) -> bool:
         """One restart of the group per cooldown, whatever the reason: an empty-answer restart followed by a KV or
@@ -203,36 +250,75 @@ class PdWatch(ReportLayer):
             return True
         return False
 
-    async def probe_decoders(self) -> None:
-        """One 2-token request per decode group, prefill → decode as the proxy does; prefill must answer first."""
+    async def probe_round(self) -> None:
+        """Every decode instance of the groups in the proxy, then the proxy itself, spread over one period."""
         healthy = self._health()
-        prefills = [g for g in self._of("prefill") if healthy[g.name] and g.endpoints]
-        if not prefills:
-            return
+        prefills = [e for g in self._of("prefill") if healthy[g.name] for e in g.endpoints]
+        targets = [(g.name, e) for g in self._of("decode") if healthy[g.name] for e in g.endpoints]
+        if not prefills or not targets:
+            return  # nothing the proxy could route a request through: its sync says why
+        started, gap = self.clock.monotonic(), self.settings.probe_period_s / (len(targets) + 1)
+        results: dict[str, bool] = {}
+        first = self.rounds
+        self.rounds += 1
+        for k, (group, endpoint) in enumerate(targets):
+            await self._sleep_until(started + k * gap)
+            if not self._health().get(group, False):
+                continue  # restarted meanwhile (this round, for another of its instances)
+            ok = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
+            if ok is not None:
+                results[endpoint] = ok
+        await self._sleep_until(started + len(targets) * gap)
+        if self.co.proxies:
+            await self.probe_proxy(results)
+
+    async def probe_instance(self, group: str, endpoint: str, prefill: str) -> bool | None:
+        """prefill → this decode instance as the proxy routes one request; None when prefill did not answer (its
+        own probes and the gangs handle that)."""
         timeout = self.settings.probe_timeout_s
-        for i, decode in enumerate(g for g in self._of("decode") if healthy[g.name] and g.endpoints):
-            prefill = prefills[i % len(prefills)]
-            # one request id on both sides, as the proxy sends it (`auth_headers`): vLLM takes X-Request-Id as
-            # the request's id, and connectors that pair the two halves by id find the prefill's KV by it
-            headers = {"X-Request-Id": f"dsv4-pd-probe-{uuid.uuid4()}"}
-            try:
-                status, body = await self.http("POST", f"http://{_host(prefill.endpoints[0])}/v1/completions",
-                                               prefill_request(self.model), timeout, headers)  # fmt: skip
-                if status != 200:
-                    continue  # prefill's own trouble: its probes and the gangs handle it
-                params = (json.loads(body) or {}).get("kv_transfer_params") or {}
-                request = {**prefill_request(self.model), "max_tokens": 2, "kv_transfer_params": params}
-                request.pop("min_tokens")
-                status, body = await self.http("POST", f"http://{_host(decode.endpoints[0])}/v1/completions",
-                                               request, timeout, headers)  # fmt: skip
-                ok, what = tokens_of(status, body)
-            except (OSError, ValueError) as exc:
-                ok, what = False, f"no answer: {exc}"
-            self.last_probe[decode.name] = what
-            if self.empties.observe(decode.name, ok):
-                await self._restart("empty", decode.name, f"{self.settings.empty_after} answers in a row without "
-                                    f"tokens from decode {decode.name} ({what}): the proxy would answer 200 with an "
-                                    "empty body (vllm-ascend #13140)")  # fmt: skip
+        # one request id on both sides, as the proxy sends it (`auth_headers`): vLLM takes X-Request-Id as the
+        # request's id, and connectors that pair the two halves by id find the prefill's KV by it
+        headers = {"X-Request-Id": f"dsv4-pd-probe-{uuid.uuid4()}"}
+        try:
+            status, body = await self.http("POST", f"http://{_host(prefill)}/v1/completions",
+                                           prefill_request(self.model), timeout, headers)  # fmt: skip
+            params = (json.loads(body) or {}).get("kv_transfer_params") or {} if status == 200 else None
+        except (OSError, ValueError, AttributeError):
+            params = None
+        if params is None:
+            return None
+        request = {**completion_request(self.model), "kv_transfer_params": params}
+        try:
+            status, body = await self.http("POST", f"http://{_host(endpoint)}/v1/completions", request, timeout,
+                                           headers)  # fmt: skip
+            ok, what = tokens_of(status, body)
+        except OSError as exc:
+            ok, what = False, f"no answer: {exc}"
+        self.last_probe.setdefault(group, {})[endpoint] = what
+        if self.empties.observe(endpoint, ok):
+            reason = (f"{self.empties.streak[endpoint]} answers in a row without the {PROBE_TOKENS} tokens asked "
+                      f"from decode {group} instance {endpoint} ({what}): the proxy would answer 200 with an empty "
+                      "or short body (vllm-ascend #13140)")  # fmt: skip
+            if await self._restart("empty", group, reason):
+                self.empties.clear(self.groups[group].endpoints)
+        return ok
+
+    async def probe_proxy(self, instances: Mapping[str, bool]) -> None:
+        """The 2-token request through the proxy itself, as a client sends it."""
+        try:
+            status, body = await self.http("POST", f"{self.co.proxies[0].url}/v1/completions",
+                                           completion_request(self.model), self.settings.probe_timeout_s,
+                                           {})  # fmt: skip
+            ok, what = tokens_of(status, body)
+        except (OSError, ValueError) as exc:
+            ok, what = False, f"no answer: {exc}"
+        fault = proxy_fault(ok, what, instances)
+        proxy = self.co.proxies[0].plan.component
+        if fault is not None and not self.proxy.get("fault"):
+            self.co.port.emit("pd_watch", fault + " (its own probes and restart policy act on it)", proxy, "error")
+        elif fault is None and self.proxy.get("fault"):
+            self.co.port.emit("pd_watch", f"the proxy answers with tokens again ({what})", proxy)
+        self.proxy = {"ok": ok, "what": what, "at": round(self.clock.time(), 3), "fault": fault}
 
     async def watch_kv(self) -> None:
         healthy = self._health()
@@ -271,7 +357,9 @@ class PdWatch(ReportLayer):
             await self._restart("transfer", restart.engine, restart.reason)
 
     def status_section(self) -> dict[str, Any]:
-        return {"pd_watch": {"probes": dict(self.last_probe), "empty_streaks": dict(self.empties.streak),
+        streaks = {g.name: {e: self.empties.streak.get(e, 0) for e in g.endpoints} for g in self._of("decode")}
+        return {"pd_watch": {"probes": {g: dict(p) for g, p in self.last_probe.items()}, "empty_streaks": streaks,
+                             "proxy": dict(self.proxy),
                              "restarted": {f"{g} ({why})": round(self.clock.time() - (self.clock.monotonic() - t), 3)
                                            for (why, g), t in self.acted.items() if g}}}  # fmt: skip
 

@@ -12,6 +12,8 @@ import time
 from html import escape
 from typing import Any
 
+from nodeagent.node_alerts import node_alerts
+
 TBODY = '<table id="components">'
 
 
@@ -87,6 +89,11 @@ def first_paint(page: str, status: dict[str, Any], now: float | None = None) -> 
         flags.append(f"NODE FAILED: {status['node_policy'].get('failed_reason') or ''}")
     page = page.replace('<span id="node-flags"></span>',
                         f'<span id="node-flags">{escape(" · ".join(flags))}</span>', 1)
+    alerts = node_alerts(status)
+    if alerts:
+        lines = "".join(f"<div>{escape(line)}</div>" for line in alerts)
+        page = page.replace('<div id="node-alerts" class="alerts" hidden></div>',
+                            f'<div id="node-alerts" class="alerts">{lines}</div>', 1)
     stamp = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     page = page.replace('<div id="conn" class="conn">connecting…</div>',
                         f'<div id="conn" class="conn">as of {stamp} (server render; live once scripts run)</div>', 1)

@@ -125,6 +125,28 @@ function renderHeader(st) {
   if (policy.failed) flags.push(badge(`node FAILED: ${policy.failed_reason || ""}`, "failed"));
   if (policy.redeploys_total) flags.push(el("span", { class: "muted" }, ` ${policy.redeploys_total} redeploys`));
   $("node-flags").replaceChildren(...flags);
+  const alerts = nodeAlerts(st);
+  $("node-alerts").hidden = !alerts.length;
+  $("node-alerts").replaceChildren(...alerts.map((line) => el("div", {}, line)));
+}
+
+// The node-wide states an operator must see first: the same lines as nodeagent/node_alerts.py.
+function nodeAlerts(st) {
+  const lines = [];
+  if (st.isolated) lines.push(`ISOLATED: ${st.isolated} — its NPU users stay stopped until \`nodeagentctl uncordon\``);
+  const rung = (st.recovery || {}).rung;
+  if (rung) {
+    const chips = (rung.chips || []).join(", ");
+    const on = chips ? ` of npu ${chips}` : "";
+    if (rung.step === "failed") {
+      lines.push(`CHIP RESET FAILED${on}: ${rung.why} — the NPU users stay stopped; the ladder judges again after ` +
+        "its pause (another reset, or isolation)");
+    } else {
+      lines.push(`CHIP RESET IN PROGRESS${on} (step ${rung.step}): ${rung.why} — every NPU user here is stopped, ` +
+        "its groups drained");
+    }
+  }
+  return lines;
 }
 
 function componentNote(c) {
