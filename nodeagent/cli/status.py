@@ -125,7 +125,8 @@ def cluster_view(api: Client) -> dict[str, Any]:
 
 def member_key_status(member: dict[str, Any]) -> dict[str, Any]:
     """A member key in the shape of GET /status (what it does not say is absent or null)."""
-    comps = {name: {"state": (c or {}).get("state"), "pid": (c or {}).get("pid"), "ready": bool((c or {}).get("ready"))}
+    comps = {name: {"state": (c or {}).get("state"), "pid": (c or {}).get("pid"), "ready": bool((c or {}).get("ready")),
+                    "held": ((c or {}).get("hold") or {}).get("reason"), "hold": (c or {}).get("hold")}
              for name, c in (member.get("components") or {}).items()}  # fmt: skip
     return {"node": {"name": member.get("name"), "role": member.get("role"), "ip": member.get("ip"),
                      "group": member.get("group")},
