@@ -246,7 +246,7 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout
         config = member_config(text, node, tmp, name)
         host = SimHost(config, tmp / name / node)
         membership = Membership(config, host)
-        host.listeners.append(membership.changed)
+        host.listeners.append(membership.status_changed)
         coordinator = Coordinator(config, host, membership, operations=False)
         agent = SimAgent(node, host, membership, coordinator)
         if rollout:

@@ -156,7 +156,7 @@ class Agent:
         from nodeagent.cluster.recovery import RecoveryFollower
 
         self.membership = Membership(self.config, self.supervisor)
-        self.supervisor.on_state_change.append(self.membership.changed)
+        self.supervisor.on_state_change.append(self.membership.status_changed)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
         RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
         self._start_pd_watches()

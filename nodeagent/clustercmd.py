@@ -142,11 +142,12 @@ def remote_status(view: dict[str, Any], name: str) -> tuple[str, dict[str, Any],
 def format_member_status(member: dict[str, Any], reason: str) -> str:
     lines = [f"node {member.get('name')} ({member.get('role')}) · {member.get('ip')} · agent {member.get('version')}",
              f"from its member key in etcd, written {_age(member.get('age_s'))} ago — {reason}", ""]
-    rows = [("COMPONENT", "STATE", "PID", "READY")]
+    rows = [("COMPONENT", "STATE", "PID", "READY", "NOTE")]
     for name, c in (member.get("components") or {}).items():
         c = c or {}
-        rows.append((name, str(c.get("state")), str(c.get("pid") or "-"), "yes" if c.get("ready") else "no"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((name, str(c.get("state")), str(c.get("pid") or "-"), "yes" if c.get("ready") else "no",
+                     str((c.get("hold") or {}).get("reason") or "")))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
 

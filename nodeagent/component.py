@@ -12,7 +12,8 @@ operator commands are handled strictly in order and never race each other.
 
 The component decides nothing about policy: it asks its host (`ComponentHost`, below) whether it may start,
 how to launch, and what a failure means, and reports what it observes. It owns its data: the host reads it and
-changes it only through the methods here (`reconfigure`, `refresh_record`, `attach_prober`, `restore_history`).
+changes it only through the methods here (`reconfigure`, `refresh_record`, `attach_prober`, `restore_history`,
+`scanned_clean`, `record_load`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from nodeagent.component_status import component_status
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, classify, exit_text
 from nodeagent.host import Clock, Process, StartHeld
-from nodeagent.loadtime import LOADS_KEPT
+from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
@@ -202,6 +203,17 @@ class Component:
         """Probe this process with `prober` (None: no longer probed); returns the previous one, to stop it."""
         old, self.prober = self.prober, prober
         return old
+
+    def scanned_clean(self) -> None:
+        """A scan found nothing of its last process alive: the next start may skip the scan (not while one runs)."""
+        self.stopped_cleanly = self.stopped_cleanly or self.proc is None
+
+    def record_load(self, now: float) -> float | None:
+        """This launch's time from start to up, kept with the last few (`loadtime`); None: its start is unknown."""
+        if not self.started_at:
+            return None
+        self.loads = remember(self.loads, now - self.started_at)
+        return self.loads[-1]
 
     def restore_history(self, saved: dict[str, Any]) -> None:
         """Restart count, last exit and failure as the previous agent left them."""

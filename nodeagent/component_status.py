@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nodeagent.loadtime import load_status
-from nodeagent.states import State
+from nodeagent.states import RESTART_CAUSES, State
 
 Component = Any
 """A `nodeagent.component.Component` (not imported: it imports this module)."""
@@ -18,6 +18,12 @@ def loading_for(comp: Component, now: float) -> float | None:
     return now - comp.started_at
 
 
+def by_cause(counts: dict[str, int]) -> dict[str, int]:
+    """In `RESTART_CAUSES` order (a cause recorded by another version last), as status and the table show them."""
+    order = {cause: i for i, cause in enumerate(RESTART_CAUSES)}
+    return dict(sorted(counts.items(), key=lambda item: order.get(item[0], len(order))))
+
+
 def component_status(comp: Component, now: float) -> dict[str, Any]:
     failure = comp.failure
     return {
@@ -28,7 +34,7 @@ def component_status(comp: Component, now: float) -> dict[str, Any]:
         "ready_blockers": dict(comp.ready_blockers),
         "up": comp.up.is_set(),
         "restarts": comp.restarts,
-        "restarts_by_cause": dict(comp.restarts_by_cause),
+        "restarts_by_cause": by_cause(comp.restarts_by_cause),
         "started_at": comp.started_at if comp.record else None,
         "uptime_s": round(now - comp.started_at, 1) if comp.started_at and comp.record else None,
         "last_exit": comp.last_exit,

@@ -27,7 +27,6 @@ from nodeagent.failure import Failure
 from nodeagent.graph import start_order
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
-from nodeagent.loadtime import remember
 from nodeagent.nodeport import NodePort
 from nodeagent.output_tail import read_tail
 from nodeagent.policy import RestartDecision, restarts_with
@@ -185,8 +184,8 @@ class Supervisor(NodePort):
                     raise StartHeld(f"NPUs not free: {outcome.detail} — not ours, never signalled")
                 raise LaunchError(f"no clean slate on the NPUs: {outcome.detail}")
             self.events.emit("residue_failed", outcome.detail, comp.name, "warning")
-        if scan and not comp.running:
-            comp.stopped_cleanly = True  # scanned and nothing of ours survives: the next start need not scan again
+        if scan:
+            comp.scanned_clean()
 
     # `inside`: the node's container (container_mode.ContainerMode) for a component that runs in it; it launches
     # through the engine's exec, watches and stops by host PID, and signals nothing outside the container.
@@ -271,10 +270,10 @@ class Supervisor(NodePort):
         if not comp.adopted:
             # An adopted process is the run that was already going: its stability clock carries on.
             self.trackers[comp.name].record_start(now)
-            if comp.started_at:
-                comp.loads = remember(comp.loads, now - comp.started_at)
+            seconds = comp.record_load(now)
+            if seconds is not None:
                 for callback in self.on_load:
-                    callback(comp.name, comp.kind, comp.loads[-1])
+                    callback(comp.name, comp.kind, seconds)
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
 

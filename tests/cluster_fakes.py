@@ -510,7 +510,9 @@ class FakeStack:
         sections: dict[str, Any] = {}
         for layer in self.layers:
             sections.update(layer.status_section())
-        comps = {n: {"state": c.state, "pid": c.pid, "ready": c.ready} for n, c in self.components.items()}
+        comps = {n: {"state": c.state, "pid": c.pid, "ready": c.ready,
+                     "hold": c.hold.to_dict() if c.hold is not None and c.pid is None else None}
+                 for n, c in self.components.items()}  # fmt: skip
         return {"paused": self.paused, "components": comps, **sections}
 
 
@@ -628,7 +630,7 @@ class World:
         if stack is None:
             stack = self.stacks[name] = FakeStack(config, self.clock, lambda: self.store.reachable)
         membership = Membership(config, stack, self.store, clock=self.clock)  # type: ignore[arg-type]
-        stack.listeners.append(membership.changed)
+        stack.listeners.append(membership.status_changed)
         if self.proxy is None and "proxy" in stack.components:
             from nodeagent.layout import cluster_layout
 

@@ -346,6 +346,27 @@ def test_status_heads_with_an_isolation_or_a_chip_reset() -> None:
         "CHIP RESET FAILED of npu 3: chip reset failed at verify")
 
 
+def test_status_table_says_what_the_restarts_were_for() -> None:
+    """issue 17: in a gang restart the crashed rank showed RESTARTS 0 and its peer 1; the count by cause is in the
+    table (the same with --wide), in the agent's order of causes."""
+    from nodeagent.cli.status import format_status
+    from nodeagent.component_status import by_cause
+
+    assert list(by_cause({"gang": 2, "later": 1, "crash": 1})) == ["crash", "gang", "later"]
+    gang = by_cause({"gang": 2, "crash": 1})
+    comps = {"vllm": {"state": "ready", "pid": 7, "restarts": 3, "restarts_by_cause": gang},
+             "etcd": {"state": "ready", "pid": 8, "restarts": 0, "restarts_by_cause": {}},
+             "old": {"state": "ready", "pid": 9, "restarts": 2}}  # fmt: skip
+    for text in (format_status({"node": {}, "agent": {}, "components": comps}, now=0.0, wide=wide)
+                 for wide in (False, True)):  # fmt: skip
+        lines = text.splitlines()
+        header = next(ln for ln in lines if ln.startswith("COMPONENT"))
+        column = header.index("RESTARTS")
+        rows = [ln for ln in lines if ln.split()[:1] in (["vllm"], ["etcd"], ["old"])]
+        cells = {ln.split()[0]: ln[column:].split("  ")[0] for ln in rows}
+        assert cells == {"vllm": "3 (crash 1, gang 2)", "etcd": "0", "old": "2"}, text
+
+
 class ClusterOf:
     """The local agent's GET /cluster answer, as `nodeagentctl --node N status` reads it."""
 
@@ -377,6 +398,11 @@ def test_remote_status_json_has_the_local_shape(agent: RunningAgent, capsys: pyt
     assert "loopback" in keyed["remote"]["reason"] and keyed["remote"]["member"] == member
     assert keyed["components"] == {"a": {"state": "running", "pid": 7, "ready": True}}
     assert keyed["node"]["name"] == "tiny" and keyed["agent"]["version"] == "0.1.0"
+    hold = {"kind": "foreign_holder", "reason": "port 8080 in use by pid 42 (nc)", "resolves_itself": False}
+    member["components"]["a"] = {"state": "stopped", "pid": None, "ready": False, "hold": hold}
+    assert _remote_status(ClusterOf({"members": [member]}), "tiny", True, False) == 0  # type: ignore[arg-type]
+    keyed = json.loads(capsys.readouterr().out)["components"]["a"]
+    assert keyed["held"] == hold["reason"] and keyed["hold"] == hold, "why it waits, as the local status says it"
 
 
 def test_the_cluster_table_shows_a_cluster_pause() -> None:

@@ -138,6 +138,8 @@ async def test_a_rank_that_died_unwatched_is_cleaned_before_its_node_arrives_at_
     await world.until("n3 says why it does not arrive", lambda: world.stacks["n3"].events_of("barrier_held"), 60)
     held = world.stacks["n3"].events_of("barrier_held")
     assert len(held) == 1 and "port 43001 in use by pid 4242" in held[0]["message"]
+    await world.until("n3's rank held", lambda: n3.hold is not None and "port 43001" in n3.hold.reason)
+    assert n3.hold.resolves_itself is False, "a stranger on its port goes only when someone acts (--wait ends)"
     await world.advance(60)
     gs = world.gang("n2", "p1")
     assert gs.acted == 2 and "n3" not in gs.arrivals, "n3 never said it was stopped"

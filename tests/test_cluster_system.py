@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 from apihelpers import tiny_config, write_config
 from cluster_harness import ClusterHarness
-from conftest import LocalAgent, wait_for
+from conftest import LocalAgent, free_port, wait_for
 from etcdserver import EtcdServer
 
 pytestmark = pytest.mark.system
@@ -159,3 +161,43 @@ def test_without_cluster_nodes_the_agent_loads_no_etcd_client(tmp_path: Path) ->
         assert "cluster" not in status
     finally:
         agent.cleanup()
+
+
+def test_a_group_wait_ends_early_on_a_peer_rank_held_by_a_stranger(tmp_path: Path, etcd: EtcdServer) -> None:
+    """issue 17: `restart vllm --wait` on a rank of a two-node group follows the group through the member keys,
+    which carried no holds: with a stranger on the other rank's port it waited out --timeout without a word. The
+    keys carry each component's hold now; the wait shows it, names the node and rank, and ends early (exit 1)."""
+    harness = ClusterHarness(tmp_path, etcd.endpoint, ["n0", "n1"])
+    harness.data["cluster"]["vllm_groups"] = [{"name": "p0", "nodes": ["n0", "n1"],
+                                               "data_parallel_rpc_port": free_port()}]  # fmt: skip
+    port = harness.node("n0")["components"]["vllm"]["port"]  # the head's API port (a headless rank binds none)
+    stranger = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for("the stranger listening", lambda: f":{port:04X} " in Path("/proc/net/tcp").read_text(), 10)
+        harness.start()
+        harness.wait_members("n1", {"n0", "n1"})
+
+        def held() -> dict | None:
+            rows = {m["name"]: m for m in harness.cluster("n1")["members"]}
+            hold = (rows.get("n0") or {}).get("components", {}).get("vllm", {}).get("hold") or {}
+            return hold if f"pid {stranger.pid}" in hold.get("reason", "") else None
+
+        # a rank not yet seen to stop whole is cleaned before its node arrives at the barrier: that is held
+        hold = wait_for("n0's vLLM held by the stranger, in its member key", held, 90, interval=0.5)
+        assert hold["resolves_itself"] is False and f"port {port} in use" in hold["reason"], hold
+        for where, args in (("n1", ()), ("n0", ("--node", "n1"))):  # the local rank's wait, and a remote one
+            began = time.monotonic()
+            out = harness.ctl(where, *args, "restart", "vllm", "--wait", "--timeout", "60", timeout=90)
+            took = time.monotonic() - began
+            assert out.returncode == 1, (where, out.returncode, out.stdout, out.stderr)
+            error = out.stderr.strip().splitlines()[-1]
+            assert error.startswith("nodeagentctl: n0/vllm restart held: group p0 generation"), out.stderr
+            assert f"port {port} in use" in error and f"pid {stranger.pid}" in error, error
+            assert "will not resolve this by itself" in error, error
+            assert "waiting for group p0's generation" in out.stderr and "vllm stopped (held: " in out.stderr
+            assert took < 30, f"ended early, not at the timeout ({took:.1f}s)"
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+        harness.cleanup()

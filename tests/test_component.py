@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -419,6 +420,43 @@ async def test_every_gate_is_asked_and_the_earliest_hold_wins(tmp_path: Path) ->
         await stop(r)
 
 
+async def test_a_rank_waiting_at_a_barrier_logs_on_change_then_once_a_minute(tmp_path: Path) -> None:
+    """issue 17: a component waiting at a start barrier logged a line a second (a node waiting 30 min for its
+    peers wrote 1,800). Five minutes at the barrier log ~6 lines; a change of who is missing logs at once; status
+    shows the wait as it grows."""
+    r = await rig(tmp_path)
+    try:
+        layer = FakeLayer()
+        r.sup.attach(layer)
+        b = r.sup.components["b"]
+        began = r.clock.now
+
+        def at_barrier(missing: tuple[str, ...] = ("n1",)) -> list[Hold]:
+            waited = r.clock.now - began
+            return [Hold(HoldKind.BARRIER, f"group g1 generation 2: waiting {waited:.0f}s at the start barrier for "
+                         f"{', '.join(missing)}", data={"group": "g1", "generation": 2, "missing": list(missing)})]
+
+        layer.holds = at_barrier()
+        r.sup.restart(["b"], "gang g1 generation 2", planned=False)
+        await until("at the barrier", lambda: b.proc is None and b.hold is not None and "waiting 0s" in b.hold.reason)
+        for second in range(1, 301):
+            r.clock.advance(1)
+            layer.holds = at_barrier()
+            r.sup.wake()
+            await until(f"{second}s", lambda s=second: f"waiting {s}s " in (b.held or ""))
+        def logged() -> list[str]:
+            return [m for m in r.events("held") if "at the start barrier" in m]
+
+        assert [m.split(": waiting ")[-1].split("s ")[0] for m in logged()] == ["0", "60", "120", "180", "240", "300"]
+        assert "waiting 300s at the start barrier" in r.sup.status()["components"]["b"]["held"]
+        layer.holds = at_barrier(("n1", "n2"))
+        r.sup.wake()
+        await until("who is missing changed", lambda: len(logged()) == 7)
+        assert logged()[-1].endswith("waiting 300s at the start barrier for n1, n2")
+    finally:
+        await stop(r)
+
+
 async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: Path) -> None:
     """The cluster layer arrives at a start barrier once every local rank is stopped: the view must not say
     stopped while the old tree still dies (once the record went before the stop was awaited)."""
@@ -502,6 +540,39 @@ async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_
         await stop(r)
 
 
+async def adopted_by_a_new_agent(r: Rig) -> tuple[Supervisor, Rig]:
+    """The agent goes (a detach: an upgrade), its processes stay, and a new agent adopts them."""
+    await r.sup.shutdown(detach=True)
+    again = Supervisor(r.sup.config, EventBus(), r.clock)
+    r2 = Rig(again, r.clock)
+    r2.live = r.live
+
+    async def adopt(comp: Any, record: ProcessRecord) -> Process:
+        proc = r.live[comp.name]
+        return Process(record, proc.exited, output="adopted", extra={"adopted": True})
+
+    again.adopt = adopt  # type: ignore[method-assign]
+    await again.start()
+    return again, r2
+
+
+async def test_an_adopted_process_says_how_long_it_has_run_not_a_load_time(tmp_path: Path) -> None:
+    """issue 17: "up after 835.3s" after an adoption read as a load of 835 s. An adopted process says how long it
+    has been running, and its start is not timed as a load."""
+    r = await rig(tmp_path)
+    loads = list(r.sup.components["b"].loads)
+    r.clock.advance(835.3)
+    again, _ = await adopted_by_a_new_agent(r)
+    try:
+        await until("adopted and up", lambda: again.components["b"].up.is_set())
+        ups = [e.message for e in again.events.recent if e.event == "state" and e.component == "b"
+               and e.data.get("state") == "running"]  # fmt: skip
+        assert len(ups) == 1 and re.fullmatch(r"adopted, up \(running for 83[5-9] s\)", ups[0]), ups
+        assert again.components["b"].loads == loads, "its start was not ours to time"
+    finally:
+        await again.shutdown()
+
+
 async def test_a_crash_loop_clears_after_a_stable_run_across_an_adoption(tmp_path: Path) -> None:
     """issue 17: 'crash loop' after two kill -9s stayed for 12+ minutes through an adoption. It clears once the
     run has been healthy for stable_after_s (600 s here), and an adoption does not restart that clock."""
@@ -513,17 +584,7 @@ async def test_a_crash_loop_clears_after_a_stable_run_across_an_adoption(tmp_pat
     assert r.sup.trackers["b"].crash_loop
     await until("healthy", lambda: r.sup.trackers["b"].healthy_since is not None)
     r.clock.advance(400)
-    await r.sup.shutdown(detach=True)  # the agent goes (an upgrade); the process stays and is adopted
-    again = Supervisor(r.sup.config, EventBus(), r.clock)
-    r2 = Rig(again, r.clock)
-    r2.live = r.live
-
-    async def adopt(comp: Any, record: ProcessRecord) -> Process:
-        proc = r.live[comp.name]
-        return Process(record, proc.exited, output="adopted", extra={"adopted": True})
-
-    again.adopt = adopt  # type: ignore[method-assign]
-    await again.start()
+    again, r2 = await adopted_by_a_new_agent(r)
     try:
         await until("adopted and up", lambda: again.components["b"].up.is_set())
         tracker = again.trackers["b"]

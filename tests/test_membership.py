@@ -274,3 +274,43 @@ def test_etcd_keys_are_validated_with_file_line_and_key(tmp_path: Path) -> None:
     assert f"cluster.etcd_tls.cert_file: no such file: {tmp_path}" in message
     assert "c.yaml:5: cluster.etcd_auth.password_file: Field required" in message
     assert "c.yaml:6: cluster.member_ttl_s: Input should be greater than or equal to 2" in message
+
+
+async def test_a_hold_is_published_when_its_kind_changes_not_each_time_its_text_does(cluster: Any) -> None:
+    """issue 17: a peer's `--wait` ends early on a rank held by what its agent will not resolve, so the record
+    carries each component's hold. A rank at a barrier re-states its hold every 2 s ("waiting 34s…"): that text
+    alone waits for the next heartbeat (each state change wrote the key before, also one that changed nothing)."""
+    c = cluster(["n0", "n1"])
+    n0, n1 = c.join("n0"), c.join("n1")
+    await until("both", lambda: present(n0) == {"n0", "n1"})
+    host = c.hosts["n1"]
+
+    def seen() -> dict[str, Any]:
+        return n0.members["n1"].record["components"]["vllm"]  # type: ignore[no-any-return]
+
+    def hold(kind: str, reason: str, resolves_itself: bool = True) -> dict[str, Any]:
+        return {"state": "stopped", "pid": None, "ready": False,
+                "hold": {"kind": kind, "reason": reason, "operator_passes": False, "resolves_itself": resolves_itself,
+                         "data": {"group": "g-n1"}}}  # fmt: skip
+
+    host.components["vllm"] = hold("barrier", "waiting 0s at the start barrier")
+    n1.status_changed()
+    await until("the hold seen", lambda: seen().get("hold"))
+    assert seen()["hold"] == {"kind": "barrier", "reason": "waiting 0s at the start barrier", "resolves_itself": True}
+    writes = n1.writes
+    for waited in range(2, 8, 2):
+        host.components["vllm"] = hold("barrier", f"waiting {waited}s at the start barrier")
+        n1.status_changed()
+        await asyncio.sleep(0.4)
+    assert n1.writes == writes, "only the wait's text changed: no write until the heartbeat"
+    host.components["vllm"] = hold("foreign_holder", "port 8080 in use by pid 7 (nc)", resolves_itself=False)
+    n1.status_changed()
+    await until("the new kind seen at once", lambda: seen()["hold"]["kind"] == "foreign_holder", timeout=3)
+    assert seen()["hold"] == {"kind": "foreign_holder", "reason": "port 8080 in use by pid 7 (nc)",
+                              "resolves_itself": False}  # fmt: skip
+    assert n1.writes == writes + 1
+    n1.changed()  # a forced write (a fresh clock sample) carries the latest text whatever it is
+    await until("written", lambda: n1.writes == writes + 2, timeout=3)
+    host.components["vllm"] = {"state": "starting", "pid": 12}
+    n1.status_changed()
+    await until("the hold gone with a process", lambda: seen()["pid"] == 12 and "hold" not in seen(), timeout=3)

@@ -9,7 +9,9 @@ alone is skipped, saying so.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +27,7 @@ from vllm_standin.vllm import Metrics as VllmMetrics
 
 from nodeagent.metrics import AgentMetrics, tree_usage
 from nodeagent.process import tree_of
-from nodeagent.states import State
+from nodeagent.states import RESTART_CAUSES, State
 
 BURN = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
         "print('burnt', flush=True)\ntime.sleep(3600)")  # fmt: skip
@@ -112,6 +114,17 @@ async def test_component_series(stack: InProcess) -> None:
     assert value(text, "dsv4_component_restarts_total", component="b", kind="process") == 1.0
     assert value(text, "dsv4_component_start_time_seconds", component="b", kind="process") > started
     promtool_check(text)
+
+    # issue 17: one counter that means one thing: a crash and the operator's restart, each under its cause
+    os.kill(sup.components["b"].record.pid, signal.SIGKILL)
+    await stack.wait("b back after its crash", lambda: sup.components["b"].restarts == 2
+                     and sup.components["b"].up.is_set())  # fmt: skip
+    text = await scrape(stack)
+    causes = {cause: value(text, "dsv4_component_restarts_by_cause_total", component="b", kind="process", cause=cause)
+              for cause in RESTART_CAUSES}  # fmt: skip
+    assert causes == {cause: float(cause in ("crash", "operator")) for cause in RESTART_CAUSES}, causes
+    assert sum(causes.values()) == value(text, "dsv4_component_restarts_total", component="b", kind="process")
+    assert value(text, "dsv4_component_restarts_by_cause_total", component="a", kind="process", cause="crash") == 0
 
     status, _ = await stack.post("/components/tree/stop")
     await stack.wait_states({"tree": {"stopped"}})

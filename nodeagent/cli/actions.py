@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nodeagent.cli.agentconfig import Client, connect, is_local_node
@@ -18,7 +19,7 @@ from nodeagent.cli.common import (
     CliError,
     error_text,
 )
-from nodeagent.cli.groupwait import GroupWait, component_of, group_of, group_progress
+from nodeagent.cli.groupwait import GroupWait, component_of, followed, group_of, group_progress
 from nodeagent.cli.status import cluster_view
 
 
@@ -66,18 +67,20 @@ STUCK_S = 3.0
 
 
 class StuckHolds:
-    """Remembers since when each component has shown a hold that does not resolve itself."""
+    """Remembers since when each component (`name`, or `node/name` through a member key) has shown a hold that
+    does not resolve itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.since: dict[tuple[str, str], float] = {}
+        self.clock = clock
 
     def check(self, name: str, comp: dict[str, Any], action: str) -> None:
         hold = comp.get("hold") or {}
         if not hold or hold.get("resolves_itself", True) or comp.get("pid") is not None:
             self.since = {k: v for k, v in self.since.items() if k[0] != name}
             return
-        first = self.since.setdefault((name, str(hold.get("kind"))), time.monotonic())
-        if time.monotonic() - first >= STUCK_S:
+        first = self.since.setdefault((name, str(hold.get("kind"))), self.clock())
+        if self.clock() - first >= STUCK_S:
             raise CliError(f"{name} {action} held: {hold.get('reason')} — the agent will not resolve this by itself; "
                            f"the start follows once it is gone ({hold.get('kind')})")  # fmt: skip
 
@@ -128,12 +131,25 @@ def _group_wait_for(client: Client, node: str, args: argparse.Namespace, remote:
     return group or (component_of(view, node, args.component, args.action) if remote else None)
 
 
-def _wait_group(client: Client, wait: GroupWait, timeout: float) -> int:
+def group_waiter(wait: GroupWait, action: str, stuck: StuckHolds) -> Callable[[dict[str, Any]], tuple[str | None, str]]:
+    """progress(view) for `_poll`: where the group is, or done; raises CliError on a failed rank or on a hold that
+    does not resolve itself, on whichever node (as the local wait does)."""
+
+    def progress(view: dict[str, Any]) -> tuple[str | None, str]:
+        if not wait.stop:
+            for name, comp in followed(wait, view).items():
+                stuck.check(name, comp, action)
+        return group_progress(wait, view)
+
+    return progress
+
+
+def _wait_group(client: Client, wait: GroupWait, action: str, timeout: float) -> int:
     what = (f"group {wait.group}'s generation {wait.generation}" if wait.group
             else f"{wait.nodes[0]}/{next(iter(wait.before[wait.nodes[0]]))} (through its member key)")  # fmt: skip
     print(f"  waiting for {what}" + (f" on {', '.join(wait.nodes)}" if wait.group else ""), file=sys.stderr)
     began = time.monotonic()
-    result = _poll(lambda: cluster_view(client), what, lambda view: group_progress(wait, view), timeout)
+    result = _poll(lambda: cluster_view(client), what, group_waiter(wait, action, StuckHolds()), timeout)
     print(f"{result} after {time.monotonic() - began:.1f}s")
     return 0
 
@@ -155,7 +171,7 @@ def _remote_component(client: Client, args: argparse.Namespace) -> int:
     code = int(data.get("code", 0 if status == 200 else EXIT_FAILED))
     print(data["message"], file=sys.stdout if code == 0 else sys.stderr)
     if code == 0 and group is not None:
-        return _wait_group(client, group, args.timeout)
+        return _wait_group(client, group, args.action, args.timeout)
     return code
 
 
@@ -180,7 +196,7 @@ def cmd_component(args: argparse.Namespace) -> int:
         print(f"{args.action} {args.component}: accepted" + (f" — {message}" if message else ""))
         return 0
     if group is not None:
-        return _wait_group(client, group, args.timeout)
+        return _wait_group(client, group, args.action, args.timeout)
     began = time.monotonic()
     result = _wait(client, f"{args.component} to {args.action}", _component_waiter(args.component, args.action, before),
                    args.timeout)  # fmt: skip

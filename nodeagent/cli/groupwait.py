@@ -2,7 +2,8 @@
 
 A restart of one rank of a multi-node vLLM group is a new generation of the whole group: the wait ends when every
 rank of every node of the group runs a new process, ready, for that generation. Another node's component that is
-not such a rank: when it runs a new process, ready (or, for a stop, none)."""
+not such a rank: when it runs a new process, ready (or, for a stop, none). A member key carries each component's
+hold: the wait shows it, and ends early on one the agent will not resolve by itself, as the local wait does."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ def component_of(view: dict[str, Any], node: str, component: str, action: str) -
     return GroupWait(None, (node,), 0, {node: {component: _comp(row, component).get("pid")}}, action == "stop")
 
 
+def followed(wait: GroupWait, view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`node/component` → its member record's entry, for every component the wait follows (a node without an
+    agent: none). Each carries its hold, which `actions.StuckHolds` judges as the local wait does."""
+    rows = _rows(view)
+    out = {}
+    for node in wait.nodes:
+        row = rows.get(node)
+        if row is None or not row.get("present", True):
+            continue
+        ranks = _gang(row, wait.group).get("ranks") if wait.group else None
+        out.update({f"{node}/{c}": _comp(row, c) for c in ranks or wait.before.get(node, {})})
+    return out
+
+
 def group_progress(wait: GroupWait, view: dict[str, Any]) -> tuple[str | None, str]:
     """(the done message or None, a one-line summary of where the group is). Raises CliError when a rank failed."""
     rows = _rows(view)
@@ -87,7 +102,8 @@ def group_progress(wait: GroupWait, view: dict[str, Any]) -> tuple[str | None, s
             else:
                 ok = generation >= wait.generation and gang.get("released") and comp.get("ready") and fresh
             done = done and bool(ok)
-            states.append(f"{c} {comp.get('state', '?')}")
+            held = (comp.get("hold") or {}).get("reason") if comp.get("pid") is None else None
+            states.append(f"{c} {comp.get('state', '?')}" + (f" (held: {held})" if held else ""))
         if wait.group is None:
             parts.append(f"{node}: {', '.join(states)}")
             continue

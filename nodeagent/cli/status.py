@@ -28,6 +28,12 @@ def _last_exit(exit_info: dict[str, Any] | None, now: float, wide: bool = False)
     return f"{human_duration(now - at)} ago: {text}" if isinstance(at, int | float) else text
 
 
+def _restarts(comp: dict[str, Any]) -> str:
+    """`3 (crash 1, gang 2)`: the total, and what it was for when the agent says (its order: `RESTART_CAUSES`)."""
+    by_cause = ", ".join(f"{cause} {n}" for cause, n in (comp.get("restarts_by_cause") or {}).items() if n)
+    return f"{comp.get('restarts', 0)}" + (f" ({by_cause})" if by_cause else "")
+
+
 def _note(comp: dict[str, Any], wide: bool = False) -> str:
     notes = []
     if comp.get("desired") == "stopped":
@@ -110,7 +116,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",
-                     str(comp.get("restarts", 0)), human_duration(comp.get("uptime_s")),
+                     _restarts(comp), human_duration(comp.get("uptime_s")),
                      _last_exit(comp.get("last_exit"), now, wide), _note(comp, wide)))  # fmt: skip
     return "\n".join([head, *flags, "", *table(rows)])
 
@@ -126,8 +132,11 @@ def cluster_view(api: Client) -> dict[str, Any]:
 
 def member_key_status(member: dict[str, Any]) -> dict[str, Any]:
     """A member key in the shape of GET /status (what it does not say is absent or null)."""
-    comps = {name: {"state": (c or {}).get("state"), "pid": (c or {}).get("pid"), "ready": bool((c or {}).get("ready"))}
-             for name, c in (member.get("components") or {}).items()}  # fmt: skip
+    comps = {}
+    for name, c in (member.get("components") or {}).items():
+        c = c or {}
+        hold = {"held": c["hold"].get("reason"), "hold": c["hold"]} if c.get("hold") else {}
+        comps[name] = {"state": c.get("state"), "pid": c.get("pid"), "ready": bool(c.get("ready")), **hold}
     return {"node": {"name": member.get("name"), "role": member.get("role"), "ip": member.get("ip"),
                      "group": member.get("group")},
             "agent": {"version": member.get("version")}, "components": comps}  # fmt: skip

@@ -16,7 +16,7 @@ from nodeagent.cluster import rules
 from nodeagent.cluster.gang import GangState
 from nodeagent.cluster.store import KV, StoreError
 from nodeagent.errors import AgentError
-from nodeagent.host import Clock
+from nodeagent.host import Clock, StartHeld
 from nodeagent.stackport import Hold, HoldKind, NodeView, StackPort
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ class StartBarrier:
             try:
                 await self.port.clean(name, "start", f"gang {gs.group.name} generation {gs.acted}: before arriving")
             except AgentError as exc:
+                # a stranger on the rank's port (StartHeld) goes only when someone acts: a peer's --wait ends on it
+                gs.unclean_settles = not isinstance(exc, StartHeld)
                 if gs.unclean != str(exc):
                     gs.unclean = str(exc)
                     self.port.emit("barrier_held", f"group {gs.group.name} generation {gs.acted}: not arriving at "
@@ -108,7 +110,8 @@ class StartBarrier:
         if gs.arrived_for != gs.acted:
             if gs.unclean:
                 return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: not arriving at the start "
-                            f"barrier before its residue is cleaned: {gs.unclean}")  # fmt: skip
+                            f"barrier before its residue is cleaned: {gs.unclean}",
+                            resolves_itself=gs.unclean_settles)  # fmt: skip
             return Hold(HoldKind.BARRIER, f"group {name} generation {gs.acted}: about to arrive at the start barrier")
         waited = self._waited(gs)
         state = rules.barrier_state(gs.group.nodes, gs.arrivals, waited, BARRIER_TIMEOUT_S)

@@ -35,6 +35,8 @@ class GangState:
     """The generation each local rank was last seen running in: a rank runs once per generation."""
     unclean: str | None = None
     """Why a local rank's residue could not be cleaned before arriving (last said)."""
+    unclean_settles: bool = True
+    """False when that is a process not ours (on its port, its NPUs): only someone outside the agent ends it."""
 
     @property
     def multi(self) -> bool:

@@ -2,8 +2,9 @@
 
 Keys (`/dsv4-agent/<cluster>/`):
 - `nodes/<name>`: this node's member record (JSON, `member_record`) on its lease: a dead agent's key is gone
-  after at most `cluster.member_ttl_s`. Written on every state change (bursts coalesced to one write per
-  `MIN_WRITE_INTERVAL_S`) and every `cluster.member_heartbeat_s` (fresh clock samples).
+  after at most `cluster.member_ttl_s`. Written on every change the others must see (`steady`: a component's
+  state, pid, readiness, the kind of its hold; bursts coalesced to one write per `MIN_WRITE_INTERVAL_S`) and every
+  `cluster.member_heartbeat_s` (fresh clock samples, and a hold's latest text).
 - `duplicates/<name>/<instance>`: an agent that finds `nodes/<name>` held by another agent (another host or
   state folder) does not overwrite it: it writes its record here, peers report a duplicate name, and it claims
   the key again once the holder's lease has expired. Its own previous incarnation (same host and state folder,
@@ -153,13 +154,32 @@ def _load_brief(comp: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _hold_brief(comp: Mapping[str, Any]) -> dict[str, Any]:
+    """Why a component without a process waits to start, as a peer's `--wait` needs it: whether it ends by itself
+    (a `restart --wait` elsewhere ends early on one that does not), and what it is."""
+    hold = comp.get("hold")
+    if not hold:
+        return {}
+    return {"hold": {"kind": hold.get("kind"), "reason": hold.get("reason"),
+                     "resolves_itself": bool(hold.get("resolves_itself", True))}}  # fmt: skip
+
+
 def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity: Identity,
                   wall_clock: float) -> dict[str, Any]:  # fmt: skip
-    comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready"), **_load_brief(c)}
-             for n, c in status.get("components", {}).items()}  # fmt: skip
+    comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready"), **_load_brief(c),
+                 **_hold_brief(c)} for n, c in status.get("components", {}).items()}  # fmt: skip
     return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
             "gangs": status.get("gangs") or {}, "agent": identity.to_dict(),
             "isolated": status.get("isolated"), "kv_transfers": status.get("kv_transfers") or []}  # fmt: skip
+
+
+def steady(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a record must reach the others at once: all but its clock sample and the text of a hold whose
+    kind stays (a barrier's or a backoff's reason counts seconds; the next heartbeat carries it). A hold that
+    appears, changes kind or ends is published within `MIN_WRITE_INTERVAL_S`."""
+    comps = {n: {**c, "hold": {k: v for k, v in c["hold"].items() if k != "reason"}} if c.get("hold") else c
+             for n, c in (record.get("components") or {}).items()}  # fmt: skip
+    return {**{k: v for k, v in record.items() if k != "wall_clock"}, "components": comps}
 
 
 # ---- the view of the others -----------------------------------------------------------------------------------
@@ -199,7 +219,12 @@ class Membership:
         self._owned_rev: int | None = None
         self._dup_key: str | None = None
         self._dirty = asyncio.Event()
+        self._force = False
+        """Write even a record that reads the same (a re-granted lease, a lost key, a fresh clock sample)."""
+        self._published: dict[str, Any] | None = None
+        """The record our key holds (as last written by us); None: none known to."""
         self._last_write = 0.0
+        self._beat_due = 0.0
         self.tasks = TaskSet()
         self._lease: Any = None
         self._recheck_timer: asyncio.Task[None] | None = None
@@ -246,7 +271,13 @@ class Membership:
             await self.store.close()
 
     def changed(self) -> None:
-        """Something in the record may have changed: write it soon (bursts coalesce)."""
+        """Write the record soon, even if it reads the same (bursts coalesce)."""
+        self._force = True
+        self._dirty.set()
+
+    def status_changed(self) -> None:
+        """The node's state changed: write the record soon if what the others must see changed (`steady`): a
+        rank at a barrier re-states its hold every 2 s, which wrote the key every 2 s."""
         self._dirty.set()
 
     def update_config(self, config: Config) -> None:
@@ -259,29 +290,40 @@ class Membership:
     # ---- writing our record ---------------------------------------------------------------------------------
     async def _publish(self) -> None:
         while True:
-            # jittered ±20 %: agents started together (a cluster cold start) would otherwise beat in step, and
-            # every beat is a write every other agent's watch receives — N² events in one burst
-            heartbeat = self.config.cluster.member_heartbeat_s * random.uniform(0.8, 1.2)
-            await self.clock.wait(self._dirty, heartbeat)
+            await self.clock.wait(self._dirty, self._beat_due - self.clock.monotonic())
             wait = self._last_write + MIN_WRITE_INTERVAL_S - self.clock.monotonic()
             if wait > 0:
                 await self.clock.sleep(wait)
             self._dirty.clear()
-            self._last_write = self.clock.monotonic()
+            record = member_record(self.static, self.host.status(), self.identity, self.clock.time())
+            now = self.clock.monotonic()
+            if (not self._force and now < self._beat_due and self._published is not None
+                    and steady(self._published) == steady(record)):  # fmt: skip
+                continue
+            self._last_write = now
+            # jittered ±20 %: agents started together (a cluster cold start) would otherwise beat in step, and
+            # every beat is a write every other agent's watch receives — N² events in one burst
+            self._beat_due = now + self.config.cluster.member_heartbeat_s * random.uniform(0.8, 1.2)
+            self._force = False
             try:
                 if self._lease.id is None and not await self._lease.wait_granted(RETRY_S):
                     raise StoreUnavailable("no lease yet")
-                await self._write(member_record(self.static, self.host.status(), self.identity, self.clock.time()))
+                self._published = record if await self._write(record) else None
             except StoreError as exc:
                 logger.debug(f"membership: write deferred: {exc}")
-                self._dirty.set()
+                self._retry_soon()
                 await self.clock.sleep(RETRY_S)
             except Exception:  # a bug must not end membership (the key would expire): log, retry
                 logger.exception("membership: writing the member record failed")
-                self._dirty.set()
+                self._retry_soon()
                 await self.clock.sleep(RETRY_S)
 
-    async def _write(self, record: dict[str, Any]) -> None:
+    def _retry_soon(self) -> None:
+        self._published = None
+        self.changed()
+
+    async def _write(self, record: dict[str, Any]) -> bool:
+        """Claim our key with this record; False when another agent holds it (written under `duplicates/`)."""
         import json
 
         value = json.dumps(record, separators=(",", ":"), default=str)
@@ -293,7 +335,7 @@ class Membership:
                 self.writes += 1
                 if self.conflict is not None or self._dup_key is not None:
                     await self._resolve_conflict()
-                return
+                return True
             current = result.current
             if current is None:
                 self._owned_rev = None  # our key expired meanwhile: claim it afresh
@@ -303,7 +345,8 @@ class Membership:
                 self._owned_rev = current.mod_revision  # ours (re-put after a re-grant) or our previous life
                 continue
             await self._report_conflict(holder, value)
-            return
+            return False
+        return False
 
     async def _report_conflict(self, holder: dict[str, Any], value: str) -> None:
         self._owned_rev = None
