@@ -306,3 +306,97 @@ async def test_a_new_image_recreates_each_members_container_between_the_stop_and
         assert any("recreating the container" in e.message for e in w.stacks["n2"].events.recent)
     finally:
         await w.close()
+
+
+PD_GROUPS = [
+    {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+    {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+    {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+    {"name": "d1", "kind": "decode", "nodes": ["n5"]},
+]
+
+
+def routed_files(world: World) -> set[str]:
+    """The files the processes of every group the proxy may route a request to run now."""
+    from nodeagent.layout import cluster_layout
+
+    assert world.proxy is not None
+    layout = cluster_layout(world.stacks["n0"].config)
+    files = set()
+    for kind in ("prefill", "decode"):
+        for endpoint in world.proxy.serving(kind):
+            group = next(g for g in layout.groups if endpoint in g.endpoints)
+            for proc in group.processes:
+                stack = world.stacks[proc.node]
+                if stack.components[proc.component].running:
+                    files.add(stack.launched[proc.component][-1])
+    return files
+
+
+async def test_an_incompatible_change_never_routes_old_and_new_groups_together(tmp_path: Path) -> None:
+    """Issue 20: "an incompatible prefill↔decode change cannot mix old and new groups". The pair p0 + d0 switches
+    first while p1 + d1 serve on the old file; as the pair rejoins, the proxy lets p1 and d1 go and adds the pair
+    only once it lists neither (a busy proxy keeps them, tainted and still used, until it is idle once); then p1 +
+    d1 switch, out of the proxy since. At no instant does the proxy route groups of the two files."""
+    w = World(tmp_path, [*NODES, "n5"], [dict(g) for g in PD_GROUPS], proxy=True, rollouts=True)
+    w.start()
+    try:
+        await w.until("every component of every node up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+        proxy = w.proxy
+        assert proxy is not None
+        old = cluster_file_hash(w.stacks["n0"].config)
+        w.install(lambda data: data["cluster"]["pd"].update(use_ascend_direct=False))
+        new = disk_hash(w)
+        mixed: list[tuple[float, set[str]]] = []
+        empty: list[float] = []
+
+        def watch(*_: Any) -> None:
+            files = routed_files(w)
+            if len(files) > 1:
+                mixed.append((w.clock.monotonic(), files))
+            if not proxy.serving("prefill") or not proxy.serving("decode"):
+                empty.append(w.clock.monotonic())
+
+        w.clock.on_tick.append(watch)
+        proxy.on_change.append(watch)
+        refused = await start(w, max_unavailable=2)
+        assert not refused["started"] and refused["exclusive"]
+        assert any("pass --allow-outage prefill,decode" in r for r in refused["refused"]), refused["refused"]
+        answer = await start(w, max_unavailable=2, allow_outage=["prefill", "decode"])
+        assert answer["started"], answer["refused"]
+        assert [s["groups"] for s in answer["steps"]] == [["p0", "d0"], ["p1", "d1"]]
+        await w.until("the pair gating", lambda: record(w).steps[0].phase == "gating", 120)
+        proxy.busy = True  # requests in flight when the pair is ready: p1 and d1 are only tainted
+        await w.until("the pair rejoining", lambda: record(w).steps[0].phase == "rejoining", 60)
+        await w.advance(30)
+        assert not mixed, f"the proxy routed groups of both files at once: {mixed[:3]}"
+        layout = w.agents["n0"].coordinator.layout
+        pair = set(layout.group("p0").endpoints) | set(layout.group("d0").endpoints)
+        rest = set(layout.group("p1").endpoints) | set(layout.group("d1").endpoints)
+        listed = proxy.routed["prefill"] | proxy.routed["decode"]
+        assert rest <= listed and not pair & listed, "the pair waits while p1 and d1 are still listed"
+        assert record(w).steps[0].phase == "rejoining" and record(w).steps[1].phase == "pending"
+        health = w.agents["n0"].coordinator.proxies[0].health
+        assert health["p0"].startswith("healthy; waiting for d1, p1 to leave the proxy first"), health
+        assert "never routed together" in health["p1"]
+        assert rr_view(w)["floor"] == "serving: prefill p1 (until the switch); decode d1 (until the switch)"
+        proxy.busy = False
+        gone_at = w.clock.monotonic()
+        proxy.idle()  # the proxy's idle moment: the tainted old ones are deleted
+        await w.until("the pair in the proxy", lambda: pair <= proxy.serving("prefill") | proxy.serving("decode"), 5)
+        assert w.clock.monotonic() - gone_at <= 0.5, "added within one fence poll of the old ones leaving"
+        await w.until("the rollout done", lambda: status(w, "n5") == "done", 300)
+        await w.until("every group back in", lambda: pair | rest <= proxy.serving("prefill") | proxy.serving("decode"),
+                      30)  # fmt: skip
+        assert not mixed, f"the proxy routed groups of both files at once: {mixed[:3]}"
+        switch = [t for t in empty if t >= gone_at]
+        assert switch and max(switch) - gone_at <= 0.5, "no group in the proxy for at most one fence poll"
+        for node in ("n0", "n1", "n2", "n3", "n4", "n5"):
+            assert launched(w, node) == [old, new], f"{node}: restarted once, with the new file"
+    finally:
+        await w.close()
+
+
+def rr_view(world: World, node: str = "n0") -> dict[str, Any]:
+    return world.agents[node].rollout.view()["rollout"]
