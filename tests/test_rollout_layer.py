@@ -400,3 +400,26 @@ async def test_an_incompatible_change_never_routes_old_and_new_groups_together(t
 
 def rr_view(world: World, node: str = "n0") -> dict[str, Any]:
     return world.agents[node].rollout.view()["rollout"]
+
+
+async def test_the_expected_outage_and_the_time_left_survive_agent_restarts(world: World) -> None:
+    """The expected outage of a single-group kind and the time left come from each member's load history (issue
+    16: kept in its intent.json, published as `last_load_s`), not from what an executor saw since it started —
+    after any agent restart that read "unknown"."""
+    world.stacks["n4"].components["vllm"].start_s = 1800.0
+    world.stacks["n4"].crash("vllm")
+    await world.until("d0 loaded again, in 30 min", lambda: world.stacks["n4"].components["vllm"].up, 2000)
+    for node in NODES:  # every agent restarts (the stacks run on): nothing of the load is in an executor's memory
+        await world.kill_agent(node)
+        world.start_agent(node)
+    members = world.agents["n0"].membership.members
+    await world.until("n0 sees n4's last load", lambda: "n4" in members and members["n4"].record["components"]["vllm"]
+                      .get("last_load_s") == 1800.0, 60)  # fmt: skip
+    world.install(set_group_env(["d0"], {"X": "1"}))
+    refused = await start(world)
+    assert any("its step takes decode down for ~30 min (its last load)" in r for r in refused["refused"]), refused
+    answer = await start(world, allow_outage=["decode"])
+    assert answer["started"] and answer["steps"][0]["expected_outage_s"] == 1800.0
+    await world.until("the step begun", lambda: record(world).steps[0].phase != "pending", 30)
+    left = rr_view(world, "n2")["time_left_s"]
+    assert left is not None and 1800 - 30 <= left <= 1800 + FAST["bake_s"], left
