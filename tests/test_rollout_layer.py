@@ -423,3 +423,36 @@ async def test_the_expected_outage_and_the_time_left_survive_agent_restarts(worl
     await world.until("the step begun", lambda: record(world).steps[0].phase != "pending", 30)
     left = rr_view(world, "n2")["time_left_s"]
     assert left is not None and 1800 - 30 <= left <= 1800 + FAST["bake_s"], left
+
+
+async def test_an_agent_restarted_before_its_step_keeps_its_container_until_then(tmp_path: Path) -> None:
+    """A new image rolling group by group; n2's agent restarts during p0's step and loads the new file from disk.
+    Its container is kept as its group still runs (the previous config is taken back before the container starts:
+    `MemberConfig.restore`, from what the last record seen here wanted) and recreated in p1's step only."""
+    old_image, new_image = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
+    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
+    w.harness.data["container"] = {"engine": "podman", "image": old_image}
+    w.start()
+    try:
+        await w.until("every component of every node up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+        old = cluster_file_hash(w.stacks["n2"].config)
+        w.install(lambda data: data["container"].update(image=new_image))
+        answer = await start(w, allow_outage=["decode"], bake_s=60)
+        assert answer["started"], answer["refused"]
+        await w.until("p0's step baking", lambda: record(w).steps[0].phase == "baking", 300)
+        assert not w.stacks["n2"].recreated
+        await w.kill_agent("n2")
+        w.start_agent("n2")  # its file on disk names the new image
+        await w.advance(5)
+        n2 = w.stacks["n2"]
+        assert not n2.recreated and n2.container_image == old_image, "kept at the agent's start"
+        assert n2.config.container is not None and n2.config.container.image == old_image
+        assert launched(w, "n2") == [old], "nothing of p1 restarted outside its step"
+        await w.until("p1's step begun", lambda: record(w).steps[1].phase != "pending", 300)
+        p1_from = w.clock.monotonic()
+        await w.until("the rollout done", lambda: status(w, "n4") == "done", 600)
+        assert [image for _, image in n2.recreated] == [new_image] and n2.recreated[0][0] >= p1_from
+        assert n2.images["vllm"] == [old_image, new_image], "one restart, in the new container"
+    finally:
+        await w.close()
