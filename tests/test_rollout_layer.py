@@ -456,3 +456,32 @@ async def test_an_agent_restarted_before_its_step_keeps_its_container_until_then
         assert n2.images["vllm"] == [old_image, new_image], "one restart, in the new container"
     finally:
         await w.close()
+
+
+async def test_the_status_says_why_a_step_waits_and_what_serves_per_kind_during_it(world: World) -> None:
+    """`nodeagentctl cluster` and the status page show the floor as it is: why the next step waits, and during a
+    step the groups serving per kind (it read "holds" whenever a step was in progress)."""
+    from nodeagent.clustercmd import rollout_lines
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    world.stacks["n2"].components["vllm"].start_s = 60.0
+    world.stacks["n2"].crash("vllm")  # p1 reloads for a minute: p0's step may not take the last prefill group
+    await start(world, bake_s=30)
+    await world.until("the wait said", lambda: "waits" in rr_view(world, "n4")["floor"], 30)
+    assert rr_view(world, "n4")["floor"].startswith("step 1 waits: no other prefill group serving (p1 (n2/vllm is")
+    await world.until("p0 restarting", lambda: record(world).steps[0].phase in ("restarting", "gating"), 120)
+    world.stacks["n2"].components["vllm"].start_s = 2.0  # (p1's own step within the gate timeout)
+    view = rr_view(world, "n4")
+    assert view["floor"] == "serving: prefill p1; decode d0"
+    assert list(view["held_out"]) == ["p0"] and view["time_left_s"] is not None
+    lines = rollout_lines(view, now=world.clock.time())
+    assert lines[0].startswith(f"rollout {view['id']}: running, step 1/2 p0 ")
+    assert lines[2].startswith("  floor: serving: prefill p1; decode d0; time left: "), lines
+    html = first_paint(read_static("index.html").decode(), {"node": {"name": "n4"}}, now=world.clock.time(),
+                       rollout=view)  # fmt: skip
+    assert '<div id="rollout">' in html and "floor: serving: prefill p1; decode d0 · time left " in html
+    assert '<tr data-step="2"><td class="num">2</td><td data-field="groups">p1</td>' in html
+    await world.until("done", lambda: status(world) == "done", 300)
+    assert rr_view(world, "n4")["floor"] == "serving: prefill p0, p1; decode d0"

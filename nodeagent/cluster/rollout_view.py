@@ -62,7 +62,7 @@ def floor_text(record: Record, obs: Observed) -> str:
     if i is not None and record.steps[i].phase == "pending" and record.status in MOVING:
         why = files_problem(record.steps[i], obs) or floor_problem(record, record.steps[i], obs)
         if why is not None:
-            return why
+            return f"step {i + 1} waits: {why.removeprefix('floor: ')}"
     parts = []
     for kind, groups in serving_now(record, obs).items():
         allowed = " (--allow-outage)" if kind in record.options.allow_outage else ""
