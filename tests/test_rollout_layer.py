@@ -35,12 +35,28 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
 
 
+OLD_IMAGE, NEW_IMAGE = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
+
+
+async def up_world(tmp_path: Path, nodes: list[str] = NODES, groups: list[dict[str, Any]] = GROUPS,
+                   image: str | None = None) -> World:  # fmt: skip
+    """Agents over their stacks, every component up and the proxy ready; `image`: container mode with it."""
+    w = World(tmp_path, nodes, [dict(g) for g in groups], proxy=True, rollouts=True)
+    if image is not None:
+        w.harness.data["container"] = {"engine": "podman", "image": image}
+    w.start()
+    try:
+        await w.until("every component of every node up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+    except BaseException:
+        await w.close()
+        raise
+    return w
+
+
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
-    w.start()
-    await w.until("every component of every node up", w.all_up, within=120)
-    await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+    w = await up_world(tmp_path)
     yield w
     await w.close()
 
@@ -281,13 +297,9 @@ async def test_a_new_image_recreates_each_members_container_between_the_stop_and
     """Issue 20's "a new image or vllm-ascend version": the image is part of the file a rollout compares, and a
     step that changes it recreates the container of each member after the step's generation stopped its ranks
     and before they start again — the ranks never start in the old container within the new generation."""
-    old_image, new_image = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
-    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
-    w.harness.data["container"] = {"engine": "podman", "image": old_image}
-    w.start()
+    old_image, new_image = OLD_IMAGE, NEW_IMAGE
+    w = await up_world(tmp_path, image=old_image)
     try:
-        await w.until("every component of every node up", w.all_up, within=120)
-        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
         before = disk_hash(w)
         w.install(lambda data: data["container"].update(image=new_image))
         assert disk_hash(w) != before, "the image is part of the file a rollout compares"
@@ -338,11 +350,8 @@ async def test_an_incompatible_change_never_routes_old_and_new_groups_together(t
     first while p1 + d1 serve on the old file; as the pair rejoins, the proxy lets p1 and d1 go and adds the pair
     only once it lists neither (a busy proxy keeps them, tainted and still used, until it is idle once); then p1 +
     d1 switch, out of the proxy since. At no instant does the proxy route groups of the two files."""
-    w = World(tmp_path, [*NODES, "n5"], [dict(g) for g in PD_GROUPS], proxy=True, rollouts=True)
-    w.start()
+    w = await up_world(tmp_path, [*NODES, "n5"], PD_GROUPS)
     try:
-        await w.until("every component of every node up", w.all_up, within=120)
-        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
         proxy = w.proxy
         assert proxy is not None
         old = cluster_file_hash(w.stacks["n0"].config)
@@ -429,13 +438,9 @@ async def test_an_agent_restarted_before_its_step_keeps_its_container_until_then
     """A new image rolling group by group; n2's agent restarts during p0's step and loads the new file from disk.
     Its container is kept as its group still runs (the previous config is taken back before the container starts:
     `MemberConfig.restore`, from what the last record seen here wanted) and recreated in p1's step only."""
-    old_image, new_image = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
-    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
-    w.harness.data["container"] = {"engine": "podman", "image": old_image}
-    w.start()
+    old_image, new_image = OLD_IMAGE, NEW_IMAGE
+    w = await up_world(tmp_path, image=old_image)
     try:
-        await w.until("every component of every node up", w.all_up, within=120)
-        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
         old = cluster_file_hash(w.stacks["n2"].config)
         w.install(lambda data: data["container"].update(image=new_image))
         answer = await start(w, allow_outage=["decode"], bake_s=60)
