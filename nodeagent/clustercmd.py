@@ -170,6 +170,10 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"  unchanged: {', '.join(plan['unchanged'])}")
     for why in plan.get("incompatible") or []:
         lines.append(f"  incompatible: {why}")
+    if plan.get("exclusive"):
+        gap = plan.get("switch_gap_s")
+        lines.append("  never routed together: old and new groups are kept apart in the proxy" + (
+            f"; at the switch it holds no group for ~{_minutes(gap)}" if gap is not None else ""))
     for i, step in enumerate(plan.get("steps") or [], 1):
         note = f"  ({step['note']})" if step.get("note") else ""
         lines.append(f"  step {i}: {', '.join(step['groups'])}{note}")
@@ -203,8 +207,12 @@ def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> l
     lines = [head, f"  {rollout.get('message', '')}"]
     if rollout.get("status") in ("running", "paused", "rolling_back", "aborting"):
         lines.append(f"  floor: {rollout.get('floor')}; time left: {_minutes(rollout.get('time_left_s'))}")
+        held = rollout.get("held_out") or {}
+        if held:
+            lines.append("  out of the proxy: " + "; ".join(f"{g} ({why})" for g, why in held.items()))
     for i, step in enumerate(steps, 1):
         extra = f" — {step['failed']}" if step.get("failed") else ""
         kind = "rollback " if step.get("rollback") else ""
-        lines.append(f"  {i}. {kind}{', '.join(step['groups'])}: {step['phase']}{extra}")
+        note = f" ({step['note']})" if step.get("note") and step.get("note") != "rollback" else ""
+        lines.append(f"  {i}. {kind}{', '.join(step['groups'])}: {step['phase']}{extra}{note}")
     return lines

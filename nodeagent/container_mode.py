@@ -202,13 +202,18 @@ class ContainerMode:
             return None
         self.section, self.spec = config.container, spec
         self.engine = ContainerEngine(spec)
-        if what is None:
-            return None
+        if what is None or not self.started:
+            return None  # (not started: the container is made, or kept, as this spec says when it starts)
         # held from now, not from when the watch loop gets to it: a component inside must not start in the old
         # container in between (a rollout's rank, released by the generation, did so)
         self._hold(f"container {self.spec.name}: recreating ({what} changed)")
         self._reconfigured.set()
         return what
+
+    @property
+    def started(self) -> bool:
+        """`start` ran: the container was looked at and is kept from now (a new spec is a recreate)."""
+        return self._wake is not None
 
     def pending(self, config: Any) -> str | None:
         """What of `config`'s container differs from the container kept (a rollout staged a new image), or None."""

@@ -37,14 +37,17 @@ class Reloadable(Protocol):
 
 def reload_config(sup: Reloadable, config: Config, restart: bool = True) -> dict[str, list[str]]:
     """restart=False (a rollout's staging): every component's next start uses the config, none restarts now, and
-    the container is left as it is (the rollout's generation restarts the ranks, not the container)."""
+    the container is left as it is (the rollout's generation restarts the ranks, not the container) — unless it
+    has not started yet: an agent restarted mid-rollout stages its group's config before its container starts,
+    and the container must then be kept (or made) as that config says, not as the file on disk does."""
     old_names, new_names = set(sup.components), set(config.active_components())
     if old_names != new_names:
         raise ValueError(f"reload cannot add or remove components ({', '.join(sorted(old_names ^ new_names))}): "
                          "restart the agent (nodeagentctl detach + systemctl restart keeps the stack running)")
     if (config.container is None) != (sup.container is None):
         raise ValueError("reload cannot switch container mode on or off: restart the agent")
-    recreate = sup.container.reconfigure(config, apply=restart) if sup.container is not None else None
+    container = sup.container
+    recreate = container.reconfigure(config, apply=restart or not container.started) if container else None
     sup.config = config
     changed, unchanged = [], []
     for name, comp in sup.components.items():

@@ -35,6 +35,7 @@ from nodeagent.errors import UnknownComponentError
 from nodeagent.events import EventBus
 from nodeagent.failure import Failure
 from nodeagent.host import Clock, StartHeld
+from nodeagent.loadtime import load_status, remember
 from nodeagent.stackport import (
     STOPS_AUTOMATIC,
     ComponentView,
@@ -184,6 +185,8 @@ class FakeComponent:
     """The virtual monotonic time of each residue cleanup."""
     unclean: str | None = None
     """Why cleaning its residue fails (a port held by a process not ours), while it does."""
+    loads: list[float] = field(default_factory=list)
+    """Its load times (start → up), as the supervisor keeps them in intent.json: they outlive the agent."""
 
     @property
     def ready(self) -> bool:
@@ -368,6 +371,7 @@ class FakeStack:
                 self.crash(comp.name, "exit code 1 during start-up (FAKE_START=crash)")
                 return
             comp.up, comp.state = True, "ready"
+            comp.loads = remember(comp.loads, self.clock.monotonic() - comp.starts[-1])
             self.notify()
 
     def _gone(self, comp: FakeComponent, state: str) -> None:
@@ -511,7 +515,8 @@ class FakeStack:
         for layer in self.layers:
             sections.update(layer.status_section())
         comps = {n: {"state": c.state, "pid": c.pid, "ready": c.ready,
-                     "hold": c.hold.to_dict() if c.hold is not None and c.pid is None else None}
+                     "hold": c.hold.to_dict() if c.hold is not None and c.pid is None else None,
+                     "load": load_status(c.loads, None)}
                  for n, c in self.components.items()}  # fmt: skip
         return {"paused": self.paused, "components": comps, **sections}
 
@@ -529,12 +534,23 @@ class FakeProxy:
         """Requests in flight: a removed instance is only tainted (still listed, an add of it ignored) until
         `idle()`, as vllm-ascend's proxy does (`remove_instances`, `finalize_tainted_instances`)."""
         self.tainted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        self.clock: Clock | None = None
+        self.timeline: list[tuple[float, dict[str, set[str]]]] = []
+        """(when, what a request may be routed to then) after every change of the proxy's lists."""
+        self.on_change: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        when = self.clock.monotonic() if self.clock is not None else 0.0
+        self.timeline.append((when, {k: set(self.serving(k)) for k in self.routed}))
+        for call in self.on_change:
+            call()
 
     def idle(self) -> None:
         """No request in flight at the proxy's check: tainted instances are deleted."""
         for kind, keys in self.tainted.items():
             self.routed[kind] -= keys
             keys.clear()
+        self._changed()
 
     def serving(self, kind: str) -> set[str]:
         """What a request may be routed to now (tainted ones only when nothing else is left)."""
@@ -551,6 +567,8 @@ class FakeProxy:
             self.routed[kind] -= instances
         else:
             self.routed[kind] |= instances - self.routed[kind]  # a listed (even tainted) one is left as it is
+        if instances:
+            self._changed()
         return {f"current_{k}_instances": sorted(v) for k, v in self.routed.items()}
 
 
@@ -636,6 +654,7 @@ class World:
 
             plan = cluster_layout(config).proxies[0]
             self.proxy = FakeProxy(plan.prefillers, plan.decoders)
+            self.proxy.clock = self.clock
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
         stack.config = config  # what this agent loaded: the file on disk now
@@ -658,12 +677,24 @@ class World:
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
                                             clock=self.clock, inflight=inflight, canary=canary,
                                             scrape=scrape)  # fmt: skip
+        self._start_container(stack)
         membership.start()
         coordinator.start()
         if agent.rollout is not None:
             agent.rollout.start()
         stack.start()
         return agent
+
+    def _start_container(self, stack: FakeStack) -> None:
+        """As `ContainerMode.start` after the rollout executor was made: the node's container is kept as the config
+        in memory says; another image is a planned recreate (the components inside stop and start in the new)."""
+        section = stack.config.container
+        if stack.container_image is None or section is None or section.image == stack.container_image:
+            return
+        stack.container_image = section.image
+        stack.recreated.append((self.clock.monotonic(), section.image))
+        stack.restart([n for n, c in stack.components.items() if c.running], "container recreate", planned=True,
+                      cause="reload")  # fmt: skip
 
     def install(self, edit: Callable[[dict[str, Any]], None]) -> None:
         """The operator's tool installs a new cluster file on every node (the agents keep what they loaded)."""

@@ -3,6 +3,7 @@ launched process found by its marker, the init that is exiting, the container's 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -191,4 +192,11 @@ def test_a_reload_refuses_what_only_an_agent_restart_can_do(tmp_path: Path) -> N
     assert sup.config is cfg
     staged = sup.reload(parse_config(text("container: {engine: docker, name: dsv4, image: other:1}\n"), "c.yaml"),
                         restart=False)  # fmt: skip
-    assert "container" not in staged, "a rollout's staging leaves the container as it is"
+    assert "container" not in staged, "nothing to recreate: the container has not started"
+    assert sup.container is not None and not sup.container.started
+    assert sup.container.spec.image == "other:1", ("staged before the container starts (an agent restarted "
+                                                   "mid-rollout): it is kept, or made, as the staged config says")
+    sup.container._wake = asyncio.Event()  # what ContainerMode.start leaves: it keeps a container from now
+    staged = sup.reload(parse_config(text("container: {engine: docker, name: dsv4, image: other:2}\n"), "c.yaml"),
+                        restart=False)  # fmt: skip
+    assert "container" not in staged and sup.container.spec.image == "other:1", "staging leaves a started one as it is"

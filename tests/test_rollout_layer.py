@@ -35,12 +35,28 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
 
 
+OLD_IMAGE, NEW_IMAGE = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
+
+
+async def up_world(tmp_path: Path, nodes: list[str] = NODES, groups: list[dict[str, Any]] = GROUPS,
+                   image: str | None = None) -> World:  # fmt: skip
+    """Agents over their stacks, every component up and the proxy ready; `image`: container mode with it."""
+    w = World(tmp_path, nodes, [dict(g) for g in groups], proxy=True, rollouts=True)
+    if image is not None:
+        w.harness.data["container"] = {"engine": "podman", "image": image}
+    w.start()
+    try:
+        await w.until("every component of every node up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+    except BaseException:
+        await w.close()
+        raise
+    return w
+
+
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
-    w.start()
-    await w.until("every component of every node up", w.all_up, within=120)
-    await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
+    w = await up_world(tmp_path)
     yield w
     await w.close()
 
@@ -281,13 +297,9 @@ async def test_a_new_image_recreates_each_members_container_between_the_stop_and
     """Issue 20's "a new image or vllm-ascend version": the image is part of the file a rollout compares, and a
     step that changes it recreates the container of each member after the step's generation stopped its ranks
     and before they start again — the ranks never start in the old container within the new generation."""
-    old_image, new_image = "quay.io/ascend/vllm-ascend:v0.20.2rc1", "registry.a2.local/vllm-ascend:v0.20.2rc1"
-    w = World(tmp_path, NODES, [dict(g) for g in GROUPS], proxy=True, rollouts=True)
-    w.harness.data["container"] = {"engine": "podman", "image": old_image}
-    w.start()
+    old_image, new_image = OLD_IMAGE, NEW_IMAGE
+    w = await up_world(tmp_path, image=old_image)
     try:
-        await w.until("every component of every node up", w.all_up, within=120)
-        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready, 60)
         before = disk_hash(w)
         w.install(lambda data: data["container"].update(image=new_image))
         assert disk_hash(w) != before, "the image is part of the file a rollout compares"
@@ -306,3 +318,175 @@ async def test_a_new_image_recreates_each_members_container_between_the_stop_and
         assert any("recreating the container" in e.message for e in w.stacks["n2"].events.recent)
     finally:
         await w.close()
+
+
+PD_GROUPS = [
+    {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+    {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+    {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+    {"name": "d1", "kind": "decode", "nodes": ["n5"]},
+]
+
+
+def routed_files(world: World) -> set[str]:
+    """The files the processes of every group the proxy may route a request to run now."""
+    from nodeagent.layout import cluster_layout
+
+    assert world.proxy is not None
+    layout = cluster_layout(world.stacks["n0"].config)
+    files = set()
+    for kind in ("prefill", "decode"):
+        for endpoint in world.proxy.serving(kind):
+            group = next(g for g in layout.groups if endpoint in g.endpoints)
+            for proc in group.processes:
+                stack = world.stacks[proc.node]
+                if stack.components[proc.component].running:
+                    files.add(stack.launched[proc.component][-1])
+    return files
+
+
+async def test_an_incompatible_change_never_routes_old_and_new_groups_together(tmp_path: Path) -> None:
+    """Issue 20: "an incompatible prefill↔decode change cannot mix old and new groups". The pair p0 + d0 switches
+    first while p1 + d1 serve on the old file; as the pair rejoins, the proxy lets p1 and d1 go and adds the pair
+    only once it lists neither (a busy proxy keeps them, tainted and still used, until it is idle once); then p1 +
+    d1 switch, out of the proxy since. At no instant does the proxy route groups of the two files."""
+    w = await up_world(tmp_path, [*NODES, "n5"], PD_GROUPS)
+    try:
+        proxy = w.proxy
+        assert proxy is not None
+        old = cluster_file_hash(w.stacks["n0"].config)
+        w.install(lambda data: data["cluster"]["pd"].update(use_ascend_direct=False))
+        new = disk_hash(w)
+        mixed: list[tuple[float, set[str]]] = []
+        empty: list[float] = []
+
+        def watch(*_: Any) -> None:
+            files = routed_files(w)
+            if len(files) > 1:
+                mixed.append((w.clock.monotonic(), files))
+            if not proxy.serving("prefill") or not proxy.serving("decode"):
+                empty.append(w.clock.monotonic())
+
+        w.clock.on_tick.append(watch)
+        proxy.on_change.append(watch)
+        refused = await start(w, max_unavailable=2)
+        assert not refused["started"] and refused["exclusive"]
+        assert any("pass --allow-outage prefill,decode" in r for r in refused["refused"]), refused["refused"]
+        answer = await start(w, max_unavailable=2, allow_outage=["prefill", "decode"])
+        assert answer["started"], answer["refused"]
+        assert [s["groups"] for s in answer["steps"]] == [["p0", "d0"], ["p1", "d1"]]
+        await w.until("the pair gating", lambda: record(w).steps[0].phase == "gating", 120)
+        proxy.busy = True  # requests in flight when the pair is ready: p1 and d1 are only tainted
+        await w.until("the pair rejoining", lambda: record(w).steps[0].phase == "rejoining", 60)
+        await w.advance(30)
+        assert not mixed, f"the proxy routed groups of both files at once: {mixed[:3]}"
+        layout = w.agents["n0"].coordinator.layout
+        pair = set(layout.group("p0").endpoints) | set(layout.group("d0").endpoints)
+        rest = set(layout.group("p1").endpoints) | set(layout.group("d1").endpoints)
+        listed = proxy.routed["prefill"] | proxy.routed["decode"]
+        assert rest <= listed and not pair & listed, "the pair waits while p1 and d1 are still listed"
+        assert record(w).steps[0].phase == "rejoining" and record(w).steps[1].phase == "pending"
+        health = w.agents["n0"].coordinator.proxies[0].health
+        assert health["p0"].startswith("healthy; waiting for d1, p1 to leave the proxy first"), health
+        assert "never routed together" in health["p1"]
+        assert rr_view(w)["floor"] == "serving: prefill p1 (until the switch); decode d1 (until the switch)"
+        proxy.busy = False
+        gone_at = w.clock.monotonic()
+        proxy.idle()  # the proxy's idle moment: the tainted old ones are deleted
+        await w.until("the pair in the proxy", lambda: pair <= proxy.serving("prefill") | proxy.serving("decode"), 5)
+        assert w.clock.monotonic() - gone_at <= 0.5, "added within one fence poll of the old ones leaving"
+        await w.until("the rollout done", lambda: status(w, "n5") == "done", 300)
+        await w.until("every group back in", lambda: pair | rest <= proxy.serving("prefill") | proxy.serving("decode"),
+                      30)  # fmt: skip
+        assert not mixed, f"the proxy routed groups of both files at once: {mixed[:3]}"
+        switch = [t for t in empty if t >= gone_at]
+        assert switch and max(switch) - gone_at <= 0.5, "no group in the proxy for at most one fence poll"
+        for node in ("n0", "n1", "n2", "n3", "n4", "n5"):
+            assert launched(w, node) == [old, new], f"{node}: restarted once, with the new file"
+    finally:
+        await w.close()
+
+
+def rr_view(world: World, node: str = "n0") -> dict[str, Any]:
+    return world.agents[node].rollout.view()["rollout"]
+
+
+async def test_the_expected_outage_and_the_time_left_survive_agent_restarts(world: World) -> None:
+    """The expected outage of a single-group kind and the time left come from each member's load history (issue
+    16: kept in its intent.json, published as `last_load_s`), not from what an executor saw since it started —
+    after any agent restart that read "unknown"."""
+    world.stacks["n4"].components["vllm"].start_s = 1800.0
+    world.stacks["n4"].crash("vllm")
+    await world.until("d0 loaded again, in 30 min", lambda: world.stacks["n4"].components["vllm"].up, 2000)
+    for node in NODES:  # every agent restarts (the stacks run on): nothing of the load is in an executor's memory
+        await world.kill_agent(node)
+        world.start_agent(node)
+    members = world.agents["n0"].membership.members
+    await world.until("n0 sees n4's last load", lambda: "n4" in members and members["n4"].record["components"]["vllm"]
+                      .get("last_load_s") == 1800.0, 60)  # fmt: skip
+    world.install(set_group_env(["d0"], {"X": "1"}))
+    refused = await start(world)
+    assert any("its step takes decode down for ~30 min (its last load)" in r for r in refused["refused"]), refused
+    answer = await start(world, allow_outage=["decode"])
+    assert answer["started"] and answer["steps"][0]["expected_outage_s"] == 1800.0
+    await world.until("the step begun", lambda: record(world).steps[0].phase != "pending", 30)
+    left = rr_view(world, "n2")["time_left_s"]
+    assert left is not None and 1800 - 30 <= left <= 1800 + FAST["bake_s"], left
+
+
+async def test_an_agent_restarted_before_its_step_keeps_its_container_until_then(tmp_path: Path) -> None:
+    """A new image rolling group by group; n2's agent restarts during p0's step and loads the new file from disk.
+    Its container is kept as its group still runs (the previous config is taken back before the container starts:
+    `MemberConfig.restore`, from what the last record seen here wanted) and recreated in p1's step only."""
+    old_image, new_image = OLD_IMAGE, NEW_IMAGE
+    w = await up_world(tmp_path, image=old_image)
+    try:
+        old = cluster_file_hash(w.stacks["n2"].config)
+        w.install(lambda data: data["container"].update(image=new_image))
+        answer = await start(w, allow_outage=["decode"], bake_s=60)
+        assert answer["started"], answer["refused"]
+        await w.until("p0's step baking", lambda: record(w).steps[0].phase == "baking", 300)
+        assert not w.stacks["n2"].recreated
+        await w.kill_agent("n2")
+        w.start_agent("n2")  # its file on disk names the new image
+        await w.advance(5)
+        n2 = w.stacks["n2"]
+        assert not n2.recreated and n2.container_image == old_image, "kept at the agent's start"
+        assert n2.config.container is not None and n2.config.container.image == old_image
+        assert launched(w, "n2") == [old], "nothing of p1 restarted outside its step"
+        await w.until("p1's step begun", lambda: record(w).steps[1].phase != "pending", 300)
+        p1_from = w.clock.monotonic()
+        await w.until("the rollout done", lambda: status(w, "n4") == "done", 600)
+        assert [image for _, image in n2.recreated] == [new_image] and n2.recreated[0][0] >= p1_from
+        assert n2.images["vllm"] == [old_image, new_image], "one restart, in the new container"
+    finally:
+        await w.close()
+
+
+async def test_the_status_says_why_a_step_waits_and_what_serves_per_kind_during_it(world: World) -> None:
+    """`nodeagentctl cluster` and the status page show the floor as it is: why the next step waits, and during a
+    step the groups serving per kind (it read "holds" whenever a step was in progress)."""
+    from nodeagent.clustercmd import rollout_lines
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    world.stacks["n2"].components["vllm"].start_s = 60.0
+    world.stacks["n2"].crash("vllm")  # p1 reloads for a minute: p0's step may not take the last prefill group
+    await start(world, bake_s=30)
+    await world.until("the wait said", lambda: "waits" in rr_view(world, "n4")["floor"], 30)
+    assert rr_view(world, "n4")["floor"].startswith("step 1 waits: no other prefill group serving (p1 (n2/vllm is")
+    await world.until("p0 restarting", lambda: record(world).steps[0].phase in ("restarting", "gating"), 120)
+    world.stacks["n2"].components["vllm"].start_s = 2.0  # (p1's own step within the gate timeout)
+    view = rr_view(world, "n4")
+    assert view["floor"] == "serving: prefill p1; decode d0"
+    assert list(view["held_out"]) == ["p0"] and view["time_left_s"] is not None
+    lines = rollout_lines(view, now=world.clock.time())
+    assert lines[0].startswith(f"rollout {view['id']}: running, step 1/2 p0 ")
+    assert lines[2].startswith("  floor: serving: prefill p1; decode d0; time left: "), lines
+    html = first_paint(read_static("index.html").decode(), {"node": {"name": "n4"}}, now=world.clock.time(),
+                       rollout=view)  # fmt: skip
+    assert '<div id="rollout">' in html and "floor: serving: prefill p1; decode d0 · time left " in html
+    assert '<tr data-step="2"><td class="num">2</td><td data-field="groups">p1</td>' in html
+    await world.until("done", lambda: status(world) == "done", 300)
+    assert rr_view(world, "n4")["floor"] == "serving: prefill p0, p1; decode d0"

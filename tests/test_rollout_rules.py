@@ -13,6 +13,7 @@ from cluster_harness import ClusterHarness
 
 from nodeagent.cluster import rollout_rules as rr
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.cluster.rollout_view import time_left
 from nodeagent.config import load_config
 from nodeagent.config_cluster import cluster_file_hash
 
@@ -112,11 +113,92 @@ def test_an_incompatible_connector_change_switches_a_pair_then_the_rest(tmp_path
     plan = plan_for(tmp_path, connector, decode_groups=2, max_unavailable=2)
     assert plan.incompatible and all("KV connector" in i for i in plan.incompatible)
     assert [s.groups for s in plan.steps] == [("p0", "d0"), ("p1", "d1")]
+    assert plan.exclusive and plan.switch_gap_s is None, "no proxy in this file: nothing of ours to switch"
     assert plan.ok, plan.refused
     narrow = plan_for(tmp_path / "b", connector, decode_groups=2)
     assert any("needs --max-unavailable 2" in r for r in narrow.refused)
     half = plan_for(tmp_path / "c", group_env("p0", "d1", VLLM_ASCEND_X="1"), decode_groups=2)
     assert not half.incompatible, "an env change is compatible"
+
+
+def with_proxy(edit: Any) -> Any:
+    def both(data: dict[str, Any]) -> None:
+        edit(data)
+        data["components"]["proxy"] = {"kind": "proxy", "command": "python3", "script": "/opt/proxy.py", "port": 42000,
+                                       "host": "127.0.0.1", "activation_check_s": 2}  # fmt: skip
+
+    return both
+
+
+def test_an_incompatible_change_behind_the_proxy_states_the_switch_and_needs_the_outage_allowed(
+        tmp_path: Path) -> None:  # fmt: skip
+    """The proxy cannot swap both kinds at once, and no request may meet both files: between the old groups
+    leaving it and the new pair joining it, nothing serves — an outage of both kinds, stated and allowed."""
+
+    def connector(data: dict[str, Any]) -> None:
+        data["cluster"]["pd"]["use_ascend_direct"] = False
+
+    def plan(tmp: Path, **options: Any) -> Any:
+        h = harness(tmp / "old", 2)
+        with_proxy(lambda data: None)(h.data)
+        old = load_config(h.write("n0"))
+        new_h = harness(tmp / "new", 2)
+        new_h.data = copy.deepcopy(h.data)
+        new_h.home = tmp / "new"
+        connector(new_h.data)
+        new = load_config(new_h.write("n0"))
+        return make_plan(old, new, Options.from_dict(options), old_hash="old", new_hash="new",
+                         load_s={"p1": 1500.0, "d1": 1800.0})  # fmt: skip
+
+    refused = plan(tmp_path / "a", max_unavailable=2)
+    assert refused.exclusive and refused.switch_gap_s == 2.25
+    assert refused.refused == ("an incompatible change switches the proxy from the old groups to the new pair with no "
+                               "group in it for ~2 s (the proxy cannot swap both kinds at once, and no request may "
+                               "meet both files): pass --allow-outage prefill,decode",)  # fmt: skip
+    allowed = plan(tmp_path / "b", max_unavailable=2, allow_outage=["prefill", "decode"])
+    assert allowed.ok, allowed.refused
+    first, rest = allowed.steps
+    assert first.outage == () and first.note == ("first pair: the old groups serve meanwhile; as it rejoins, the proxy "
+                                                 "switches (the old groups leave, then the pair joins: ~2 s with no "
+                                                 "group)")  # fmt: skip
+    assert rest.note == ("the rest at once, out of the proxy since the switch: p0, d0 serve alone meanwhile (their "
+                         "load ~30 min, then the bake)")  # fmt: skip
+    assert rr.new_record("r1", "op", 0.0, allowed).exclusive
+
+
+def exclusive_record() -> rr.Record:
+    opts = Options.from_dict({"bake_s": 60, "drain_timeout_s": 30, "gate_timeout_s": 600, "max_unavailable": 2})
+    return rr.Record("r1", "n0", 0.0, "old", "new", opts, (rr.Step(("p0", "d0"), ("prefill", "decode"), "old", "new"),
+                                                          rr.Step(("p1", "d1"), ("prefill", "decode"), "old", "new")),
+                     exclusive=True)  # fmt: skip
+
+
+def test_an_exclusive_rollout_keeps_the_files_apart_in_the_proxy() -> None:
+    """Before the pair passes its gate the proxy routes the old groups; as it rejoins, every old group is held out
+    and the pair is fenced until they left; a failure after the switch turns it back; abort never leaves a mix."""
+    rec = exclusive_record()
+    assert rr.held_out(rec) == {} and rr.fence(rec) == {}, "nothing moved: nothing held"
+    staging = rec.with_step(0, replace(rec.steps[0], phase="staging"))
+    assert set(rr.held_out(staging)) == {"p0", "d0"} and rr.serving_hash(staging) == "old"
+    assert rr.fence(staging) == {"p1": ("d0", "p0"), "d1": ("d0", "p0")}, "the old ones are never added beside it"
+    switched = rec.with_step(0, replace(rec.steps[0], phase="rejoining"))
+    assert rr.serving_hash(switched) == "new"
+    held = rr.held_out(switched)
+    assert set(held) == {"p1", "d1"} and "runs old while the proxy routes new" in held["p1"]
+    assert rr.fence(switched) == {"p0": ("d1", "p1"), "d0": ("d1", "p1")}
+    assert rr.Record.from_dict(switched.to_dict()) == switched, "exclusive survives etcd"
+    with pytest.raises(ValueError, match=r"would leave d1, p1 on the other file"):
+        rr.control(switched, "abort", 5, "op")
+    assert rr.control(staging, "pause", 5, "op").status == "paused"
+    assert rr.control(rec, "abort", 5, "op").status == "aborting", "before the pair's restart: nothing mixes"
+    baked_badly = rr._fail(switched, 0, switched.steps[0], "while baking: errors", 9)
+    assert rr.serving_hash(baked_badly) == "old" and set(rr.held_out(baked_badly)) == {"p0", "d0"}
+    assert rr.fence(baked_badly) == {"p1": ("d0", "p0"), "d1": ("d0", "p0")}, "the old ones back once the pair left"
+    done = switched.with_step(0, replace(switched.steps[0], phase="done"))
+    done = done.with_step(1, replace(done.steps[1], phase="done"))
+    assert rr.held_out(done) == {} and rr.fence(done) == {}
+    plain = replace(switched, exclusive=False)
+    assert rr.held_out(plain) == {} and rr.fence(plain) == {}, "a compatible change mixes freely"
 
 
 # ---- the state machine ----------------------------------------------------------------------------------------
@@ -255,10 +337,10 @@ def test_abort_closes_a_halted_rollout_so_the_next_can_start() -> None:
 
 def test_time_left_from_load_times_then_from_steps_done() -> None:
     rec = record(("p0",), ("p1",))
-    assert rr.time_left(rec, {}, 0) is None
-    assert rr.time_left(rec, {"p0": 100.0, "p1": 200.0}, 0) == 100 + 60 + 200 + 60
+    assert time_left(rec, {}, 0) is None
+    assert time_left(rec, {"p0": 100.0, "p1": 200.0}, 0) == 100 + 60 + 200 + 60
     done = rec.with_step(0, rr.Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
-    assert rr.time_left(done, {}, 600) == 500
+    assert time_left(done, {}, 600) == 500
     assert rr.Record.from_dict(done.to_dict()) == done, "the record survives etcd"
 
 

@@ -247,3 +247,50 @@ def test_a_group_slower_under_traffic_fails_its_bake_and_is_rolled_back(cl: Clus
     assert not traffic.failed(), f"requests failed: {traffic.failed()[:5]}"
     assert hashes(cl)["n2"] == hashes(cl)["n3"] == old, "p1 runs the previous file again"
     assert cl.ctl("n1", "cluster", "rollout", "abort").returncode == 0
+
+
+def test_an_incompatible_change_switches_the_proxy_without_ever_mixing(cl: ClusterHarness) -> None:
+    """Issue 20's "cannot mix old and new groups", through the real proxy: a KV connector change rolls p0 + d0
+    first (the only decode group: an allowed outage), then p1. The stand-in's decoder fails any request prefilled
+    by an engine with the other connector and logs it; as the pair rejoins, the proxy lets p1 go and takes the
+    pair only once p1 is gone, so no such line may appear, and nothing fails once the pair serves."""
+
+    def connector(data: dict[str, Any]) -> None:
+        groups = {g["name"]: g for g in data["cluster"]["vllm_groups"]}
+        groups["p1"]["env"] = dict(groups["p0"].get("env", {}))  # what p1 runs (the previous tests' faults undone)
+        data["cluster"]["pd"]["use_ascend_direct"] = False
+
+    path = install(cl, connector)
+    with Traffic(cl) as traffic:
+        dry = cl.ctl("n1", "cluster", "rollout", str(path), "--dry-run", "--max-unavailable", "2")
+        assert dry.returncode == 1 and "never routed together" in dry.stdout, dry
+        assert "step 1: p0, d0" in dry.stdout and "step 2: p1" in dry.stdout, dry.stdout
+        assert "pass --allow-outage prefill,decode" in dry.stdout and "pass --allow-outage decode" in dry.stdout
+        changes = [line for line in dry.stdout.splitlines() if line.startswith("      n")]
+        assert changes and all("--kv-transfer-config" in line for line in changes), dry.stdout
+        previous = rollout(cl).get("id")
+        out = cl.ctl("n1", "cluster", "rollout", str(path), "--max-unavailable", "2", "--allow-outage",
+                     "prefill,decode", "--bake", "5s")  # fmt: skip
+        assert out.returncode == 0 and "stored as rollout" in out.stdout, out
+        wait_for("p1's step begun, or the rollout stopped", lambda: rollout(cl)["steps"][1]["phase"] != "pending"
+                 or rollout(cl)["status"] != "running", 240, 0.5)  # fmt: skip
+        switched = time.monotonic()
+        assert not mixed_lines(cl), f"requests crossed the two files: {mixed_lines(cl)[:3]}"
+        until_status(cl, "done", 240, "n4", after=previous)
+        wait_for("every group in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"] ==
+                 {"p0": "in", "p1": "in", "d0": "in"}, 60)  # fmt: skip
+        sent_at = time.monotonic()
+        wait_for("requests after the rollout", lambda: any(r[0] > sent_at and r[1] == 200 for r in traffic.results),
+                 30)  # fmt: skip
+    mixed = mixed_lines(cl)
+    failed = traffic.failed()
+    print(f"\n{len(traffic.results)} requests, {len(failed)} failed (the allowed outage of d0 in step 1)")
+    assert not mixed, f"requests crossed the two files: {mixed[:3]}"
+    assert not [r for r in failed if r[0] > switched], "nothing fails once the new pair serves"
+    assert len(set(hashes(cl).values())) == 1
+
+
+def mixed_lines(h: ClusterHarness) -> list[str]:
+    """The decoder's (n4's) log lines for a request prefilled by an engine with the other KV connector."""
+    return [line for f in (h.home / "n4" / "logs").rglob("*") if f.is_file()
+            for line in f.read_text(errors="replace").splitlines() if "KV connector mismatch" in line]  # fmt: skip

@@ -703,6 +703,38 @@ async def test_served_and_failed_requests_show_in_the_metrics_a_rollouts_bake_re
     assert (served.requests, served.errors, served.ttft_count) == (3, 1, 2)
 
 
+async def test_a_decoder_fails_kv_from_a_prefill_engine_with_another_connector(launcher: Launcher) -> None:
+    """A producer's handle names its KV connector; a consumer handed KV from another one fails the pull (what an
+    incompatible change mixed behind one proxy does: the rollout's system test looks for that line)."""
+
+    def kv(role: str, direct: bool) -> str:
+        return json.dumps({"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "MooncakeConnectorV1", "kv_port": 30000,
+                            "kv_connector_extra_config": {"use_ascend_direct": direct}}]}})  # fmt: skip
+
+    def argv(port: int, role: str, direct: bool) -> list[str]:
+        return ["serve", MODEL_PATH, "--served-model-name", "dsv4", "--port", str(port), "--kv-transfer-config",
+                kv(role, direct)]  # fmt: skip
+
+    port = free_port()
+    prefill = launcher.start(argv(port, "kv_producer", True), port=port)
+    port = free_port()
+    decode = launcher.start(argv(port, "kv_consumer", False), port=port)
+    async with aiohttp.ClientSession() as session:
+        status, body = await chat(session, prefill.url, "hello", max_tokens=1,
+                                  kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        assert status == 200
+        handle = body["kv_transfer_params"]
+        assert handle["kv_connectors"] == ["MultiConnector", "MooncakeConnectorV1", "use_ascend_direct=True"]
+        status, body = await chat(session, decode.url, "hello", max_tokens=2, kv_transfer_params=handle)
+        assert status == 500 and "incompatible connector" in body["error"]["message"]
+        same = {**handle, "kv_connectors": ["MultiConnector", "MooncakeConnectorV1", "use_ascend_direct=False"]}
+        assert (await chat(session, decode.url, "hello", max_tokens=2, kv_transfer_params=same))[0] == 200
+    assert "ret=-1 (KV connector mismatch: the prefill engine runs MultiConnector/MooncakeConnectorV1/" \
+           "use_ascend_direct=True, this one MultiConnector/MooncakeConnectorV1/use_ascend_direct=False)." \
+           in decode.log_path.read_text()
+
+
 def test_crash_after_from_env_then_api_server_exits_non_zero(launcher: Launcher) -> None:
     standin = launcher.start(env={"VLLM_STANDIN_FAULT": "crash_after:2"}, workers=2)
     tree = standin.descendants()

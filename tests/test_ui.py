@@ -15,7 +15,9 @@ import signal
 import statistics
 import time
 from collections.abc import AsyncIterator
+from html import escape
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -150,6 +152,79 @@ def test_the_first_paint_heads_with_an_isolation_or_a_chip_reset() -> None:
     rung = {"step": "wait_idle", "why": "npu 3 health Alarm (RestartNPU)", "chips": [3], "at": 1.0}
     html = first_paint(page, {"node": {"name": "a2"}, "recovery": {"rung": rung}}, now=0)
     assert "<div>CHIP RESET IN PROGRESS of npu 3 (step wait_idle): npu 3 health Alarm (RestartNPU)" in html
+
+
+def rollout_view(hostile: str = "") -> dict[str, Any]:
+    """A rollout as `GET /cluster` gives it (`RolloutExecutor.view`), in its first step."""
+    steps = [{"groups": ["p0", "d0"], "phase": "rejoining", "since": 0, "failed": "", "rollback": False,
+              "note": f"first pair{hostile}"},
+             {"groups": ["p1", "d1"], "phase": "pending", "since": 0, "failed": "", "rollback": False, "note": ""}]
+    return {"id": "ab12cd34", "status": "running", "message": f"step 1 (p0, d0): gate passed{hostile}",
+            "steps": steps, "current": 0, "time_left_s": 1925.0,
+            "floor": f"serving: prefill p1 (until the switch); decode d1 (until the switch){hostile}",
+            "held_out": {"p1": "kept apart", "d1": "kept apart"}}  # fmt: skip
+
+
+def rollout_box_texts(html: str) -> dict[str, Any]:
+    import html as markup
+
+    def one(pattern: str) -> str:
+        found = re.search(pattern, html, re.S)
+        assert found, pattern
+        return markup.unescape(re.sub(r"<[^>]+>", "", found.group(1))).strip()
+
+    rows = re.findall(r'<tr data-step="(\d+)">(.*?)</tr>', html, re.S)
+    return {"meta": one(r'id="rollout-meta">(.*?)</span>'), "message": one(r'id="rollout-message">(.*?)</div>'),
+            "floor": one(r'id="rollout-floor" class="muted">(.*?)</div>'),
+            "rows": {n: dict(re.findall(r'data-field="(\w+)"[^>]*>(.*?)</td>', row)) for n, row in rows}}  # fmt: skip
+
+
+def test_the_first_paint_shows_the_rollout_box() -> None:
+    """The plan's steps, the step, the floor (what serves per kind) and the time left, escaped like the rest."""
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    page = read_static("index.html").decode()
+    assert '<div id="rollout" hidden>' in first_paint(page, {"node": {"name": "n0"}}, now=0), "no rollout: hidden"
+    hostile = "<img src=x onerror=alert(1)>"
+    view = rollout_view(hostile)
+    view["steps"][0]["since"] = 1000.0
+    html = first_paint(page, {"node": {"name": "n0"}}, now=1125.0, rollout=view)
+    assert '<div id="rollout">' in html and hostile not in html
+    box = rollout_box_texts(html)
+    assert box["meta"] == "ab12cd34 · running · step 1/2 p0, d0 rejoining"
+    assert box["floor"] == (f"floor: serving: prefill p1 (until the switch); decode d1 (until the switch){hostile} "
+                            "· time left 32m 5s · out of the proxy: p1, d1")  # fmt: skip
+    assert box["message"] == f"step 1 (p0, d0): gate passed{hostile}"
+    assert box["rows"]["1"] == {"groups": "p0, d0", "phase": '<span class="badge s-starting">rejoining</span>',
+                                "since": "2m 5s ago", "note": f"first pair{escape(hostile)}"}  # fmt: skip
+    assert box["rows"]["2"]["since"] == "—"
+    done = first_paint(page, {}, now=0, rollout={**view, "status": "done", "current": None})
+    assert rollout_box_texts(done)["floor"] == "" and rollout_box_texts(done)["meta"] == "ab12cd34 · done"
+
+
+async def test_the_rollout_box_reads_the_same_from_the_server_and_the_script(stack: InProcess,
+                                                                             browser: Chromium) -> None:  # fmt: skip
+    """ui.js's renderRollout and the server's first paint write the same lines for the same view."""
+    view = rollout_view()
+    stack.agent.rollout = SimpleNamespace(view=lambda: {"rollout": view})  # type: ignore[assignment]
+    async with stack.session.get(stack.url + "/ui") as r:
+        server = rollout_box_texts(await r.text())
+    page = await browser.new_page()
+    await page.goto(stack.url + "/ui")
+    drawn = await page.js(f"""(() => {{
+        renderRollout({json.dumps(view)});
+        const rows = {rows_js('rollout-steps', 'step')};
+        return {{meta: $('rollout-meta').textContent, floor: $('rollout-floor').textContent,
+                 message: $('rollout-message').textContent, hidden: $('rollout').hidden, rows}};
+    }})()""")
+    assert not drawn.pop("hidden")
+    rows = drawn.pop("rows")
+    assert drawn == {k: server[k] for k in ("meta", "floor", "message")}, (drawn, server)
+    assert {n: {k: v for k, v in r.items()} for n, r in rows.items()} == {
+        n: {k: re.sub(r"<[^>]+>", "", v) for k, v in r.items()} for n, r in server["rows"].items()}
+    assert drawn["floor"].endswith("· time left 32m 5s · out of the proxy: p1, d1")
+    assert_only_the_agent(page, stack.url)
 
 
 async def test_the_page_can_be_switched_off(tmp_path: Path) -> None:

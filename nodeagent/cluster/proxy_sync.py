@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from nodeagent.stackport import ComponentView
 
 PERIOD_S = 1.0
+FENCE_POLL_S = 0.25
+"""While a group waits for others to leave the proxy (`fences`), ask the proxy this often: it deletes them only at
+an idle moment, and the sooner the waiting group is added, the shorter the time with no group in it."""
 RECONCILE_S = 10.0
 """At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
 proxy is noticed without waiting for a group to change."""
@@ -105,8 +108,14 @@ class ProxySync:
         self.isolated: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         """Removed while the proxy was busy: it keeps them listed (and routes to them only when nothing else is
         left) until it is idle once, and ignores an add meanwhile — not routed, whatever its lists say."""
-        self.holds: list[Callable[[], Mapping[str, str]]] = []
-        """Sources of groups to keep out however healthy (group → why): a rollout's step from drain to gate."""
+        self.holds: list[Callable[[], Mapping[str, str] | None]] = []
+        """Sources of groups to keep out however healthy (group → why): a rollout's step from drain to gate. A
+        source answering None has not read its state yet: nothing is changed in the proxy until it has."""
+        self.fences: list[Callable[[], Mapping[str, Collection[str]]]] = []
+        """Sources of group → groups that must have left the proxy (not even listed: no request in flight may still
+        reach them) before it is added: an incompatible rollout's switch."""
+        self.fenced: dict[str, tuple[str, ...]] = {}
+        """group → the groups it waits for, as of the last step."""
 
     @property
     def url(self) -> str:
@@ -118,7 +127,7 @@ class ProxySync:
                 await self.step()
             except Exception:  # a bug must not end the sync
                 logger.exception("proxy sync step failed")
-            await self.clock.sleep(PERIOD_S)
+            await self.clock.sleep(FENCE_POLL_S if self.fenced else PERIOD_S)
 
     async def step(self) -> None:
         comp = self._component()
@@ -138,28 +147,56 @@ class ProxySync:
         for group in self.groups:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+        ready = True
         for source in self.holds:
-            for name, why in source().items():
+            held = source()
+            ready = ready and held is not None
+            for name, why in (held or {}).items():
                 if name in health:
                     health[name] = (False, why)
+        fences: dict[str, set[str]] = {}
+        for fence in self.fences:
+            for name, others in fence().items():
+                fences.setdefault(name, set()).update(others)
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
-        if self.applied is not None and comp.up:
-            await self._apply(want)
+        if self.applied is not None and comp.up and ready:
+            await self._apply(want, fences)
+        else:
+            self.fenced = self._blocked(fences)
         self._report(health)
         routed = self.active if self.active is not None else want
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
         self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
 
-    async def _apply(self, want: dict[str, set[str]]) -> None:
+    def _blocked(self, fences: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
+        """group → the groups of its fence the proxy still lists (tainted ones included: they may still be used)."""
+        listed = set().union(*(self.active or {}).values()) if self.active is not None else None
+        by_name = {g.name: g for g in self.groups}
+        out = {}
+        for name, others in fences.items():
+            still = sorted(o for o in others if o in by_name and (
+                listed is None or set(by_name[o].endpoints) & listed))  # fmt: skip
+            if still:
+                out[name] = tuple(still)
+        return out
+
+    async def _apply(self, want: dict[str, set[str]], fences: Mapping[str, set[str]]) -> None:
+        """Every removal first, then the additions the fences allow as the proxy's answers now say."""
         assert self.applied is not None
         for kind in ("prefill", "decode"):
-            gone, back = self.applied[kind] - want[kind], want[kind] - self.applied[kind]
+            gone = self.applied[kind] - want[kind]
             if gone and await self._post("remove", kind, gone):
                 self.applied[kind] -= gone
+        self.fenced = self._blocked(fences)
+        for group in self.groups:
+            if group.name in self.fenced:
+                want[group.kind] -= set(group.endpoints)
+        for kind in ("prefill", "decode"):
+            back = want[kind] - self.applied[kind]
             if back and await self._post("add", kind, back):
                 self.applied[kind] |= back
         pending = {k: self.applied[k] - (self.active or {}).get(k, set()) for k in self.applied}
-        due = self.clock.monotonic() - self._reconciled_at >= RECONCILE_S
+        due = self.clock.monotonic() - self._reconciled_at >= (FENCE_POLL_S if self.fenced else RECONCILE_S)
         if any(pending.values()) or due:
             # An added instance waits for the proxy's own activation check (its /v1/models); one that failed
             # that check too often is dropped by the proxy. Re-adding is idempotent and answers what it routes to.
@@ -177,6 +214,9 @@ class ProxySync:
             isolated = self.active is not None and any(e in self.isolated[group.kind] for e in group.endpoints)
             if not ok:
                 now = why
+            elif group.name in self.fenced:
+                now = (f"healthy; waiting for {', '.join(self.fenced[group.name])} to leave the proxy first (another "
+                       "file, never routed together; the proxy deletes them once it is idle)")  # fmt: skip
             elif isolated:
                 now = "healthy; the proxy keeps it isolated until it is idle once, then it is added back"
             elif routed:  # (no proxy process: nothing to wait for)

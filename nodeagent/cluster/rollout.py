@@ -9,8 +9,9 @@ group's restart is one planned gang generation (`rules.bump`, exactly once per s
 `ProxySync` (a hold-out source), the node is reached through its `StackPort` and three calls on the agent
 (`ConfigHost`: the running config, this node's file on disk, take a config for the next starts).
 
-Attached to the node as a second `NodeLayer`: it holds nothing, measures each group's load time (start to up,
-the expected outage of a single-group kind) and adds `rollout` to /status.
+Attached to the node as a second `NodeLayer`: it holds a rank of a step that changes the container's image until
+the container runs it, and adds `rollout` to /status. Made before the container and the stack start: an agent
+restarted mid-rollout takes back the config its group runs (`MemberConfig.restore`) before either starts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,19 +30,18 @@ from nodeagent.cluster import rollout_rules as rr
 from nodeagent.cluster import rules
 from nodeagent.cluster.proxy_sync import group_healthy
 from nodeagent.cluster.rollout_bake import BakeWatch, Scrape
-from nodeagent.cluster.rollout_config import ConfigHost, file_hash, restore_config, snapshot_config
+from nodeagent.cluster.rollout_config import ConfigHost, MemberConfig
 from nodeagent.cluster.rollout_http import http_canary, http_inflight, http_scrape
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.cluster.rollout_view import floor_text, group_load_s, serving_now, time_left
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.stackport import Hold, HoldKind
-from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
-    from nodeagent.config_model import Config
     from nodeagent.failure import Failure
     from nodeagent.stackport import ComponentView
 
@@ -83,37 +82,26 @@ class RolloutExecutor:
         self.bake = BakeWatch(scrape or http_scrape)
         self._recreated: set[tuple[str, int, str]] = set()
         self.record: rr.Record | None = None
+        self.synced = False
+        """The record was read once: until then the proxy is told nothing (a group held out must stay out)."""
         self.mod_revision = 0
         self.changed_at = self.clock.monotonic()
         self.reports: dict[str, dict[str, Any]] = {}
-        self.load_s: dict[str, float] = {}
-        self._starting: dict[str, float] = {}
         self._quiet_since: float | None = None
         self._reported: dict[str, Any] | None = None
-        self._disk: tuple[str | None, str] = (None, "")
-        self._disk_for: tuple[str | None, Any] | None = None
         self._stage_error: str | None = None
-        self.state_path = self.co.config.agent.state_dir / "rollout-previous.json"
-        self.previous: Config | None = None
-        saved = read_json(self.state_path, {})
-        with contextlib.suppress(Exception):
-            self.previous = restore_config(saved) if saved else None
-        self._hashed: list[tuple[Any, str]] = []
+        self.member = MemberConfig(host, self.co.config.agent.state_dir, self.co.config.source)
+        self._hash = self.member.hash
         self._wake = asyncio.Event()
         self.tasks = TaskSet()
         for proxy in self.co.proxies:
             proxy.holds.append(self.out_of_proxy)
+            proxy.fences.append(self.fence)
         self.port.attach(self)
-
-    def _hash(self, config: Config) -> str:
-        """file_hash, remembered for the last few configs (the running one is asked every second; a 256-member
-        file is ~30 KB of JSON to digest)."""
-        for seen, digest in self._hashed:
-            if seen is config:
-                return digest
-        digest = file_hash(config)
-        self._hashed = [(config, digest), *self._hashed[:3]]
-        return digest
+        with contextlib.suppress(Exception):  # never fatal: the record, once read, stages what it wants
+            restored = self.member.restore()
+            if restored:
+                self.port.emit("rollout_staged", restored)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,6 +122,7 @@ class RolloutExecutor:
                 self.reports.clear()
             else:
                 apply(prefix, None)
+                self.synced = True
             for key, kv in item.snapshot.items.items():
                 apply(key, kv)
         else:
@@ -185,51 +174,23 @@ class RolloutExecutor:
         return False
 
     # ---- this member's config --------------------------------------------------------------------------------
-    def _disk_file(self, refresh: bool = False) -> tuple[str | None, str]:
-        """(hash of this node's file on disk, why not readable): read again when the file changed (its size
-        and mtime) and for each new rollout."""
-        rid = self.record.id if self.record is not None else None
-        stamp: Any = None
-        with contextlib.suppress(OSError, TypeError):
-            st = os.stat(self.co.config.source)  # type: ignore[arg-type]
-            stamp = (st.st_mtime_ns, st.st_size)
-        if refresh or self._disk_for != (rid, stamp) or self._disk[0] is None:
-            try:
-                self._disk = (self._hash(self.host.read_config_file()), "")
-            except Exception as exc:  # a bad file is reported, never raised into the loop
-                self._disk = (None, f"cannot load the file: {str(exc).splitlines()[0][:200]}")
-            self._disk_for = (rid, stamp)
-        return self._disk
-
-    def _save_previous(self, config: Config) -> None:
-        self.previous = config
-        with contextlib.suppress(OSError):
-            write_json_atomic(self.state_path, snapshot_config(config))
-
-    def _config_for(self, want: str) -> Config:
-        """The config with file hash `want`: the saved previous one, or this node's file on disk."""
-        if self.previous is not None and self._hash(self.previous) == want:
-            return self.previous
-        disk = self.host.read_config_file()
-        if self._hash(disk) != want:
-            raise RolloutRefused(f"this node's file has hash {self._hash(disk)[:12]}, the step wants {want[:12]} "
-                                 "(install the new file on every member first)")  # fmt: skip
-        return disk
-
     def _keep_staged(self) -> None:
         """The config in memory follows the rollout: after an agent restart (which loaded the file on disk) a
         group not yet rolled keeps its previous config, a group rolled back keeps the one it went back to."""
         record = self.record
         if record is None:
             return
-        running = self._hash(self.host.running_config())
-        if running == record.old_hash and (self.previous is None or self._hash(self.previous) != running):
-            self._save_previous(self.host.running_config())
+        running = self.member.running()
+        previous = self.member.previous
+        if running == record.old_hash and (previous is None or self._hash(previous) != running):
+            self.member.save_previous(self.host.running_config())
         want = rr.wanted_hash(record, self.group.name if self.group else None, self.node)
+        if want is not None and running in (record.old_hash, record.new_hash):
+            self.member.keep_wanted(record.id, record.old_hash, record.new_hash, want)
         if want is None or want == running or running not in (record.old_hash, record.new_hash):
             return
         try:
-            self.host.stage_config(self._config_for(want))
+            self.host.stage_config(self.member.config_for(want))
             self._stage_error = None
             self.port.emit("rollout_staged", f"rollout {record.id}: this node takes {want[:12]} as the rollout "
                            f"stands (it had {running[:12]} in memory)")  # fmt: skip
@@ -240,11 +201,11 @@ class RolloutExecutor:
                                None, "error")  # fmt: skip
 
     async def _report(self) -> None:
-        """This member's report: the file on its disk, the previous file it saved, its groups' load times."""
-        disk, error = self._disk_file()
-        data = {"hash": disk, "error": error, "running": self._hash(self.host.running_config()),
-                "previous": self._hash(self.previous) if self.previous is not None else None,
-                "load_s": {g: round(s, 1) for g, s in self.load_s.items()},
+        """This member's report: the file on its disk, the previous file it saved."""
+        disk, error = self.member.disk(self.record.id if self.record is not None else None)
+        previous = self.member.previous
+        data = {"hash": disk, "error": error, "running": self.member.running(),
+                "previous": self._hash(previous) if previous is not None else None,
                 "rollout": self.record.id if self.record is not None else None}  # fmt: skip
         if data != self._reported or self.reports.get(self.node) != data:
             # (also when our key is gone: it lives on the lease, which a long stall can lose and re-grant)
@@ -334,14 +295,16 @@ class RolloutExecutor:
     async def _stage(self, index: int, step: rr.Step) -> None:
         running = self.host.running_config()
         if self._hash(running) == step.from_hash and not step.failed and not step.rollback:
-            self._save_previous(running)
+            self.member.save_previous(running)
         try:
-            config = self._config_for(step.to_hash)
+            config = self.member.config_for(step.to_hash)
             if self._hash(running) != step.to_hash:
                 self.host.stage_config(config)
         except Exception as exc:
             await self._mark(index, "stage_error", value=str(exc).splitlines()[0][:300])
             return
+        assert self.record is not None
+        self.member.keep_wanted(self.record.id, self.record.old_hash, self.record.new_hash, step.to_hash)
         self.port.emit("rollout_staged", f"rollout step {index + 1}: the next start of "
                        f"{', '.join(self.group.components(self.node)) if self.group else 'vLLM'} uses "
                        f"{step.to_hash[:12]}")  # fmt: skip
@@ -459,11 +422,7 @@ class RolloutExecutor:
                   if m.record.get("cluster_hash") != shared}  # fmt: skip
         differ |= {n: str(r.get("running"))[:12] for n, r in self.reports.items()
                    if r.get("running") not in (None, old_hash)}  # fmt: skip
-        load_s: dict[str, float] = {}
-        for report in self.reports.values():
-            for g, s in (report.get("load_s") or {}).items():
-                load_s[g] = max(load_s.get(g, 0.0), float(s))
-        plan = make_plan(old, new, opts, old_hash=old_hash, new_hash=new_hash, load_s=load_s,
+        plan = make_plan(old, new, opts, old_hash=old_hash, new_hash=new_hash, load_s=self._load_s(),
                          base_env=getattr(self.port, "base_env", {}))  # fmt: skip
         out = plan.to_dict()
         if differ:
@@ -500,21 +459,24 @@ class RolloutExecutor:
                 return self.view()
         raise RolloutRefused("the rollout changes too fast to apply it; try again")
 
-    def out_of_proxy(self) -> dict[str, str]:
-        return rr.held_out(self.record)
+    def out_of_proxy(self) -> dict[str, str] | None:
+        return rr.held_out(self.record) if self.synced else None
+
+    def fence(self) -> dict[str, tuple[str, ...]]:
+        return rr.fence(self.record)
+
+    def _load_s(self) -> dict[str, float]:
+        """Each group's last load time, from the members' records (their agents keep it across restarts)."""
+        return group_load_s(self.layout.groups, {n: m.record for n, m in self.co.membership.members.items()})
 
     def view(self) -> dict[str, Any]:
         record = self.record
         if record is None:
             return {"rollout": None}
-        i = record.current()
         obs = self._observe()
-        floor = None
-        if i is not None and record.steps[i].phase == "pending":
-            floor = rr.files_problem(record.steps[i], obs) or rr.floor_problem(record, record.steps[i], obs)
-        load = {**{g: float(s) for r in self.reports.values() for g, s in (r.get("load_s") or {}).items()}}
-        return {"rollout": {**record.to_dict(), "current": i, "floor": floor or "holds",
-                            "time_left_s": rr.time_left(record, load, self.clock.time()),
+        return {"rollout": {**record.to_dict(), "current": record.current(), "floor": floor_text(record, obs),
+                            "serving": serving_now(record, obs), "held_out": rr.held_out(record),
+                            "time_left_s": time_left(record, self._load_s(), self.clock.time()),
                             "have_new_file": sorted(n for n, r in self.reports.items()
                                                     if r.get("hash") == record.new_hash)}}  # fmt: skip
 
@@ -553,16 +515,4 @@ class RolloutExecutor:
                             "phase": step.phase if step else None, "groups": list(step.groups) if step else []}}
 
     def on_node_change(self) -> None:
-        """Measure the group's load time here (start → up): the expected outage of a single-group kind."""
-        if self.group is not None:
-            here = self.port.snapshot().components
-            now = self.clock.monotonic()
-            for c in self.group.components(self.node):
-                view = here.get(c)
-                if view is None or not view.running:
-                    self._starting.pop(c, None)
-                elif not view.up:
-                    self._starting.setdefault(c, now)
-                elif c in self._starting:
-                    self.load_s[self.group.name] = now - self._starting.pop(c)
         self.wake()

@@ -138,6 +138,10 @@ class Plan:
     refused: tuple[str, ...] = ()
     """Why this plan cannot run (empty: it can)."""
     notes: tuple[str, ...] = field(default=())
+    exclusive: bool = False
+    """Old and new groups are never routed together: the proxy switches from the old groups to the first pair."""
+    switch_gap_s: float | None = None
+    """An exclusive plan's expected time with no group in the proxy at the switch."""
 
     @property
     def ok(self) -> bool:
@@ -149,7 +153,8 @@ class Plan:
                              "incompatible": list(c.incompatible)} for c in self.changes],
                 "unchanged": list(self.unchanged), "steps": [s.to_dict() for s in self.steps],
                 "incompatible": list(self.incompatible), "refused": list(self.refused),
-                "notes": list(self.notes), "ok": self.ok}  # fmt: skip
+                "notes": list(self.notes), "ok": self.ok, "exclusive": self.exclusive,
+                "switch_gap_s": self.switch_gap_s}  # fmt: skip
 
 
 # ---- rendering both files -------------------------------------------------------------------------------------
@@ -359,8 +364,14 @@ def order_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], 
 
 
 def pair_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], options: Options,
-               load_s: Mapping[str, float]) -> tuple[list[PlannedStep], list[str]]:  # fmt: skip
-    """An incompatible change: one prefill + decode pair first, then every remaining group at once."""
+               load_s: Mapping[str, float], switch_gap_s: float | None,
+               ) -> tuple[list[PlannedStep], list[str]]:  # fmt: skip
+    """An incompatible change: one prefill + decode pair first (the old groups serve meanwhile), then every
+    remaining group at once. As the pair rejoins, the proxy switches: every old group leaves it, and the pair
+    joins only once none is listed (`rollout_rules.fence`), so no request ever meets both files — which leaves
+    the proxy with no group for about `switch_gap_s`, an outage of both kinds the operator must allow (None: no
+    proxy of ours routes between the kinds). Why not keep the pair out until the rest switched: nothing would
+    serve while the rest reload (30-60 min)."""
     prefill = [c for c in changes if c.kind == "prefill"]
     decode = [c for c in changes if c.kind == "decode"]
     if not prefill or not decode or len(prefill) != kind_counts["prefill"] or len(decode) != kind_counts["decode"]:
@@ -382,17 +393,40 @@ def pair_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], o
         if kind not in options.allow_outage:
             refused.append(f"{kind} has one group: the pair's step takes {kind} down for {_fmt_s(expected)}; pass "
                            f"--allow-outage {kind}")  # fmt: skip
+    missing = [k for k in ("prefill", "decode") if k not in options.allow_outage]
+    if switch_gap_s is not None and missing:
+        refused.append(f"an incompatible change switches the proxy from the old groups to the new pair with no group "
+                       f"in it for {_fmt_s(switch_gap_s)} (the proxy cannot swap both kinds at once, and no request "
+                       "may meet both files): pass --allow-outage prefill,decode")  # fmt: skip
     if options.max_unavailable < 2:
         refused.append("an incompatible change switches a prefill and a decode group together: needs "
                        "--max-unavailable 2 at least")  # fmt: skip
-    steps.append(PlannedStep(names, ("prefill", "decode"), outage, expected, "first pair (old groups serve meanwhile)"))
+    down = f"; {'/'.join(outage)} down for {_fmt_s(expected)}" if outage else ""
+    switch = (f"as it rejoins, the proxy switches (the old groups leave, then the pair joins: {_fmt_s(switch_gap_s)} "
+              "with no group)" if switch_gap_s is not None else "no proxy of the agents keeps old and new apart")
+    steps.append(PlannedStep(names, ("prefill", "decode"), outage, expected,
+                             f"first pair: the old groups serve meanwhile{down}; {switch}"))
     if rest:
         if len(rest) > options.max_unavailable:
             refused.append(f"after the first pair the other {len(rest)} groups must switch at once (the proxy cannot "
                            f"keep old and new apart): needs --max-unavailable {len(rest)}")  # fmt: skip
+        alone = _outage_s([c.group for c in rest], load_s)
         steps.append(PlannedStep(tuple(c.group for c in rest), tuple(sorted({c.kind for c in rest})), (), None,
-                                 "the rest at once (the new pair serves meanwhile)"))  # fmt: skip
+                                 f"the rest at once, out of the proxy since the switch: {', '.join(names)} serve "
+                                 f"alone meanwhile (their load {_fmt_s(alone)}, then the bake)"))  # fmt: skip
     return steps, refused
+
+
+def switch_gap(config: Config) -> float | None:
+    """Seconds with no group in the proxy at an exclusive switch: the old groups are deleted, then the pair is
+    added once the sync sees them gone (`proxy_sync.FENCE_POLL_S`) and activated at the proxy's next instance
+    check (`activation_check_s`; the script's own default is 10 s)."""
+    from nodeagent.cluster.proxy_sync import FENCE_POLL_S
+
+    layout = cluster_layout(config)
+    checks = [getattr(layout.node_settings.get(p.node, {}).get(p.component), "activation_check_s", None)
+              for p in layout.proxies]  # fmt: skip
+    return max((c if c is not None else 10.0) for c in checks) + FENCE_POLL_S if checks else None
 
 
 def make_plan(old: Config, new: Config, options: Options, *, old_hash: str, new_hash: str,
@@ -414,13 +448,16 @@ def make_plan(old: Config, new: Config, options: Options, *, old_hash: str, new_
         options = replace(options, canary=None)
     incompatible = sorted({f"{c.group}: {why}" for c in changes for why in c.incompatible})
     steps: list[PlannedStep] = []
+    exclusive, gap = False, None
     if not problems and changes:
-        if incompatible and kind_counts["prefill"] and kind_counts["decode"]:
-            steps, refused = pair_steps(changes, kind_counts, options, load_s)
+        exclusive = bool(incompatible and kind_counts["prefill"] and kind_counts["decode"])
+        if exclusive:
+            gap = switch_gap(old)
+            steps, refused = pair_steps(changes, kind_counts, options, load_s, gap)
         else:
             steps, refused = order_steps(changes, kind_counts, options, load_s)
         problems += refused
     if not problems and not changes:
         notes.append("no vLLM group renders differently: nothing to roll out")
     return Plan(old_hash, new_hash, options, tuple(changes), tuple(unchanged), tuple(steps), tuple(incompatible),
-                tuple(problems), tuple(notes))  # fmt: skip
+                tuple(problems), tuple(notes), exclusive, gap)  # fmt: skip

@@ -115,12 +115,14 @@ class Record:
     plan: Mapping[str, Any] = field(default_factory=dict)
     """The plan as made (changes and why), for status."""
     history: tuple[tuple[float, str], ...] = ()
+    exclusive: bool = False
+    """Old and new groups are never routed together (an incompatible prefill↔decode change): `fence`."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "by": self.by, "at": self.at, "old_hash": self.old_hash, "new_hash": self.new_hash,
                 "options": self.options.to_dict(), "steps": [s.to_dict() for s in self.steps],
                 "status": self.status, "message": self.message, "plan": dict(self.plan),
-                "history": [list(h) for h in self.history]}  # fmt: skip
+                "history": [list(h) for h in self.history], "exclusive": self.exclusive}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Any) -> Record | None:
@@ -131,7 +133,8 @@ class Record:
                        str(d["new_hash"]), Options.from_dict(d.get("options") or {}),
                        tuple(Step.from_dict(s) for s in d.get("steps", ())), str(d.get("status", "running")),
                        str(d.get("message", "")), dict(d.get("plan") or {}),
-                       tuple((float(t), str(m)) for t, m in d.get("history", ())))  # fmt: skip
+                       tuple((float(t), str(m)) for t, m in d.get("history", ())),
+                       bool(d.get("exclusive")))  # fmt: skip
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -160,8 +163,8 @@ class Record:
 def new_record(rid: str, by: str, now: float, plan: Plan) -> Record:
     steps = tuple(Step(s.groups, s.kinds, plan.old_hash, plan.new_hash, outage=s.outage,
                        expected_outage_s=s.expected_outage_s, note=s.note) for s in plan.steps)  # fmt: skip
-    return Record(rid, by, now, plan.old_hash, plan.new_hash, plan.options, steps, plan=plan.to_dict()).say(
-        now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")
+    return Record(rid, by, now, plan.old_hash, plan.new_hash, plan.options, steps, plan=plan.to_dict(),
+                  exclusive=plan.exclusive).say(now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")
 
 
 # ---- what the agents see ----------------------------------------------------------------------------------------
@@ -417,7 +420,8 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "") -> R
 
 
 def held_out(record: Record | None) -> dict[str, str]:
-    """group → why the proxy must not route to it now (the step in progress, from its drain to its gate)."""
+    """group → why the proxy must not route to it now: the step in progress, from its drain to its gate; and, in
+    an exclusive rollout, every group that may run another file than the one the proxy routes (`serving_hash`)."""
     if record is None:
         return {}
     out = {}
@@ -425,7 +429,61 @@ def held_out(record: Record | None) -> dict[str, str]:
         if s.phase in OUT_OF_PROXY:
             for g in s.groups:
                 out[g] = f"rollout {record.id} step {i + 1}: {s.phase}"
+    return {**kept_apart(record), **out}
+
+
+def kept_apart(record: Record) -> dict[str, str]:
+    """An exclusive rollout's groups that may run another file than the one the proxy routes → why."""
+    if not record.exclusive:
+        return {}
+    serving = serving_hash(record)
+    return {g: f"rollout {record.id}: runs {'/'.join(sorted(f[:12] for f in files))} while the proxy routes "
+               f"{serving[:12]} (an incompatible change: never routed together)"
+            for g, files in group_files(record).items() if files != {serving}}  # fmt: skip
+
+
+def group_files(record: Record) -> dict[str, frozenset[str]]:
+    """group → the files its processes may run now: the step's two while it restarts (the old processes until
+    they stopped, the new after), one otherwise (groups no step touches: absent)."""
+    out: dict[str, frozenset[str]] = {}
+    for s in record.steps:
+        for g in s.groups:
+            if s.phase in ("pending", "draining", "skipped"):
+                out.setdefault(g, frozenset((s.from_hash,)))
+            elif s.phase in ("staging", "restarting", "gating"):
+                out[g] = frozenset((s.from_hash, s.to_hash))
+            else:
+                out[g] = frozenset((s.to_hash,))
     return out
+
+
+def serving_hash(record: Record) -> str:
+    """The file whose groups the proxy routes in an exclusive rollout: that of the last step that passed its gate
+    (it switches the proxy as it rejoins), else the running one."""
+    serving = record.old_hash
+    for s in record.steps:
+        if s.phase in ("rejoining", "baking", "done", "rolled_back"):
+            serving = s.to_hash
+    return serving
+
+
+def fence(record: Record | None) -> dict[str, tuple[str, ...]]:
+    """group → the groups that must have left the proxy before it is added (an exclusive rollout's switch: the
+    new pair joins only once no old group is listed, so no request is ever routed across the two files)."""
+    if record is None or not record.exclusive:
+        return {}
+    serving, files = serving_hash(record), group_files(record)
+    others = tuple(sorted(g for g, f in files.items() if f != {serving}))
+    return {g: others for g, f in files.items() if f == {serving}} if others else {}
+
+
+def _mixed_after_abort(record: Record) -> list[str]:
+    """The groups an abort would leave on another file than the proxy's (an exclusive rollout only)."""
+    ended = replace(record, steps=tuple(
+        replace(s, phase="skipped" if s.phase in ("pending", "draining") else "done")
+        if s.in_progress or s.phase == "pending" else s for s in record.steps))  # fmt: skip
+    serving = serving_hash(ended)
+    return sorted(g for g, f in group_files(ended).items() if f != {serving})
 
 
 def wanted_hash(record: Record | None, group: str | None, node: str) -> str | None:
@@ -463,6 +521,11 @@ def control(record: Record, action: str, now: float, by: str) -> Record:
             return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed", "running")
         raise ValueError(f"rollout {record.id} is {record.status}: nothing to resume")
     if action == "abort":
+        left = _mixed_after_abort(record) if record.exclusive else []
+        if left and record.status != "aborted":
+            raise ValueError(f"rollout {record.id} changes the KV connector or vllm-ascend version: stopping here "
+                             f"would leave {', '.join(left)} on the other file, out of the proxy for good (old and "
+                             "new are never routed together); rollback goes back, resume goes on")  # fmt: skip
         if record.status == "halted":
             # nothing runs for a halted rollout; closing it is what lets the operator start the next one
             return record.say(now, f"closed by {by}: the halted rollout ends here; the groups stay as they are",
@@ -485,24 +548,3 @@ def control(record: Record, action: str, now: float, by: str) -> Record:
             now, f"rollback by {by}: {', '.join(g for s in undo for g in s.groups)} go back to the previous config",
             "rolling_back")  # fmt: skip
     raise ValueError(f"unknown rollout action {action!r} (pause, resume, abort, rollback)")
-
-
-def time_left(record: Record, load_s: Mapping[str, float], now: float) -> float | None:
-    """Seconds until the last step ends, estimated: each step's groups' last load (or the mean duration of the
-    steps done) plus the bake; None when nothing is known to estimate from."""
-    if not record.active:
-        return 0.0
-    took = [s.finished - s.started for s in record.steps
-            if s.phase == "done" and s.finished is not None and s.started is not None]  # fmt: skip
-    mean = sum(took) / len(took) if took else None
-    total = 0.0
-    for s in record.steps:
-        if s.phase in ENDED:
-            continue
-        load = max((load_s[g] for g in s.groups if g in load_s), default=None)
-        each = mean if mean is not None else (load + (0.0 if s.rollback else record.options.bake_s)
-                                              if load is not None else None)  # fmt: skip
-        if each is None:
-            return None
-        total += max(0.0, each - (now - s.started if s.in_progress and s.started else 0.0))
-    return total

@@ -69,9 +69,74 @@ def component_rows(status: dict[str, Any]) -> str:
     return "".join(rows)
 
 
-def first_paint(page: str, status: dict[str, Any], now: float | None = None) -> str:
+def js_dur(seconds: Any) -> str:
+    """As ui.js's `dur`: the rollout box reads the same before and after the script runs."""
+    if not isinstance(seconds, int | float) or seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return "—"
+    s = max(0, int(seconds + 0.5))
+    if s < 60:
+        return f"{s}s"
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s}s"
+
+
+MOVING = ("running", "paused", "rolling_back", "aborting")
+
+
+def rollout_texts(r: dict[str, Any]) -> dict[str, str]:
+    """The rollout box's lines as ui.js's renderRollout writes them: meta, floor, message."""
+    steps = r.get("steps") or []
+    cur = r.get("current")
+    where = ""
+    if isinstance(cur, int) and 0 <= cur < len(steps):
+        where = f" · step {cur + 1}/{len(steps)} {', '.join(steps[cur].get('groups') or [])} {steps[cur].get('phase')}"
+    floor = ""
+    if r.get("status") in MOVING:
+        floor = f"floor: {r.get('floor') or '?'} · time left {js_dur(r.get('time_left_s'))}"
+        if r.get("held_out"):
+            floor += f" · out of the proxy: {', '.join(r['held_out'])}"
+    return {"meta": f"{r.get('id')} · {r.get('status')}{where}", "floor": floor, "message": str(r.get("message") or "")}
+
+
+def rollout_rows(r: dict[str, Any], now: float) -> str:
+    rows = []
+    for i, s in enumerate(r.get("steps") or [], 1):
+        cls = "ok" if s.get("phase") == "done" else "failed" if s.get("failed") else "starting"
+        since = f"{js_dur(now - s['since'])} ago" if isinstance(s.get("since"), int | float) and s["since"] else "—"
+        note = " · ".join(x for x in ("rollback" if s.get("rollback") else "", s.get("failed") or "",
+                                      s.get("note") or "") if x)  # fmt: skip
+        rows.append(f'<tr data-step="{i}"><td class="num">{i}</td>'
+                    f'<td data-field="groups">{escape(", ".join(s.get("groups") or []))}</td>'
+                    f'<td data-field="phase"><span class="badge s-{cls}">{escape(str(s.get("phase")))}</span></td>'
+                    f'<td data-field="since">{escape(since)}</td><td data-field="note" class="note">{escape(note)}</td>'
+                    "</tr>")  # fmt: skip
+    return "".join(rows)
+
+
+def rollout_box(page: str, rollout: dict[str, Any] | None, now: float) -> str:
+    """The rollout in progress (or the last one), as the live page shows it: the plan's steps, the step, the
+    floor (what serves per kind) and the time left."""
+    if not rollout:
+        return page
+    texts = rollout_texts(rollout)
+    page = page.replace('<div id="rollout" hidden>', '<div id="rollout">', 1)
+    for key in ("meta", "floor", "message"):
+        for marker in (f'<span class="muted" id="rollout-{key}"></span>', f'<div id="rollout-{key}"></div>',
+                       f'<div id="rollout-{key}" class="muted"></div>'):  # fmt: skip
+            page = page.replace(marker, marker.replace("></", f">{escape(texts[key])}</", 1), 1)
+    at = page.find('<table id="rollout-steps">')
+    body = page.find("<tbody></tbody>", at) if at >= 0 else -1
+    if body >= 0:
+        page = page[:body] + f"<tbody>{rollout_rows(rollout, now)}</tbody>" + page[body + len("<tbody></tbody>"):]
+    return page
+
+
+def first_paint(page: str, status: dict[str, Any], now: float | None = None,
+                rollout: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The page template with the node's state written in (the template is untouched where a marker is
-    missing: the page still works, it only paints later)."""
+    missing: the page still works, it only paints later). `rollout`: /cluster's rollout view, when any."""
     node = status.get("node") or {}
     meta = " · ".join(str(node[k]) for k in ("role", "ip", "cluster") if node.get(k))
     name = escape(str(node.get("name") or "dsv4-agent"))
@@ -102,4 +167,4 @@ def first_paint(page: str, status: dict[str, Any], now: float | None = None) -> 
         body = page.find("<tbody></tbody>", at)
         if body >= 0:
             page = page[:body] + f"<tbody>{component_rows(status)}</tbody>" + page[body + len("<tbody></tbody>"):]
-    return page
+    return rollout_box(page, rollout, now if now is not None else time.time())

@@ -49,10 +49,12 @@ def _response(name: str, body: bytes) -> web.Response:
 
 
 class UiRoutes:
-    """Needs from the Api: `cache_sampler` (None when agent.ui.enabled is false) and `status_data()`."""
+    """Needs from the Api: `cache_sampler` (None when agent.ui.enabled is false), `status_data()` and `ctl` (the
+    agent: its rollout executor, when it runs one, for the rollout box)."""
 
     cache_sampler: Any
     status_data: Callable[[], dict[str, Any]]
+    ctl: Any
 
     def _ui_enabled(self) -> None:
         if self.cache_sampler is None:
@@ -63,7 +65,9 @@ class UiRoutes:
         self._ui_enabled()
         page = read_static(PAGE).decode()
         with contextlib.suppress(Exception):  # the live page never depends on the first paint
-            page = first_paint(page, self.status_data())
+            executor = getattr(self.ctl, "rollout", None)
+            rollout = executor.view().get("rollout") if executor is not None else None
+            page = first_paint(page, self.status_data(), rollout=rollout)
         return _response(PAGE, page.encode())
 
     async def ui_asset(self, request: web.Request) -> web.Response:

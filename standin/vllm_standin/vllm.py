@@ -6,7 +6,9 @@ children that survive a SIGKILL of this process), the port bound only after "loa
 vLLM-shaped log lines, OpenAI endpoints, and vLLM's Prometheus metric names. For prefill-decode
 disaggregation (`--kv-transfer-config` with kv_role kv_producer / kv_consumer) it answers the PD proxy like
 vLLM's Mooncake connector: a producer's request with `kv_transfer_params.do_remote_decode` that stopped at
-max_tokens returns where its KV can be pulled from; a consumer logs the remote prefill it is handed.
+max_tokens returns where its KV can be pulled from (and its KV connector); a consumer logs the remote prefill it
+is handed, and fails it as the Mooncake connector's failed pull when it came from another KV connector (an
+incompatible change mixed behind one proxy).
 
 Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
 --tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `kv_fail`,
@@ -953,6 +955,15 @@ class ApiServer:
             log(PROC, "mooncake_connector.py:1203", f"Request {job.rid}: pulling KV of {len(tokens)} prompt "
                 f"tokens from engine {params.get('remote_engine_id')} at "
                 f"{params.get('remote_host')}:{params.get('remote_port')}")
+            theirs, ours = params.get("kv_connectors"), self._connectors()
+            if theirs is not None and theirs != ours:
+                # what an incompatible change mixed behind one proxy does: the KV handed over is not one this
+                # connector can load (a rollout must never route a request across the two)
+                log(PROC, "mooncake_connector.py:1329", "Mooncake transfer failed for request. remote_request_id="
+                    f"{params.get('remote_request_id')}, ret=-1 (KV connector mismatch: the prefill engine runs "
+                    f"{'/'.join(theirs)}, this one {'/'.join(ours)}).", "ERROR")  # fmt: skip
+                raise ApiError(500, "InternalServerError", f"Request {job.rid} failed: its KV came from an "
+                               "incompatible connector")  # fmt: skip
             if self.fault_mode == "kv_fail":
                 # vllm-ascend's Mooncake connector's line for a failed pull; with kv_load_failure_policy "fail" the
                 # request ends in an error while the engine (and /health) stays up
@@ -967,6 +978,17 @@ class ApiServer:
             options = body.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             return await self._stream_response(request, job, results, include_usage)
+
+    def _connectors(self) -> list[str]:
+        """The connector classes of --kv-transfer-config (a MultiConnector's parts and their use_ascend_direct):
+        what must match for a decode engine to load a prefill engine's KV."""
+        kv = self.args.kv_transfer_config or {}
+        out = [str(kv.get("kv_connector"))]
+        for part in (kv.get("kv_connector_extra_config") or {}).get("connectors") or []:
+            if isinstance(part, dict):
+                extra = part.get("kv_connector_extra_config") or {}
+                out += [str(part.get("kv_connector")), f"use_ascend_direct={extra.get('use_ascend_direct')}"]
+        return out
 
     def _kv_role(self) -> str | None:
         kv = self.args.kv_transfer_config
@@ -995,6 +1017,7 @@ class ApiServer:
             "remote_port": int(p2p.get("kv_port", 30000)),
             "num_prompt_blocks": blocks,
             "remote_block_size": self.args.block_size,
+            "kv_connectors": self._connectors(),
         }
 
     async def _full_response(self, job: _Job, results: AsyncIterator[tuple[list[str], str | None]],

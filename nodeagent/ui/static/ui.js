@@ -365,9 +365,12 @@ function renderRollout(r) {
   const cur = r.current;
   const where = cur !== null && cur !== undefined && steps[cur] ? ` · step ${cur + 1}/${steps.length} ` +
     `${(steps[cur].groups || []).join(", ")} ${steps[cur].phase}` : "";
+  // the floor: why the next step waits, else what serves per kind now (firstpaint.py writes the same lines)
   const moving = ["running", "paused", "rolling_back", "aborting"].includes(r.status);
-  $("rollout-meta").textContent = `${r.id} · ${r.status}${where}` +
-    (moving ? ` · floor: ${r.floor || "?"} · time left ${dur(r.time_left_s)}` : "");
+  const out = Object.keys(r.held_out || {});
+  $("rollout-meta").textContent = `${r.id} · ${r.status}${where}`;
+  $("rollout-floor").textContent = moving ? `floor: ${r.floor || "?"} · time left ${dur(r.time_left_s)}` +
+    (out.length ? ` · out of the proxy: ${out.join(", ")}` : "") : "";
   $("rollout-message").textContent = r.message || "";
   replaceRows($("rollout-steps").tBodies[0], steps.map((s, i) => el("tr", { "data-step": String(i + 1) },
     el("td", { class: "num" }, String(i + 1)),
