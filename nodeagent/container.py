@@ -262,6 +262,20 @@ class RecordStore:
         write_json_atomic(self.path, record.to_json())
 
 
+async def _create(engine: ContainerEngine) -> None:
+    """The run line; when the runtime fails it (exit 126/127), the container is left `created` under our name and
+    would be adopted next time as one we did not make, never recreated: remove it. A never-started container has
+    no process, so nothing is signalled even were it another's."""
+    try:
+        await engine.create()
+    except EngineError:
+        with contextlib.suppress(EngineError):
+            left = await engine.inspect()
+            if left is not None and left.status == "created" and left.image == engine.spec.image:
+                await engine.remove()
+        raise
+
+
 async def ensure_container(engine: ContainerEngine, setup: Sequence[Sequence[str]], store: RecordStore,
                            log: Callable[[str], None], drain: Callable[[str], Awaitable[None]] | None = None,
                            ) -> tuple[ContainerState, ContainerPlan]:
@@ -285,7 +299,7 @@ async def ensure_container(engine: ContainerEngine, setup: Sequence[Sequence[str
             await engine.remove()
             keep_record = False
         elif step is Step.CREATE:
-            await engine.create()
+            await _create(engine)
         elif step is Step.START:
             await engine.start()
         elif step is Step.UNPAUSE:

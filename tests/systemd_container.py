@@ -9,6 +9,13 @@ container's PID 1, because ``systemctl -M`` and ``machinectl`` need machined, wh
 
 nspawn makes ``payload``/``supervisor`` cgroups under its own cgroup; started from the root cgroup it would
 leave them at the root. So nspawn is started inside a cgroup of its own, which is removed after shutdown.
+
+A container engine inside (``container_engine=True``) needs what nspawn withholds from its payload: the cgroup v1
+controller hierarchies (cpu, memory, ...) writable, which nspawn mounts read-only without a user namespace, and
+the keyring system calls, which its seccomp filter refuses (runc: "unable to join session keyring: unable to
+create session key: operation not permitted"). The container then also gets a cgroup of its own below ours in
+each controller (inside, its cgroup namespace makes that the controller's root) and those mounts are remounted
+read-write inside, so an engine's cgroups land below ours and go with them; and nspawn allows the keyring calls.
 """
 
 from __future__ import annotations
@@ -98,6 +105,18 @@ def _cgroup_roots() -> list[Path]:
     return [r for r in roots if os.access(r, os.W_OK)]
 
 
+def _controller_cgroups() -> list[Path]:
+    """Our own cgroup in each mounted cgroup v1 controller hierarchy (cpu, memory, ...; not name=systemd)."""
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers and not controllers.startswith("name="):
+            mount = Path("/sys/fs/cgroup") / controllers
+            if (mount / "cgroup.procs").exists() and os.access(mount, os.W_OK):
+                found.append(mount / path.lstrip("/"))
+    return found
+
+
 class SystemdContainer:
     """A booted systemd container; use as a context manager so it is always shut down."""
 
@@ -107,8 +126,10 @@ class SystemdContainer:
         binds_ro: Iterable[Path | str] = (),
         binds: Iterable[Path | str] = (),
         boot_timeout: float = 60,
+        container_engine: bool = False,
     ) -> None:
-        """``binds_ro``/``binds``: host paths mounted at the same path inside (``--bind-ro=``/``--bind=``)."""
+        """``binds_ro``/``binds``: host paths mounted at the same path inside (``--bind-ro=``/``--bind=``), or
+        ``SRC:DST``; ``container_engine``: what a container engine inside needs (above)."""
         self.rootfs = Path(rootfs)
         self.binds_ro = [str(p) for p in binds_ro]
         self.binds = [str(p) for p in binds]
@@ -117,6 +138,7 @@ class SystemdContainer:
                 # e.g. sys.base_prefix == "/usr" (distro Python) would hide the container's own /usr.
                 raise ValueError(f"refusing to bind {p} over the container's own {p}")
         self.boot_timeout = boot_timeout
+        self.container_engine = container_engine
         self.name = f"dsv4t-{os.getpid()}-{next(_counter)}"
         self.boot_seconds: float | None = None
         self.system_state: str | None = None
@@ -158,16 +180,20 @@ class SystemdContainer:
             raise RuntimeError(f"{self.rootfs} is not a rootfs with systemd; run {BUILD_SCRIPT}")
         t0 = time.monotonic()
         self._cgroups = []
-        for root in _cgroup_roots():
+        for root in [*_cgroup_roots(), *(_controller_cgroups() if self.container_engine else [])]:
             cg = root / self.name
             cg.mkdir(exist_ok=True)
             self._cgroups.append(cg)
+            for knob in ("cpuset.cpus", "cpuset.mems"):  # a new cpuset is empty: no task may join it
+                if (cg / knob).exists() and not (cg / knob).read_text().strip():
+                    (cg / knob).write_text((root / knob).read_text())
         argv = [
             "systemd-nspawn", "-q", "-D", str(self.rootfs), f"--machine={self.name}",
             "--register=no", "--keep-unit",  # no host bus/machined here; plain --register=no fails
             "-b", "--console=read-only", "--volatile=overlay",
             *[f"--bind-ro={p}" for p in self.binds_ro],
             *[f"--bind={p}" for p in self.binds],
+            *(["--system-call-filter=add_key keyctl request_key"] if self.container_engine else []),
         ]  # fmt: skip
         # Join our cgroups first (the shell is replaced by nspawn, keeping the PID and the cgroups).
         joins = "".join(f"echo $$ > {shlex.quote(str(cg / 'cgroup.procs'))}; " for cg in self._cgroups)
@@ -195,6 +221,9 @@ class SystemdContainer:
                     f"container systemd is {self.system_state!r} ({res.stderr.strip()}); console log "
                     f"{self._log.name}:\n{self.console_log[-4000:]}"
                 )
+            if self.container_engine:
+                mounts = "awk '$3 == \"cgroup\" && $4 ~ /^ro,/ && $4 !~ /name=/ {print $2}' /proc/self/mounts"
+                self.run(["sh", "-c", f"for m in $({mounts}); do mount -o remount,bind,rw $m || exit 1; done"])
         except BaseException:
             self.stop(raise_on_leftover=False, keep_log=True)
             raise

@@ -36,6 +36,7 @@ from nodeagent.config_base import replace
 from nodeagent.config_container import ContainerConfig
 from nodeagent.container import (
     ContainerEngine,
+    EngineError,
     RecordStore,
     container_pids,
     ensure_container,
@@ -219,6 +220,19 @@ def test_a_changed_run_line_is_a_planned_recreate(section: ContainerConfig, tmp_
     state, plan = asyncio.run(ensure_container(changed, [], store, print, drain))
     assert plan.drain and drained == ["run line changed"] and state.id != cid
     assert "HCCL_BUFFSIZE=512" in asyncio.run(changed.exec(["env"])).stdout
+
+
+def test_a_failed_run_line_leaves_no_container_to_adopt(section: ContainerConfig, tmp_path: Path) -> None:
+    """A run line that fails at the runtime's create (here a missing entrypoint; under nspawn it was the keyring)
+    leaves a `created` container of that name: adopted on the next try as "not created by this agent", it was
+    started with the same broken line forever and a fixed config never took effect."""
+    broken = ContainerEngine(spec_here(replace(section, run_args=[*section.run_args, "--entrypoint=/no/such/bin"])))
+    store = RecordStore(tmp_path / "state")
+    with pytest.raises(EngineError, match="/no/such/bin"):
+        asyncio.run(ensure_container(broken, [], store, print))
+    assert asyncio.run(broken.inspect()) is None
+    state, plan = asyncio.run(ensure_container(ContainerEngine(spec_here(section)), [], store, print))
+    assert plan.steps[:1] == (Step.CREATE,) and state.running
 
 
 @pytest.fixture
