@@ -203,6 +203,40 @@ def test_the_first_paint_shows_the_rollout_box() -> None:
     assert rollout_box_texts(done)["floor"] == "" and rollout_box_texts(done)["meta"] == "ab12cd34 · done"
 
 
+CONTAINER_UP = {"engine": "podman", "name": "ds_v4_flash_yr", "image": "quay.io/ascend/vllm-ascend:v0.20.2rc1",
+                "id": "4a496e83c8a2", "up": True, "up_since": "2026-12-05T08:00:00Z", "held": None,
+                "deaths": 1, "last_death": {"detail": "exited with code 137 <killed>"}}  # fmt: skip
+
+
+def test_the_first_paint_shows_the_container() -> None:
+    """issue 18 item 5: the page, as `nodeagentctl status`, names the node's container (hidden without one)."""
+    from nodeagent.ui.firstpaint import first_paint
+    from nodeagent.ui.routes import read_static
+
+    page = read_static("index.html").decode()
+    assert '<div id="container-line" class="muted" hidden></div>' in first_paint(page, {"node": {"name": "a2"}}, now=0)
+    html = first_paint(page, {"node": {"name": "a2"}, "container": CONTAINER_UP}, now=0)
+    line = re.search(r'<div id="container-line" class="muted">(.*?)</div>', html)
+    assert line, html[:1500]
+    assert line[1] == ("container ds_v4_flash_yr (podman, quay.io/ascend/vllm-ascend:v0.20.2rc1) 4a496e83c8a2 up "
+                       "since 2026-12-05T08:00:00Z · died 1x, last: exited with code 137 &lt;killed&gt;")  # fmt: skip
+    down = first_paint(page, {"container": {**CONTAINER_UP, "up": False, "held": "setup step 2 failed"}}, now=0)
+    assert "NOT UP: setup step 2 failed" in down
+
+
+async def test_the_container_line_reads_the_same_from_the_server_and_the_script(stack: InProcess,
+                                                                                browser: Chromium) -> None:  # fmt: skip
+    """ui.js's containerLine writes what node_alerts.container_line (the CLI's and the first paint's) writes."""
+    from nodeagent.node_alerts import container_line
+
+    page = await browser.new_page()
+    await page.goto(stack.url + "/ui")
+    for box in (CONTAINER_UP, {**CONTAINER_UP, "up": False, "held": "engine unresponsive", "deaths": 0}):
+        assert await page.js(f"containerLine({json.dumps(box)})") == container_line(box)
+    assert await page.js("document.getElementById('container-line').hidden") is True, "no container here"
+    assert_only_the_agent(page, stack.url)
+
+
 async def test_the_rollout_box_reads_the_same_from_the_server_and_the_script(stack: InProcess,
                                                                              browser: Chromium) -> None:  # fmt: skip
     """ui.js's renderRollout and the server's first paint write the same lines for the same view."""

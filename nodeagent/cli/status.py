@@ -10,7 +10,7 @@ from typing import Any
 
 from nodeagent.cli.agentconfig import Client, connect
 from nodeagent.cli.common import EXIT_UNKNOWN, EXIT_USAGE, CliError, error_text, human_duration, table
-from nodeagent.node_alerts import node_alerts
+from nodeagent.node_alerts import container_line, node_alerts
 
 LAST_EXIT_WIDTH = 48
 OUTPUT_WIDTH = 100
@@ -80,18 +80,6 @@ def format_fault_tolerance(groups: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_container(box: dict[str, Any]) -> str:
-    """`container ds_v4_flash_yr (docker, quay.io/...) 4a496e83c8a2 up since ...` or why it is not up."""
-    text = f"container {box.get('name')} ({box.get('engine')}, {box.get('image')})"
-    if box.get("up"):
-        text += f" {box.get('id')} up since {box.get('up_since')}"
-    else:
-        text += f" NOT UP: {box.get('held')}"
-    if box.get("deaths"):
-        text += f" · died {box['deaths']}x, last: {(box.get('last_death') or {}).get('detail')}"
-    return text
-
-
 def format_status(data: dict[str, Any], now: float | None = None, wide: bool = False) -> str:
     """The table; `wide`: LAST EXIT and NOTE whole (the terminal wraps them) instead of cut with `…`."""
     now = time.time() if now is None else now
@@ -112,7 +100,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
         flags.append(format_mqtt(data["mqtt"], now))
     flags += format_fault_tolerance(data.get("fault_tolerance") or {})
     if data.get("container"):
-        flags.append(format_container(data["container"]))
+        flags.append(container_line(data["container"]))
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",

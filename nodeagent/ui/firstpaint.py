@@ -12,7 +12,7 @@ import time
 from html import escape
 from typing import Any
 
-from nodeagent.node_alerts import node_alerts
+from nodeagent.node_alerts import container_line, node_alerts
 
 TBODY = '<table id="components">'
 
@@ -159,6 +159,10 @@ def first_paint(page: str, status: dict[str, Any], now: float | None = None,
         lines = "".join(f"<div>{escape(line)}</div>" for line in alerts)
         page = page.replace('<div id="node-alerts" class="alerts" hidden></div>',
                             f'<div id="node-alerts" class="alerts">{lines}</div>', 1)
+    if status.get("container"):
+        line = escape(container_line(status["container"]))
+        page = page.replace('<div id="container-line" class="muted" hidden></div>',
+                            f'<div id="container-line" class="muted">{line}</div>', 1)
     stamp = time.strftime("%H:%M:%S", time.localtime(now if now is not None else time.time()))
     page = page.replace('<div id="conn" class="conn">connecting…</div>',
                         f'<div id="conn" class="conn">as of {stamp} (server render; live once scripts run)</div>', 1)

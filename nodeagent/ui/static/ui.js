@@ -125,9 +125,20 @@ function renderHeader(st) {
   if (policy.failed) flags.push(badge(`node FAILED: ${policy.failed_reason || ""}`, "failed"));
   if (policy.redeploys_total) flags.push(el("span", { class: "muted" }, ` ${policy.redeploys_total} redeploys`));
   $("node-flags").replaceChildren(...flags);
+  const box = st.container;
+  $("container-line").hidden = !box;
+  $("container-line").textContent = box ? containerLine(box) : "";
   const alerts = nodeAlerts(st);
   $("node-alerts").hidden = !alerts.length;
   $("node-alerts").replaceChildren(...alerts.map((line) => el("div", {}, line)));
+}
+
+// In container mode, the node's container: the same line as nodeagent/node_alerts.py's container_line.
+function containerLine(box) {
+  let text = `container ${box.name} (${box.engine}, ${box.image})`;
+  text += box.up ? ` ${box.id} up since ${box.up_since}` : ` NOT UP: ${box.held}`;
+  if (box.deaths) text += ` · died ${box.deaths}x, last: ${(box.last_death || {}).detail}`;
+  return text;
 }
 
 // The node-wide states an operator must see first: the same lines as nodeagent/node_alerts.py.
