@@ -419,22 +419,28 @@ async def test_every_gate_is_asked_and_the_earliest_hold_wins(tmp_path: Path) ->
         await stop(r)
 
 
+def slow_stops(r: Rig) -> tuple[asyncio.Event, list[str]]:
+    """Every stop waits for the event returned; the list says how far each got (terminating, terminated)."""
+    release = asyncio.Event()
+    order: list[str] = []
+    terminate = r.terminate
+
+    async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
+        order.append("terminating")
+        await release.wait()
+        order.append("terminated")
+        return await terminate(comp, proc, why)
+
+    r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+    return release, order
+
+
 async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: Path) -> None:
     """The cluster layer arrives at a start barrier once every local rank is stopped: the view must not say
     stopped while the old tree still dies (once the record went before the stop was awaited)."""
     r = await rig(tmp_path)
     try:
-        release = asyncio.Event()
-        order: list[str] = []
-        terminate = r.terminate
-
-        async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
-            order.append("terminating")
-            await release.wait()
-            order.append("terminated")
-            return await terminate(comp, proc, why)
-
-        r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+        release, order = slow_stops(r)
         layer = FakeLayer()
         from nodeagent.stackport import Hold, HoldKind
 
@@ -463,20 +469,10 @@ async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: 
 async def test_a_failure_is_decided_while_its_tree_is_still_being_stopped(tmp_path: Path) -> None:
     """A rank's failure restarts its whole group: the layers are asked as soon as the failure is known, with the
     component `stopping` and still `running` — not a stop grace later, once its tree is gone (an orphaned A2
-    EngineCore can take ~50 s). What waits (a backoff) still comes after the stop; the crash counts once."""
+    EngineCore can take ~50 s). The crash is decided and counted once."""
     r = await rig(tmp_path)
     try:
-        release = asyncio.Event()
-        order: list[str] = []
-        terminate = r.terminate
-
-        async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
-            order.append("terminating")
-            await release.wait()
-            order.append("terminated")
-            return await terminate(comp, proc, why)
-
-        r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+        release, order = slow_stops(r)
         layer = FakeLayer()
         seen: list[Any] = []
         layer.decide = lambda comp, failure: seen.append((comp, list(order))) or layer.verdict  # type: ignore[method-assign]
