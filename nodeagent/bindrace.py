@@ -7,9 +7,9 @@ start draws other ports, so a restart after 1-5 s almost always succeeds; counti
 healthy rank towards crash-loop backoff and a node redeploy. A port that stays taken (a real collision, see
 `portlint`) fails the same way every time: after `max_in_row` retries in a row the failure counts as usual.
 
-Wired in `Component._after_failure`, before `classify` (two quick exits with the same text would otherwise be
-marked permanent): a retry is a BACKOFF with `bind_race_retry`, no restart counted, no decision, no archive;
-`on_up` where the startup probes pass ends the run of retries.
+Wired in `component_failure.FailurePath._judge`, before `classify` (two quick exits with the same text would
+otherwise be marked permanent): a retry is a BACKOFF with `bind_race_retry`, no restart counted, no decision, no
+archive; `on_up` where the startup probes pass ends the run of retries.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.bindrace import BindRaceRetries
+from nodeagent.component_failure import FailurePath
 from nodeagent.component_status import component_status
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
-from nodeagent.failure import Failure, classify, exit_text
+from nodeagent.failure import Failure, exit_text
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
@@ -85,7 +86,8 @@ class ComponentHost(Protocol):
 
     # ---- decide
     def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
-        """What a failure leads to; None: no automatic action (paused, held)."""
+        """What a failure leads to; None: no automatic action (paused, held). Asked as soon as the failure is known,
+        while its tree is being stopped (`stopping`, `running`: `component_failure`): decide and note, never wait."""
 
     def capture(self, comp: Component, failure: Failure) -> Any:
         """What explains a failure, taken before anything is stopped or cleaned (fast: no file reads)."""
@@ -110,7 +112,7 @@ class ComponentHost(Protocol):
         """Its state changed: persist status, tell listeners."""
 
 
-class Component:
+class Component(FailurePath):
     def __init__(self, name: str, spec: Any, host: ComponentHost) -> None:
         self.name = name
         self.cfg = spec
@@ -258,13 +260,13 @@ class Component:
             if not launched:
                 continue
             outcome, detail, failure, drain = await self._supervise()
-            if drain and failure is None:
-                await self._drain(detail)
-            evidence = self.host.capture(self, failure) if failure is not None else None
-            stopped = await self.stop_process(detail)
             if failure is not None:
-                await self._after_failure(failure, evidence, stopped.get("tree"))
-            elif outcome == "restart":
+                await self._failed(failure, detail)
+                continue
+            if drain:
+                await self._drain(detail)
+            await self.stop_process(detail)
+            if outcome == "restart":
                 self.count_restart(self._restart_cause)
                 self._drain_queue({"restart"})
                 self.host.on_state(self)
@@ -356,7 +358,8 @@ class Component:
                 self.host.events.emit("launch_failed", str(exc), self.name, "error")
                 detail = str(exc) if what == "precheck" else f"launch failed: {exc}"
                 failure = Failure(what, detail, output_tail=(str(exc),))
-                await self._after_failure(failure, self.host.capture(self, failure))
+                evidence = self.host.capture(self, failure)
+                await self._after_failure(self._judge(failure), evidence)
                 return False
             self.hold = None
             self.gone.clear()
@@ -497,6 +500,10 @@ class Component:
 
         The process stays ours (`running`, `record`) until the stop returned: a stop cancelled half-way (a node
         redeploy, the agent stopping) leaves it to the next stop instead of forgetting a tree that still dies."""
+        return await self._stopped(self._going_down(why), why)
+
+    def _going_down(self, why: str) -> Process | None:
+        """The stop begins, before anything waits: not up, dependents told, `stopping` shown."""
         self.up.clear()
         self.ready = False
         self.host.on_going_down(self)
@@ -505,76 +512,23 @@ class Component:
             if proc.close is not None:
                 proc.close()
             self._set(State.STOPPING, f"stopping pid {proc.record.pid}: {why}")
-            result = await self.host.terminate(self, proc, why)
-            self.proc = None
-            self.gen += 1  # what the old process's probes still report is stale now
-            self.gone.set()
-            self.stopped_cleanly = result.get("survivors", 1) == 0
-            tree = result.pop("tree", [])
-            self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
-            result["tree"] = tree
-            self.host.on_process(self)
+        return proc
+
+    async def _stopped(self, proc: Process | None, why: str) -> dict[str, Any]:
+        if proc is None:
+            self._set(State.STOPPED)
+            return {}
+        result = await self.host.terminate(self, proc, why)
+        self.proc = None
+        self.gen += 1  # what the old process's probes still report is stale now
+        self.gone.set()
+        self.stopped_cleanly = result.get("survivors", 1) == 0
+        tree = result.pop("tree", [])
+        self.host.events.emit("stopped", f"stopped pid {proc.record.pid}", self.name, **result)
+        result["tree"] = tree
+        self.host.on_process(self)
         self._set(State.STOPPED)
-        return result if proc is not None else {}
-
-    async def _after_failure(self, failure: Failure, evidence: Any = None, tree: Any = None) -> None:
-        retry = self.bind_retries.on_failure(failure)  # a lost port race (bindrace.py): not a failure
-        if retry is not None:
-            self._set(State.BACKOFF, retry.reason, "warning", delay_s=retry.delay_s, bind_race_retry=retry.attempt)
-            await self._sleep_interruptibly(retry.delay_s)
-            return
-        failure = classify(failure, self.failure, self.cfg.restart.quick_exit_s)
-        self.failure = failure
-        decision = self.host.decide(self, failure)
-        self.host.archive(self, failure, evidence, tree, decision)  # written off the crash path
-        if decision is None:
-            return
-        self.count_restart(failure.cause)
-        if decision.action == "redeploy":
-            if decision.delay_s > 0:
-                self._set(State.BACKOFF, f"node redeploy in {decision.delay_s:.0f}s: {decision.reason}", "warning",
-                          delay_s=decision.delay_s)  # fmt: skip
-                if await self._sleep_interruptibly(decision.delay_s):
-                    return
-            self.host.request_redeploy(f"{self.name}: {failure.detail}")
-            return
-        if decision.action == "failed":
-            reason = failure.permanent or decision.reason
-            self._set(State.FAILED, f"failed: {reason}; retrying in {decision.delay_s:.0f}s", "critical",
-                      retry_in_s=decision.delay_s, permanent=failure.permanent is not None,
-                      output_tail=list(failure.output_tail))  # fmt: skip
-            if await self._sleep_interruptibly(decision.delay_s) or failure.permanent:
-                return
-            self.host.request_redeploy(f"{self.name}: retry after failed state")
-            return
-        if decision.delay_s > 0:
-            self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
-                      delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)  # fmt: skip
-            await self._sleep_interruptibly(decision.delay_s)
-
-    async def _sleep_interruptibly(self, delay: float) -> bool:
-        """Back off; an operator's start/restart/stop cuts the wait short (returns True then)."""
-        self.backoff_until = self.host.clock.time() + delay
-        self.host.on_state(self)
-        sleeper = asyncio.ensure_future(self.host.clock.sleep(delay))
-        try:
-            while True:
-                getter = asyncio.ensure_future(self._next())
-                try:
-                    done, _ = await asyncio.wait({getter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    getter.cancel()
-                if sleeper in done:
-                    return False
-                sig = getter.result()
-                if sig.kind in ("restart", "wake", "stop"):
-                    self._take_command(sig)
-                    if sig.kind == "stop":
-                        self.signal("wake")
-                    return True
-        finally:
-            sleeper.cancel()
-            self.backoff_until = None
+        return result
 
     def _drain_queue(self, kinds: set[str]) -> None:
         """Coalesce: commands of these kinds queued while one was being carried out are already done."""

@@ -129,6 +129,12 @@ class ComponentView:
     def stopped(self) -> bool:
         return not self.running
 
+    @property
+    def going_down(self) -> bool:
+        """Its process is being stopped (after a failure, a stop, a restart): it will not run on, and a restart
+        asked now would only repeat the stop under way. Still `running` until its whole tree is gone."""
+        return self.running and self.state == "stopping"
+
 
 @dataclass(frozen=True)
 class NodeView:

@@ -6,7 +6,8 @@ and a world of several agents (Membership + Coordinator with its ClusterOps and 
 - `FakeStack`: the node as the cluster layer sees it. Components start through the same ordered gates as the
   supervisor's (desired stop, pause, etcd for the worker, dependencies, then the layers'), are up `start_s` later,
   and a restart stops the old tree first — `running` stays True for `stop_s` (a slow-to-die tree) — then starts
-  again through the gates. `crash()` is a process dying; the failure is decided as the supervisor does.
+  again through the gates. `crash()` is a process dying; as the supervisor does (`component_failure`), the
+  failure is decided at once, while the agent stops what is left of its tree (`stop_s` again: an orphaned engine).
 - `World`: agents over their config files (`tests/cluster_harness.py` writes them), their stacks, the store and
   the proxy; `kill_agent` / `start_agent` are an agent's death and its successor over the same state folder.
 """
@@ -171,12 +172,16 @@ class FakeComponent:
     state: str = "stopped"
     hold: Hold | None = None
     stopping: bool = False
+    crashed: bool = False
+    """The tree being stopped is what is left of a crash (it was not seen to die whole)."""
     operator_start: bool = False
     blocks: dict[str, str] = field(default_factory=dict)
     ft_unsupported: str | None = None
     """What its launch said of vLLM's fault tolerance (`ComponentView.ft_unsupported`)."""
     starts: list[float] = field(default_factory=list)
     """The virtual monotonic time of each start."""
+    stops: list[float] = field(default_factory=list)
+    """The virtual monotonic time each stop of its tree began (a restart, a stop, what a crash left)."""
     gone: list[float] = field(default_factory=list)
     """The virtual monotonic time each run's whole tree was gone (stopped or crashed)."""
     clean: bool = False
@@ -216,6 +221,8 @@ class FakeStack:
         self._cluster_pause: dict[str, Any] | None = None
         self.restarts: list[tuple[str, str, bool]] = []
         """Every restart the cluster layer asked: (component, reason, planned)."""
+        self.crashes: list[tuple[str, float]] = []
+        """(component, virtual monotonic time) of each crash an agent saw."""
         self.cleaned: list[tuple[str, str, bool]] = []
         self.commands: list[tuple[str, str, str]] = []
         self.postmortems: list[dict[str, Any]] = []
@@ -261,11 +268,18 @@ class FakeStack:
                 await task
 
     def crash(self, name: str, detail: str = "killed by SIGKILL") -> str | None:
-        """The process of `name` dies at once; what the node decides (the layer's message when it took it)."""
+        """The process of `name` dies; what the node decides (the layer's message when it took it). With an agent,
+        the decision is taken at once and the rest of the tree takes `stop_s` to be stopped (`stopping`, still
+        `running`); without one, the tree is gone at once and nobody decides anything."""
         comp = self.components[name]
         assert comp.running, f"{self.node}/{name} is not running"
-        self._gone(comp, "failed")
         failure = Failure("exit", detail, code=-9, was_up=True)
+        if not self.agent_alive:
+            self._gone(comp, "failed")
+            self.notify()
+            return None
+        comp.up, comp.state, comp.stopping, comp.crashed = False, "stopping", True, True
+        self.crashes.append((name, self.clock.monotonic()))
         verdict = self.decide(comp, failure)
         self.notify()
         return verdict
@@ -331,10 +345,11 @@ class FakeStack:
             poked = self._poked
             if comp.stopping:
                 comp.state = "stopping"
+                comp.stops.append(self.clock.monotonic())
                 self.notify()
                 await self.clock.sleep(comp.stop_s)  # the old tree takes its time to die
-                self._gone(comp, "stopped")
-                comp.stopping = False
+                self._gone(comp, "stopped", clean=not comp.crashed)  # as the supervisor: stopped, then held
+                comp.stopping = comp.crashed = False
                 self.notify()
                 continue
             if not comp.running and self.agent_alive:
@@ -374,11 +389,11 @@ class FakeStack:
             comp.loads = remember(comp.loads, self.clock.monotonic() - comp.starts[-1])
             self.notify()
 
-    def _gone(self, comp: FakeComponent, state: str) -> None:
+    def _gone(self, comp: FakeComponent, state: str, clean: bool = True) -> None:
         comp.running = comp.up = False
         comp.pid, comp.state = None, state
         comp.gone.append(self.clock.monotonic())
-        comp.clean = state == "stopped"  # a crash may leave orphans; a stop waited for the whole tree
+        comp.clean = clean and state == "stopped"  # a crash may leave orphans; a stop waited for the whole tree
 
     def notify(self) -> None:
         for layer in self.layers:

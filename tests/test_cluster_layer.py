@@ -89,6 +89,40 @@ async def test_a_lost_rank_restarts_its_group_once_after_every_old_rank_stopped(
     assert proxy.calls[mark:] == [("remove", "prefill", p1), ("add", "prefill", p1)], "p1 out, then back in"
 
 
+async def test_the_peers_stop_while_the_crashed_ranks_own_tree_is_still_being_stopped(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """The crashed rank's node asks the next generation as soon as the failure is known, not once its own stop of
+    what is left of the tree ended (an orphaned A2 EngineCore frees its NPUs in up to ~50 s): the peer's stop
+    begins at once. The barrier still waits for the crashed tree, the group gets one generation, and the crashed
+    rank — already stopping — is not restarted a second time by it. The peer's own rank dying as that restart
+    reaches it (its exit read first) is the same fault: still one generation."""
+    world = await cold(make_world)
+    n2, n3 = world.stacks["n2"].components["vllm"], world.stacks["n3"].components["vllm"]
+    n3.stop_s = 30.0  # what is left of the crashed rank's tree takes 30 s to stop
+    crashed_at = world.clock.monotonic()
+    assert world.stacks["n3"].crash("vllm") == "group p1 restarts as one: generation 2 on n2, n3"
+    await world.until("the peer's rank stopping", lambda: n2.stops, 5)
+    peer_stop = n2.stops[-1] - crashed_at
+    assert peer_stop < 1.0 and n3.running, "the peer stops while the crashed tree is still being stopped"
+    verdict = world.stacks["n2"].crash("vllm")  # n2's rank dies too, as its restart reaches it
+    assert verdict is not None and "generation 2 (already asked)" in verdict
+    await world.until("p1's ranks both started again", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)  # noqa: E501
+    own_stop, peer_gone = n3.gone[-1] - crashed_at, n2.gone[-1] - crashed_at
+    print(f"crash at 0 s: the peer's stop began at {peer_stop:.1f} s and its old rank was gone at {peer_gone:.1f} s; "
+          f"the crashed node's own stop ended at {own_stop:.1f} s (asked only then, the peer would have begun "
+          f"{own_stop - peer_stop:.1f} s later)")  # fmt: skip
+    assert own_stop == pytest.approx(30.0) and peer_gone < 1.0
+    assert min(n2.starts[1], n3.starts[1]) >= n3.gone[-1], "no rank starts before the crashed tree is gone"
+    await world.until("p1 up", lambda: world.all_up(["n2", "n3"]), 60)
+    await world.advance(60)
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}
+    generations = [e for n in ("n2", "n3") for e in world.stacks[n].events_of("gang_generation")]
+    assert len(generations) == 1 and {world.gang(n, "p1").acted for n in ("n2", "n3")} == {2}, "one generation"
+    assert world.stacks["n3"].restarts == [], "the crashed rank's stop was under way: it is not restarted again"
+    (acted,) = world.stacks["n3"].events_of("gang_restart")
+    assert "restarting nothing running here (vllm already stopping)" in acted["message"]
+
+
 async def test_two_ranks_lost_at_once_make_one_generation(make_world: Callable[..., World]) -> None:
     world = await cold(make_world)
     world.stacks["n2"].crash("vllm")

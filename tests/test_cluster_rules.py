@@ -10,6 +10,7 @@ from nodeagent.cluster.rules import (
     bump,
     command_error,
     effective_pause,
+    failed_in,
     may_wipe,
     must_restart_for,
     redeploy_duty,
@@ -29,6 +30,23 @@ def test_concurrent_failures_make_one_generation() -> None:
     record, decision = first
     assert record.generation == 6 and record.by == "a2-4" and decision.delay_s == 0
     assert bump(record, 5, node="a2-5", reason="vllm exited", now=NOW, epoch="e1", spec=SPEC) is None
+
+
+def test_a_rank_failure_asks_from_the_generation_it_ran_in_and_never_twice() -> None:
+    """A failure asks the group to leave the generation the rank ran in; one the group has left already (a peer's
+    failure or an FT escalation got there first; the rank dies as the gang restart reaches it) asks nothing."""
+    running = GangView(GangRecord(generation=5, epoch="e1"), acted=5, acted_epoch="e1")
+    assert failed_in(running, 5) == 5 and failed_in(running, None) == 5
+    acted = GangView(GangRecord(generation=6, epoch="e1"), acted=6, acted_epoch="e1")
+    assert failed_in(acted, 5) is None, "generation 6 is under way here: it restarts that rank"
+    assert failed_in(acted, 6) == 6, "a rank of generation 6 that fails asks for 7"
+    seen = GangView(GangRecord(generation=6, epoch="e1"), acted=5, acted_epoch="e1")
+    assert failed_in(seen, 5) is None, "asked by a peer, not yet acted on here"
+    assert failed_in(GangView(GangRecord(generation=1, epoch="e2"), acted=1, acted_epoch="e2"), 9) == 1, (
+        "a generation noted before etcd was wiped counts as the one acted on")
+    assert failed_in(GangView(GangRecord(generation=3, epoch="e2"), acted=5, acted_epoch="e1"), 5) == 5, (
+        "a record of another store is no answer: the bump's CAS decides")
+    assert failed_in(GangView(None, acted=0, acted_epoch=""), None) == 0
 
 
 def test_a_crash_looping_group_backs_off_as_one() -> None:

@@ -457,22 +457,28 @@ async def test_a_rank_waiting_at_a_barrier_logs_on_change_then_once_a_minute(tmp
         await stop(r)
 
 
+def slow_stops(r: Rig) -> tuple[asyncio.Event, list[str]]:
+    """Every stop waits for the event returned; the list says how far each got (terminating, terminated)."""
+    release = asyncio.Event()
+    order: list[str] = []
+    terminate = r.terminate
+
+    async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
+        order.append("terminating")
+        await release.wait()
+        order.append("terminated")
+        return await terminate(comp, proc, why)
+
+    r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+    return release, order
+
+
 async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: Path) -> None:
     """The cluster layer arrives at a start barrier once every local rank is stopped: the view must not say
     stopped while the old tree still dies (once the record went before the stop was awaited)."""
     r = await rig(tmp_path)
     try:
-        release = asyncio.Event()
-        order: list[str] = []
-        terminate = r.terminate
-
-        async def slow_terminate(comp: Any, proc: Process, why: str) -> dict[str, Any]:
-            order.append("terminating")
-            await release.wait()
-            order.append("terminated")
-            return await terminate(comp, proc, why)
-
-        r.sup.terminate = slow_terminate  # type: ignore[method-assign]
+        release, order = slow_stops(r)
         layer = FakeLayer()
         from nodeagent.stackport import Hold, HoldKind
 
@@ -495,6 +501,35 @@ async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: 
         assert await r.sup.wait("b", "up", timeout=5)
         assert r.count("b") == 2
     finally:
+        await stop(r)
+
+
+async def test_a_failure_is_decided_while_its_tree_is_still_being_stopped(tmp_path: Path) -> None:
+    """A rank's failure restarts its whole group: the layers are asked as soon as the failure is known, with the
+    component `stopping` and still `running` — not a stop grace later, once its tree is gone (an orphaned A2
+    EngineCore can take ~50 s). The crash is decided and counted once."""
+    r = await rig(tmp_path)
+    try:
+        release, order = slow_stops(r)
+        layer = FakeLayer()
+        seen: list[Any] = []
+        layer.decide = lambda comp, failure: seen.append((comp, list(order))) or layer.verdict  # type: ignore[method-assign]
+        layer.verdict = "group g1 restarts as one: generation 2 on n0, n1"
+        r.sup.attach(layer)
+        b = r.sup.components["b"]
+        r.crash("b", -9)
+        await until("the stop under way", lambda: order == ["terminating"])
+        await asyncio.sleep(0.02)
+        assert seen, "the layers are asked while the old tree is still being stopped"
+        view, before = seen[0]
+        assert before == [] and str(view.state) == "stopping" and view.running and view.going_down
+        assert b.restarts_by_cause == {"crash": 1} and r.events("failure"), "decided and counted already"
+        release.set()
+        await until("stopped", lambda: order == ["terminating", "terminated"])
+        await until("started again", lambda: r.count("b") == 2)
+        assert len(seen) == 1 and b.restarts_by_cause == {"crash": 1}, "one decision, one restart counted"
+    finally:
+        release.set()
         await stop(r)
 
 

@@ -277,3 +277,20 @@ async def test_a_peer_escalating_while_this_node_reads_its_ranks_makes_no_second
     await world.until("generation 2", lambda: generation(world) == 2, 60)
     slow["on"] = False
     await exactly_one_generation(world)
+
+
+async def test_a_rank_dying_as_the_escalated_gang_restart_reaches_it_makes_no_second_generation(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """A hung retry escalates to generation 2; n1's rank, whose liveness was held through the episode, dies just as
+    that restart reaches it (its exit read first, its old tree slow to stop). Its failure is decided at once, as
+    every failure now is: it belongs to generation 1, which the group has left — no generation 3."""
+    world = await cold(make_world)
+    assert world.ft is not None
+    n1 = world.stacks["n1"].components["vllm-dp1"]
+    n1.stop_s = 20.0
+    world.ft.fault("vllm-dp1", "retry_hangs")
+    await world.until("generation 2 acted on n1", lambda: world.gang("n1", "g").acted == 2, 60)
+    verdict = world.stacks["n1"].crash("vllm-dp1")
+    assert verdict is not None and "generation 2 (already asked)" in verdict
+    await exactly_one_generation(world)
+    assert [e["data"]["generation"] for n in NODES for e in world.stacks[n].events_of("gang_generation")] == [2]

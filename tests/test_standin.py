@@ -618,6 +618,18 @@ def test_a_slow_engine_keeps_the_tree_alive_after_sigterm_or_ignores_it(launcher
     assert "received SIGTERM; ignored (VLLM_STANDIN_EXIT_S=inf)" in stubborn.output()
     engine.kill()
     assert stubborn.wait_exit(10) == 0
+    orphan = launcher.start(env={"VLLM_STANDIN_EXIT_S": "2"})  # the API server killed; the agent stops the rest
+    engine, workers = orphan.engine(), orphan.workers()
+    orphan.proc.kill()
+    orphan.wait_exit(10)
+    signalled = time.monotonic()
+    for p in (engine, *workers):
+        p.terminate()
+    time.sleep(1.5)
+    assert alive(engine), "the orphaned engine runs on while its workers go: a shutdown, not a crash"
+    wait_until("the orphaned engine gone", lambda: not alive(engine), 5)
+    assert 2.0 <= time.monotonic() - signalled < 5.0
+    assert "died unexpectedly" not in orphan.output()
 
 
 def test_port_is_bound_only_after_the_startup_delay(launcher: Launcher) -> None:

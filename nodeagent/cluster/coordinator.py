@@ -317,10 +317,14 @@ class Coordinator:
         gs.acted, gs.deferred, gs.arrivals, gs.arrived_for = target, None, set(), 0
         self.save()
         planned = record.planned
-        running = [c for c in gs.components if here.components[c].running]
+        ranks = [here.components[c] for c in gs.components]
+        running = [r.name for r in ranks if r.running and not r.going_down]
+        leaving = [r.name for r in ranks if r.going_down]  # a failed rank's stop under way: not a second restart
+        what = ", ".join(running) or "nothing running here"
+        what += f" ({', '.join(leaving)} already stopping)" if leaving else ""
         self.port.emit("gang_restart", f"group {gs.group.name} generation {target} ({record.reason}, asked by "
-                       f"{record.by}): restarting {', '.join(running) or 'nothing running here'}",
-                       None, "warning", group=gs.group.name, generation=target)  # fmt: skip
+                       f"{record.by}): restarting {what}", None, "warning", group=gs.group.name,
+                       generation=target)  # fmt: skip
         self.port.restart(running, f"gang {gs.group.name} generation {target}: {record.reason}", planned=planned)
         self.port.wake()
 
@@ -409,20 +413,29 @@ class Coordinator:
         return self.barrier.hold(gs)
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
-        """A rank's failure restarts its whole group, as one new generation (None: not a gang matter)."""
+        """A rank's failure restarts its whole group, as one new generation (None: not a gang matter). Asked as soon
+        as the failure is known, while the rank's old tree is still being stopped: the generation is written now
+        and the peers begin their stops at once; the barrier still waits for this tree."""
         gs = self.by_component.get(comp.name)
         if gs is None or failure.permanent:
             return None  # a permanent failure is this node's: failed, retried at the cap; no group restart helps
+        if not self.reachable and not gs.multi:
+            return None
+        name, nodes = gs.group.name, ", ".join(gs.group.nodes)
+        seen = rules.failed_in(rules.GangView(gs.record, gs.acted, gs.acted_epoch), gs.ran.get(comp.name))
+        if seen is None:
+            self.wake()
+            under_way = gs.record.generation if gs.record is not None else gs.acted
+            return f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}"
+        reason = f"{self.node}/{comp.name}: {failure.detail}"
         if not self.reachable:
-            if not gs.multi:
-                return None
-            gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.detail}", False)
-            return (f"group {gs.group.name}: etcd unreachable, the group's restart waits until etcd is back "
+            gs.pending = gs.pending or (seen, reason, False)
+            return (f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
                     "(the other nodes keep serving)")  # fmt: skip
         if gs.pending is None:
-            gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.permanent or failure.detail}", False)
+            gs.pending = (seen, reason, False)
         self.wake()
-        return f"group {gs.group.name} restarts as one: generation {gs.acted + 1} on {', '.join(gs.group.nodes)}"
+        return f"group {name} restarts as one: generation {seen + 1} on {nodes}"
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         """An operator's restart of a rank restarts its group (a planned generation: drained first). Refused while a

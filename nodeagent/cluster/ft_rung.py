@@ -376,8 +376,8 @@ class FtRung:
         return None
 
     def decide(self, comp: ComponentView, failure: Failure) -> None:
-        """A rank's process is gone (an exit, or stopped after a failed probe): a retry cannot bring back a lost
-        rank. Noted as the skipped rung; the coordinator decides the gang restart."""
+        """A rank's process is gone or being stopped (an exit, a failed probe; asked before its tree is gone): a
+        retry cannot bring back a lost rank. Noted as the skipped rung; the coordinator decides the gang restart."""
         g = self.by_component.get(comp.name)
         if g is None or failure.permanent:
             return None  # a permanent failure is this node's (no group restart): not a rung of the ladder

@@ -128,6 +128,21 @@ def must_restart_for(view: GangView, epoch: str) -> int | None:
     return view.record.generation if view.record.generation > view.acted else None
 
 
+def failed_in(view: GangView, ran_in: int | None) -> int | None:
+    """The generation a rank's failure asks its group to leave (the `seen` of `bump`), or None when the group has
+    left the generation that rank ran in already: the generation under way restarts it (a peer's failure, an FT
+    escalation or another rank of the same fault got there first), and asking from there would make a second
+    generation for one fault. `ran_in`: the generation the failed rank was last seen running in (None: unknown —
+    the one acted on; a number above it belongs to a store since wiped)."""
+    seen = view.acted if ran_in is None or ran_in > view.acted else ran_in
+    if seen < view.acted:
+        return None
+    record = view.record
+    if record is not None and record.epoch == view.acted_epoch and record.generation > seen:
+        return None  # asked by another member, not acted on here yet: the rank starts again through its barrier
+    return seen
+
+
 def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason: str, now: float, epoch: str,
          spec: RestartSpec, planned: bool = False) -> tuple[GangRecord, RestartDecision] | None:  # fmt: skip
     """The next generation after a failure (or an operator's restart) seen while running `seen_generation`.

@@ -185,6 +185,8 @@ class Engine:
         self._crashing = False
         self._ppid = os.getppid()
         self._exit_timer: asyncio.TimerHandle | None = None
+        self._signalled = False
+        """A SIGTERM/SIGINT came: a worker dying now is part of the shutdown."""
         self._local_stats = [0, 0, 0]
         self._external_stats = [0, 0, 0]
         self._last_gauges: tuple[int, int, float] | None = None
@@ -237,6 +239,7 @@ class Engine:
         return 0
 
     def _on_signal(self, sig: int) -> None:
+        self._signalled = True
         name, exit_s = signal.Signals(sig).name, self.cfg.exit_s
         if math.isinf(exit_s):
             log(PROC, "core.py:874", f"EngineCore received {name}; ignored (VLLM_STANDIN_EXIT_S=inf)", "WARNING")
@@ -452,9 +455,11 @@ class Engine:
         code = await wait_child(worker.pid)
         worker.exited = True
         with contextlib.suppress(TimeoutError):
-            # A group-wide SIGTERM (systemd stop) reaches the workers too; that is a shutdown, not a crash.
+            # A group-wide SIGTERM (systemd stop, or the agent stopping an orphaned tree: the engine and its workers
+            # signalled together) reaches the workers too; that is a shutdown, not a crash — also while the engine
+            # runs on for VLLM_STANDIN_EXIT_S (or ignores the signal).
             await asyncio.wait_for(self.stop.wait(), timeout=0.2)
-        if not self.stop.is_set():
+        if not self.stop.is_set() and not self._signalled:
             log(
                 PROC,
                 "multiproc_executor.py:154",

@@ -1,0 +1,132 @@
+"""A component's failure, from the moment it is known: judged at once, its tree stopped, then acted on.
+
+The order is what matters. A data-parallel rank's failure restarts its whole group as one new generation (the
+cluster layer's `decide`), and the stop of what is left of the failed tree can last a stop grace: an orphaned A2
+EngineCore frees its NPUs in up to ~50 s. Judged *before* that stop, the generation is asked while the tree still
+dies, so the group's other nodes begin stopping their ranks at once instead of a stop grace later; the start
+barrier still waits for this tree (the rank is `running` until the whole tree is gone), and the layers see it
+`stopping`, so a gang restart leaves it to the stop under way. The judgement only decides and notes — a bind-race
+retry, the classified failure, the host's decision, the restart counted — and never waits: a backoff, the failed
+state's retry and a node redeploy come after the stop, as they always did.
+
+`FailurePath` is a mixin of `component.Component` (its state, seen from the failure path), as `nodeport.NodePort`
+is of the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from nodeagent.failure import Failure, classify
+from nodeagent.states import State
+
+if TYPE_CHECKING:
+    from nodeagent.bindrace import BindRaceRetries, BindRetry
+    from nodeagent.host import Process
+    from nodeagent.policy import RestartDecision
+    from nodeagent.states import Signal
+
+Judged = tuple[Failure, "BindRetry | None", "RestartDecision | None"]
+"""A failure as judged: classified, and either a bind-race retry or the host's decision (None: no action)."""
+
+
+class FailurePath:
+    """The failure path of `Component`."""
+
+    if TYPE_CHECKING:  # the component's own, used here
+        name: str
+        cfg: Any
+        host: Any
+        """The component's `component.ComponentHost`."""
+        failure: Failure | None
+        bind_retries: BindRaceRetries
+        backoff_until: float | None
+
+        def _set(self, state: State, message: str = "", level: str = "info", **data: Any) -> None: ...
+        def _going_down(self, why: str) -> Process | None: ...
+        async def _stopped(self, proc: Process | None, why: str) -> dict[str, Any]: ...
+        def count_restart(self, cause: str) -> None: ...
+        async def _next(self) -> Signal: ...
+        def _take_command(self, sig: Signal) -> None: ...
+        def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
+                   drain: bool = True, cause: str = "") -> None: ...  # fmt: skip
+
+    async def _failed(self, failure: Failure, why: str) -> None:
+        """Its process failed: evidence first, the stop begun, the failure judged, the tree gone, then acted on."""
+        evidence = self.host.capture(self, failure)
+        proc = self._going_down(why)
+        judged = self._judge(failure)  # nothing awaited since the stop began: the layers see it `stopping`
+        stopped = await self._stopped(proc, why)
+        await self._after_failure(judged, evidence, stopped.get("tree"))
+
+    def _judge(self, failure: Failure) -> Judged:
+        """What a failure means, decided without waiting: a lost port race to retry (bindrace.py: not a failure,
+        nothing counted, nothing archived), else the classified failure and the host's decision; a restart decided
+        is counted now (one the host's layers took over, a gang restart, the host counted itself)."""
+        retry = self.bind_retries.on_failure(failure)
+        if retry is not None:
+            return failure, retry, None
+        failure = classify(failure, self.failure, self.cfg.restart.quick_exit_s)
+        self.failure = failure
+        decision = self.host.decide(self, failure)
+        if decision is not None:
+            self.count_restart(failure.cause)
+        return failure, None, decision
+
+    async def _after_failure(self, judged: Judged, evidence: Any = None, tree: Any = None) -> None:
+        """Carry the judgement out once the tree is gone: the post-mortem, then the backoff, the failed state or a
+        node redeploy."""
+        failure, retry, decision = judged
+        if retry is not None:
+            self._set(State.BACKOFF, retry.reason, "warning", delay_s=retry.delay_s, bind_race_retry=retry.attempt)
+            await self._sleep_interruptibly(retry.delay_s)
+            return
+        self.host.archive(self, failure, evidence, tree, decision)  # written off the crash path
+        if decision is None:
+            return
+        if decision.action == "redeploy":
+            if decision.delay_s > 0:
+                self._set(State.BACKOFF, f"node redeploy in {decision.delay_s:.0f}s: {decision.reason}", "warning",
+                          delay_s=decision.delay_s)  # fmt: skip
+                if await self._sleep_interruptibly(decision.delay_s):
+                    return
+            self.host.request_redeploy(f"{self.name}: {failure.detail}")
+            return
+        if decision.action == "failed":
+            reason = failure.permanent or decision.reason
+            self._set(State.FAILED, f"failed: {reason}; retrying in {decision.delay_s:.0f}s", "critical",
+                      retry_in_s=decision.delay_s, permanent=failure.permanent is not None,
+                      output_tail=list(failure.output_tail))  # fmt: skip
+            if await self._sleep_interruptibly(decision.delay_s) or failure.permanent:
+                return
+            self.host.request_redeploy(f"{self.name}: retry after failed state")
+            return
+        if decision.delay_s > 0:
+            self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
+                      delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)  # fmt: skip
+            await self._sleep_interruptibly(decision.delay_s)
+
+    async def _sleep_interruptibly(self, delay: float) -> bool:
+        """Back off; an operator's start/restart/stop cuts the wait short (returns True then)."""
+        self.backoff_until = self.host.clock.time() + delay
+        self.host.on_state(self)
+        sleeper = asyncio.ensure_future(self.host.clock.sleep(delay))
+        try:
+            while True:
+                getter = asyncio.ensure_future(self._next())
+                try:
+                    done, _ = await asyncio.wait({getter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    getter.cancel()
+                if sleeper in done:
+                    return False
+                sig = getter.result()
+                if sig.kind in ("restart", "wake", "stop"):
+                    self._take_command(sig)
+                    if sig.kind == "stop":
+                        self.signal("wake")
+                    return True
+        finally:
+            sleeper.cancel()
+            self.backoff_until = None
