@@ -13,6 +13,7 @@ from nodeagent.cluster.rules import (
     may_wipe,
     must_restart_for,
     redeploy_duty,
+    restart_under_way,
     settle,
 )
 from nodeagent.config_model import RestartSpec
@@ -29,6 +30,13 @@ def test_concurrent_failures_make_one_generation() -> None:
     record, decision = first
     assert record.generation == 6 and record.by == "a2-4" and decision.delay_s == 0
     assert bump(record, 5, node="a2-5", reason="vllm exited", now=NOW, epoch="e1", spec=SPEC) is None
+
+
+def test_a_failure_while_a_generation_waits_at_its_barrier_is_that_generations() -> None:
+    """Acted on 6, barrier not released: any rank still running here is of 5 or older and 6 restarts it."""
+    assert restart_under_way(acted=6, released=5, fresh=False)
+    assert not restart_under_way(acted=6, released=6, fresh=False), "a rank of 6 failed: 7 is asked"
+    assert not restart_under_way(acted=6, released=0, fresh=True), "a new agent decides after comparing"
 
 
 def test_a_crash_looping_group_backs_off_as_one() -> None:

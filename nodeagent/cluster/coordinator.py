@@ -419,6 +419,13 @@ class Coordinator:
             gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.detail}", False)
             return (f"group {gs.group.name}: etcd unreachable, the group's restart waits until etcd is back "
                     "(the other nodes keep serving)")  # fmt: skip
+        if rules.restart_under_way(gs.acted, gs.released, gs.fresh):
+            # A failure is decided once the rest of the rank's tree is stopped (seconds, for an orphaned
+            # EngineCore): meanwhile a peer's generation, acted on here, already restarts this rank.
+            self.wake()
+            by = f", asked by {gs.record.by}" if gs.record is not None else ""
+            return (f"group {gs.group.name} restarts as one: generation {gs.acted} (under way{by}) on "
+                    f"{', '.join(gs.group.nodes)}")  # fmt: skip
         if gs.pending is None:
             gs.pending = (gs.acted, f"{self.node}/{comp.name}: {failure.permanent or failure.detail}", False)
         self.wake()

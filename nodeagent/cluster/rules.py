@@ -128,6 +128,13 @@ def must_restart_for(view: GangView, epoch: str) -> int | None:
     return view.record.generation if view.record.generation > view.acted else None
 
 
+def restart_under_way(acted: int, released: int, fresh: bool) -> bool:
+    """A local rank's failure is already covered: this node acted on a generation whose barrier has not released,
+    so every rank it runs is of an older generation and that generation restarts it (asking for another would
+    restart the group twice). `fresh`: not yet compared with the store since the agent started — decide as usual."""
+    return not fresh and acted > released
+
+
 def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason: str, now: float, epoch: str,
          spec: RestartSpec, planned: bool = False) -> tuple[GangRecord, RestartDecision] | None:  # fmt: skip
     """The next generation after a failure (or an operator's restart) seen while running `seen_generation`.
