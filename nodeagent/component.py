@@ -325,8 +325,10 @@ class Component(FailurePath):
         if adopt is not None:
             try:
                 self.proc = await self.host.adopt(self, adopt)
-            except AdoptError as exc:
+            except AdoptError as exc:  # it died while no agent watched: the start that follows is a restart
                 self.adoption_tried = True
+                self.last_exit = {"at": self.host.clock.time(), "reason": f"died unwatched: {exc}", "code": None}
+                self.count_restart("crash")
                 self.host.events.emit("adopt_failed", f"cannot adopt pid {adopt.pid}: {exc}", self.name, "warning")
                 return False
             self.hold = None
@@ -488,10 +490,9 @@ class Component(FailurePath):
         return None if self.started_at is None else round(self.host.clock.time() - self.started_at, 3)
 
     def _tail(self) -> tuple[str, ...]:
-        if self.proc is None:
-            return ()
         with contextlib.suppress(Exception):
-            return self.host.output_tail(self, self.proc)
+            if self.proc is not None:
+                return self.host.output_tail(self, self.proc)
         return ()
 
     async def stop_process(self, why: str) -> dict[str, Any]:
@@ -532,13 +533,9 @@ class Component(FailurePath):
 
     def _drain_queue(self, kinds: set[str]) -> None:
         """Coalesce: commands of these kinds queued while one was being carried out are already done."""
-        keep = []
-        while not self.signals.empty():
-            sig = self.signals.get_nowait()
+        for sig in [self.signals.get_nowait() for _ in range(self.signals.qsize())]:
             if sig.kind not in kinds:
-                keep.append(sig)
-        for sig in keep:
-            self.signals.put_nowait(sig)
+                self.signals.put_nowait(sig)
 
     # ---- views ---------------------------------------------------------------------------------------------
     @property

@@ -192,6 +192,9 @@ class FakeComponent:
     """Why cleaning its residue fails (a port held by a process not ours), while it does."""
     loads: list[float] = field(default_factory=list)
     """Its load times (start → up), as the supervisor keeps them in intent.json: they outlive the agent."""
+    dying: bool = False
+    """Its process died and the supervisor is stopping what is left of its tree before it decides (`crash_later`):
+    a restart asked meanwhile starts no second stop."""
 
     @property
     def ready(self) -> bool:
@@ -283,6 +286,17 @@ class FakeStack:
         verdict = self.decide(comp, failure)
         self.notify()
         return verdict
+
+    async def crash_later(self, name: str, stop_s: float, detail: str = "killed by SIGKILL") -> str | None:
+        """The process of `name` dies now, but — as the supervisor does — the failure is decided only once the
+        rest of its tree is stopped, `stop_s` later (a killed API server's orphaned EngineCore and Worker)."""
+        comp = self.components[name]
+        assert comp.running, f"{self.node}/{name} is not running"
+        comp.up, comp.state, comp.dying = False, "stopping", True
+        self.notify()
+        await self.clock.sleep(stop_s)
+        comp.dying = comp.stopping = False
+        return self.crash(name, detail)
 
     def detach(self) -> None:
         """The agent died: nobody decides for this stack until the next agent attaches."""
@@ -434,7 +448,7 @@ class FakeStack:
             comp = self.components[name]
             self.restarts.append((name, reason, planned))
             comp.operator_start = comp.operator_start or planned
-            if comp.running:
+            if comp.running and not comp.dying:
                 comp.stopping = True
         self.wake()
 

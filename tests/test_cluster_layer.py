@@ -6,6 +6,7 @@ the proxy following the gangs."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,29 @@ async def test_two_ranks_lost_at_once_make_one_generation(make_world: Callable[.
     assert {world.gang(n, "p1").record.generation for n in ("n2", "n3")} == {2}
     generations = [e for n in ("n2", "n3") for e in world.stacks[n].events_of("gang_generation")]
     assert len(generations) == 1, "exactly one of them wrote the next generation (the other followed)"
+
+
+async def test_a_rank_whose_failure_is_decided_after_the_peers_generation_makes_no_second_one(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """Both API servers killed at once (real ranks): a failure decided late — after the rest of the rank's tree
+    is stopped, seconds for an orphaned EngineCore, as the supervisor once did — finds the peer's generation acted
+    on here. That generation already restarts this rank: the failure must not ask for another one (it did:
+    two generations, the group's backoff doubled, and the extra failure counted towards a cluster redeploy)."""
+    world = await cold(make_world)
+    late = asyncio.ensure_future(world.stacks["n2"].crash_later("vllm", stop_s=5.0))
+    world.stacks["n3"].crash("vllm")
+    await world.until("n2 acted on n3's generation while its own tree still stops",
+                      lambda: world.gang("n2", "p1").acted == 2 and not late.done(), 3)  # fmt: skip
+    verdict = await world.run(late)
+    assert verdict is not None and "generation 2" in verdict, verdict
+    await world.until("both back", lambda: world.all_up(["n2", "n3"]) and vllm_starts(world)["n2"] == 2)
+    await world.advance(60)
+    assert vllm_starts(world) == {"n0": 1, "n1": 1, "n2": 2, "n3": 2, "n4": 1}
+    for node in ("n2", "n3"):
+        gs = world.gang(node, "p1")
+        assert gs.record.generation == gs.acted == 2, f"{node}: one generation, not {gs.record.generation}"
+    generations = [e for n in ("n2", "n3") for e in world.stacks[n].events_of("gang_generation")]
+    assert len(generations) == 1, [e["message"] for e in generations]
 
 
 async def test_a_rank_waits_at_the_barrier_for_a_dead_agent_which_acts_once_when_back(

@@ -16,7 +16,7 @@ import pytest
 from apihelpers import wait_until
 
 from nodeagent.config import parse_config
-from nodeagent.errors import MissingPrerequisite
+from nodeagent.errors import AdoptError, MissingPrerequisite
 from nodeagent.events import EventBus
 from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
@@ -589,6 +589,36 @@ async def adopted_by_a_new_agent(r: Rig) -> tuple[Supervisor, Rig]:
     again.adopt = adopt  # type: ignore[method-assign]
     await again.start()
     return again, r2
+
+
+async def test_a_process_that_died_while_no_agent_watched_counts_as_a_restart(tmp_path: Path) -> None:
+    """issue 16, measured: kill -9 of a rank's agent and of its API server together; the next agent found the
+    record dead and started the rank again — but its RESTARTS stayed where they were, as if nothing happened."""
+    r = await rig(tmp_path)
+    b = r.sup.components["b"]
+    before = (b.restarts, dict(b.restarts_by_cause))
+    await r.sup.shutdown(detach=True)
+    r.crash("b")  # nobody watches it die
+    again = Supervisor(r.sup.config, EventBus(), r.clock)
+    r2 = Rig(again, r.clock)
+
+    async def adopt(comp: Any, record: ProcessRecord) -> Process:
+        if comp.name == "b":
+            raise AdoptError(f"pid {record.pid} is gone")
+        return Process(record, r.live[comp.name].exited, output="adopted", extra={"adopted": True})
+
+    again.adopt = adopt  # type: ignore[method-assign]
+    await again.start()
+    try:
+        b2 = again.components["b"]
+        await until("started again and up", lambda: r2.count("b") == 1 and b2.up.is_set())
+        assert before == (0, {}), before
+        assert (b2.restarts, b2.restarts_by_cause) == (1, {"crash": 1})
+        assert b2.last_exit is not None and "died unwatched: pid" in b2.last_exit["reason"]
+        assert again.status()["components"]["b"]["restarts"] == 1
+        assert again.components["a"].restarts == 0, "the adopted one was not restarted"
+    finally:
+        await again.shutdown()
 
 
 async def test_an_adopted_process_says_how_long_it_has_run_not_a_load_time(tmp_path: Path) -> None:
