@@ -150,6 +150,10 @@ class ClusterHarness:
         assert out.returncode == 0, f"nodeagentctl status on {name}: {out.returncode} {out.stderr}"
         return json.loads(out.stdout)  # type: ignore[no-any-return]
 
+    def gang(self, name: str, group: str) -> dict[str, Any]:
+        """The group's generation as that node sees it (generation, acted, ...)."""
+        return self.status(name)["cluster"]["gangs"][group]  # type: ignore[no-any-return]
+
     def cluster(self, name: str) -> dict[str, Any]:
         out = self.ctl(name, "cluster", "--json")
         assert out.returncode == 0, f"nodeagentctl cluster on {name}: {out.returncode} {out.stderr}"

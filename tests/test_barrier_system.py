@@ -18,7 +18,6 @@ agent still waits EXIT_S for its orphaned engine; n1's old rank is gone 0.2 s af
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -45,13 +44,8 @@ class Group:
     h: ClusterHarness
     watch: ProcessWatch
 
-    def status(self, node: str) -> dict[str, Any]:
-        out = self.h.ctl(node, "status", "--json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)  # type: ignore[no-any-return]
-
     def gang(self, node: str) -> dict[str, Any]:
-        return self.status(node)["cluster"]["gangs"]["g"]  # type: ignore[no-any-return]
+        return self.h.gang(node, "g")
 
     def serving(self, timeout: float = 120) -> None:
         for node, comp in RANKS.items():
@@ -98,7 +92,7 @@ def group(tmp_path_factory: pytest.TempPathFactory, etcd: EtcdServer) -> Iterato
 def test_no_rank_of_the_next_generation_starts_before_the_slow_heads_old_tree_is_gone(group: Group) -> None:
     h = group.h
     old, gen = dict(group.watch.alive()), group.gang("n0")["generation"]
-    before = {n: group.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
+    before = {n: group.h.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
     head = {k: s for k, s in old.items() if s.component == RANKS["n0"]}
     assert any(s.title == "VLLM::EngineCore" for s in head.values()), group.watch.timeline(0)
     killed_at = time.monotonic()
@@ -119,7 +113,7 @@ def test_no_rank_of_the_next_generation_starts_before_the_slow_heads_old_tree_is
     assert head_gone >= EXIT_S, f"the head's tree took {head_gone:.1f}s, not its {EXIT_S}s"
     for node, comp in RANKS.items():
         assert group.gang(node)["barrier"] == {"arrived": ["n0", "n1"], "released": True}, group.gang(node)
-        assert group.status(node)["components"][comp]["restarts"] == before[node] + 1, node
+        assert group.h.status(node)["components"][comp]["restarts"] == before[node] + 1, node
 
 
 def test_the_peer_stops_its_rank_while_the_crashed_heads_own_tree_is_still_dying(group: Group) -> None:
@@ -130,7 +124,7 @@ def test_the_peer_stops_its_rank_while_the_crashed_heads_own_tree_is_still_dying
     h = group.h
     group.serving()
     old, gen = dict(group.watch.alive()), group.gang("n0")["generation"]
-    before = {n: group.status(n)["components"][c]["restarts_by_cause"] for n, c in RANKS.items()}
+    before = {n: group.h.status(n)["components"][c]["restarts_by_cause"] for n, c in RANKS.items()}
     head = {k: s for k, s in old.items() if s.component == RANKS["n0"]}
     peer = {k: s for k, s in old.items() if s.component == RANKS["n1"]}
     assert any(s.title == "VLLM::EngineCore" for s in head.values()), group.watch.timeline(0)
@@ -148,6 +142,6 @@ def test_the_peer_stops_its_rank_while_the_crashed_heads_own_tree_is_still_dying
           f"{head_gone:.1f}s, the first process of the next generation after {first_new:.1f}s")  # fmt: skip
     assert head_gone >= EXIT_S and peer_gone < head_gone - EXIT_S / 2, (
         f"n1 waited for the head's stop\n{group.watch.timeline(killed_at)}")
-    after = {n: group.status(n)["components"][c]["restarts_by_cause"] for n, c in RANKS.items()}
+    after = {n: group.h.status(n)["components"][c]["restarts_by_cause"] for n, c in RANKS.items()}
     grew = {n: {k: v - before[n].get(k, 0) for k, v in after[n].items() if v != before[n].get(k, 0)} for n in RANKS}
     assert grew == {"n0": {"crash": 1}, "n1": {"gang": 1}}, grew

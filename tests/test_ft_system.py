@@ -53,18 +53,12 @@ def up(h: ClusterHarness, timeout: float) -> None:
         h.wait_states(node, {c: {"running", "ready"} for c in comps}, timeout)
 
 
-def status(h: ClusterHarness, node: str) -> dict[str, Any]:
-    out = h.ctl(node, "status", "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)  # type: ignore[no-any-return]
-
-
 def ft(h: ClusterHarness, node: str) -> dict[str, Any]:
-    return status(h, node).get("fault_tolerance", {}).get("g", {"supported": None})  # type: ignore[no-any-return]
+    return h.status(node).get("fault_tolerance", {}).get("g", {"supported": None})  # type: ignore[no-any-return]
 
 
 def generation(h: ClusterHarness, node: str) -> int:
-    return int(status(h, node)["cluster"]["gangs"]["g"]["generation"])
+    return int(h.gang(node, "g")["generation"])
 
 
 def pids(h: ClusterHarness) -> dict[str, int]:
@@ -86,7 +80,7 @@ def test_an_engine_fault_recovered_by_retry_restarts_nothing(cl: ClusterHarness)
     faulted = time.monotonic()
     fault(cl, "n1", "transient")
     wait_for("the liveness hold on both ranks", lambda: all(
-        status(cl, n)["components"][RANKS[n]]["liveness_hold"] for n in NODES), 5, 0.2)  # fmt: skip
+        cl.status(n)["components"][RANKS[n]]["liveness_hold"] for n in NODES), 5, 0.2)  # fmt: skip
     wait_for("recovered on both nodes", lambda: all(ft(cl, n)["recovered"] == 1 for n in NODES), 30, 0.2)
     took = time.monotonic() - faulted
     print(f"fault → recovered by retry on both nodes: {took:.2f}s (the re-initialisation takes {RETRY_S}s)")
@@ -98,7 +92,7 @@ def test_an_engine_fault_recovered_by_retry_restarts_nothing(cl: ClusterHarness)
         log = cl.agents[node].log()
         assert "recovered by vLLM's retry" in log
         assert "not acted on: vLLM's fault-tolerance retry is recovering the group" in log, "the canary failed"
-        assert status(cl, node)["components"][RANKS[node]]["liveness_hold"] is None
+        assert cl.status(node)["components"][RANKS[node]]["liveness_hold"] is None
     time.sleep(2 * FT["status_interval_s"] + 2)  # a few more reads and liveness checks: still nothing to do
     assert pids(cl) == before and generation(cl, "n0") == generation(cl, "n1") == gen
     assert not any("liveness still fails after the hold" in cl.agents[n].log() for n in NODES)

@@ -11,7 +11,6 @@ node. One group for the module: a rank costs ~70 s and a core to start."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -40,13 +39,8 @@ class Group:
     ports: dict[str, int]
     up_after_s: float
 
-    def status(self, node: str) -> dict[str, Any]:
-        out = self.h.ctl(node, "status", "--json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)  # type: ignore[no-any-return]
-
     def gang(self, node: str) -> dict[str, Any]:
-        return self.status(node)["cluster"]["gangs"]["g"]  # type: ignore[no-any-return]
+        return self.h.gang(node, "g")
 
     def main_pid(self, node: str) -> int:
         return int(self.h.agents[node].children()[RANKS[node]]["pid"])
@@ -107,7 +101,7 @@ def engine_core(group: Group, node: str) -> int:
 
 
 def restarts(group: Group) -> dict[str, int]:
-    return {n: group.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
+    return {n: group.h.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
 
 
 def one_generation_after(group: Group, gen: int, before: dict[str, int], killed_at: float,
@@ -120,7 +114,7 @@ def one_generation_after(group: Group, gen: int, before: dict[str, int], killed_
         g = group.gang(node)
         assert (g["generation"], g["acted"]) == (gen + 1, gen + 1), f"{node}: {g}\n{timeline}"
         assert group.h.agents[node].log().count(f"group g generation {gen + 1} (") == 1, "acted on exactly once"
-        assert group.status(node)["components"][comp]["restarts"] == before[node] + 1, f"{node}\n{timeline}"
+        assert group.h.status(node)["components"][comp]["restarts"] == before[node] + 1, f"{node}\n{timeline}"
     mains = [s for s in new.values() if s.gone is None and "--port" in s.name]  # the API servers
     assert sorted(s.component for s in mains) == sorted(RANKS.values()), f"one API server per rank\n{timeline}"
 

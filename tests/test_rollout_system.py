@@ -149,9 +149,7 @@ def hashes(h: ClusterHarness) -> dict[str, str]:
 
 def generation(h: ClusterHarness, group: str) -> int:
     node = {"p0": "n0", "p1": "n2", "d0": "n4"}[group]
-    out = h.ctl(node, "status", "--json")
-    assert out.returncode == 0, out.stderr
-    return int(json.loads(out.stdout)["cluster"]["gangs"][group]["generation"])
+    return int(h.gang(node, group)["generation"])
 
 
 def test_the_single_decode_group_refuses_without_allow_outage(cl: ClusterHarness) -> None:
