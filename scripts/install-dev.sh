@@ -11,10 +11,12 @@ extras="${EXTRAS:-local}"
 python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dsv4-agent needs Python >= 3.11")'
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-# one resolve: the `test` extra's dsv4-vllm-standin is this folder's standin/, never a registry's
-.venv/bin/python -m pip install -q -e ".[${extras}]" -e ./standin 2>&1 | grep -v "^WARNING: Location" || true
+# one resolve: the `test` extra's dsv4-vllm-standin is this folder's standin/, never a registry's.
+# PYTHONWARNINGS: setuptools' editable-install warning (a boxed "be careful with folders..." per package) is all a
+# first `scripts/run-local.sh` printed; pip's own errors still show.
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[${extras}]" -e ./standin 2>&1 | grep -v "^WARNING: Location" || true
 # a venv from before the stand-in had its own distribution: upgrading dsv4-agent removed the script it used to own
-[ -x .venv/bin/vllm-standin ] || .venv/bin/python -m pip install -q --no-deps --force-reinstall -e ./standin 2>&1 \
+[ -x .venv/bin/vllm-standin ] || PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q --no-deps --force-reinstall -e ./standin 2>&1 \
   | grep -v "^WARNING: Location" || true
 .venv/bin/python -c 'import nodeagent, psutil, aiohttp, msgspec' 
 for tool in etcd dscli vllm-standin dsv4-agent nodeagentctl; do
