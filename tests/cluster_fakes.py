@@ -2,7 +2,8 @@
 and a world of several agents (Membership + Coordinator with its ClusterOps and ProxySync) on ONE FakeStore.
 
 - `VirtualClock`: time moves only when the test says so (`advance`, `until`), and then from one sleeper's deadline
-  to the next, letting the event loop run everything that is ready in between. Nothing waits for real.
+  to the next, letting the event loop run everything that is ready in between, and the work it handed to threads
+  (`asyncio.to_thread`: a post-mortem's tar, a /proc scan) to its end. Nothing else waits for real.
 - `FakeStack`: the node as the cluster layer sees it. Components start through the same ordered gates as the
   supervisor's (desired stop, pause, etcd for the worker, dependencies, then the layers'), are up `start_s` later,
   and a restart stops the old tree first — `running` stays True for `stop_s` (a slow-to-die tree) — then starts
@@ -19,6 +20,7 @@ import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,50 @@ from nodeagent.stackport import (
 # ---- time -------------------------------------------------------------------------------------------------------
 
 
+THREAD_WORK_S = 60.0
+"""How long (real time) work handed to a thread may take before the world says it hangs."""
+
+
+class ThreadWork(ThreadPoolExecutor):
+    """The event loop's default executor, knowing which of its work is under way. A piece of work leaves `running`
+    only after the future the loop awaits is resolved (its wake-up is then already queued on the loop): no instant
+    where the loop looks idle but a result is still on its way."""
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="world")
+        self.running: set[Future[Any]] = set()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        outer: Future[Any] = Future()
+        inner = super().submit(fn, *args, **kwargs)
+        self.running.add(inner)
+
+        def done(_: Future[Any]) -> None:
+            try:
+                if outer.cancelled():
+                    return
+                if inner.cancelled():
+                    outer.cancel()
+                elif (exc := inner.exception()) is not None:
+                    outer.set_exception(exc)
+                else:
+                    outer.set_result(inner.result())
+            finally:
+                self.running.discard(inner)
+
+        inner.add_done_callback(done)
+        return outer
+
+    async def finished(self, within: float) -> None:
+        waits = [asyncio.wrap_future(f) for f in list(self.running)]
+        _, pending = await asyncio.wait(waits, timeout=within)
+        for w in waits:
+            if w.done() and not w.cancelled():
+                w.exception()  # retrieved: the work's own caller reports it
+        if pending:
+            raise AssertionError(f"work handed to a thread did not end within {within:g}s of real time")
+
+
 class VirtualClock(Clock):
     """Wall and monotonic time that move together, only in `advance`/`until`; sleepers wake at their deadline."""
 
@@ -60,6 +106,8 @@ class VirtualClock(Clock):
         self._seq = itertools.count()
         self.on_tick: list[Callable[[float], None]] = []
         """Called with the seconds that just passed (the store's leases follow)."""
+        self._executor: ThreadWork | None = None
+        self._executor_loop: asyncio.AbstractEventLoop | None = None
 
     def time(self) -> float:
         return self.wall
@@ -87,18 +135,31 @@ class VirtualClock(Clock):
             sleeper.cancel()
         return event.is_set()
 
-    @staticmethod
-    async def settle() -> None:
-        """Let the event loop run until nothing is ready any more (every task waits for a timer or an event)."""
+    async def settle(self) -> None:
+        """Let the event loop run until nothing is ready any more (every task waits for a timer or an event) and no
+        work handed to a thread is under way: that work takes real time, and time must not move past it (a
+        post-mortem written by a thread would otherwise come "late" by any number of virtual seconds)."""
         loop = asyncio.get_running_loop()
+        threads = self._threads(loop)
         ready = getattr(loop, "_ready", None)
         quiet = 0
         for _ in range(100_000):
             await asyncio.sleep(0)
+            if threads.running:
+                await threads.finished(THREAD_WORK_S)
+                quiet = 0
+                continue
             quiet = quiet + 1 if ready is not None and not ready else 0
             if quiet >= 3 or (ready is None and _ >= 200):
                 return
         raise AssertionError("the event loop never settles: something spins without waiting")
+
+    def _threads(self, loop: asyncio.AbstractEventLoop) -> ThreadWork:
+        """This loop's default executor, one that counts its work (installed on first use)."""
+        if self._executor is None or self._executor_loop is not loop:
+            self._executor, self._executor_loop = ThreadWork(), loop
+            loop.set_default_executor(self._executor)
+        return self._executor
 
     def _move(self, to: float) -> None:
         if to > self.mono:

@@ -197,6 +197,42 @@ async def test_an_agent_killed_mid_step_and_the_initiator_pick_the_plan_up(world
         assert world.gang(node, group).acted == 2
 
 
+def published_when_done(world: World) -> dict[str, str | None]:
+    """Each member record's `cluster_hash` in etcd at the revision that wrote the rollout's status "done"."""
+    import json
+
+    from nodeagent.cluster.membership import member_key
+
+    agent = world.agents["n0"]
+    nodes = {member_key(agent.coordinator.cluster, n): n for n in NODES}
+    seen: dict[str, str | None] = {}
+    for change in world.store.history:
+        if change.key in nodes and change.kv is not None:
+            seen[nodes[change.key]] = json.loads(change.kv.value).get("cluster_hash")
+        rollout = json.loads(change.kv.value) if change.key == agent.rollout.key and change.kv is not None else {}
+        if rollout.get("status") == "done":
+            return seen
+    raise AssertionError("no write of the rollout said done")
+
+
+async def test_done_means_every_member_publishes_the_new_file(world: World) -> None:
+    """As the system test reads it: "done", then `cluster status` shows one file. d0 (n4) is in no step: it takes
+    the new file once every step is done, and the rollout is done only once its member record says so; n3,
+    killed in its step, loads the new file from disk and publishes it too."""
+    old = cluster_file_hash(world.stacks["n0"].config)
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    new = cluster_file_hash(world.agents["n0"].rollout.host.read_config_file())
+    await start(world)
+    await world.until("p1's step running", lambda: record(world).steps[1].phase != "pending", 200)
+    await world.kill_agent("n3")
+    world.start_agent("n3")
+    await world.until("done", lambda: status(world) == "done", 400)
+    at_done = published_when_done(world)
+    assert new != old and at_done == dict.fromkeys(NODES, new), \
+        f"when the rollout said done, members published {at_done} (new file {new[:12]}, old {old[:12]})"
+    assert record(world).new_shared == new
+
+
 async def test_an_agent_restarted_before_its_group_keeps_the_previous_config(world: World) -> None:
     old = cluster_file_hash(world.stacks["n0"].config)
     world.install(set_group_env(["p0", "p1"], {"X": "1"}))

@@ -267,6 +267,28 @@ def test_one_step_through_every_phase() -> None:
     assert rec.steps[0].phase == "done" and rec.current() == 1
 
 
+def test_done_waits_for_every_member_to_publish_the_new_file() -> None:
+    """The last step done: the member no step touched (n4) takes the new file now, and the rollout is done once
+    every member record publishes it, or after PUBLISH_TIMEOUT_S naming who does not."""
+    rec = replace(record(("p0",)), new_shared="NEW")
+    rec = rec.with_step(0, replace(rec.steps[0], phase="done", finished=100.0))
+    assert rec.finishing and rr.wanted_hash(rec, "d0", "n4") == "new" and rr.wanted_hash(rec, None, "n9") == "new"
+    assert rr.wanted_hash(replace(rec, status="rolling_back"), "d0", "n4") == "old"
+
+    def obs(now: float, n4: str) -> rr.Observed:
+        return replace(observed(now, {}), published={"n0": "NEW", "n1": "NEW", "n4": n4})
+
+    waiting, _ = move(rec, obs(101, "OLD"))
+    assert waiting.status == "running" and "waiting for every member to publish NEW" in waiting.message
+    assert rr.advance(waiting, obs(102, "OLD")) is None, "the wait is written once"
+    done, _ = move(waiting, obs(103, "NEW"))
+    assert done.status == "done" and done.message == "rollout r1: every step done"
+    late, _ = move(waiting, obs(100 + rr.PUBLISH_TIMEOUT_S, "OLD"))
+    assert late.status == "done" and "n4 (OLD) still publish another file after 60s" in late.message
+    legacy = replace(rec, new_shared="")
+    assert move(legacy, obs(101, "OLD"))[0].status == "done", "a record without the hash: done as before"
+
+
 def test_the_floor_holds_a_step_and_the_drain_times_out() -> None:
     rec = record(("p0",))
     out = move(rec, observed(1, {}, {"p1": False}))[0]

@@ -21,6 +21,9 @@ import pytest
 from cluster_harness import ClusterHarness
 from conftest import free_port, wait_for
 
+from nodeagent.config import load_config
+from nodeagent.config_cluster import cluster_file_hash
+
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,8 +188,12 @@ def test_a_rollout_under_traffic_survives_a_killed_agent_and_no_request_fails(cl
     assert not traffic.failed(), f"requests failed during the rollout: {traffic.failed()[:5]}"
     after = pids(cl)
     assert all(after[n] != before[n] for n in ("n0", "n1", "n2", "n3")) and after["n4"] == before["n4"]
-    new = set(hashes(cl).values())
-    assert len(new) == 1 and new != old, "every member runs the new file (d0's too: nothing of it changed)"
+    new_file = cluster_file_hash(load_config(path))
+    other = {n: h for n, h in hashes(cl).items() if h != new_file}
+    assert not other and new_file not in old, (
+        "every member publishes the new file once done (d0's too: nothing of it changed): "
+        + ", ".join(f"{n} has {str(h)[:12]}{' (the old file)' if h in old else ''}" for n, h in other.items())
+        + f"; the new file is {new_file[:12]}, the old {', '.join(sorted(str(h)[:12] for h in old))} (as n0 sees them)")
     steps = rollout(cl)["steps"]
     assert [s["phase"] for s in steps] == ["done", "done"]
     want = {g: n + (g != "d0") for g, n in gens.items()}

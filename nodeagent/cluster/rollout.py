@@ -357,7 +357,8 @@ class RolloutExecutor:
                     acted = ((record.get("gangs") or {}).get(g.name) or {}).get("generation")
                     failed[f"{p.node}/{p.component}"] = int(acted or 0)
             groups[g.name] = rr.GroupObs(g.kind, g.nodes, generation, healthy, why, failed)
-        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies))
+        published = {n: r.get("cluster_hash") for n, r in members.items()}
+        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published)
 
     def _may_drive(self, record: rr.Record) -> bool:
         i = record.current()
@@ -437,7 +438,8 @@ class RolloutExecutor:
         out["have_new_file"] = sorted(n for n, r in self.reports.items() if r.get("hash") == new_hash)
         if dry_run or not out["ok"]:
             return {**out, "started": False}
-        record = rr.new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan)
+        record = rr.new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan,
+                               new_shared=cluster_file_hash(new))  # fmt: skip
         if not await self._cas(record):
             raise RolloutRefused("another rollout was stored meanwhile: see `nodeagentctl cluster rollout status`")
         self.port.emit("rollout", record.message, None, rollout=record.id, status=record.status)

@@ -33,6 +33,9 @@ FINAL = ("done", "rolled_back", "halted", "aborted", "failed")
 STAGE_TIMEOUT_S = 300.0
 REJOIN_TIMEOUT_S = 180.0
 WAIT_SAY_S = 30.0
+PUBLISH_TIMEOUT_S = 60.0
+"""Every step done: how long the rollout waits for every member to publish the new file (a member no step touched
+stages it without a restart: seconds) before it is done anyway, naming who does not."""
 HISTORY = 60
 
 
@@ -117,12 +120,16 @@ class Record:
     history: tuple[tuple[float, str], ...] = ()
     exclusive: bool = False
     """Old and new groups are never routed together (an incompatible prefill↔decode change): `fence`."""
+    new_shared: str = ""
+    """The new file's `cluster_hash` as member records publish it (its shared sections): the rollout is done once
+    every member publishes it ("": a record from an agent that did not wait for that)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "by": self.by, "at": self.at, "old_hash": self.old_hash, "new_hash": self.new_hash,
                 "options": self.options.to_dict(), "steps": [s.to_dict() for s in self.steps],
                 "status": self.status, "message": self.message, "plan": dict(self.plan),
-                "history": [list(h) for h in self.history], "exclusive": self.exclusive}  # fmt: skip
+                "history": [list(h) for h in self.history], "exclusive": self.exclusive,
+                "new_shared": self.new_shared}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Any) -> Record | None:
@@ -134,13 +141,18 @@ class Record:
                        tuple(Step.from_dict(s) for s in d.get("steps", ())), str(d.get("status", "running")),
                        str(d.get("message", "")), dict(d.get("plan") or {}),
                        tuple((float(t), str(m)) for t, m in d.get("history", ())),
-                       bool(d.get("exclusive")))  # fmt: skip
+                       bool(d.get("exclusive")), str(d.get("new_shared") or ""))  # fmt: skip
         except (KeyError, TypeError, ValueError):
             return None
 
     @property
     def active(self) -> bool:
         return self.status not in FINAL
+
+    @property
+    def finishing(self) -> bool:
+        """Every step done, the rollout not yet: the members no step touched take the new file now."""
+        return self.status == "running" and bool(self.steps) and all(s.phase == "done" for s in self.steps)
 
     def current(self) -> int | None:
         """The step in progress, else the next pending one (None: every step ended)."""
@@ -160,11 +172,12 @@ class Record:
         return replace(self, steps=(*self.steps[:index], step, *self.steps[index + 1:]))
 
 
-def new_record(rid: str, by: str, now: float, plan: Plan) -> Record:
+def new_record(rid: str, by: str, now: float, plan: Plan, new_shared: str = "") -> Record:
     steps = tuple(Step(s.groups, s.kinds, plan.old_hash, plan.new_hash, outage=s.outage,
                        expected_outage_s=s.expected_outage_s, note=s.note) for s in plan.steps)  # fmt: skip
     return Record(rid, by, now, plan.old_hash, plan.new_hash, plan.options, steps, plan=plan.to_dict(),
-                  exclusive=plan.exclusive).say(now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")
+                  exclusive=plan.exclusive, new_shared=new_shared).say(
+        now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")
 
 
 # ---- what the agents see ----------------------------------------------------------------------------------------
@@ -192,6 +205,8 @@ class Observed:
     """node → its report: `hash` (the file on its disk), `previous` (the running file it saved), `running`."""
     proxy: bool
     """The cluster runs a PD proxy: its agent marks a step out of and back in it."""
+    published: Mapping[str, str | None] = field(default_factory=dict)
+    """node → the `cluster_hash` its member record publishes (present members)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +262,25 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
                                               "previous config, then halting")  # fmt: skip
 
 
+def _lagging(record: Record, obs: Observed) -> Record | None:
+    """Every step done: the rollout is done once every member publishes the new file (the members no step touched
+    stage it now, without a restart), so that "done" means one file in `nodeagentctl cluster status`; a member that
+    does not within PUBLISH_TIMEOUT_S is named in the last word. None: nothing to wait for."""
+    if not record.finishing or not record.new_shared:
+        return None
+    behind = {n: h for n, h in sorted(obs.published.items()) if h != record.new_shared}
+    if not behind:
+        return None
+    since = max((s.finished for s in record.steps if s.finished is not None), default=obs.now)
+    named = ", ".join(f"{n} ({str(h)[:12]})" for n, h in behind.items())
+    if obs.now - since >= PUBLISH_TIMEOUT_S:
+        return record.say(obs.now, f"rollout {record.id}: every step done; {named} still publish another file "
+                                   f"after {PUBLISH_TIMEOUT_S:.0f}s (see their agents' rollout_stage_failed "
+                                   "events)", "done")  # fmt: skip
+    text = f"rollout {record.id}: every step done; waiting for every member to publish {record.new_shared[:12]}"
+    return record if record.message == text else record.say(obs.now, text)
+
+
 def _ended(record: Record, now: float) -> Record:
     final = {"running": "done", "rolling_back": "rolled_back", "aborting": "aborted"}.get(record.status)
     if final is None:
@@ -262,6 +296,9 @@ def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
     now = obs.now
     i = record.current()
     if i is None:
+        lagging = _lagging(record, obs)
+        if lagging is not None:
+            return (lagging, []) if lagging is not record else None
         ended = _ended(record, now)
         return (ended, []) if ended is not record else None
     step = record.steps[i]
@@ -488,12 +525,13 @@ def _mixed_after_abort(record: Record) -> list[str]:
 
 def wanted_hash(record: Record | None, group: str | None, node: str) -> str | None:
     """The file this member's ranks of `group` run (or are staged to run) as the rollout stands; None: no say.
-    A member no step changes (another group, or none) follows the cluster: the new file once done."""
+    A member no step changes (another group, or none) follows the cluster: the new file once every step is done
+    (the rollout is done once it publishes it)."""
     if record is None:
         return None
     if group is None or not any(group in s.groups for s in record.steps):
         # Nothing of this member renders differently: it takes the new file once the rollout is done.
-        return record.new_hash if record.status == "done" else record.old_hash
+        return record.new_hash if record.status == "done" or record.finishing else record.old_hash
     want = record.old_hash
     for s in record.steps:
         if group not in s.groups or s.phase in ("pending", "draining", "skipped"):
