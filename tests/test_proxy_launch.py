@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.cluster.proxy_sync import launch_choice
+from nodeagent.cluster.proxy_sync import ProxySync, launch_choice
 from nodeagent.config import parse_config
+from nodeagent.layout import ProxyPlan
 from nodeagent.render import launch_fingerprint, render_component, routed_proxy
 from nodeagent.stackport import ProxyBackends
 
@@ -78,6 +79,16 @@ def test_the_fallback_skips_a_group_a_launched_one_must_not_meet() -> None:
     waits to have left."""
     choice = launch_choice(GROUPS, want(P1), held=set(), fences={"p1": ("d0",)})
     assert choice.prefill == P1.endpoints and choice.decode == D1.endpoints, choice
+
+
+def test_before_the_members_records_are_read_the_proxy_gets_its_whole_command_line() -> None:
+    """etcd not reached yet: nothing is known to leave out (every group would look unhealthy)."""
+    plan = ProxyPlan("proxy", "m", "127.0.0.1", 18020, ("10.0.0.1:8100",), ("10.0.0.4:8200",))
+    events: list[tuple[Any, ...]] = []
+    groups: Any = GROUPS
+    sync = ProxySync(plan, groups, lambda: None, dict, dict, lambda *a, **k: events.append(a), lambda _r: None)
+    assert sync.launch_backends() is None and sync.launched is None
+    assert not events, "nothing chosen: the config's command line, as without a cluster layer"
 
 
 def proxy_config(tmp: Path) -> Any:
