@@ -278,6 +278,10 @@ def test_a_proxy_killed_while_a_group_is_out_starts_without_it(cl: ClusterHarnes
     proxy = cl.cluster("n0")["coordination"]["proxies"][0]
     assert proxy["routed"]["prefill"] == [f"127.0.0.1:{port['n0']}"], proxy
     assert f"proxy: remove prefill 127.0.0.1:{port['n2']}" not in log()[mark:], "never in it: nothing to remove"
+    new = cl.agents["n0"].children()["proxy"]["pid"]
+    out = cl.ctl("n0", "reload")
+    assert "reload: restarted nothing" in out.stdout, (out.stdout, out.stderr)  # its fingerprint: the config's
+    assert cl.agents["n0"].children()["proxy"]["pid"] == new
     mark = len(log())
     assert cl.ctl("n2", "start", "vllm").returncode == 0  # an operator start of a stopped rank: its group restarts
     wait_for("p1 back in the proxy", lambda: "group p1 back in the proxy" in log()[mark:], 120)
