@@ -246,7 +246,9 @@ class ProxySync:
         message = (f"launched with {', '.join([*choice.prefill, *choice.decode])}"
                    + (f" (left out: {why})" if left_out else "" if choice.full else " (every group)")
                    + "".join(f"; {text}" for text in choice.full.values()))  # fmt: skip
-        self._emit("proxy_launch", message, self.plan.component, "warning" if choice.full else "info")
+        listed = set(choice.prefill) | set(choice.decode)
+        risky = any(g.name in held and set(g.endpoints) & listed for g in self.groups)  # the last fallback
+        self._emit("proxy_launch", message, self.plan.component, "warning" if risky else "info")
         return choice
 
     def _blocked(self, fences: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
