@@ -175,6 +175,9 @@ class SimHost:
     def block_ready(self, name: str, key: str, reason: str | None) -> None:
         pass
 
+    def route_proxy(self, name: str, routing: Any) -> None:
+        pass  # the simulation launches no proxy
+
     def attach(self, layer: NodeLayer) -> None:
         self.layers.append(layer)
 

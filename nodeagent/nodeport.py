@@ -15,10 +15,21 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from loguru import logger
+
 from nodeagent.failure import Failure
 from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import hold_for_dependency
-from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeLayer, NodeView, first_hold
+from nodeagent.stackport import (
+    ComponentView,
+    Hold,
+    HoldKind,
+    NodeLayer,
+    NodeView,
+    ProxyBackends,
+    ProxyRouting,
+    first_hold,
+)
 
 if TYPE_CHECKING:
     from nodeagent.component import Component
@@ -57,6 +68,7 @@ class NodePort:
 
     def _init_port(self, recorded: Mapping[str, Any]) -> None:
         self.layers: list[NodeLayer] = []
+        self.proxy_routing: dict[str, ProxyRouting] = {}
         self.liveness_holds = LivenessHolds(self.clock, self.emit, lambda name, gen, detail: self.components[
             name].signal("liveness_failed", gen, detail))  # fmt: skip
         self._gate_poked = asyncio.Event()
@@ -162,6 +174,23 @@ class NodePort:
 
     def block_ready(self, name: str, key: str, reason: str | None) -> None:
         self.get(name).block_ready(key, reason)
+
+    def route_proxy(self, name: str, routing: ProxyRouting) -> None:
+        self.get(name)
+        if name in self.proxy_routing:
+            raise ValueError(f"{name} is routed already")
+        self.proxy_routing[name] = routing
+
+    def launch_backends(self, name: str) -> ProxyBackends | None:
+        """What the proxy `name` starting now is launched with (None: the config's command line)."""
+        routing = self.proxy_routing.get(name)
+        if routing is None:
+            return None
+        try:
+            return routing.launch_backends()
+        except Exception:  # a bug of the layer must not keep the proxy from starting: as without it
+            logger.exception("asking the cluster layer what {} is launched with failed", name)
+            return None
 
     def attach(self, layer: NodeLayer) -> None:
         if any(existing is layer for existing in self.layers):

@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.config_model import (
     Config,
@@ -26,6 +26,9 @@ from nodeagent.config_model import (
 )
 from nodeagent.ft_config import fault_tolerance_argv
 from nodeagent.ft_rules import Support, supports_fault_tolerance
+
+if TYPE_CHECKING:
+    from nodeagent.stackport import ProxyBackends
 
 # Variables the agent sets on every child so leftovers can be recognised (residue) and TMPDIR is private.
 AGENT_ENV = ("DSV4_AGENT_COMPONENT", "DSV4_AGENT_CLUSTER", "DSV4_AGENT_NODE", "DSV4_AGENT_STATE", "TMPDIR")
@@ -335,10 +338,17 @@ def proxy_listen_host(config: Config, comp: ProxyComponent) -> str:
     return comp.host or config.node.ip
 
 
-def render_proxy(name: str, comp: ProxyComponent, config: Config) -> LaunchSpec:
-    """vllm-ascend's load_balance_proxy_server_example.py with every prefill and decode endpoint of the file."""
-    hosts = {"prefiller": [e.rpartition(":") for e in comp.prefillers],
-             "decoder": [e.rpartition(":") for e in comp.decoders]}  # fmt: skip
+def render_proxy(name: str, comp: ProxyComponent, config: Config,
+                 backends: ProxyBackends | None = None) -> LaunchSpec:  # fmt: skip
+    """vllm-ascend's load_balance_proxy_server_example.py with every prefill and decode endpoint of the file, or
+    with those of `backends` (what the cluster layer routes to now: `stackport.ProxyRouting`) — of the file's
+    only, and the file's all for a kind none of whose endpoints it names (the script needs one of each)."""
+    prefillers, decoders = comp.prefillers, comp.decoders
+    if backends is not None:
+        prefillers = [e for e in comp.prefillers if e in backends.prefill] or comp.prefillers
+        decoders = [e for e in comp.decoders if e in backends.decode] or comp.decoders
+    hosts = {"prefiller": [e.rpartition(":") for e in prefillers],
+             "decoder": [e.rpartition(":") for e in decoders]}  # fmt: skip
     argv = [*comp.command, str(comp.script), "--port", str(comp.port), "--host", proxy_listen_host(config, comp)]
     for role, parts in hosts.items():
         argv += [f"--{role}-hosts", *(h.strip("[]") for h, _, _ in parts)]
@@ -368,6 +378,15 @@ def render_component(name: str, config: Config, base_env: Mapping[str, str],
     if isinstance(comp, VllmComponent):
         return render_vllm(name, comp, config, base_env, vllm_version)
     return render_process(name, comp, config)
+
+
+def routed_proxy(spec: LaunchSpec, config: Config, backends: ProxyBackends | None) -> LaunchSpec:
+    """The proxy's launch with the backends routed now (`spec`, the config's, when there is no answer or it is not
+    a proxy). Its fingerprint stays `spec`'s: a reload compares the config, not what was routed at its start."""
+    comp = config.components.get(spec.component)
+    if backends is None or not isinstance(comp, ProxyComponent):
+        return spec
+    return render_proxy(spec.component, comp, config, backends)
 
 
 def launch_fingerprint(spec: LaunchSpec) -> str:

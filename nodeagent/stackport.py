@@ -155,6 +155,24 @@ class NodeView:
     while a chip reset runs or the node is isolated — its ranks must not arrive at a barrier; None otherwise."""
 
 
+@dataclass(frozen=True)
+class ProxyBackends:
+    """The endpoints (HOST:PORT) a PD proxy starting now is launched with, per kind: the ones the cluster layer
+    routes to. `full`: the kinds launched with every endpoint of the config after all (nothing of that kind is
+    wanted now, and the script needs at least one), with why (one line for an operator)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    full: Mapping[str, str] = field(default_factory=dict)
+
+
+class ProxyRouting(Protocol):
+    """The cluster layer's answer for one PD proxy component, asked by the node at each launch of it."""
+
+    def launch_backends(self) -> ProxyBackends | None:
+        """What to launch it with; None: not known yet (the node launches the config's whole command line)."""
+
+
 class StackPort(Protocol):
     """What the cluster layer may read from, and ask of, the node."""
 
@@ -200,6 +218,10 @@ class StackPort(Protocol):
 
     def block_ready(self, name: str, key: str, reason: str | None) -> None:
         """Report the component not ready for this reason (None clears it): the PD proxy without a backend."""
+
+    def route_proxy(self, name: str, routing: ProxyRouting) -> None:
+        """Launch the proxy component `name` with the backends `routing` answers (once; again: ValueError). Its
+        launch fingerprint stays the config's command line: a reload compares the config, not the routing."""
 
     def attach(self, layer: NodeLayer) -> None:
         """A layer attaches once (again: ValueError); the node asks it at its gate, its decisions, operator

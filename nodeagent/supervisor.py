@@ -35,7 +35,7 @@ from nodeagent.precheck import missing_prerequisite
 from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
-from nodeagent.render import component_dir, launch_fingerprint
+from nodeagent.render import component_dir, launch_fingerprint, routed_proxy
 from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
 from nodeagent.states import State
@@ -197,6 +197,8 @@ class Supervisor(NodePort):
 
     async def launch(self, comp: Component, inside: Any = None) -> Process:
         spec = vllm_install.launch_spec(comp.name, self.config, self.base_env)
+        fingerprint = launch_fingerprint(spec)  # the config's command line: what a reload compares with
+        spec = routed_proxy(spec, self.config, self.launch_backends(comp.name) if comp.kind == "proxy" else None)
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
@@ -206,7 +208,7 @@ class Supervisor(NodePort):
                                       component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
                        {"log_offset": log_offset, "tail_file": tail, "ft_unsupported": spec.ft_unsupported},
-                       launch_fingerprint(spec))  # fmt: skip
+                       fingerprint)  # fmt: skip
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)

@@ -46,6 +46,8 @@ from nodeagent.stackport import (
     HoldKind,
     NodeLayer,
     NodeView,
+    ProxyBackends,
+    ProxyRouting,
     first_hold,
 )
 
@@ -281,6 +283,11 @@ class FakeStack:
         self.layers: list[NodeLayer] = []
         self.listeners: list[Callable[[], None]] = []
         """Told of every change (the agent's membership publishes its record)."""
+        self.routing: dict[str, ProxyRouting] = {}
+        self.proxy_process: FakeProxy | None = None
+        """The PD proxy this stack's proxy component is: a launch of it is a new proxy process (its lists are what
+        the launch was given, the config's whole command line without a cluster layer's answer)."""
+        self.proxy_launches: list[ProxyBackends | None] = []
         self.node_pause: dict[str, Any] | None = None
         self._cluster_pause: dict[str, Any] | None = None
         self.restarts: list[tuple[str, str, bool]] = []
@@ -363,6 +370,7 @@ class FakeStack:
         """The agent died: nobody decides for this stack until the next agent attaches."""
         self.layers.clear()
         self.listeners.clear()
+        self.routing.clear()
         self.agent_alive = False
         self.adoptable = frozenset(n for n, c in self.components.items() if c.running)
 
@@ -447,6 +455,12 @@ class FakeStack:
 
         self.launched[comp.name].append(cluster_file_hash(self.config))
         self.images[comp.name].append(self.container_image)
+        if comp.kind == "proxy":
+            routing = self.routing.get(comp.name)
+            backends = routing.launch_backends() if routing is not None else None
+            self.proxy_launches.append(backends)
+            if self.proxy_process is not None:
+                self.proxy_process.restart(backends)
         self.emit("started", f"started pid {comp.pid}", comp.name)
         self.notify()
         task = asyncio.ensure_future(self._come_up(comp, comp.pid))
@@ -592,6 +606,11 @@ class FakeStack:
         if comp.ready != before:
             self.notify()
 
+    def route_proxy(self, name: str, routing: ProxyRouting) -> None:
+        if name in self.routing:
+            raise ValueError(f"{name} is routed already")
+        self.routing[name] = routing
+
     def attach(self, layer: NodeLayer) -> None:
         self.layers.append(layer)
         self.agent_alive = True
@@ -619,6 +638,7 @@ class FakeProxy:
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
         self.routed = {"prefill": set(prefill), "decode": set(decode)}
+        self.command_line = {"prefill": tuple(prefill), "decode": tuple(decode)}
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
         self.busy = False
         """Requests in flight: a removed instance is only tainted (still listed, an add of it ignored) until
@@ -634,6 +654,15 @@ class FakeProxy:
         self.timeline.append((when, {k: set(self.serving(k)) for k in self.routed}))
         for call in self.on_change:
             call()
+
+    def restart(self, backends: ProxyBackends | None) -> None:
+        """A new process: nothing in flight, it routes to every endpoint it was launched with at once."""
+        given = ({"prefill": backends.prefill, "decode": backends.decode} if backends is not None
+                 else self.command_line)  # fmt: skip
+        self.routed = {k: set(v) for k, v in given.items()}
+        self.tainted = {"prefill": set(), "decode": set()}
+        self.busy = False
+        self._changed()
 
     def idle(self) -> None:
         """No request in flight at the proxy's check: tainted instances are deleted."""
@@ -745,6 +774,8 @@ class World:
             plan = cluster_layout(config).proxies[0]
             self.proxy = FakeProxy(plan.prefillers, plan.decoders)
             self.proxy.clock = self.clock
+        if "proxy" in stack.components:
+            stack.proxy_process = self.proxy
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
         stack.config = config  # what this agent loaded: the file on disk now

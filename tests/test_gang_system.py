@@ -4,7 +4,8 @@ multi-node DP group is one unit, like vLLM's). Groups: p0 (prefill, n0 + n1) and
 2-node data-parallel group, and d0 (decode, n4). One cluster for the module; each test leaves it all up.
 
 What needs real processes stays here: a killed rank with traffic through the real proxy, a remote restart through
-`nodeagentctl --node`, a wiped etcd under real workers, the cluster redeploy's archives. Every other gang
+`nodeagentctl --node`, a wiped etcd under real workers, the cluster redeploy's archives, the real proxy killed
+while a group is out (its new command line). Every other gang
 scenario (two ranks at once, barriers, a dead agent's rank and its successor, pause, a generation deferred by a
 pause, an etcd outage, the proxy without a healthy group) is `tests/test_cluster_layer.py`, without processes."""
 
@@ -251,3 +252,37 @@ def test_a_cluster_redeploy_runs_once_and_starts_everything_through_the_barriers
     assert done == NODES
     wait_for("the proxy ready again", lambda: component(cl, "n0", "proxy")["ready"], 120)
     assert ask(cl) == 200
+
+
+def test_a_proxy_killed_while_a_group_is_out_starts_without_it(cl: ClusterHarness) -> None:
+    """kill -9 of the real proxy while p1 is out (its head stopped by the operator): the supervisor starts it
+    again with p0 and d0 only. Launched with its config's command line it would route to p1 at once, until the
+    sync's next step removed it again — requests sent there in that window fail."""
+    cl.wait_up()
+    port = {n: str(cl.node(n)["components"]["vllm"]["port"]) for n in ("n0", "n2")}
+    log = cl.agents["n0"].log
+    mark = len(log())
+    assert cl.ctl("n2", "stop", "vllm").returncode == 0
+    wait_for("p1 out of the proxy", lambda: f"proxy: remove prefill 127.0.0.1:{port['n2']}" in log()[mark:], 60)
+    old = cl.agents["n0"].children()["proxy"]["pid"]
+    mark = len(log())
+    os.kill(old, signal.SIGKILL)
+    wait_for("a new proxy process", lambda: cl.agents["n0"].children().get("proxy", {}).get("pid") not in (None, old),
+             60)  # fmt: skip
+    argv = psutil.Process(cl.agents["n0"].children()["proxy"]["pid"]).cmdline()
+    prefill_ports = argv[argv.index("--prefiller-ports") + 1:argv.index("--decoder-hosts")]
+    assert prefill_ports == [port["n0"]], f"launched with p0 only: {argv}"
+    assert "left out: p1: n2/vllm is " in log()[mark:], "the launch says what it left out and why"
+    wait_for("the proxy ready again", lambda: component(cl, "n0", "proxy")["ready"], 120)
+    assert [ask(cl) for _ in range(4)] == [200] * 4
+    proxy = cl.cluster("n0")["coordination"]["proxies"][0]
+    assert proxy["routed"]["prefill"] == [f"127.0.0.1:{port['n0']}"], proxy
+    assert f"proxy: remove prefill 127.0.0.1:{port['n2']}" not in log()[mark:], "never in it: nothing to remove"
+    new = cl.agents["n0"].children()["proxy"]["pid"]
+    out = cl.ctl("n0", "reload")
+    assert "reload: restarted nothing" in out.stdout, (out.stdout, out.stderr)  # its fingerprint: the config's
+    assert cl.agents["n0"].children()["proxy"]["pid"] == new
+    mark = len(log())
+    assert cl.ctl("n2", "start", "vllm").returncode == 0  # an operator start of a stopped rank: its group restarts
+    wait_for("p1 back in the proxy", lambda: "group p1 back in the proxy" in log()[mark:], 120)
+    cl.wait_up()

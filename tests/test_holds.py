@@ -69,7 +69,8 @@ def parameters(sig: inspect.Signature) -> list[tuple[str, object, bool]]:
 def test_the_supervisor_and_the_simulation_implement_the_whole_port() -> None:
     wanted = port_methods()
     assert {"snapshot", "component", "restart", "command", "clean", "wait", "emit", "set_cluster_pause",
-            "cluster_pause", "wake", "attach", "block_ready", "postmortem", "hold_liveness"} == set(wanted)  # fmt: skip
+            "cluster_pause", "wake", "attach", "block_ready", "postmortem", "hold_liveness",
+            "route_proxy"} == set(wanted)  # fmt: skip
     for host in (Supervisor, load_cluster_sim().SimHost):
         for name, sig in wanted.items():
             method = getattr(host, name, None)

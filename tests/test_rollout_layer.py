@@ -526,3 +526,36 @@ async def test_the_status_says_why_a_step_waits_and_what_serves_per_kind_during_
     assert '<tr data-step="2"><td class="num">2</td><td data-field="groups">p1</td>' in html
     await world.until("done", lambda: status(world) == "done", 300)
     assert rr_view(world, "n4")["floor"] == "serving: prefill p0, p1; decode d0"
+
+
+async def test_a_proxy_restarted_while_a_step_holds_a_group_out_starts_without_it(world: World) -> None:
+    """The proxy process dies while a rollout step holds p0 out (draining, restarting): its new process is
+    launched without p0's endpoints. Launched with the config's command line it would route to p0 at once, until
+    the sync's next step removed it again — requests sent to a group that is being restarted."""
+    proxy, stack = world.proxy, world.stacks["n0"]
+    assert proxy is not None
+    sync = world.agents["n0"].coordinator.proxies[0]
+    p0 = set(world.agents["n0"].coordinator.layout.group("p0").endpoints)
+    for node in ("n0", "n1"):
+        world.stacks[node].components["vllm"].start_s = 30.0  # p0 stays out of the proxy a while
+    world.install(set_group_env(["p0", "p1"], {"X": "1"}))
+    await start(world)
+    await world.until("p0 restarting, out of the proxy",
+                      lambda: record(world).steps[0].phase == "gating" and not p0 & proxy.routed["prefill"], 120)
+    old_pid = stack.components["proxy"].pid
+    killed_at, calls_before = world.clock.monotonic(), len(proxy.calls)
+    stack.crash("proxy")
+    await world.until("a new proxy process up",
+                      lambda: stack.components["proxy"].up and stack.components["proxy"].pid != old_pid, 60)
+    await world.advance(3)
+    assert record(world).steps[0].phase == "gating", "p0 still held out (its ranks are starting)"
+    after = [routed for when, routed in proxy.timeline if when >= killed_at]
+    assert after and not any(p0 & routed["prefill"] for routed in after), "p0 never routed by the new process"
+    launch = stack.proxy_launches[-1]
+    assert launch is not None and not p0 & set(launch.prefill) and launch.prefill and launch.decode, launch
+    assert sync.applied == {"prefill": set(launch.prefill), "decode": set(launch.decode)}, "started from its launch"
+    assert not [c for c in proxy.calls[calls_before:] if c[0] == "remove"], "nothing to remove: p0 was never in it"
+    launched = stack.events_of("proxy_launch")
+    assert launched and "p0: rollout" in launched[-1]["message"], launched
+    await world.until("done", lambda: status(world) == "done", 300)
+    assert p0 <= proxy.routed["prefill"], "p0 back in the new process once its step passed"

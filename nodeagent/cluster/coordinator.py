@@ -92,6 +92,8 @@ class Coordinator:
                                   self.clock, proxy_post)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip
+        for proxy in self.proxies:
+            port.route_proxy(proxy.plan.component, proxy)  # a restarted proxy starts with what the sync routes
         self.tasks = TaskSet()
         self.barrier = StartBarrier(self.cluster, self.node, port, membership, self.clock)
         self._wake = asyncio.Event()

@@ -5,8 +5,11 @@ them back once every rank is ready again — clients are routed to the healthy g
 A group is healthy when every one of its members reports each of its ranks up (ready where it serves HTTP)
 for the group's current generation. The proxy takes `POST /instances/remove|add {"type", "instances"}`;
 removal drains in-flight requests first, an added instance is activated once its `/v1/models` answers. With no
-healthy group of a kind left the proxy component is reported not ready. A restarted proxy starts with every
-endpoint of its command line: the sync re-applies what it knows.
+healthy group of a kind left the proxy component is reported not ready.
+
+A proxy process routes to every endpoint of its command line at once, so the node asks the sync (its
+`stackport.ProxyRouting`) at each launch what to launch it with (`launch_choice`): what it wants routed now, and
+the sync then starts from that list for the new process, not from the config's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import urllib.request
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -23,6 +26,7 @@ from loguru import logger
 from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.host import Clock
 from nodeagent.layout import Group, ProxyPlan
+from nodeagent.stackport import ProxyBackends
 
 if TYPE_CHECKING:
     from nodeagent.stackport import ComponentView
@@ -62,6 +66,45 @@ def desired_backends(groups: list[Group], health: dict[str, bool]) -> dict[str, 
         if group.kind in out and health.get(group.name):
             out[group.kind].update(group.endpoints)
     return out
+
+
+def launch_choice(groups: Sequence[Group], want: Mapping[str, set[str]], held: Collection[str],
+                  fences: Mapping[str, Collection[str]]) -> ProxyBackends:
+    """What a proxy process starting now is launched with (pure). `want`: the endpoints to route (healthy groups
+    not held out); `held`: the groups held out by a hold source (a rollout step, an exclusive rollout's other file).
+
+    A new process lists nothing but its command line, so a fence holds only against that: a group is left out when
+    a group it waits for is launched too. A kind left with nothing (the script's `--*-hosts` need one) falls back
+    to its groups that are merely unhealthy (requests would fail there, but no group held out — draining, about to
+    restart, on another file than the decoders — is routed), and only when every one is held out to all of them."""
+    chosen = {"prefill": set(want.get("prefill", ())), "decode": set(want.get("decode", ()))}
+    by_kind = {kind: [g for g in groups if g.kind == kind] for kind in chosen}
+    apart = {(a, b) for a, others in fences.items() for b in others if a != b}
+
+    def clash(name: str) -> bool:
+        """It must not be listed beside a group launched now (either waits for the other)."""
+        launched = {g.name for g in groups if g.kind in chosen and set(g.endpoints) & chosen[g.kind]} - {name}
+        return any((name, other) in apart or (other, name) in apart for other in launched)
+
+    for name in [n for n, _ in apart if clash(n)]:  # the waiting side leaves, as the sync would hold it back
+        for group in (g for g in groups if g.name == name and g.kind in chosen):
+            chosen[group.kind] -= set(group.endpoints)
+    full: dict[str, str] = {}
+    for kind, mine in by_kind.items():
+        if chosen[kind]:
+            continue
+        spare = [g for g in mine if g.name not in held and not clash(g.name)]
+        if spare:
+            full[kind] = (f"no {kind} group to route to: launched with the ones not held out "
+                          f"({', '.join(g.name for g in spare)}), the proxy needs one")  # fmt: skip
+        else:
+            spare = mine
+            full[kind] = (f"no {kind} group may be routed now (held out, or kept apart from one launched): "
+                          "launched with all of them, the proxy needs one")  # fmt: skip
+        chosen[kind] = {e for g in spare for e in g.endpoints}
+    order = {kind: [e for g in mine for e in g.endpoints] for kind, mine in by_kind.items()}
+    return ProxyBackends(prefill=tuple(e for e in order["prefill"] if e in chosen["prefill"]),
+                         decode=tuple(e for e in order["decode"] if e in chosen["decode"]), full=full)  # fmt: skip
 
 
 ProxyPost = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
@@ -116,6 +159,11 @@ class ProxySync:
         reach them) before it is added: an incompatible rollout's switch."""
         self.fenced: dict[str, tuple[str, ...]] = {}
         """group → the groups it waits for, as of the last step."""
+        self.launched: ProxyBackends | None = None
+        """What the node's last launch of the proxy was given (None: the config's whole command line)."""
+        self._launch_asked = False
+        """A launch asked since the last new pid: the next new pid is that launch's (else one this agent did not
+        launch — adopted: its lists are assumed to be its command line's, as the config says)."""
 
     @property
     def url(self) -> str:
@@ -137,27 +185,15 @@ class ProxySync:
         if pid != self.proxy_pid:
             self.proxy_pid = pid
             self.isolated = {"prefill": set(), "decode": set()}
-            all_in = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
-            # a new proxy routes to every endpoint of its command line at once
+            # a new proxy routes to every endpoint of its command line at once: what its launch was given
+            given = self.launched if self._launch_asked and pid is not None else None
+            self._launch_asked = self._launch_asked and pid is None
+            all_in = ({"prefill": set(given.prefill), "decode": set(given.decode)} if given is not None
+                      else {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)})  # fmt: skip
             self.applied = all_in if pid is not None else None
             self.active = {k: set(v) for k, v in all_in.items()} if pid is not None else None
             self._reconciled_at = 0.0
-        members = self._members()
-        health: dict[str, tuple[bool, str]] = {}
-        for group in self.groups:
-            record = self._records().get(group.name)
-            health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
-        ready = True
-        for source in self.holds:
-            held = source()
-            ready = ready and held is not None
-            for name, why in (held or {}).items():
-                if name in health:
-                    health[name] = (False, why)
-        fences: dict[str, set[str]] = {}
-        for fence in self.fences:
-            for name, others in fence().items():
-                fences.setdefault(name, set()).update(others)
+        health, ready, _held, fences = self._read()
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
         if self.applied is not None and comp.up and ready:
             await self._apply(want, fences)
@@ -167,6 +203,53 @@ class ProxySync:
         routed = self.active if self.active is not None else want
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
         self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
+
+    def _read(self) -> tuple[dict[str, tuple[bool, str]], bool, set[str], dict[str, set[str]]]:
+        """(group → (healthy and not held, why not), every hold source has read its state, the groups held out,
+        group → the groups it waits for)."""
+        members = self._members()
+        health: dict[str, tuple[bool, str]] = {}
+        for group in self.groups:
+            record = self._records().get(group.name)
+            health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+        ready, held_out = True, set()
+        for source in self.holds:
+            held = source()
+            ready = ready and held is not None
+            for name, why in (held or {}).items():
+                if name in health:
+                    health[name] = (False, why)
+                    held_out.add(name)
+        fences: dict[str, set[str]] = {}
+        for fence in self.fences:
+            for name, others in fence().items():
+                fences.setdefault(name, set()).update(others)
+        return health, ready, held_out, fences
+
+    def launch_backends(self) -> ProxyBackends | None:
+        """`stackport.ProxyRouting`: what the proxy starting now is launched with (`launch_choice`); None until the
+        members' records have been read (nothing known to leave out: the config's command line, as before). A hold
+        source that has not read its state yet leaves out nothing more than the unhealthy groups."""
+        self._launch_asked = True
+        self.launched = None
+        if not self._members():
+            logger.info("proxy {} launched with every endpoint: the members' records are not read yet",
+                        self.plan.component)  # fmt: skip
+            return None
+        health, _ready, held, fences = self._read()
+        want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
+        choice = self.launched = launch_choice(self.groups, want, held, fences)
+        left_out = sorted(g.name for g in self.groups
+                          if not set(g.endpoints) & set(choice.prefill if g.kind == "prefill" else choice.decode))
+        why = "; ".join(f"{g}: {health[g][1] or 'kept apart from a group launched (another file)'}"
+                        for g in left_out)  # fmt: skip
+        message = (f"launched with {', '.join([*choice.prefill, *choice.decode])}"
+                   + (f" (left out: {why})" if left_out else "" if choice.full else " (every group)")
+                   + "".join(f"; {text}" for text in choice.full.values()))  # fmt: skip
+        listed = set(choice.prefill) | set(choice.decode)
+        risky = any(g.name in held and set(g.endpoints) & listed for g in self.groups)  # the last fallback
+        self._emit("proxy_launch", message, self.plan.component, "warning" if risky else "info")
+        return choice
 
     def _blocked(self, fences: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
         """group → the groups of its fence the proxy still lists (tainted ones included: they may still be used)."""
