@@ -268,6 +268,16 @@ def own_etcd(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
+def fixed_ports() -> Iterator[None]:
+    """The shipped configs' fixed ports (config/local-cluster.yaml's APIs 18700-18702, etcd 12379-12380, workers
+    18481-18483, vLLM 18010-18012, proxy 18020, DP RPC 18030; the guide's worker 18481 in config/local.yaml and the
+    8-node example): a test that binds them, or checks them free on this machine, waits its turn (in this run or
+    another suite's)."""
+    with parallel.machine_lock("local-cluster-ports"):
+        yield
+
+
+@pytest.fixture
 def unique_name() -> str:
     """A cluster name / key prefix no other test uses on the shared etcd."""
     import uuid

@@ -3,6 +3,7 @@ PD proxy, Ctrl-C stops them all and leaves nothing running (issue 17: a test clu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,13 +12,11 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import BIN, ROOT, wait_for
-from parallel import machine_lock
 
 pytestmark = pytest.mark.system
 PROXY = ROOT / ".cache/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
@@ -37,14 +36,6 @@ def ours(home: Path) -> list[psutil.Process]:
         if str(home) in text:
             found.append(proc)
     return found
-
-
-@pytest.fixture
-def fixed_ports() -> Iterator[None]:
-    """config/local-cluster.yaml's fixed ports (APIs 18700-18702, etcd 12379-12380, workers 18481-18483, vLLM
-    18010-18012, proxy 18020, DP RPC 18030, KV 30000+): another test or suite that binds them waits its turn."""
-    with machine_lock("local-cluster-ports"):
-        yield
 
 
 @pytest.mark.skipif(not PROXY.is_file(), reason="vllm-ascend's examples are not fetched (scripts/test.sh does)")
@@ -90,4 +81,7 @@ def test_run_local_cluster_starts_three_agents_and_stops_them_all(tmp_path: Path
             script.wait(60)
         for proc in ours(home):
             proc.kill()
+        for node in ("n0", "n1", "n2"):  # kept with the test's folder when it fails: how each agent stopped
+            with contextlib.suppress(OSError):
+                shutil.copy2(home / node / "agent.log", tmp_path / f"{node}-agent.log")
         shutil.rmtree(home, ignore_errors=True)

@@ -144,6 +144,7 @@ def sysctl_root(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
 def test_a_stranger_listening_inside_a_kv_range_is_reported_live(tmp_path: Path, sysctl_root: Path,
                                                                   listener: subprocess.Popen[bytes]) -> None:
     port = listener.port  # type: ignore[attr-defined]
@@ -161,6 +162,7 @@ def test_a_stranger_listening_inside_a_kv_range_is_reported_live(tmp_path: Path,
     assert not [f for f in lint_node(config, Host(root=sysctl_root), ours={listener.pid}).findings if f.kind == TAKEN]
 
 
+@pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
 def test_preflight_check_warns_then_passes_once_reserved(tmp_path: Path, sysctl_root: Path) -> None:
     config = load_config(EIGHT, node="a2-6")
     ctx = SimpleNamespace(config=config, host=Host(root=sysctl_root), ours=set())
@@ -187,6 +189,7 @@ def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=60)  # fmt: skip
 
 
+@pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
 def test_cli_ports_json_and_apply(tmp_path: Path, sysctl_root: Path) -> None:
     node_file = tmp_path / "node.yaml"  # one member's view: the cluster file with node.name set
     data = yaml.safe_load(EIGHT.read_text())

@@ -273,6 +273,7 @@ def _cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.skipif(shutil.which("npu-smi") or Path("/usr/local/bin/npu-smi").exists(), reason="a real NPU host")
+@pytest.mark.usefixtures("fixed_ports")  # config/local.yaml's ports checked free
 def test_cli_on_this_machine(tmp_path: Path) -> None:
     local = _cli("--config", str(ROOT / "config" / "local.yaml"), home=tmp_path)
     assert local.returncode == 0, local.stdout + local.stderr
