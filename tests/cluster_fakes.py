@@ -253,6 +253,9 @@ class FakeComponent:
     """The virtual monotonic time of each residue cleanup."""
     unclean: str | None = None
     """Why cleaning its residue fails (a port held by a process not ours), while it does."""
+    held_cleanups: list[float] = field(default_factory=list)
+    """The virtual monotonic time of each cleanup that `unclean` held (on a node, each one waits 3 s for the port
+    and logs a line per action)."""
     loads: list[float] = field(default_factory=list)
     """Its load times (start → up), as the supervisor keeps them in intent.json: they outlive the agent."""
     dying: bool = False
@@ -547,7 +550,8 @@ class FakeStack:
     async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
         comp = self.components[name]
         if comp.unclean is not None:
-            raise StartHeld(comp.unclean)
+            comp.held_cleanups.append(self.clock.monotonic())
+            raise StartHeld(comp.unclean, lambda: comp.unclean)  # as the supervisor's: who holds the port now
         self.cleaned.append((name, scope, wipe_etcd))
         comp.cleaned_at.append(self.clock.monotonic())
         if not comp.running:

@@ -211,6 +211,32 @@ async def test_a_rank_that_died_unwatched_is_cleaned_before_its_node_arrives_at_
     await world.until("up", lambda: world.all_up(["n2", "n3"]))
 
 
+async def test_a_rank_held_by_a_stranger_before_the_barrier_is_rechecked_not_cleaned_every_step(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """A stranger on a rank's port held its cleanup before the barrier: every step (~3 s) ran the whole cleanup
+    again (a 3 s port wait and a WARNING line, with a line per other action). The cleanup runs once; then only the
+    hold's re-check, saying a new holder at once; status shows who holds the port at every moment."""
+    world = await cold(make_world)
+    n3 = world.stacks["n3"].components["vllm"]
+    await world.kill_agent("n3")
+    world.stacks["n3"].crash("vllm")
+    n3.unclean = "port 43001 in use: 43001 held by pid 4242 'python3'"
+    world.start_agent("n3")
+    await world.until("n3's rank held", lambda: n3.hold is not None and "pid 4242" in n3.hold.reason, 60)
+    await world.advance(300)
+    assert len(n3.held_cleanups) == 1, f"the held cleanup ran {len(n3.held_cleanups)} times in 5 minutes"
+    assert len(world.stacks["n3"].events_of("barrier_held")) == 1
+    n3.unclean = "port 43001 in use: 43001 held by pid 5151 'nc -l 43001'"  # another stranger took the port
+    await world.until("status shows the new holder", lambda: n3.hold is not None and "pid 5151" in n3.hold.reason)
+    held = world.stacks["n3"].events_of("barrier_held")
+    assert len(held) == 2 and "pid 5151" in held[-1]["message"], "a new holder is said once"
+    await world.advance(60)
+    assert len(n3.held_cleanups) == 1 and len(world.stacks["n3"].events_of("barrier_held")) == 2
+    n3.unclean = None
+    await world.until("p1 started again on both", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2)
+    assert ("vllm", "start", False) in world.stacks["n3"].cleaned, "the whole cleanup ran once the port was free"
+
+
 async def test_a_rank_stopped_whole_is_not_scanned_again_before_the_barrier(make_world: Callable[..., World]) -> None:
     world = await cold(make_world)
     for node in ("n2", "n3"):

@@ -56,8 +56,17 @@ class StartBarrier:
 
     async def _clean_ranks(self, gs: GangState, here: NodeView) -> bool:
         """A rank whose old tree was not seen to die whole may have left an EngineCore holding the group's ports:
-        clean it first, or the peers start beside it. False: not cleanable now (the event says why, once); the
-        next step tries again."""
+        clean it first, or the peers start beside it. False: not cleanable now (the event says why, once per
+        change); the next step tries again — while a stranger holds a port, only its cheap re-check runs."""
+        if gs.unclean_recheck is not None:
+            rank, recheck = gs.unclean_recheck
+            still = None if here.components[rank].clean else recheck()
+            if still is not None:
+                if still != gs.unclean_holder:
+                    gs.unclean_holder = still
+                    self._held(gs, rank, still)
+                return False
+            gs.unclean_recheck = gs.unclean_holder = None
         for name in gs.components:
             if here.components[name].clean:
                 continue
@@ -66,14 +75,19 @@ class StartBarrier:
             except AgentError as exc:
                 # a stranger on the rank's port (StartHeld) goes only when someone acts: a peer's --wait ends on it
                 gs.unclean_settles = not isinstance(exc, StartHeld)
-                if gs.unclean != str(exc):
-                    gs.unclean = str(exc)
-                    self.port.emit("barrier_held", f"group {gs.group.name} generation {gs.acted}: not arriving at "
-                                   f"the start barrier: {exc}", name, "error", group=gs.group.name,
-                                   generation=gs.acted)  # fmt: skip
+                if isinstance(exc, StartHeld) and exc.recheck is not None:
+                    gs.unclean_recheck, gs.unclean_holder = (name, exc.recheck), exc.recheck()
+                self._held(gs, name, str(exc))
                 return False
         gs.unclean = None
         return True
+
+    def _held(self, gs: GangState, name: str, why: str) -> None:
+        """Show why a rank is not cleaned (status); say it when it changes."""
+        if gs.unclean != why:
+            gs.unclean = why
+            self.port.emit("barrier_held", f"group {gs.group.name} generation {gs.acted}: not arriving at the start "
+                           f"barrier: {why}", name, "error", group=gs.group.name, generation=gs.acted)  # fmt: skip
 
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodeagent.cluster import rules
@@ -37,6 +38,12 @@ class GangState:
     """Why a local rank's residue could not be cleaned before arriving (last said)."""
     unclean_settles: bool = True
     """False when that is a process not ours (on its port, its NPUs): only someone outside the agent ends it."""
+    unclean_recheck: tuple[str, Callable[[], str | None]] | None = None
+    """The rank whose cleanup is held and the hold's cheap re-check (who holds the port now; None once free):
+    the whole cleanup runs again only once it answers free, not at every step (each run waited 3 s and logged
+    a line per action)."""
+    unclean_holder: str | None = None
+    """What that re-check answered last: a new holder is said once."""
 
     @property
     def multi(self) -> bool:
