@@ -86,8 +86,9 @@ class Supervisor(NodePort):
         self.redeploying: asyncio.Task[None] | None = None
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
-        self._saved_fingerprints: dict[str, str | None] = {}
-        """Launch fingerprints from children.json as the previous agent left it (read once, at start)."""
+        self._saved_launches: dict[str, dict[str, Any]] = {}
+        """What each launch recorded in children.json as the previous agent left it (read once, at start): its
+        fingerprint, and why vLLM's fault tolerance was left out of its command line (`ft_unsupported`)."""
         self._flush_handle: asyncio.TimerHandle | None = None
         self._history_dirty = False
 
@@ -213,9 +214,11 @@ class Supervisor(NodePort):
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)
         tail = component_dir(self.config, comp.name) / "output.tail"
-        fingerprint = self._saved_fingerprints.get(comp.name)
+        saved = self._saved_launches.get(comp.name, {})
+        # as launched, not as installed now: an upgrade since does not put the flags on its command line
         return Process(record, watch.done, None, "adopted", watch.close,
-                       {"log_offset": None, "tail_file": tail, "adopted": True}, fingerprint)  # fmt: skip
+                       {"log_offset": None, "tail_file": tail, "adopted": True,
+                        "ft_unsupported": saved.get("ft_unsupported")}, saved.get("fingerprint"))  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str, inside: Any = None) -> dict[str, Any]:
         return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name, inside.member if inside else None)
@@ -302,7 +305,8 @@ class Supervisor(NodePort):
 
     def _save_children(self, detached: bool = False, durable: bool = True) -> None:
         children = {  # not one being stopped: the next agent must not adopt a tree that dies
-            name: {**c.record.to_dict(), "started_at": c.started_at, "fingerprint": c.fingerprint}
+            name: {**c.record.to_dict(), "started_at": c.started_at, "fingerprint": c.fingerprint,
+                   "ft_unsupported": c.proc.extra.get("ft_unsupported") if c.proc is not None else None}
             for name, c in self.components.items() if c.record is not None and c.state != State.STOPPING
         }  # fmt: skip
         self.store.save_children(children, detached=detached, durable=durable)
@@ -454,8 +458,9 @@ class Supervisor(NodePort):
         if "datasystem" in kinds and "etcd" not in kinds:
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
         # read once: each adoption rewrites children.json with the components adopted so far, so a later
-        # adoption must not read its launch fingerprint back from the file (a reload would then see none)
-        self._saved_fingerprints = {n: r.get("fingerprint") for n, r in self.store.load_children().items()}
+        # adoption must not read what its launch recorded back from the file (a reload would then see none)
+        self._saved_launches = {n: {k: r.get(k) for k in ("fingerprint", "ft_unsupported")}
+                                for n, r in self.store.load_children().items()}  # fmt: skip
         adopt = self._adoptable()
         for name in self.order:
             self.tasks[name] = asyncio.create_task(self.components[name].run(adopt.get(name)), name=f"component:{name}")

@@ -214,3 +214,40 @@ async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(t
     finally:
         await sup.shutdown()
 
+
+
+async def test_an_adopted_rank_knows_its_launch_left_the_flags_out(tmp_path: Path) -> None:
+    """An agent restarted beside a rank launched under vLLM 0.31: the launch's `ft_unsupported` is kept with the
+    process record, so the adopted rank's view says it (the FT rung then asks the ranks nothing) — as launched,
+    not as installed now: vLLM upgraded meanwhile does not put the flags on the running command line."""
+    script = venv(tmp_path / "v", "0.31.0")
+    config = parse_config(config_text(tmp_path, str(script)))
+    first = Supervisor(config, EventBus())
+    await first.start()
+    pid = None
+    try:
+        comp = first.components["vllm"]
+        for _ in range(200):
+            if comp.proc is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert comp.proc is not None, "launched"
+        pid = comp.proc.record.pid
+    finally:
+        await first.shutdown(detach=True)
+    site = tmp_path / "v" / "lib" / f"python{XY}" / "site-packages"
+    (site / "vllm-0.31.0.dist-info").rename(site / "vllm-0.32.1.dist-info")
+    (site / "vllm-0.32.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.1\n")
+    second = Supervisor(config, EventBus())
+    await second.start()
+    try:
+        comp = second.components["vllm"]
+        for _ in range(200):
+            if comp.proc is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert comp.proc is not None and comp.proc.record.pid == pid and comp.adopted, "adopted, not relaunched"
+        view = second.component("vllm")
+        assert view.ft_unsupported is not None and "vLLM 0.31.0 predates" in view.ft_unsupported
+    finally:
+        await second.shutdown()
