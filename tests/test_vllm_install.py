@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import realvllm
 
+from nodeagent.component import Component
 from nodeagent.config import parse_config
 from nodeagent.events import EventBus
 from nodeagent.ft_config import FaultToleranceSpec, fault_tolerance_argv
@@ -191,6 +192,16 @@ def test_the_real_venv_vllm_is_launched_with_the_flags(tmp_path: Path) -> None:
     assert FT_FLAGS[0] in spec.argv and spec.ft_unsupported is None
 
 
+async def launched(sup: Supervisor) -> Component:
+    """The vllm component once it has a process (launched or adopted)."""
+    comp = sup.components["vllm"]
+    for _ in range(200):
+        if comp.proc is not None:
+            return comp
+        await asyncio.sleep(0.05)
+    raise AssertionError("vllm was not launched")
+
+
 async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(tmp_path: Path) -> None:
     """Through the supervisor: the process runs without the flags, the cluster layer's view of it carries why
     (the FT rung says it once: test_ft_ladder), and a reload does not take the rendering for a change."""
@@ -198,12 +209,7 @@ async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(t
     sup = Supervisor(parse_config(config_text(tmp_path, str(script))), EventBus())
     await sup.start()
     try:
-        comp = sup.components["vllm"]
-        for _ in range(200):
-            if comp.proc is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert comp.proc is not None, "launched"
+        comp = await launched(sup)
         with open(f"/proc/{comp.proc.record.pid}/cmdline", "rb") as fh:
             argv = fh.read().decode().split("\0")
         assert str(script) in argv and "--data-parallel-rank" in argv
@@ -215,7 +221,6 @@ async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(t
         await sup.shutdown()
 
 
-
 async def test_an_adopted_rank_knows_its_launch_left_the_flags_out(tmp_path: Path) -> None:
     """An agent restarted beside a rank launched under vLLM 0.31: the launch's `ft_unsupported` is kept with the
     process record, so the adopted rank's view says it (the FT rung then asks the ranks nothing) — as launched,
@@ -224,15 +229,8 @@ async def test_an_adopted_rank_knows_its_launch_left_the_flags_out(tmp_path: Pat
     config = parse_config(config_text(tmp_path, str(script)))
     first = Supervisor(config, EventBus())
     await first.start()
-    pid = None
     try:
-        comp = first.components["vllm"]
-        for _ in range(200):
-            if comp.proc is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert comp.proc is not None, "launched"
-        pid = comp.proc.record.pid
+        pid = (await launched(first)).proc.record.pid  # type: ignore[union-attr]
     finally:
         await first.shutdown(detach=True)
     site = tmp_path / "v" / "lib" / f"python{XY}" / "site-packages"
@@ -241,11 +239,7 @@ async def test_an_adopted_rank_knows_its_launch_left_the_flags_out(tmp_path: Pat
     second = Supervisor(config, EventBus())
     await second.start()
     try:
-        comp = second.components["vllm"]
-        for _ in range(200):
-            if comp.proc is not None:
-                break
-            await asyncio.sleep(0.05)
+        comp = await launched(second)
         assert comp.proc is not None and comp.proc.record.pid == pid and comp.adopted, "adopted, not relaunched"
         view = second.component("vllm")
         assert view.ft_unsupported is not None and "vLLM 0.31.0 predates" in view.ft_unsupported
