@@ -21,6 +21,9 @@ class PdWatchConfig(Strict):
     request through the proxy, spread evenly over the period (vllm-ascend #13140)."""
     probe_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
     """How long one probe request (prefill, then decode) may take."""
+    proxy_fault_after: Annotated[int, Meta(ge=0)] = 2
+    """Rounds in a row in which the request through the proxy fails while every instance answers before the watch
+    restarts the proxy (a hung proxy serves nothing; 0: only say so)."""
     empty_after: Annotated[int, Meta(ge=1)] = 2
     """Answers in a row without the 2 tokens asked (an error, an empty or tokenless 200, a short answer) from one
     decode instance before its group is removed and restarted."""

@@ -6,16 +6,22 @@ request are served), so the proxy — which has sent its 200 before it reads the
 empty body whenever it routes there (#13140). No probe of the rank sees it; the agent's PD watch on the proxy's
 node does (prefill → each decode rank as the proxy routes), restarts the decode group once, and the proxy's
 answers carry tokens again — as does the watch's own 2-token request through the proxy. The decoder's node
-counts the Mooncake failure lines its rank printed and publishes them in its member record (item 6)."""
+counts the Mooncake failure lines its rank printed and publishes them in its member record (item 6).
+
+The proxy itself as the fault, on the same cluster (one per module): the real proxy process stopped (SIGSTOP —
+its port still accepts, nothing answers) while every instance answers is named and restarted by the watch —
+the proxy alone, no rank, no generation; stopped for one round only, it is named and left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,9 +40,9 @@ def without_datasystem(h: ClusterHarness) -> None:
         node["components"].pop("datasystem")
 
 
-@pytest.fixture
-def pd(tmp_path: Path, etcd: Any) -> Iterator[ClusterHarness]:
-    h = ClusterHarness(tmp_path, etcd.endpoint, ["n0", "n1"])
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, etcd: Any) -> Iterator[ClusterHarness]:
+    h = ClusterHarness(tmp_path_factory.mktemp("pd"), etcd.endpoint, ["n0", "n1"])
     without_datasystem(h)
     h.data["cluster"]["vllm_groups"] = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]},
                                         {"name": "d0", "kind": "decode", "nodes": ["n1"], "dp_launch": "external",
@@ -66,11 +72,82 @@ def completion_text(body: bytes) -> str:
     return str(json.loads(body)["choices"][0]["text"]) if body.strip() else ""
 
 
-def test_a_decode_rank_whose_answers_come_back_empty_through_the_proxy_is_restarted_once(pd: ClusterHarness) -> None:
-    ranks = {"vllm-dp0": {"ready"}, "vllm-dp1": {"ready"}}
+RANKS = {"vllm-dp0": {"ready"}, "vllm-dp1": {"ready"}}
+ASK = {"model": "dsv4", "prompt": "tell me a story", "max_tokens": 4, "ignore_eos": True}
+
+
+def proxy_url(pd: ClusterHarness) -> str:
+    return f"http://127.0.0.1:{pd.data['components']['proxy']['port']}/v1/completions"
+
+
+def pids(pd: ClusterHarness) -> dict[str, int]:
+    """Every vLLM rank's pid and the proxy's."""
+    n0, n1 = pd.agents["n0"].children(), pd.agents["n1"].children()
+    return {"vllm": n0["vllm"]["pid"], "proxy": n0["proxy"]["pid"], **{r: n1[r]["pid"] for r in RANKS}}
+
+
+def serving(pd: ClusterHarness) -> dict[str, int]:
+    """Every component ready and the proxy answering with tokens: the pids then."""
     pd.wait_states("n0", {"vllm": {"ready"}, "proxy": {"ready"}}, 120)
-    pd.wait_states("n1", ranks, 120)
-    proxy = f"http://127.0.0.1:{pd.data['components']['proxy']['port']}/v1/completions"
+    pd.wait_states("n1", RANKS, 120)
+    wait_for("the proxy answering with tokens", lambda: completion_text(post(proxy_url(pd), ASK)[1]), 60, 0.5)
+    wait_for("the watch's request through the proxy answered", lambda: pd.status("n0")["pd_watch"]["proxy"].get(
+        "ok"), 30, 0.2)  # fmt: skip
+    return pids(pd)
+
+
+def test_a_proxy_stalled_for_one_round_is_named_and_left_alone(pd: ClusterHarness) -> None:
+    """Below `proxy_fault_after` (2 rounds): one failed request through the proxy while every instance answers
+    says so, restarts nothing."""
+    before = serving(pd)
+    gen = pd.status("n1")["cluster"]["gangs"]["d0"]["generation"]
+    os.kill(before["proxy"], signal.SIGSTOP)
+    try:
+        fault = wait_for("the watch naming the proxy", lambda: pd.status("n0")["pd_watch"]["proxy"]["fault"], 30, 0.2)
+    finally:
+        os.kill(before["proxy"], signal.SIGCONT)
+    assert "while every prefill→decode pair answers with tokens (2 decode instances probed): the proxy itself " \
+        "is the fault" in fault, fault
+    wait_for("the proxy answering again", lambda: "the proxy answers with tokens again" in pd.agents["n0"].log(), 30,
+             0.2)  # fmt: skip
+    assert pids(pd) == before, "nothing restarted"
+    assert "the proxy restarts: " not in pd.agents["n0"].log()
+    assert pd.status("n1")["cluster"]["gangs"]["d0"]["generation"] == gen
+
+
+def test_a_hung_proxy_is_restarted_alone(pd: ClusterHarness) -> None:
+    """SIGSTOP: the process stays, its port accepts (the kernel's backlog), nothing answers — /healthcheck too,
+    but liveness needs three 10 s periods. The watch's request through the proxy fails two rounds in a row
+    while every instance answers: the watch names the proxy, restarts it — and no vLLM rank."""
+    before = serving(pd)
+    gen = pd.status("n1")["cluster"]["gangs"]["d0"]["generation"]
+    restarts = pd.status("n0")["components"]["proxy"]["restarts"]
+    os.kill(before["proxy"], signal.SIGSTOP)
+    agent0 = pd.agents["n0"]
+    try:
+        wait_for("the watch restarting the proxy", lambda: "the proxy restarts: the proxy answers " in
+                 agent0.log(), 60, 0.2)  # fmt: skip
+        wait_for("a new proxy process", lambda: agent0.children().get("proxy", {}).get("pid") not in (
+            None, before["proxy"]), 60, 0.2)  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before["proxy"], signal.SIGCONT)
+    after = serving(pd)
+    assert {k: v for k, v in after.items() if k != "proxy"} == {k: v for k, v in before.items() if k != "proxy"}, \
+        "no vLLM rank restarted"
+    assert pd.status("n1")["cluster"]["gangs"]["d0"]["generation"] == gen, "no generation"
+    proxy = pd.status("n0")["components"]["proxy"]
+    assert proxy["restarts"] == restarts + 1, f"one restart: {proxy}"
+    watch = pd.status("n0")["pd_watch"]
+    assert "proxy (hung)" in watch["restarted"] and watch["proxy"]["fault"] is None, watch
+
+
+def test_a_decode_rank_whose_answers_come_back_empty_through_the_proxy_is_restarted_once(pd: ClusterHarness) -> None:
+    """Not the proxy's fault: every round one instance fails too."""
+    ranks = RANKS
+    proxy_pid = serving(pd)["proxy"]
+    named = pd.agents["n0"].log().count("the proxy itself is the fault")
+    proxy = proxy_url(pd)
     second = pd.node("n1")["components"]["vllm"]["port"] + 1
     ask = {"model": "dsv4", "prompt": "tell me a story", "max_tokens": 4, "ignore_eos": True}
     code, body = post(proxy, ask)
@@ -101,12 +178,14 @@ def test_a_decode_rank_whose_answers_come_back_empty_through_the_proxy_is_restar
     gang = pd.status("n1")["cluster"]["gangs"]["d0"]
     assert gang["generation"] == gen + 1, f"one generation: {gang}"
     assert pd.agents["n0"].children()["vllm"]["pid"] == prefill_pid, "prefill untouched"
+    assert pd.agents["n0"].children()["proxy"]["pid"] == proxy_pid, "the proxy untouched"
+    assert pd.agents["n0"].log().count("the proxy itself is the fault") == named, "the proxy not blamed"
     watch = wait_for("the watch's probes and its request through the proxy answered", lambda: (
         w := pd.status("n0")["pd_watch"])["proxy"].get("ok") and set(w["probes"]["d0"].values()) == {"2 tokens"}
         and w, 30, 0.2)  # fmt: skip
     assert sorted(watch["probes"]["d0"]) == sorted(f"127.0.0.1:{second - 1 + r}" for r in (0, 1)), watch
     assert watch["proxy"]["fault"] is None and watch["proxy"]["what"] == "2 tokens", watch
-    assert set(watch["empty_streaks"]["d0"].values()) == {0} and list(watch["restarted"]) == ["d0 (empty)"], watch
+    assert set(watch["empty_streaks"]["d0"].values()) == {0} and "d0 (empty)" in watch["restarted"], watch
     # item 6: n1's rank printed the Mooncake connector's failure line; n1 counted it and published it
     member = next(m for m in pd.cluster("n0")["members"] if m["name"] == "n1")
     assert any(row[1] == "d0" for row in member.get("kv_transfers") or []), member

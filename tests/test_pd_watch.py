@@ -22,9 +22,12 @@ from nodeagent.cluster.pd_watch import (
     kv_usage,
     merged_transfers,
     proxy_fault,
+    proxy_restart,
     tokens_of,
 )
+from nodeagent.config_model import RestartSpec
 from nodeagent.config_recovery import PdWatchConfig
+from nodeagent.stackport import ComponentView
 
 GROUPS = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", "kind": "prefill", "nodes": ["n1"]},
           {"name": "d0", "kind": "decode", "nodes": ["n2"]}]  # fmt: skip
@@ -56,6 +59,23 @@ def test_the_proxy_is_the_fault_only_when_every_instance_answers() -> None:
                    "(2 decode instances probed): the proxy itself is the fault")
     assert proxy_fault(False, "200 with an empty body", {"a:1": True, "a:2": False}) is None, "a backend explains it"
     assert proxy_fault(False, "no answer", {}) is None, "nothing probed: nothing to compare"
+
+
+def proxy_view(state: str = "ready", *, desired: str = "running", up: bool = True) -> ComponentView:
+    return ComponentView(name="proxy", kind="proxy", state=state, running=state != "stopped", up=up,
+                         ready=state == "ready", desired=desired, deps=(), deps_up=True,
+                         restart=RestartSpec())  # fmt: skip
+
+
+def test_the_proxy_restarts_once_it_was_the_fault_rounds_in_a_row_and_only_while_it_is_up() -> None:
+    assert proxy_restart(2, 2, proxy_view("unhealthy")), "a hung proxy fails its readiness: still restarted"
+    assert proxy_restart(3, 2, proxy_view("ready"))
+    assert not proxy_restart(1, 2, proxy_view()), "one round (a short stall) is not enough"
+    assert not proxy_restart(5, 0, proxy_view()), "proxy_fault_after 0: only said"
+    assert not proxy_restart(2, 2, proxy_view("starting", up=False)), "its restart is under way"
+    assert not proxy_restart(2, 2, proxy_view("stopping")) and not proxy_restart(2, 2, proxy_view("backoff"))
+    assert not proxy_restart(2, 2, proxy_view("stopped", desired="stopped")), "an operator stopped it"
+    assert not proxy_restart(2, 2, None), "no proxy component on this node"
 
 
 def test_kv_pressure_only_while_decode_is_down_one_group_at_a_time() -> None:
@@ -250,39 +270,54 @@ async def test_a_bad_prefill_rank_is_not_blamed_on_the_decoders(world_dp: World,
         assert set(watch.last_probe["d0"].values()) == {"2 tokens"} and max(watch.empties.streak.values()) == 0
 
 
-@pytest.mark.parametrize("backend_ok", [True, False])
-async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault(world_dp: World,
-                                                                           backend_ok: bool) -> None:
+@pytest.mark.parametrize("case", ["backends answer", "a backend fails", "restart off"])
+async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault_and_restarts(world_dp: World,
+                                                                                        case: str) -> None:
     """The 2-token request through the proxy itself: when it comes back empty while every instance's probe of
-    the round answered, status and an event say the proxy is the fault (and no group restarts for it); when an
-    instance fails too, the instance is the explanation."""
+    the round answered, status and an event say the proxy is the fault, and after `proxy_fault_after` rounds in a
+    row the proxy — and no group — restarts, once; when an instance fails too, the instance is the explanation."""
     co = world_dp.agents["n0"].coordinator
     second = co.layout.group("d0").endpoints[1]
     backends = Backends(world_dp.clock)
     backends.proxy_answer = (200, "")
-    if not backend_ok:
+    if case == "a backend fails":
         backends.decode_answers[int(second.rsplit(":", 1)[1])] = (503, "Service Unavailable")
-    watch = PdWatch(co, PdWatchConfig(probe_period_s=10, empty_after=5), lambda: {}, model="dsv4",
-                    clock=world_dp.clock, http=backends)  # fmt: skip
+    settings = PdWatchConfig(probe_period_s=10, empty_after=5, proxy_fault_after=0 if case == "restart off" else 2)
+    watch = PdWatch(co, settings, lambda: {}, model="dsv4", clock=world_dp.clock, http=backends)
     co.spawn(watch.run())
-    await world_dp.advance(25)
+    await world_dp.advance(15)
     proxy = watch.status_section()["pd_watch"]["proxy"]
     assert proxy["ok"] is False and proxy["what"] == "200 with an empty body"
-    faults = [e for e in world_dp.stacks["n0"].events_of("pd_watch") if "the proxy itself is the fault" in
-              e["message"]]  # fmt: skip
-    if backend_ok:
+    n0 = world_dp.stacks["n0"]
+    faults = [e for e in n0.events_of("pd_watch") if "the proxy itself is the fault" in e["message"]]
+    assert n0.started("proxy") == 1, "one round: not yet"
+    await world_dp.advance(10)
+    if case == "backends answer":
         assert proxy["fault"].startswith("the proxy answers 200 with an empty body while every prefill→decode pair "
                                          "answers with tokens (2 decode instances probed)"), proxy
         assert len(faults) == 1 and faults[0]["level"] == "error" and faults[0]["component"] == "proxy", \
             "said once, not every round"
-        backends.proxy_answer = TWO_TOKENS
-        await world_dp.advance(10)
+        assert "(it restarts after 2 such rounds in a row)" in faults[0]["message"]
+        await world_dp.until("the proxy restarted", lambda: n0.started("proxy") == 2, 30)
+        (restart,) = [r for r in n0.restarts if r[0] == "proxy"]
+        assert restart[1].startswith("pd watch: the proxy answers 200 with an empty body") and restart[1].endswith(
+            "2 rounds in a row") and restart[2] is False, restart
+        backends.proxy_answer = TWO_TOKENS  # the new process routes
+        await world_dp.until("the proxy ready", lambda: n0.components["proxy"].ready, 60)
+        await world_dp.advance(20)
         assert watch.status_section()["pd_watch"]["proxy"]["fault"] is None
-        assert "the proxy answers with tokens again (2 tokens)" in [
-            e["message"] for e in world_dp.stacks["n0"].events_of("pd_watch")]
+        messages = [e["message"] for e in n0.events_of("pd_watch")]
+        assert "the proxy answers with tokens again (2 tokens)" in messages
+        assert sum(m.startswith("the proxy restarts: ") for m in messages) == 1, messages
+        assert list(watch.status_section()["pd_watch"]["restarted"]) == ["proxy (hung)"]
+    elif case == "restart off":
+        assert len(faults) == 1 and "(proxy_fault_after 0: not restarted)" in faults[0]["message"]
+        await world_dp.advance(30)
+        assert n0.started("proxy") == 1 and not watch.acted
     else:
         assert proxy["fault"] is None and not faults
-    assert d0_starts(world_dp) == [1, 1] and not watch.acted, "no restart for the proxy's fault"
+        assert n0.started("proxy") == 1 and not watch.acted
+    assert d0_starts(world_dp) == [1, 1], "no group restarts for the proxy's fault"
 
 
 def port_of(world: World, group: str) -> int:

@@ -11,8 +11,9 @@
   healthy). One round of probes per `probe_period_s`, spread evenly over it (never a burst), the prefill side
   turning through every prefill instance: a bad prefill rank then fails a decoder's probe only now and then,
   never in a row. Each round ends with the same 2-token request through the proxy itself; when that fails while
-  every instance's probe of the round passed, the proxy is the fault (said in status and an event; its own
-  probes and restart policy act on it).
+  every instance's probe of the round passed, the proxy is the fault (said in status and an event); after
+  `proxy_fault_after` such rounds in a row the proxy restarts — a hung proxy serves nothing, and its liveness
+  probe (`/healthcheck`, answered without routing anything) is slower to see it or does not see it at all.
 - **prefill holding KV for a dead decoder** (#13240): while a decode group is out of the proxy, prefill's
   `vllm:kv_cache_usage_perc` is read; past the threshold the prefill groups restart one at a time (the next
   only once the previous is back), before they wedge.
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from nodeagent.bindaddr import connect_host, direct_opener
+from nodeagent.errors import UnknownComponentError
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
 from nodeagent.stackport import ReportLayer
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.config_recovery import PdWatchConfig
     from nodeagent.layout import Group
+    from nodeagent.stackport import ComponentView
 
 Http = Callable[[str, str, dict[str, Any] | None, float, Mapping[str, str]], Awaitable[tuple[int, str]]]
 """(method, url, JSON body or None, timeout, headers) → (status, body text); raises OSError when nobody answers."""
@@ -125,6 +128,13 @@ def proxy_fault(proxy_ok: bool, proxy_what: str, instances: Mapping[str, bool]) 
             f"({len(instances)} decode instances probed): the proxy itself is the fault")
 
 
+def proxy_restart(faults: int, after: int, proxy: ComponentView | None) -> bool:
+    """Restart the proxy: it was the fault `after` rounds in a row (0: never) and it is up and meant to run —
+    not while it starts, stops or backs off (its own restart is under way) nor once an operator stopped it."""
+    return (after > 0 and faults >= after and proxy is not None and proxy.running and proxy.up
+            and proxy.desired == "running" and proxy.state in ("running", "ready", "unhealthy"))
+
+
 def kv_usage(metrics_text: str) -> float | None:
     """The highest `vllm:kv_cache_usage_perc` (0..1) of a /metrics page (one series per DP engine)."""
     values = [float(v) for v in _KV_USAGE.findall(metrics_text)]
@@ -200,6 +210,8 @@ class PdWatch(ReportLayer):
         """decode group → instance (host:port) → what its last probe got."""
         self.proxy: dict[str, Any] = {}
         """The last probe through the proxy: ok, what, at, and `fault` when the proxy itself is to blame."""
+        self.proxy_faults = 0
+        """Rounds in a row in which the proxy was the fault."""
         self.rounds = 0
         coordinator.port.attach(self)
 
@@ -314,11 +326,31 @@ class PdWatch(ReportLayer):
             ok, what = False, f"no answer: {exc}"
         fault = proxy_fault(ok, what, instances)
         proxy = self.co.proxies[0].plan.component
+        after = self.settings.proxy_fault_after
         if fault is not None and not self.proxy.get("fault"):
-            self.co.port.emit("pd_watch", fault + " (its own probes and restart policy act on it)", proxy, "error")
+            then = f"it restarts after {after} such rounds in a row" if after else "proxy_fault_after 0: not restarted"
+            self.co.port.emit("pd_watch", f"{fault} ({then})", proxy, "error")
         elif fault is None and self.proxy.get("fault"):
             self.co.port.emit("pd_watch", f"the proxy answers with tokens again ({what})", proxy)
         self.proxy = {"ok": ok, "what": what, "at": round(self.clock.time(), 3), "fault": fault}
+        self.proxy_faults = self.proxy_faults + 1 if fault is not None else 0
+        await self._restart_proxy(proxy, fault)
+
+    async def _restart_proxy(self, proxy: str, fault: str | None) -> None:
+        """The thin action of `proxy_restart`, once per cooldown (as for a group)."""
+        view: ComponentView | None = None
+        with contextlib.suppress(UnknownComponentError):
+            view = self.co.port.component(proxy)
+        if not proxy_restart(self.proxy_faults, self.settings.proxy_fault_after, view):
+            return
+        now = self.clock.monotonic()
+        if now - self.acted.get(("hung", proxy), -RESTART_COOLDOWN_S) < RESTART_COOLDOWN_S:
+            return
+        self.acted[("hung", proxy)] = now
+        reason = f"{fault}, {self.proxy_faults} rounds in a row"
+        self.proxy_faults = 0
+        self.co.port.emit("pd_watch", f"the proxy restarts: {reason}", proxy, "warning", why="hung")
+        self.co.port.restart([proxy], f"pd watch: {reason}", planned=False, cause="probe")
 
     async def watch_kv(self) -> None:
         healthy = self._health()
