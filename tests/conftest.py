@@ -27,6 +27,12 @@ __all__ = ["free_port"]  # imported from here by most tests
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # Run in the background by a non-interactive shell (`scripts/test.sh &`, a CI runner), the suite inherits
+    # SIGINT ignored, and so would every child: the Ctrl-C tests' agents and run-local.sh (bash cannot trap a
+    # signal ignored at its start) would never see theirs. A handled signal is reset to the default at exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_announcements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
