@@ -90,6 +90,36 @@ async def test_a_lost_rank_restarts_its_group_once_after_every_old_rank_stopped(
     assert proxy.calls[mark:] == [("remove", "prefill", p1), ("add", "prefill", p1)], "p1 out, then back in"
 
 
+async def test_a_group_the_busy_proxy_keeps_isolated_is_reported_once_and_returns_when_it_is_idle(
+        make_world: Callable[..., World]) -> None:  # fmt: skip
+    """vllm-ascend's proxy only taints an instance removed under load and ignores an add of it until it is idle
+    at a check: under steady traffic the restarted group is healthy but unused. One warning after 180 s (not
+    one per sync step), and it is back at the proxy's first idle check."""
+    world = await cold(make_world)
+    proxy = world.proxy
+    assert proxy is not None
+    p1 = p1_endpoints(world)
+    await world.until("p1 routed", lambda: p1 <= proxy.serving("prefill") and proxy.calls[-1][0] == "add", 30)
+    proxy.busy = True
+    world.stacks["n3"].crash("vllm")
+    await world.until("p1 tainted", lambda: p1 <= proxy.tainted["prefill"], 10)
+    assert not p1 & proxy.serving("prefill"), "not routed while p0 serves"
+    await world.until("p1 healthy again", lambda: world.agents["n0"].coordinator.proxies[0].health.get("p1", "")
+                      .startswith("healthy; the proxy keeps it isolated"), 120)  # fmt: skip
+    await world.advance(170)
+    assert world.stacks["n0"].events_of("proxy_isolated") == [], "not before 180 s"
+    await world.advance(200)
+    warned = world.stacks["n0"].events_of("proxy_isolated")
+    assert len(warned) == 1 and warned[0]["level"] == "warning", warned
+    assert "group p1 healthy but still not routed after 180s" in warned[0]["message"]
+    assert "restart of the proxy at a quiet moment" in warned[0]["message"]
+    proxy.busy = False
+    proxy.idle()
+    await world.until("p1 back in the proxy", lambda: p1 <= proxy.serving("prefill"), 30)
+    await world.until("and reported back", lambda: world.agents["n0"].coordinator.proxies[0].health["p1"] == "", 10)
+    assert len(world.stacks["n0"].events_of("proxy_isolated")) == 1
+
+
 async def test_the_peers_stop_while_the_crashed_ranks_own_tree_is_still_being_stopped(
         make_world: Callable[..., World]) -> None:  # fmt: skip
     """The crashed rank's node asks the next generation as soon as the failure is known, not once its own stop of

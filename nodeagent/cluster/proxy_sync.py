@@ -39,6 +39,10 @@ RECONCILE_S = 10.0
 """At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
 proxy is noticed without waiting for a group to change."""
 UP = ("running", "ready")
+ISOLATED_WARN_S = 180.0
+"""A healthy group the proxy has kept isolated this long gets one warning: vllm-ascend's proxy deletes an
+instance removed under load only when no request is in flight at its check, and ignores an add of it until then —
+under steady traffic, never (the group stays out, unused)."""
 
 
 def group_healthy(group: Group, members: dict[str, dict[str, Any]], generation: int | None) -> tuple[bool, str]:
@@ -148,6 +152,8 @@ class ProxySync:
         self._reconciled_at = 0.0
         self.health: dict[str, str] = {}
         """group → why it is out of the proxy ("" when in)."""
+        self._isolated_since: dict[str, float | None] = {}
+        """group → since when the proxy keeps it isolated while healthy (None: warned already)."""
         self.isolated: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         """Removed while the proxy was busy: it keeps them listed (and routes to them only when nothing else is
         left) until it is idle once, and ignores an add meanwhile — not routed, whatever its lists say."""
@@ -302,10 +308,13 @@ class ProxySync:
                        "file, never routed together; the proxy deletes them once it is idle)")  # fmt: skip
             elif isolated:
                 now = "healthy; the proxy keeps it isolated until it is idle once, then it is added back"
+                self._warn_isolated(group.name)
             elif routed:  # (no proxy process: nothing to wait for)
                 now = ""
             else:
                 now = "healthy; the proxy activates it once its /v1/models answers"
+            if not (ok and isolated and group.name not in self.fenced):
+                self._isolated_since.pop(group.name, None)
             if self.health.get(group.name) != now:
                 if not now:
                     text = "back in the proxy"
@@ -315,6 +324,16 @@ class ProxySync:
                     text = f"out of the proxy: {now}"
                 self._emit("proxy_backends", f"group {group.name} {text}", self.plan.component)
             self.health[group.name] = now
+
+    def _warn_isolated(self, name: str) -> None:
+        since = self._isolated_since.setdefault(name, self.clock.monotonic())
+        if since is not None and self.clock.monotonic() - since >= ISOLATED_WARN_S:
+            self._isolated_since[name] = None
+            self._emit("proxy_isolated", f"group {name} healthy but still not routed after {ISOLATED_WARN_S:.0f}s: "
+                       "the proxy re-admits an instance removed under load only once no request is in flight at "
+                       "its check (vllm-ascend's proxy); under steady traffic that may be never. A restart of the "
+                       "proxy at a quiet moment lists it again (in-flight requests fail)", self.plan.component,
+                       "warning")  # fmt: skip
 
     async def _post(self, what: str, kind: str, instances: set[str], quiet: bool = False) -> bool:
         body = {"type": kind, "instances": sorted(instances)}
