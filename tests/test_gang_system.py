@@ -234,7 +234,12 @@ def test_a_wiped_etcd_starts_generations_again_without_restarting(cl: ClusterHar
         cl.wait_members(node, set(NODES), timeout=60)
     assert gang(cl, "n2", "p1")["generation"] == 1
     assert pids(cl) == before, "an empty etcd is no reason to restart anything"
-    for node in NODES:  # issue 17: none on the fresh cluster's start, one for the wipe (not one per watch)
+    # issue 17: none on the fresh cluster's start, one for the wipe (not one per watch). A member's lease keeper
+    # can register it again before its coordinator reads the new epoch: wait for the line, then count.
+    for node in NODES:
+        agent = cl.agents[node]
+        wait_for(f"{node} reports the wipe", lambda a=agent: "etcd came back without our keys" in a.log(), 30)
+    for node in NODES:
         assert cl.agents[node].log().count("etcd came back without our keys") == 1, node
 
 

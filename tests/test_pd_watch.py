@@ -6,7 +6,7 @@ while decode is down; KV transfer failures summed per pair from the member recor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,8 @@ class Backends:
         self.bad_prefills: set[int] = set()
         """Prefill ports whose KV handle no decoder can pull: a decoder handed one answers 200 without a body."""
         self.proxy_answer = TWO_TOKENS
+        self.on_proxy: Callable[[], None] | None = None
+        """Called as the proxy is asked (an instance that breaks just then)."""
         self.usage: dict[int, float] = {}
         """prefill port → its `vllm:kv_cache_usage_perc` (default 0.1)."""
         self.calls: list[tuple[str, str]] = []
@@ -135,6 +137,8 @@ class Backends:
             return 200, f'vllm:kv_cache_usage_perc{{engine="0",model_name="dsv4"}} {self.usage.get(port, 0.1)}\n'
         if port == PROXY_PORT:
             assert body is not None and "kv_transfer_params" not in body, "a client's request"
+            if self.on_proxy is not None:
+                self.on_proxy()
             return self.proxy_answer
         if body and body["kv_transfer_params"].get("do_remote_decode"):
             self.prefill_id = headers["X-Request-Id"]
@@ -270,18 +274,22 @@ async def test_a_bad_prefill_rank_is_not_blamed_on_the_decoders(world_dp: World,
         assert set(watch.last_probe["d0"].values()) == {"2 tokens"} and max(watch.empties.streak.values()) == 0
 
 
-@pytest.mark.parametrize("case", ["backends answer", "a backend fails", "restart off"])
+@pytest.mark.parametrize("case", ["backends answer", "a backend fails", "a backend fails after its turn",
+                                  "restart off"])
 async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault_and_restarts(world_dp: World,
                                                                                         case: str) -> None:
     """The 2-token request through the proxy itself: when it comes back empty while every instance's probe of
     the round answered, status and an event say the proxy is the fault, and after `proxy_fault_after` rounds in a
-    row the proxy — and no group — restarts, once; when an instance fails too, the instance is the explanation."""
+    row the proxy — and no group — restarts, once; when an instance fails too, the instance is the explanation,
+    also when it broke after its own probe of the round (asked again before the proxy is blamed)."""
     co = world_dp.agents["n0"].coordinator
     second = co.layout.group("d0").endpoints[1]
     backends = Backends(world_dp.clock)
     backends.proxy_answer = (200, "")
     if case == "a backend fails":
         backends.decode_answers[int(second.rsplit(":", 1)[1])] = (503, "Service Unavailable")
+    elif case == "a backend fails after its turn":
+        backends.on_proxy = lambda: backends.decode_answers.update({int(second.rsplit(":", 1)[1]): (200, "")})
     settings = PdWatchConfig(probe_period_s=10, empty_after=5, proxy_fault_after=0 if case == "restart off" else 2)
     watch = PdWatch(co, settings, lambda: {}, model="dsv4", clock=world_dp.clock, http=backends)
     co.spawn(watch.run())
@@ -317,6 +325,8 @@ async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault_and_
     else:
         assert proxy["fault"] is None and not faults
         assert n0.started("proxy") == 1 and not watch.acted
+        if case == "a backend fails after its turn":
+            assert watch.empties.streak[second] >= 2, "the instance is counted, asked again after the proxy"
     assert d0_starts(world_dp) == [1, 1], "no group restarts for the proxy's fault"
 
 

@@ -281,8 +281,19 @@ class PdWatch(ReportLayer):
             if ok is not None:
                 results[endpoint] = ok
         await self._sleep_until(started + len(targets) * gap)
-        if self.co.proxies:
-            await self.probe_proxy(results)
+        if not self.co.proxies:
+            return
+        ok, what = await self.ask_proxy()
+        if proxy_fault(ok, what, results) is not None:
+            # An instance that failed after its turn in the round (up to a period ago) fails the proxy's request
+            # too: the proxy is blamed only when every instance still answers now.
+            results = {}
+            for k, (group, endpoint) in enumerate(targets):
+                if self._health().get(group, False):
+                    again = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
+                    if again is not None:
+                        results[endpoint] = again
+        await self.judge_proxy(ok, what, results)
 
     async def probe_instance(self, group: str, endpoint: str, prefill: str) -> bool | None:
         """prefill → this decode instance as the proxy routes one request; None when prefill did not answer (its
@@ -315,15 +326,17 @@ class PdWatch(ReportLayer):
                 self.empties.clear(self.groups[group].endpoints)
         return ok
 
-    async def probe_proxy(self, instances: Mapping[str, bool]) -> None:
+    async def ask_proxy(self) -> tuple[bool, str]:
         """The 2-token request through the proxy itself, as a client sends it."""
         try:
             status, body = await self.http("POST", f"{self.co.proxies[0].url}/v1/completions",
                                            completion_request(self.model), self.settings.probe_timeout_s,
                                            {})  # fmt: skip
-            ok, what = tokens_of(status, body)
+            return tokens_of(status, body)
         except (OSError, ValueError) as exc:
-            ok, what = False, f"no answer: {exc}"
+            return False, f"no answer: {exc}"
+
+    async def judge_proxy(self, ok: bool, what: str, instances: Mapping[str, bool]) -> None:
         fault = proxy_fault(ok, what, instances)
         proxy = self.co.proxies[0].plan.component
         after = self.settings.proxy_fault_after
