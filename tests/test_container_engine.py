@@ -44,6 +44,7 @@ from nodeagent.container import (
     run_engine,
 )
 from nodeagent.container_plan import SetupStepFailed, Step
+from nodeagent.render_container import host_facts
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -294,3 +295,42 @@ def test_the_host_sees_a_death_inside_as_fast_as_its_own(section: ContainerConfi
         assert latency < 0.5
     finally:
         client.wait(timeout=10)
+
+
+CRUN = Path(__file__).resolve().parents[1] / ".cache" / "crun" / "crun"
+"""Debian's crun unpacked, not installed (scripts/fetch-crun.sh): podman's default stays runc for the suite."""
+
+
+@pytest.fixture
+def crun_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """podman with the real crun as its default runtime (a containers.conf of this test), as where it is installed."""
+    if not CRUN.is_file():
+        pytest.skip("crun is not fetched: scripts/test.sh fetches it (scripts/fetch-crun.sh)")
+    conf = tmp_path / "containers.conf"
+    conf.write_text(f'[engine]\nruntime = "crun"\n\n[engine.runtimes]\ncrun = ["{CRUN}"]\n')
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    out = subprocess.run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    assert out.stdout.strip() == "crun", out
+    return conf
+
+
+def test_the_agent_predicts_cruns_refusal_and_runs_the_container_with_runc(
+        crun_default: Path, section: ContainerConfig, tmp_path: Path) -> None:  # fmt: skip
+    """The adaptation checked against the real crun, not claimed: crun refuses exactly when the agent says it would
+    (hybrid cgroups whose unified hierarchy has controllers, as on these hosts), and the agent's line runs."""
+    facts = host_facts(section)
+    spec = spec_here(section)
+    ulimits = [w for o in spec.options if o.canonical == "--ulimit" for w in o.words()]
+    plain = subprocess.run(["podman", "run", "--rm", *ulimits, section.image, "true"], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert (plain.returncode != 0) == facts.crun_refuses, (facts, plain.stderr)
+    if facts.crun_refuses:
+        assert "cgroups in hybrid mode not supported" in plain.stderr, plain.stderr
+        assert facts.default_runtime == "crun" and spec.global_args == ("--runtime", "runc"), spec.global_args
+        assert any(n.topic == "runtime" for n in spec.adaptations), "the change is said"
+    _engine, _store, cid = started(section, tmp_path)
+    ran = json.loads(subprocess.run(["podman", "inspect", "--type", "container", cid], capture_output=True,
+                                    text=True, check=True).stdout)[0]  # fmt: skip
+    assert ran["State"]["Running"] and ran["OCIRuntime"] == ("runc" if facts.crun_refuses else "crun")
+    print(f"\ncrun here: {plain.stderr.strip() or 'ran'}; the agent's container runs with {ran['OCIRuntime']}")
