@@ -133,6 +133,18 @@ def test_a_killed_api_server_restarts_the_group_once_after_every_old_process_is_
     one_generation_after(group, gen, before, killed_at, old)
 
 
+def test_a_hung_head_is_found_by_its_liveness_and_its_stopped_tree_is_gone_before_the_relaunch(group: Group) -> None:
+    """SIGSTOP of rank 0's API server (the group's head: a hang, not a death): /health stops answering, liveness
+    fails, one generation; the stopped tree (SIGCONT, then SIGKILL) and rank 1's are gone before either relaunch."""
+    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
+    killed_at = time.monotonic()
+    os.kill(group.main_pid("n0"), signal.SIGSTOP)
+    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 180, 0.5)
+    group.wait_serving()
+    print(f"SIGSTOP of rank 0's API server → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
+    one_generation_after(group, gen, before, killed_at, old)
+
+
 def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank_restarts(group: Group) -> None:
     """kill -9 of rank 0's EngineCore alone (its API server is left to notice), then, while the group
     restarts, kill -9 of n1's agent as its new rank loads, long enough for its member key to expire: the next
