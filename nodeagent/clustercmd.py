@@ -12,6 +12,7 @@ import urllib.parse
 from typing import Any
 
 from nodeagent.cli import http
+from nodeagent.cli.common import pause_line, short_age
 
 REMOTE_TIMEOUT_S = 3.0
 
@@ -34,13 +35,16 @@ def _load(comp: dict[str, Any]) -> str:
     if comp.get("load"):
         return f"({comp['load']})"
     last = comp.get("last_load_s")
-    return f"(load {_age(last)})" if isinstance(last, int | float) else ""
+    return f"(load {short_age(last)})" if isinstance(last, int | float) else ""
 
 
-def _age(seconds: Any) -> str:
-    if not isinstance(seconds, int | float):
+def _generation(member: dict[str, Any]) -> str:
+    """The generation of its group this member runs, as its own record says (`2`, or `3 barrier` while its ranks
+    wait for the group's start barrier): after a gang restart every member of the group shows the same number."""
+    gang = (member.get("gangs") or {}).get(member.get("group"))
+    if not isinstance(gang, dict) or not isinstance(gang.get("generation"), int):
         return "-"
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+    return f"{gang['generation']}{'' if gang.get('released', True) else ' barrier'}"
 
 
 def etcd_line(etcd: dict[str, Any], now: float) -> str:
@@ -48,19 +52,11 @@ def etcd_line(etcd: dict[str, Any], now: float) -> str:
     text = f"etcd {state} ({etcd.get('endpoint')}"
     since = etcd.get("since")
     if isinstance(since, int | float) and state != "unknown":
-        text += f", for {_age(now - since)}"
+        text += f", for {short_age(now - since)}"
     text += ")"
     if state != "reachable" and etcd.get("last_error"):
         text += f": {etcd['last_error']}"
     return text
-
-
-def pause_line(pause: dict[str, Any], now: float) -> str:
-    """`CLUSTER PAUSED by n1: operator 3m ago — switch maintenance (no agent takes automatic actions)`."""
-    at = pause.get("at")
-    when = f" {_age(now - at)} ago" if isinstance(at, int | float) else ""
-    reason = f" — {pause['reason']}" if pause.get("reason") else " — no reason given"
-    return f"CLUSTER PAUSED by {pause.get('by') or '?'}{when}{reason} (no agent takes automatic actions)"
 
 
 def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
@@ -76,17 +72,18 @@ def format_cluster(view: dict[str, Any], now: float | None = None) -> str:
         lines.append(pause_line(pause, now))
     if not view.get("view_complete"):
         lines.append("(etcd not read yet: the member list may be incomplete)")
-    rows = [("NAME", "IP", "ROLE", "GROUP", "RANKS", "VERSION", "COMPONENTS", "AGE", "WARNINGS")]
+    rows = [("NAME", "IP", "ROLE", "GROUP", "GEN", "RANKS", "VERSION", "COMPONENTS", "SEEN", "WARNINGS")]
     for m in view.get("members") or []:
         name = str(m.get("name"))
         if not m.get("present"):
-            comps, age, version = "(no member key)", "-", "-"
+            comps, seen, version, gen = "(no member key)", "-", "-", "-"
         else:
-            comps, age, version = _components(m.get("components")), _age(m.get("age_s")), str(m.get("version"))
+            comps, version, gen = _components(m.get("components")), str(m.get("version")), _generation(m)
+            seen = f"{short_age(m.get('age_s'))} ago"
         if not m.get("listed", True):
             name += " (not in file)"
-        rows.append((name, str(m.get("ip") or "-"), str(m.get("role") or "-"), str(m.get("group") or "-"),
-                     _ranks(m.get("ranks")), version, comps, age, ",".join(codes.get(str(m.get("name")), [])) or "-"))
+        rows.append((name, str(m.get("ip") or "-"), str(m.get("role") or "-"), str(m.get("group") or "-"), gen,
+                     _ranks(m.get("ranks")), version, comps, seen, ",".join(codes.get(str(m.get("name")), [])) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if warnings:
@@ -141,7 +138,7 @@ def remote_status(view: dict[str, Any], name: str) -> tuple[str, dict[str, Any],
 
 def format_member_status(member: dict[str, Any], reason: str) -> str:
     lines = [f"node {member.get('name')} ({member.get('role')}) · {member.get('ip')} · agent {member.get('version')}",
-             f"from its member key in etcd, written {_age(member.get('age_s'))} ago — {reason}", ""]
+             f"from its member key in etcd, written {short_age(member.get('age_s'))} ago — {reason}", ""]
     rows = [("COMPONENT", "STATE", "PID", "READY", "NOTE")]
     for name, c in (member.get("components") or {}).items():
         c = c or {}
@@ -202,7 +199,7 @@ def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> l
     if current is not None and current < len(steps):
         step = steps[current]
         since = step.get("since")
-        age = f" for {_age(now - since)}" if isinstance(since, int | float) and since else ""
+        age = f" for {short_age(now - since)}" if isinstance(since, int | float) and since else ""
         head += f", step {current + 1}/{len(steps)} {', '.join(step['groups'])} {step['phase']}{age}"
     lines = [head, f"  {rollout.get('message', '')}"]
     if rollout.get("status") in ("running", "paused", "rolling_back", "aborting"):

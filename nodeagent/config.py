@@ -106,6 +106,6 @@ def parse_config(text: str, filename: str = "<config>", base_dir: Path | None = 
         raise _cluster_error(filename, tree, exc) from None
 
 
-def load_config(path: str | Path, node: str | None = None) -> Config:
+def load_config(path: str | Path, node: str | None = None, env: typing.Mapping[str, str] | None = None) -> Config:
     path, text = read_config_text(path)
-    return parse_config(text, str(path), base_dir=path.resolve().parent, node=node)
+    return parse_config(text, str(path), base_dir=path.resolve().parent, env=env, node=node)

@@ -93,7 +93,7 @@ def cmd_ports(args: argparse.Namespace) -> int:
 
     config = full_config(args)
     host = Host(root=Path(args.root))
-    report = lint_node(config, host)
+    report = lint_node(config, host, host.our_pids(config.agent.state_dir))  # the running stack's own ports pass
     applied = None
     if args.apply and report.to_reserve:
         try:

@@ -326,6 +326,19 @@ def test_status_wide_shows_note_and_last_exit_whole() -> None:
     assert cut.splitlines()[:2] == wide.splitlines()[:2]
 
 
+def test_status_says_who_paused_which_scope_and_why() -> None:
+    """Under a cluster pause every member's status says so with the reason, as `nodeagentctl cluster` does."""
+    from nodeagent.cli.status import format_status
+
+    base = {"node": {"name": "n2"}, "agent": {}, "components": {}, "paused": True}
+    cluster = {"by": "n0: operator", "at": 1000.0, "reason": "switch maintenance", "scope": "cluster"}
+    assert format_status({**base, "pause": cluster}, now=1180.0).splitlines()[1] == (
+        "CLUSTER PAUSED by n0: operator 3m ago — switch maintenance (no agent takes automatic actions)")
+    node = {"by": "operator", "at": 1170.0, "scope": "node"}
+    assert format_status({**base, "pause": node}, now=1180.0).splitlines()[1] == (
+        "PAUSED by operator 10s ago (no automatic restarts on this node)")
+
+
 def test_status_heads_with_an_isolation_or_a_chip_reset() -> None:
     """The node-wide states of the ladder come first, under the node's line — not only in a component's NOTE."""
     from nodeagent.cli.status import format_status
@@ -414,6 +427,27 @@ def test_the_cluster_table_shows_a_cluster_pause() -> None:
     assert lines[1] == "CLUSTER PAUSED by n1: operator 3m ago — switch maintenance (no agent takes automatic actions)"
     view["coordination"] = {"pause": None}
     assert "PAUSED" not in format_cluster(view, now=1180.0)
+
+
+def test_the_cluster_table_shows_each_members_generation_and_when_its_record_was_written() -> None:
+    from nodeagent.clustercmd import format_cluster
+
+    def member(name: str, group: str, **gang: object) -> dict[str, object]:
+        return {"name": name, "ip": "127.0.0.1", "role": "worker", "group": group, "ranks": {"start": 0, "count": 1},
+                "version": "0.1.0", "present": True, "age_s": 3.2, "gangs": {group: gang} if gang else {},
+                "components": {"vllm": {"state": "ready"}}}
+
+    view = {"cluster": "c", "self": "n0", "view_complete": True, "etcd": {"state": "reachable"},
+            "members": [member("n1", "d0", generation=2, released=True), member("n2", "d0", generation=3,
+                        released=False), member("n3", "p0"), {"name": "n4", "present": False}]}  # fmt: skip
+    lines = format_cluster(view, now=0.0).splitlines()
+    assert lines[1].split() == ["NAME", "IP", "ROLE", "GROUP", "GEN", "RANKS", "VERSION", "COMPONENTS", "SEEN",
+                                "WARNINGS"]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["n1"][3:5] == ["d0", "2"] and rows["n1"][-3:] == ["3s", "ago", "-"]
+    assert rows["n2"][3:6] == ["d0", "3", "barrier"], "its ranks wait at the group's start barrier"
+    assert rows["n3"][3:5] == ["p0", "-"], "no generation published yet"
+    assert "(no member key)" in " ".join(rows["n4"])
 
 
 def test_status_of_a_running_agent_imports_only_what_it_needs(agent: RunningAgent) -> None:

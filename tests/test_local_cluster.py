@@ -67,6 +67,20 @@ def test_run_local_cluster_starts_three_agents_and_stops_them_all(tmp_path: Path
                                          {"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status == 200 and json.load(response)["choices"][0]["text"]
+        # node-local commands with --node: that agent's own config (its ${DSV4_NODE_NAME}, ${DSV4_API_PORT}), not
+        # this shell's defaults (n0's)
+        ports = ctl("--node", "n2", "ports")
+        assert ports.returncode == 0 and "18702-18702" in ports.stdout and "12379" not in ports.stdout, ports
+        assert "FAIL" not in ports.stdout, "its own running stack holds its ports: not a finding"
+        assert ctl("--node", "n2", "pause").returncode == 0
+        assert "PAUSED by " in ctl("--node", "n2", "status").stdout.splitlines()[1]
+        assert ctl("--node", "n2", "resume").returncode == 0
+        assert ctl("--node", "n1", "status").stdout.splitlines()[1] == "", "n1 was never paused"
+        refused = ctl("--node", "n7", "pause")
+        assert refused.returncode == 2 and "unless node 'n7' has its agent on this host" in refused.stderr
+        table = ctl("--node", "n0", "cluster").stdout.splitlines()
+        gens = {ln.split()[0]: ln.split()[4] for ln in table[2:] if ln.startswith("n")}
+        assert gens == {"n0": "1", "n1": "1", "n2": "1"}, table
         text = (tmp_path / "run-local.out").read_text()
         assert "nodeagentctl --node n1 status" in text and "127.0.0.1:18020" in text, "it says how to reach them"
         assert ours(home), "the stack runs"

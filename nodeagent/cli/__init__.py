@@ -54,15 +54,26 @@ def _run(func: str, args: Any) -> int:
     return int(getattr(importlib.import_module(f"nodeagent.cli.{module}"), name)(args))
 
 
+def _runs_here(args: Any) -> bool:
+    """--node NAME with a node-local command (pause, logs, npu, …): fine when NAME's agent runs on this host."""
+    from nodeagent.cli.agentconfig import is_local_node
+
+    try:
+        return is_local_node(args)
+    except CliError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from nodeagent.cli.parser import build_parser, command_word
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
-    if getattr(args, "node", None) and args.command not in NODE_COMMANDS:
-        parser.error(f"--node works with: {', '.join(NODE_COMMANDS)} (not {args.command})")
     try:
+        if getattr(args, "node", None) and args.command not in NODE_COMMANDS and not _runs_here(args):
+            parser.error(f"--node works with: {', '.join(NODE_COMMANDS)} (not {args.command}, unless node "
+                         f"{args.node!r} has its agent on this host)")
         return _run(args.func, args)
     except CliError as exc:
         print(f"nodeagentctl: {exc}", file=sys.stderr)

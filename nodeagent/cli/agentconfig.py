@@ -21,13 +21,14 @@ from nodeagent.cli.common import (
 )
 
 
-def load_full(path: str, node: str | None = None) -> Any:
-    """The validated config (the msgspec models), CliError(78) with file, line and key on error."""
+def load_full(path: str, node: str | None = None, env: dict[str, str] | None = None) -> Any:
+    """The validated config (the msgspec models), CliError(78) with file, line and key on error; `env` for its
+    `${VAR}`s (default: this shell's)."""
     from nodeagent.config import load_config
     from nodeagent.errors import ConfigError
 
     try:
-        return load_config(path, node=node)
+        return load_config(path, node=node, env=env)
     except ConfigError as exc:
         raise CliError(f"config error:\n{exc}", EXIT_CONFIG) from None
 
@@ -92,8 +93,25 @@ def config_path(args: argparse.Namespace) -> str:
     return locate(args)[0]
 
 
+def agent_environment(pid: int) -> dict[str, str] | None:
+    """The environment a running agent was started with (/proc/PID/environ), None when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
 def full_config(args: argparse.Namespace, node: str | None = None) -> Any:
-    return load_full(config_path(args), node)
+    """The config as the command's agent runs it: for a running agent of this host (no `node`, or its own), its
+    `${VAR}`s from that agent's environment, not this shell's — one cluster file serves several local agents,
+    each told its node and ports by variables (scripts/run-local.sh --cluster)."""
+    path, agent = locate(args)
+    if agent is not None and node in (None, agent.node):
+        env = agent_environment(agent.pid)
+        if env is not None:
+            return load_full(path, agent.node, env)
+    return load_full(path, node)
 
 
 def light_config(args: argparse.Namespace) -> LightConfig:

@@ -26,6 +26,25 @@ def error_text(data: Any, status: int) -> str:
     return f"HTTP {status}: {str(data)[:200]}"
 
 
+def short_age(seconds: Any) -> str:
+    """`45s`, `3m`: an age in a table cell or a status line."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def pause_line(pause: dict[str, Any], now: float) -> str:
+    """`CLUSTER PAUSED by n1: operator 3m ago — switch maintenance (no agent takes automatic actions)`; a node's own
+    pause (scope `node`) reads `PAUSED by … (no automatic restarts on this node)`."""
+    at = pause.get("at")
+    when = f" {short_age(now - at)} ago" if isinstance(at, int | float) else ""
+    reason = f" — {pause['reason']}" if pause.get("reason") else ""
+    if pause.get("scope", "cluster") == "cluster":
+        reason = reason or " — no reason given"
+        return f"CLUSTER PAUSED by {pause.get('by') or '?'}{when}{reason} (no agent takes automatic actions)"
+    return f"PAUSED by {pause.get('by') or '?'}{when}{reason} (no automatic restarts on this node)"
+
+
 def human_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -9,7 +9,15 @@ import time
 from typing import Any
 
 from nodeagent.cli.agentconfig import Client, connect
-from nodeagent.cli.common import EXIT_UNKNOWN, EXIT_USAGE, CliError, error_text, human_duration, table
+from nodeagent.cli.common import (
+    EXIT_UNKNOWN,
+    EXIT_USAGE,
+    CliError,
+    error_text,
+    human_duration,
+    pause_line,
+    table,
+)
 from nodeagent.node_alerts import container_line, node_alerts
 
 LAST_EXIT_WIDTH = 48
@@ -88,7 +96,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
             f"{agent.get('version', '?')} pid {agent.get('pid', '?')} up {human_duration(agent.get('uptime_s'))}")
     flags = node_alerts(data)
     if data.get("paused"):
-        flags.append("PAUSED (no automatic restarts)")
+        flags.append(pause_line(data["pause"], now) if data.get("pause") else "PAUSED (no automatic restarts)")
     if data.get("redeploying"):
         flags.append("REDEPLOYING")
     policy = data.get("node_policy") or {}
