@@ -92,11 +92,12 @@ class ContainerSpec:
         return self.cli("events", "--filter", f"container={self.name}", "--format", fmt)
 
     def exec_argv(self, argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None,
-                  unset: Sequence[str] = (), interactive: bool = False) -> tuple[str, ...]:
-        """Run `argv` inside; `env` is set on top of the image's environment, `unset` removed from it."""
+                  unset: Sequence[str] = (), interactive: bool = False, tty: bool = True) -> tuple[str, ...]:
+        """Run `argv` inside; `env` is set on top of the image's environment, `unset` removed from it.
+        `interactive`: this process's stdin goes in (`-i`), with a terminal (`-t`) when `tty`."""
         words: list[str] = ["exec"]
         if interactive:
-            words.append("-it")
+            words.append("-it" if tty else "-i")
         if cwd is not None:
             words += ["-w", str(cwd)]
         for key, value in (env or {}).items():

@@ -213,6 +213,7 @@ def test_exec_and_lifecycle_argv() -> None:
         "podman", "exec", "-w", "/work", "-e", "A=1", "-e", "B=x y", "box",
         "env", "-u", "GOOGLE_LOGTOSTDERR", "--", "vllm", "serve", "m")  # fmt: skip
     assert spec.exec_argv(["bash"], interactive=True) == ("podman", "exec", "-it", "box", "bash")
+    assert spec.exec_argv(["bash"], interactive=True, tty=False) == ("podman", "exec", "-i", "box", "bash")
     assert spec.inspect_argv() == ("podman", "inspect", "--type", "container", "box")
     assert spec.start_argv() == ("podman", "start", "box")
     assert spec.stop_argv(30) == ("podman", "stop", "-t", "30", "box")
@@ -259,4 +260,4 @@ def test_shell_runs_the_command_as_given(tmp_path: Path, words: list[str], insid
     out = subprocess.run([sys.executable, "-m", "nodeagent.cli", "--config", str(cfg), "shell", *words],
                          capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert json.loads(record.read_text()) == ["exec", "box1", *inside]
+    assert json.loads(record.read_text()) == ["exec", "-i", "box1", *inside], "stdin goes in (no terminal: no -t)"

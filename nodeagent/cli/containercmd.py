@@ -66,7 +66,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     words = list(args.shell_command)
     # only the separator goes: `shell -- git diff -- f` runs `git diff -- f`
     command = (words[1:] if words[:1] == ["--"] else words) or ["bash"]
-    argv = spec.exec_argv(command, interactive=sys.stdin.isatty())
+    argv = spec.exec_argv(command, interactive=True, tty=sys.stdin.isatty())  # `echo cmd | … shell` works too
     try:
         os.execvp(argv[0], list(argv))
     except OSError as exc:
