@@ -46,7 +46,7 @@ class Signal:
 RESTART_CAUSES = ("crash", "probe", "launch", "gang", "operator", "reload", "dependency", "redeploy",
                   "npu_reset")
 """What a counted restart was for: a crash of the process, a failed startup/liveness probe, a start that failed,
-the group's gang restart, an operator's restart, a config reload, a dependency's restart, a cluster redeploy, a
-chip reset (or an isolation) of the node's NPUs."""
+the group's gang restart, an operator's restart, a config reload, a dependency's restart, a node or cluster
+redeploy, a chip reset (or an isolation) of the node's NPUs."""
 
 COMMANDS = frozenset({"stop", "restart", "wake", "dep_restart"})

@@ -501,6 +501,8 @@ class Supervisor(NodePort):
         """The guide's recovery: stop all in reverse order, clean all residue, start all in order."""
         self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning")
         await self._cancel_tasks()
+        # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
+        running = {name for name, comp in self.components.items() if comp.proc is not None}
         await self._stop_all_processes(f"node redeploy: {reason}")
         for name in self.order:
             comp = self.components[name]
@@ -511,6 +513,8 @@ class Supervisor(NodePort):
             with contextlib.suppress(StartHeld, LaunchError):
                 await self.cleanup(comp, scope="redeploy", reason=reason)
             self.trackers[name].record_redeploy(self.clock.time())
+            if name in running:
+                comp.count_restart("redeploy")
         self._save_intent()
         self.redeploying = None
         for name in self.order:

@@ -357,6 +357,22 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
         await stop(r)
 
 
+async def test_a_node_redeploy_counts_what_it_stopped_and_not_what_had_died(tmp_path: Path) -> None:
+    """A container's death (or the ladder) redeploys the node: a component it stopped restarts for the redeploy;
+    one that had died already is counted by its own cause only."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    try:
+        a, b = r.sup.components["a"], r.sup.components["b"]
+        await until("both up", lambda: a.up.is_set() and b.up.is_set())
+        r.crash("b")
+        await until("b relaunched", lambda: r.count("b") == 2 and b.up.is_set())
+        assert Supervisor.request_redeploy(r.sup, "container exited with code 137")
+        await until("both relaunched", lambda: r.count("a") == 2 and r.count("b") == 3 and b.up.is_set())
+        assert a.restarts_by_cause == {"redeploy": 1} and b.restarts_by_cause == {"crash": 1, "redeploy": 1}
+    finally:
+        await stop(r)
+
+
 class FakeLayer:
     """A layer above the node (`stackport.NodeLayer`) whose answers the test sets."""
 
