@@ -39,6 +39,7 @@ from nodeagent.render import component_dir, launch_fingerprint, routed_proxy
 from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
 from nodeagent.states import State
+from nodeagent.tree_watch import watch_tree
 from nodeagent.vllm_endpoints import vllm_inflight
 
 if TYPE_CHECKING:
@@ -281,6 +282,15 @@ class Supervisor(NodePort):
                     callback(comp.name, comp.kind, seconds)
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
+        if comp.kind == "vllm" and comp.proc is not None:
+            self._watch_tree(comp, comp.proc)
+
+    def _watch_tree(self, comp: Component, proc: Process) -> None:
+        """vLLM's own processes (`tree_watch`): one that dies while the API server runs is a liveness failure."""
+        gen = comp.gen
+        self._keep(asyncio.ensure_future(watch_tree(
+            proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in (State.RUNNING, State.READY),
+            lambda detail: comp.signal("liveness_failed", gen, detail))))
 
     def _refresh_record(self, comp: Component) -> None:
         """Re-read the cmdline once up: launchers such as the venv's `etcd` wrapper exec the real binary

@@ -145,6 +145,23 @@ def test_a_hung_head_is_found_by_its_liveness_and_its_stopped_tree_is_gone_befor
     one_generation_after(group, gen, before, killed_at, old)
 
 
+def test_a_killed_dp_coordinator_that_vllm_never_notices_restarts_the_group_once(group: Group) -> None:
+    """kill -9 of rank 0's `VLLM::DPCoordinator`: real vLLM notices nothing (both ranks answer /health 200 for
+    90 s and more, measured) although the group can no longer run a wave; the agent watches the rank's vLLM
+    processes (`tree_watch`) — one generation, both ranks restarted once."""
+    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
+    sid = int(group.h.agents["n0"].children()[RANKS["n0"]]["sid"])
+    (coordinator,) = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0] ==
+                      "VLLM::DPCoordinator" and os.getsid(p.pid) == sid]  # fmt: skip
+    killed_at = time.monotonic()
+    os.kill(coordinator, signal.SIGKILL)
+    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 60, 0.5)
+    print(f"kill -9 of the DPCoordinator → generation {gen + 1} after {time.monotonic() - killed_at:.1f}s")
+    group.wait_serving()
+    assert f"VLLM::DPCoordinator (pid {coordinator}) exited" in group.h.agents["n0"].log()
+    one_generation_after(group, gen, before, killed_at, old)
+
+
 def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank_restarts(group: Group) -> None:
     """kill -9 of rank 0's EngineCore alone (its API server is left to notice), then, while the group
     restarts, kill -9 of n1's agent as its new rank loads, long enough for its member key to expire: the next
