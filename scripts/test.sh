@@ -45,8 +45,10 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup "$@"
 fi
 # The real vLLM data-parallel ranks take a core each and time out beside a full worker pool: they run alone, after
-# the rest (a clean-clone run with them in the pool failed their handshakes and slowed a rollout test past 300 s).
+# the rest (a clean-clone run with them in the pool failed their handshakes and slowed a rollout test past 300 s);
+# so does the bench against a real vLLM server.
 rc=0
-.venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup --ignore=tests/test_realdp_system.py || rc=$?
-.venv/bin/pytest -q -p no:cacheprovider tests/test_realdp_system.py || rc=$?
+real=(tests/test_realdp_system.py tests/test_realvllm_bench.py)
+.venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup "${real[@]/#/--ignore=}" || rc=$?
+.venv/bin/pytest -q -p no:cacheprovider "${real[@]}" || rc=$?
 exit "$rc"

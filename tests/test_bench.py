@@ -9,7 +9,6 @@ prefix-cache counters move; the test reads those counters itself, before and aft
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from apihelpers import tiny_config, write_config
@@ -249,29 +247,3 @@ def test_bad_arguments_and_unreachable_metrics(tmp_path: Path) -> None:
     assert run_ctl(config, tmp_path, "--repeat-prefix-ratio", "1.5").returncode == 2
     out = run_ctl(config, tmp_path, "--vllm", str(tmp_path / "no-such-vllm"))
     assert out.returncode == benchcmd.EXIT_NO_VLLM and "no-such-vllm" in out.stderr
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (the real client)")
-def test_against_a_real_vllm(tmp_path: Path) -> None:
-    """Where vLLM is installed: the real `vllm bench serve` against a real `vllm serve` of a small model
-    (DSV4_BENCH_MODEL, a local folder with a tokenizer)."""
-    model = os.environ.get("DSV4_BENCH_MODEL")
-    if not model:
-        pytest.skip("set DSV4_BENCH_MODEL to a small local model folder to serve with the real vLLM")
-    port = free_port()
-    log = open(tmp_path / "vllm.log", "wb")  # noqa: SIM115 - handed to the child
-    server = subprocess.Popen(["vllm", "serve", model, "--port", str(port), "--served-model-name", "m"], stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        wait_for("vllm serve", lambda: counters(port) is not None, 900, interval=1.0)
-        out = subprocess.run([str(BIN / "nodeagentctl"), "bench", *WORK, "--host", "127.0.0.1", "--port", str(port),
-                              "--model", "m", "--tokenizer", model, "--output-dir", str(tmp_path / "out"), "--json"],
-                             capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        report: dict[str, Any] = json.loads(out.stdout)
-        assert report["vllm"]["completed"] == 8 and report["cache"]["local_queries"] > 0
-    finally:
-        for pid in session_pids(server.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        log.close()
