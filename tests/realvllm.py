@@ -58,6 +58,9 @@ CPU_VLLM: dict[str, Any] = {
     # 1 GB of KV cache per rank; one OpenMP thread per rank (two ranks share the machine's 2 cores)
     "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"},
     "stop_grace_s": 10,
+    # one module injects a fault per test, minutes apart: each must be its own single generation, not the group's
+    # backoff (10 s doubling) nor its escalation to a cluster redeploy (5 failures within 15 min)
+    "restart": {"backoff_initial_s": 1, "backoff_max_s": 2, "redeploy_after_failures": 50},
     # a completion fails on this CPU build under DP (fused MoE: NotImplementedError) and kills the whole
     # group, so the ranks are probed with /health alone — never the default canary chat
     "probes": {"startup": {"period_s": 1, "timeout_s": 5, "failure_threshold": 600},

@@ -162,6 +162,23 @@ def test_a_killed_dp_coordinator_that_vllm_never_notices_restarts_the_group_once
     one_generation_after(group, gen, before, killed_at, old)
 
 
+def test_a_stopped_engine_core_is_a_hang_found_by_the_tree_watch(group: Group) -> None:
+    """SIGSTOP of rank 1's `VLLM::EngineCore_DP1` (a hung engine, its API server fine): vLLM's /health stays 200
+    on both ranks; the agent sees the process stopped for 10 s — one generation, the stopped tree gone."""
+    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
+    engine = engine_core(group, "n1")
+    killed_at = time.monotonic()
+    os.kill(engine, signal.SIGSTOP)
+    time.sleep(5)
+    seen = {n: realvllm.health(p) for n, p in group.ports.items()}
+    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 90, 0.5)
+    print(f"SIGSTOP of EngineCore_DP1 (/health 5 s later: {seen}) → generation {gen + 1} after "
+          f"{time.monotonic() - killed_at:.1f}s")
+    group.wait_serving()
+    assert f"VLLM::EngineCore_DP1 (pid {engine}) stopped for" in group.h.agents["n1"].log()
+    one_generation_after(group, gen, before, killed_at, old)
+
+
 def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank_restarts(group: Group) -> None:
     """kill -9 of rank 0's EngineCore alone (its API server is left to notice), then, while the group
     restarts, kill -9 of n1's agent as its new rank loads, long enough for its member key to expire: the next

@@ -12,31 +12,49 @@ import time
 from conftest import wait_for
 
 from nodeagent.process import record_of
-from nodeagent.tree_watch import TreeMembers, loss_detail, vllm_processes, watch_tree
+from nodeagent.tree_watch import STOPPED_AFTER_S, Seen, TreeMembers, problem_detail, vllm_processes, watch_tree
+
+
+def seen(**titles: str) -> dict[tuple[int, float], Seen]:
+    """`p10="VLLM::EngineCore"` → {(10, 1.0): Seen("VLLM::EngineCore")}; a title ending in `!` is stopped."""
+    return {(int(k[1:]), 1.0): Seen(t.rstrip("!"), t.endswith("!"), t == "main") for k, t in titles.items()}
 
 
 def test_a_member_gone_is_named_once_and_new_ones_join() -> None:
     members = TreeMembers()
-    assert members.observe({(10, 1.0): "VLLM::EngineCore_DP0", (11, 1.0): "VLLM::DPCoordinator"}) == []
-    assert members.observe({(10, 1.0): "VLLM::EngineCore_DP0", (12, 2.0): "VLLM::Worker_DP0"}) == [
-        "VLLM::DPCoordinator (pid 11)"]
-    assert members.observe({(10, 1.0): "VLLM::EngineCore_DP0", (12, 2.0): "VLLM::Worker_DP0"}) == []
-    assert members.observe({(10, 9.0): "VLLM::EngineCore_DP0", (12, 2.0): "VLLM::Worker_DP0"}) == [
-        "VLLM::EngineCore_DP0 (pid 10)"], "a reused PID is another process"
-    assert "DPCoordinator (pid 11) exited" in loss_detail(["VLLM::DPCoordinator (pid 11)"])
+    assert members.observe({**seen(p9="main", p10="VLLM::EngineCore_DP0", p11="VLLM::DPCoordinator")}, 0) == []
+    assert members.observe({**seen(p9="main", p10="VLLM::EngineCore_DP0"), (12, 2.0): Seen("VLLM::Worker_DP0")},
+                           2) == ["VLLM::DPCoordinator (pid 11) exited"]  # fmt: skip
+    assert members.observe({**seen(p10="VLLM::EngineCore_DP0"), (12, 2.0): Seen("VLLM::Worker_DP0")}, 4) == [], (
+        "the API server's own exit is the pidfd's")
+    assert members.observe({(10, 9.0): Seen("VLLM::EngineCore_DP0"), (12, 2.0): Seen("VLLM::Worker_DP0")}, 6) == [
+        "VLLM::EngineCore_DP0 (pid 10) exited"], "a reused PID is another process"
+    assert "DPCoordinator (pid 11) exited while" in problem_detail(["VLLM::DPCoordinator (pid 11) exited"])
+
+
+def test_a_process_stopped_long_enough_is_a_problem_and_one_that_resumes_is_not() -> None:
+    members = TreeMembers()
+    assert members.observe(seen(p9="main", p10="VLLM::EngineCore_DP1!"), 0) == []
+    assert members.observe(seen(p9="main", p10="VLLM::EngineCore_DP1!"), STOPPED_AFTER_S - 1) == []
+    assert members.observe(seen(p9="main", p10="VLLM::EngineCore_DP1"), STOPPED_AFTER_S + 1) == [], "it resumed"
+    assert members.observe(seen(p9="main", p10="VLLM::EngineCore_DP1!"), 20) == [], "a new stop counts anew"
+    assert members.observe(seen(p9="main", p10="VLLM::EngineCore_DP1!"), 20 + STOPPED_AFTER_S) == [
+        f"VLLM::EngineCore_DP1 (pid 10) stopped for {STOPPED_AFTER_S:.0f} s"]
+    assert members.observe(seen(p9="main!", p10="VLLM::EngineCore_DP1"), 40) == []
+    assert members.observe(seen(p9="main!", p10="VLLM::EngineCore_DP1"), 52) == ["main (pid 9) stopped for 12 s"]
 
 
 async def test_the_loop_reports_the_first_loss_and_stops_when_the_run_is_no_longer_ours() -> None:
-    seen = [{(1, 1.0): "VLLM::EngineCore", (2, 1.0): "VLLM::DPCoordinator"}, {(1, 1.0): "VLLM::EngineCore"}]
+    views = [seen(p1="VLLM::EngineCore", p2="VLLM::DPCoordinator"), seen(p1="VLLM::EngineCore")]
     losses: list[str] = []
     record = record_of(os.getpid())
     await asyncio.wait_for(watch_tree(record, lambda: True, losses.append, 0.001,
-                                      lambda r: seen[0] if len(seen) == 1 else seen.pop(0)), 5)  # fmt: skip
+                                      lambda r: views[0] if len(views) == 1 else views.pop(0)), 5)  # fmt: skip
     assert len(losses) == 1 and losses[0].startswith("VLLM::DPCoordinator (pid 2) exited")
     losses.clear()
     ours = [True]
 
-    def lister(r: object) -> dict[tuple[int, float], str]:
+    def lister(r: object) -> dict[tuple[int, float], Seen]:
         ours[0] = False  # a stop began: the dying tree is not a failure
         return {}
 
@@ -50,17 +68,24 @@ def test_the_lister_finds_the_titled_processes_of_a_real_tree_and_sees_one_die()
     main = subprocess.Popen(["bash", "-c", script], start_new_session=True)
     try:
         record = record_of(main.pid)
-        found = wait_for("two titled children", lambda: (lambda f: f if len(f) == 2 else None)(
+        found = wait_for("two titled children", lambda: (lambda f: f if len(f) == 3 else None)(
             vllm_processes(record)), 10, 0.05)
-        assert sorted(found.values()) == ["VLLM::DPCoordinator", "VLLM::EngineCore_DP0"], "helper and bash left out"
+        assert sorted(s.title for s in found.values()) == ["API server", "VLLM::DPCoordinator",
+                                                          "VLLM::EngineCore_DP0"], "the helper left out"
         members = TreeMembers()
-        members.observe(found)
-        (coordinator,) = [pid for (pid, _), title in found.items() if title == "VLLM::DPCoordinator"]
-        os.kill(coordinator, signal.SIGKILL)
+        members.observe(found, 0)
+        pids = {s.title: pid for (pid, _), s in found.items()}
+        os.kill(pids["VLLM::EngineCore_DP0"], signal.SIGSTOP)
+        stopped = wait_for("seen stopped", lambda: (lambda f: f if any(s.stopped for s in f.values()) else None)(
+            vllm_processes(record)), 10, 0.05)
+        assert members.observe(stopped, STOPPED_AFTER_S + 1) == [], "the first look starts the clock"
+        assert members.observe(vllm_processes(record), 2 * STOPPED_AFTER_S + 1) == [
+            f"VLLM::EngineCore_DP0 (pid {pids['VLLM::EngineCore_DP0']}) stopped for {STOPPED_AFTER_S + 0:.0f} s"]
+        os.kill(pids["VLLM::DPCoordinator"], signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not (gone := members.observe(vllm_processes(record))) and time.monotonic() < deadline:
+        while not (gone := members.observe(vllm_processes(record), 0)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone == [f"VLLM::DPCoordinator (pid {coordinator})"]
+        assert f"VLLM::DPCoordinator (pid {pids['VLLM::DPCoordinator']}) exited" in gone
     finally:
         os.killpg(main.pid, signal.SIGKILL)
         main.wait(10)
