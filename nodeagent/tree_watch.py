@@ -3,7 +3,8 @@
 Measured with real CPU vLLM 0.32 (a data-parallel group of two ranks, external launch): kill -9 of rank 0's
 `VLLM::DPCoordinator` leaves both ranks answering /health 200 and `/v1/models` for 90 s and more — the group can no
 longer run a wave together, and nothing any probe reads says so. A dead `VLLM::EngineCore` or `VLLM::Worker` is
-seen by vLLM (its API server exits or answers 500) but only after its own timeouts (~40 s for a Worker here).
+seen by vLLM through its own error path (its API server exits or answers 500); a SIGSTOPped EngineCore is not:
+both ranks stay at /health 200.
 
 So once a vLLM is up, the processes of its tree titled `VLLM::…` are its members: one that is gone while the
 main process (the API server) runs is a liveness failure, at once; so is any of them, the API server included,
