@@ -91,103 +91,118 @@ def test_cold_start_through_the_barrier_with_real_ranks(group: Group) -> None:
     assert comps == set(RANKS.values()), comps
 
 
-def engine_core(group: Group, node: str) -> int:
-    """The PID of that rank's `VLLM::EngineCore_DP<r>` (in its session)."""
+def vllm_process(group: Group, node: str, title: str) -> int:
+    """The PID of the process titled `title` (`VLLM::DPCoordinator`) in that rank's session."""
     sid = int(group.h.agents[node].children()[RANKS[node]]["sid"])
-    title = f"VLLM::EngineCore_DP{node[1:]}"
     (pid,) = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0] == title
               and os.getsid(p.pid) == sid]  # fmt: skip
     return pid
+
+
+def engine_core(group: Group, node: str) -> int:
+    return vllm_process(group, node, f"VLLM::EngineCore_DP{node[1:]}")
 
 
 def restarts(group: Group) -> dict[str, int]:
     return {n: group.h.status(n)["components"][c]["restarts"] for n, c in RANKS.items()}
 
 
-def one_generation_after(group: Group, gen: int, before: dict[str, int], killed_at: float,
-                         old: dict[tuple[int, float], Seen]) -> None:  # fmt: skip
-    """Exactly one new generation, acted on once per node, each rank restarted once, and no process of it
-    started on either node before every process of the old trees was gone."""
-    new = assert_no_overlap(group.watch, old, killed_at, group.h.log_tails(40))
-    timeline = f"processes (seconds from the kill):\n{group.watch.timeline(killed_at)}\n{group.h.log_tails(40)}"
-    for node, comp in RANKS.items():
-        g = group.gang(node)
-        assert (g["generation"], g["acted"]) == (gen + 1, gen + 1), f"{node}: {g}\n{timeline}"
-        assert group.h.agents[node].log().count(f"group g generation {gen + 1} (") == 1, "acted on exactly once"
-        assert group.h.status(node)["components"][comp]["restarts"] == before[node] + 1, f"{node}\n{timeline}"
-    mains = [s for s in new.values() if s.gone is None and "--port" in s.name]  # the API servers
-    assert sorted(s.component for s in mains) == sorted(RANKS.values()), f"one API server per rank\n{timeline}"
+@dataclass
+class Fault:
+    """The cluster just before a fault: its processes, the group's generation and each rank's restarts."""
+
+    old: dict[tuple[int, float], Seen]
+    gen: int
+    before: dict[str, int]
+    at: float
+
+    @classmethod
+    def begin(cls, group: Group) -> Fault:
+        return cls(dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group), time.monotonic())
+
+    def wait_generation(self, group: Group, timeout: float) -> None:
+        wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == self.gen + 1 for n in RANKS),
+                 timeout, 0.5)  # fmt: skip
+
+    def took(self) -> str:
+        return f"{time.monotonic() - self.at:.1f}s"
+
+    def one_generation(self, group: Group) -> None:
+        """Exactly one new generation, acted on once per node, each rank restarted once, and no process of it
+        started on either node before every process of the old trees was gone."""
+        new = assert_no_overlap(group.watch, self.old, self.at, group.h.log_tails(40))
+        timeline = f"processes (seconds from the kill):\n{group.watch.timeline(self.at)}\n{group.h.log_tails(40)}"
+        gen = self.gen + 1
+        for node, comp in RANKS.items():
+            g = group.gang(node)
+            assert (g["generation"], g["acted"]) == (gen, gen), f"{node}: {g}\n{timeline}"
+            assert group.h.agents[node].log().count(f"group g generation {gen} (") == 1, "acted on exactly once"
+            assert group.h.status(node)["components"][comp]["restarts"] == self.before[node] + 1, f"{node}\n{timeline}"
+        mains = [s for s in new.values() if s.gone is None and "--port" in s.name]  # the API servers
+        assert sorted(s.component for s in mains) == sorted(RANKS.values()), f"one API server per rank\n{timeline}"
 
 
 def test_a_killed_api_server_restarts_the_group_once_after_every_old_process_is_gone(group: Group) -> None:
     """kill -9 of rank 1's API server: its EngineCore_DP1 and Worker_DP1 run on (re-parented, and the
     EngineCore ignores SIGTERM) while rank 0 still answers /health 200 — both ranks restart, once."""
-    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
-    titles = {s.title for s in old.values() if s.component == RANKS["n1"]}
+    fault = Fault.begin(group)
+    titles = {s.title for s in fault.old.values() if s.component == RANKS["n1"]}
     assert "VLLM::EngineCore_DP1" in titles and any(t.startswith("VLLM::Worker") for t in titles), titles
-    killed_at = time.monotonic()
     os.kill(group.main_pid("n1"), signal.SIGKILL)
-    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 120, 0.5)
+    fault.wait_generation(group, 120)
     group.wait_serving()
-    print(f"kill -9 of rank 1's API server → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
-    one_generation_after(group, gen, before, killed_at, old)
+    print(f"kill -9 of rank 1's API server → both /health 200 again after {fault.took()}")
+    fault.one_generation(group)
 
 
 def test_a_hung_head_is_found_by_its_liveness_and_its_stopped_tree_is_gone_before_the_relaunch(group: Group) -> None:
     """SIGSTOP of rank 0's API server (the group's head: a hang, not a death): /health stops answering, liveness
     fails, one generation; the stopped tree (SIGCONT, then SIGKILL) and rank 1's are gone before either relaunch."""
-    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
-    killed_at = time.monotonic()
+    fault = Fault.begin(group)
     os.kill(group.main_pid("n0"), signal.SIGSTOP)
-    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 180, 0.5)
+    fault.wait_generation(group, 180)
     group.wait_serving()
-    print(f"SIGSTOP of rank 0's API server → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
-    one_generation_after(group, gen, before, killed_at, old)
+    print(f"SIGSTOP of rank 0's API server → both /health 200 again after {fault.took()}")
+    fault.one_generation(group)
 
 
 def test_a_killed_dp_coordinator_that_vllm_never_notices_restarts_the_group_once(group: Group) -> None:
     """kill -9 of rank 0's `VLLM::DPCoordinator`: real vLLM notices nothing (both ranks answer /health 200 for
     90 s and more, measured) although the group can no longer run a wave; the agent watches the rank's vLLM
     processes (`tree_watch`) — one generation, both ranks restarted once."""
-    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
-    sid = int(group.h.agents["n0"].children()[RANKS["n0"]]["sid"])
-    (coordinator,) = [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0] ==
-                      "VLLM::DPCoordinator" and os.getsid(p.pid) == sid]  # fmt: skip
-    killed_at = time.monotonic()
+    coordinator = vllm_process(group, "n0", "VLLM::DPCoordinator")
+    fault = Fault.begin(group)
     os.kill(coordinator, signal.SIGKILL)
-    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 60, 0.5)
-    print(f"kill -9 of the DPCoordinator → generation {gen + 1} after {time.monotonic() - killed_at:.1f}s")
+    fault.wait_generation(group, 60)
+    print(f"kill -9 of the DPCoordinator → generation {fault.gen + 1} after {fault.took()}")
     group.wait_serving()
     assert f"VLLM::DPCoordinator (pid {coordinator}) exited" in group.h.agents["n0"].log()
-    one_generation_after(group, gen, before, killed_at, old)
+    fault.one_generation(group)
 
 
 def test_a_stopped_engine_core_is_a_hang_found_by_the_tree_watch(group: Group) -> None:
     """SIGSTOP of rank 1's `VLLM::EngineCore_DP1` (a hung engine, its API server fine): vLLM's /health stays 200
     on both ranks; the agent sees the process stopped for 10 s — one generation, the stopped tree gone."""
-    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
     engine = engine_core(group, "n1")
-    killed_at = time.monotonic()
+    fault = Fault.begin(group)
     os.kill(engine, signal.SIGSTOP)
     time.sleep(5)
     seen = {n: realvllm.health(p) for n, p in group.ports.items()}
-    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 90, 0.5)
-    print(f"SIGSTOP of EngineCore_DP1 (/health 5 s later: {seen}) → generation {gen + 1} after "
-          f"{time.monotonic() - killed_at:.1f}s")
+    fault.wait_generation(group, 90)
+    print(f"SIGSTOP of EngineCore_DP1 (/health 5 s later: {seen}) → generation {fault.gen + 1} after {fault.took()}")
     group.wait_serving()
     assert f"VLLM::EngineCore_DP1 (pid {engine}) stopped for" in group.h.agents["n1"].log()
-    one_generation_after(group, gen, before, killed_at, old)
+    fault.one_generation(group)
 
 
 def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank_restarts(group: Group) -> None:
     """kill -9 of rank 0's EngineCore alone (its API server is left to notice), then, while the group
     restarts, kill -9 of n1's agent as its new rank loads, long enough for its member key to expire: the next
     agent adopts that rank, and nobody starts another generation."""
-    old, gen, before = dict(group.watch.alive()), group.gang("n0")["generation"], restarts(group)
-    killed_at = time.monotonic()
+    fault = Fault.begin(group)
     old_pid = group.main_pid("n1")
     os.kill(engine_core(group, "n0"), signal.SIGKILL)
-    wait_for("generation +1 on both", lambda: all(group.gang(n)["acted"] == gen + 1 for n in RANKS), 120, 0.5)
+    fault.wait_generation(group, 120)
 
     def loading() -> int | None:
         rec = group.h.agents["n1"].children().get(RANKS["n1"])
@@ -199,7 +214,7 @@ def test_a_killed_engine_core_of_the_survivor_and_an_agent_killed_while_its_rank
     group.h.wait_members("n0", {"n0"}, timeout=30)  # n1's member key is gone too: its rank loads on, unwatched
     group.h.start("n1")
     group.wait_serving()
-    print(f"kill -9 of rank 0's EngineCore → both /health 200 again after {time.monotonic() - killed_at:.1f}s")
+    print(f"kill -9 of rank 0's EngineCore → both /health 200 again after {fault.took()}")
     assert group.main_pid("n1") == pid, "the new agent adopted the loading rank"
     assert f"adopted running pid {pid}" in group.h.agents["n1"].log()
-    one_generation_after(group, gen, before, killed_at, old)
+    fault.one_generation(group)

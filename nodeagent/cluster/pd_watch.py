@@ -270,16 +270,9 @@ class PdWatch(ReportLayer):
         if not prefills or not targets:
             return  # nothing the proxy could route a request through: its sync says why
         started, gap = self.clock.monotonic(), self.settings.probe_period_s / (len(targets) + 1)
-        results: dict[str, bool] = {}
         first = self.rounds
         self.rounds += 1
-        for k, (group, endpoint) in enumerate(targets):
-            await self._sleep_until(started + k * gap)
-            if not self._health().get(group, False):
-                continue  # restarted meanwhile (this round, for another of its instances)
-            ok = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
-            if ok is not None:
-                results[endpoint] = ok
+        results = await self._probe_instances(targets, prefills, first, started, gap)
         await self._sleep_until(started + len(targets) * gap)
         if not self.co.proxies:
             return
@@ -287,13 +280,23 @@ class PdWatch(ReportLayer):
         if proxy_fault(ok, what, results) is not None:
             # An instance that failed after its turn in the round (up to a period ago) fails the proxy's request
             # too: the proxy is blamed only when every instance still answers now.
-            results = {}
-            for k, (group, endpoint) in enumerate(targets):
-                if self._health().get(group, False):
-                    again = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
-                    if again is not None:
-                        results[endpoint] = again
+            results = await self._probe_instances(targets, prefills, first)
         await self.judge_proxy(ok, what, results)
+
+    async def _probe_instances(self, targets: list[tuple[str, str]], prefills: list[str], first: int,
+                               started: float | None = None, gap: float = 0.0) -> dict[str, bool]:
+        """Each (group, endpoint) through a prefill in turn from `first`; spread `gap` apart from `started` when
+        given, else at once. Instances that did not answer through a live prefill are left out."""
+        results: dict[str, bool] = {}
+        for k, (group, endpoint) in enumerate(targets):
+            if started is not None:
+                await self._sleep_until(started + k * gap)
+            if not self._health().get(group, False):
+                continue  # restarted meanwhile (this round, for another of its instances)
+            ok = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
+            if ok is not None:
+                results[endpoint] = ok
+        return results
 
     async def probe_instance(self, group: str, endpoint: str, prefill: str) -> bool | None:
         """prefill → this decode instance as the proxy routes one request; None when prefill did not answer (its

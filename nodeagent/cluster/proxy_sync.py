@@ -308,13 +308,11 @@ class ProxySync:
                        "file, never routed together; the proxy deletes them once it is idle)")  # fmt: skip
             elif isolated:
                 now = "healthy; the proxy keeps it isolated until it is idle once, then it is added back"
-                self._warn_isolated(group.name)
             elif routed:  # (no proxy process: nothing to wait for)
                 now = ""
             else:
                 now = "healthy; the proxy activates it once its /v1/models answers"
-            if not (ok and isolated and group.name not in self.fenced):
-                self._isolated_since.pop(group.name, None)
+            self._track_isolated(group.name, ok and group.name not in self.fenced and isolated)
             if self.health.get(group.name) != now:
                 if not now:
                     text = "back in the proxy"
@@ -325,7 +323,11 @@ class ProxySync:
                 self._emit("proxy_backends", f"group {group.name} {text}", self.plan.component)
             self.health[group.name] = now
 
-    def _warn_isolated(self, name: str) -> None:
+    def _track_isolated(self, name: str, isolated: bool) -> None:
+        """One warning once a healthy group has stayed isolated ISOLATED_WARN_S; forgotten once it is not."""
+        if not isolated:
+            self._isolated_since.pop(name, None)
+            return
         since = self._isolated_since.setdefault(name, self.clock.monotonic())
         if since is not None and self.clock.monotonic() - since >= ISOLATED_WARN_S:
             self._isolated_since[name] = None
