@@ -349,6 +349,9 @@ class Component(FailurePath):
                     self._hold(late)
                     return False
                 self.stopped_cleanly = False
+                # An operator's restart or start queued while it waited (a backoff that ran out as the command came,
+                # the cleanup) is what this launch carries out: left queued, it would kill the new process at once.
+                self._drain_queue({"restart", "wake"})
                 self.proc = await self.host.launch(self)
             except StartHeld as held:
                 await self._wait_out(held)

@@ -119,7 +119,7 @@ class FailurePath:
                     done, _ = await asyncio.wait({getter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     getter.cancel()
-                if sleeper in done:
+                if getter not in done or getter.cancelled():  # a signal that came with the timer is not lost
                     return False
                 sig = getter.result()
                 if sig.kind in ("restart", "wake", "stop"):

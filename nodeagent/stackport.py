@@ -50,6 +50,8 @@ class HoldKind(StrEnum):
     COORDINATION = "coordination"
     """A multi-node group cannot start its ranks while etcd is away (or a generation is being asked for)."""
     GROUP_BACKOFF = "group_backoff"
+    ROLLOUT = "rollout"
+    """An incompatible rollout's step: its ranks wait for the proxy to stop listing their group."""
     BARRIER = "barrier"
     FOREIGN_HOLDER = "foreign_holder"
     """A process that is not ours holds a port or an NPU: the start waits, nothing is signalled."""

@@ -91,6 +91,20 @@ class Rig:
         if self.missing and comp.name == "b":
             raise MissingPrerequisite(self.missing)
 
+    def slow_cleanup(self) -> tuple[asyncio.Event, asyncio.Event]:
+        """b's start cleanup, from now on, sets the first event and waits for the second (a minute's cleanup)."""
+        cleaning, go_on = asyncio.Event(), asyncio.Event()
+        plain = self.prepare
+
+        async def slow_prepare(comp: Any) -> None:
+            if comp.name == "b":
+                cleaning.set()
+                await go_on.wait()
+            await plain(comp)
+
+        self.sup.prepare = slow_prepare  # type: ignore[method-assign]
+        return cleaning, go_on
+
     async def launch(self, comp: Any) -> Process:
         self.launches.append((comp.name, self.clock.now))
         record = ProcessRecord(next(_PIDS), self.clock.now, ("fake", comp.name), 1)
@@ -240,7 +254,9 @@ async def test_a_missing_prerequisite_fails_permanently_without_redeploy(tmp_pat
         assert any("failed: model path /nowhere does not exist; next: retry in 300s" in m for m in r.events("failure"))
         r.missing = None
         r.sup.command("b", "restart")
-        await until("fixed and restarted", lambda: b.up.is_set() and r.count("b") == 2)
+        await until("fixed and restarted", lambda: b.up.is_set() and r.count("b") >= 2)
+        await asyncio.sleep(0.05)
+        assert r.count("b") == 2, "one launch for one restart (the retry's timer ran out as the command came: CI)"
     finally:
         await stop(r)
 
@@ -728,16 +744,7 @@ async def test_a_gate_that_closes_during_the_start_cleanup_holds_the_launch(tmp_
     (CI saw a rank start into the old generation beside its peers in the new one)."""
     r = await rig(tmp_path)
     try:
-        cleaning, closed = asyncio.Event(), asyncio.Event()
-        plain = r.prepare
-
-        async def slow_prepare(comp: Any) -> None:
-            if comp.name == "b":
-                cleaning.set()
-                await closed.wait()
-            await plain(comp)
-
-        r.sup.prepare = slow_prepare  # type: ignore[method-assign]
+        cleaning, closed = r.slow_cleanup()
         hold = Hold(HoldKind.BARRIER, "group g generation 5: waiting at the start barrier")
         gate: list[Hold] = []
 
@@ -760,5 +767,27 @@ async def test_a_gate_that_closes_during_the_start_cleanup_holds_the_launch(tmp_
         r.sup.wake()
         closed.set()
         await until("launched once the barrier released", lambda: r.count("b") == 2)
+    finally:
+        await stop(r)
+
+
+async def test_a_restart_asked_during_the_start_cleanup_is_that_start(tmp_path: Path) -> None:
+    """An operator's restart queued while a start is being prepared (the cleanup can take a minute; a backoff's timer
+    can run out as the command comes) is carried out by the launch that follows: the new process is not killed
+    for it at once (CI saw `stopping pid N: operator restart` a millisecond after `started pid N`)."""
+    r = await rig(tmp_path, "quick_exit_s: 0")
+    try:
+        cleaning, go_on = r.slow_cleanup()
+        r.crash("b")
+        await until("in its start cleanup", cleaning.is_set)
+        r.sup.command("b", "restart")
+        go_on.set()
+        b = r.sup.components["b"]
+        await until("up again", lambda: r.count("b") == 2 and b.up.is_set())
+        await asyncio.sleep(0.05)
+        assert r.count("b") == 2 and b.up.is_set(), "the new process kept"
+        assert not any("operator restart" in m for m in r.events("state")), r.events("state")
+        r.sup.command("b", "restart")  # a restart of a running process still restarts it
+        await until("restarted", lambda: r.count("b") == 3 and b.up.is_set())
     finally:
         await stop(r)

@@ -381,6 +381,26 @@ def routed_files(world: World) -> set[str]:
     return files
 
 
+def connector_change(w: World, also: Callable[[], None] | None = None) -> tuple[str, str, list[Any]]:
+    """An incompatible change (the KV connector's) installed: (old file, new file, the moments the proxy may route
+    a request across the two files, noted at every tick and every change of its lists, with `also`)."""
+    assert w.proxy is not None
+    old = cluster_file_hash(w.stacks["n0"].config)
+    w.install(lambda data: data["cluster"]["pd"].update(use_ascend_direct=False))
+    mixed: list[tuple[float, set[str]]] = []
+
+    def watch(*_: Any) -> None:
+        files = routed_files(w)
+        if len(files) > 1:
+            mixed.append((w.clock.monotonic(), files))
+        if also is not None:
+            also()
+
+    w.clock.on_tick.append(watch)
+    w.proxy.on_change.append(watch)
+    return old, disk_hash(w), mixed
+
+
 async def test_an_incompatible_change_never_routes_old_and_new_groups_together(tmp_path: Path) -> None:
     """Issue 20: "an incompatible prefill↔decode change cannot mix old and new groups". The pair p0 + d0 switches
     first while p1 + d1 serve on the old file; as the pair rejoins, the proxy lets p1 and d1 go and adds the pair
@@ -390,21 +410,13 @@ async def test_an_incompatible_change_never_routes_old_and_new_groups_together(t
     try:
         proxy = w.proxy
         assert proxy is not None
-        old = cluster_file_hash(w.stacks["n0"].config)
-        w.install(lambda data: data["cluster"]["pd"].update(use_ascend_direct=False))
-        new = disk_hash(w)
-        mixed: list[tuple[float, set[str]]] = []
         empty: list[float] = []
 
-        def watch(*_: Any) -> None:
-            files = routed_files(w)
-            if len(files) > 1:
-                mixed.append((w.clock.monotonic(), files))
+        def watch_empty(*_: Any) -> None:
             if not proxy.serving("prefill") or not proxy.serving("decode"):
                 empty.append(w.clock.monotonic())
 
-        w.clock.on_tick.append(watch)
-        proxy.on_change.append(watch)
+        old, new, mixed = connector_change(w, watch_empty)
         refused = await start(w, max_unavailable=2)
         assert not refused["started"] and refused["exclusive"]
         assert any("pass --allow-outage prefill,decode" in r for r in refused["refused"]), refused["refused"]
@@ -441,6 +453,33 @@ async def test_an_incompatible_change_never_routes_old_and_new_groups_together(t
             assert launched(w, node) == [old, new], f"{node}: restarted once, with the new file"
     finally:
         await w.close()
+
+
+async def test_an_incompatible_change_starts_the_only_decoder_only_once_the_proxy_let_it_go(world: World) -> None:
+    """CI's shape: d0 is the only decode group, the proxy is busy when the pair is taken out, so d0 stays listed
+    (tainted, and used: its kind's last). Started on the new file while listed, it would be sent requests prefilled
+    by p1 on the old one. The pair's ranks stop, then wait for the proxy's idle moment before they start."""
+    proxy = world.proxy
+    assert proxy is not None
+    old, new, mixed = connector_change(world)
+    proxy.busy = True  # under load from before the step: removals only taint
+    answer = await start(world, max_unavailable=2, allow_outage=["prefill", "decode"])
+    assert answer["started"], answer["refused"]
+    await world.until("the pair restarting", lambda: record(world).steps[0].phase in ("restarting", "gating"), 120)
+    await world.until("d0's old process stopped", lambda: not world.stacks["n4"].components["vllm"].running, 60)
+    await world.advance(30)
+    d0 = set(world.agents["n0"].coordinator.layout.group("d0").endpoints)
+    assert d0 <= proxy.routed["decode"], "still listed: the proxy was never idle"
+    assert launched(world, "n4") == [old], "d0 waits: not started on the new file while the proxy lists it"
+    held = world.stacks["n4"].components["vllm"].hold
+    assert held is not None and "waiting for the proxy to delete p0, d0" in held.reason, held
+    assert not record(world).steps[0].unlisted
+    proxy.busy = False
+    proxy.idle()  # every request to d0 fails while it is stopped: the proxy's idle moment comes
+    await world.until("d0 started on the new file", lambda: launched(world, "n4") == [old, new], 30)
+    assert record(world).steps[0].unlisted
+    await world.until("the rollout done", lambda: status(world, "n3") == "done", 300)
+    assert not mixed, f"the proxy routed groups of both files at once: {mixed[:3]}"
 
 
 def rr_view(world: World, node: str = "n0") -> dict[str, Any]:

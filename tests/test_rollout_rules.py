@@ -201,6 +201,30 @@ def test_an_exclusive_rollout_keeps_the_files_apart_in_the_proxy() -> None:
     assert rr.held_out(plain) == {} and rr.fence(plain) == {}, "a compatible change mixes freely"
 
 
+def test_an_exclusive_steps_ranks_start_only_once_the_proxy_lists_none_of_its_groups() -> None:
+    """`proxy_wait`: from staging to the gate (the phases in which its ranks start on the other file), until the
+    proxy's agent marks the step unlisted; marked again from scratch when the step turns back."""
+    rec = exclusive_record()
+    assert rr.proxy_wait(rec, "p0", True) is None, "pending: the old processes run on"
+    for phase in rr.RESTARTS:
+        moving = rec.with_step(0, replace(rec.steps[0], phase=phase))
+        why = rr.proxy_wait(moving, "d0", True)
+        assert why is not None and "waiting for the proxy to delete p0, d0" in why, phase
+        assert rr.proxy_wait(moving, "p1", True) is None, "another step's group"
+        assert rr.proxy_wait(moving, "d0", False) is None, "no proxy: nothing routes"
+        assert rr.proxy_wait(replace(moving, exclusive=False), "d0", True) is None, "a compatible change mixes freely"
+        unlisted = rr.mark(moving, 0, "unlisted", "n0")
+        assert unlisted is not None and rr.proxy_wait(unlisted, "d0", True) is None
+        assert rr.mark(unlisted, 0, "unlisted", "n1") is None, "marked once"
+        assert rr.Step.from_dict(unlisted.steps[0].to_dict()) == unlisted.steps[0], "survives etcd"
+    draining = rec.with_step(0, replace(rec.steps[0], phase="draining"))
+    assert rr.mark(draining, 0, "unlisted", "n0") is None, "only while its ranks may start"
+    gating = rr.mark(rec.with_step(0, replace(rec.steps[0], phase="gating")), 0, "unlisted", "n0")
+    assert gating is not None
+    back = rr._fail(gating, 0, gating.steps[0], "the canary failed", 9)
+    assert not back.steps[0].unlisted and rr.proxy_wait(back, "p0", True) is not None, "turned back: asked again"
+
+
 # ---- the state machine ----------------------------------------------------------------------------------------
 
 GROUPS = {"p0": ("prefill", ("n0", "n1")), "p1": ("prefill", ("n2", "n3")), "d0": ("decode", ("n4",))}

@@ -285,7 +285,10 @@ class ProxySync:
             if back and await self._post("add", kind, back):
                 self.applied[kind] |= back
         pending = {k: self.applied[k] - (self.active or {}).get(k, set()) for k in self.applied}
-        due = self.clock.monotonic() - self._reconciled_at >= (FENCE_POLL_S if self.fenced else RECONCILE_S)
+        # Fenced, or an instance removed under load: when the proxy deletes it matters (a fence, a rollout step's
+        # ranks waiting to start: `rollout_rules.proxy_wait`), and only its answers say.
+        every = FENCE_POLL_S if self.fenced else PERIOD_S if any(self.isolated.values()) else RECONCILE_S
+        due = self.clock.monotonic() - self._reconciled_at >= every
         if any(pending.values()) or due:
             # An added instance waits for the proxy's own activation check (its /v1/models); one that failed
             # that check too often is dropped by the proxy. Re-adding is idempotent and answers what it routes to.

@@ -225,6 +225,9 @@ class RolloutExecutor:
         self.bake.keep_only(record.id)
         if step.phase in ("restarting", "gating") and self.group is not None and self.group.name in step.groups:
             await self._recreate_container(record, i, step)
+        if (record.exclusive and step.phase in rr.RESTARTS and self.co.proxies and not step.unlisted
+                and all(self._proxy_unlisted(p, step) for p in self.co.proxies)):  # fmt: skip
+            await self._mark(i, "unlisted")
         if step.phase == "draining":
             for g in step.groups:  # the old processes' record, before the restart: the bake's baseline
                 group = self.layout.group(g)
@@ -270,6 +273,13 @@ class RolloutExecutor:
         if proxy.applied is None:
             return True  # no proxy process: nothing routes to them
         return all(not set(self.layout.group(g).endpoints) & proxy.applied.get(self.layout.group(g).kind, set())
+                   for g in step.groups)  # fmt: skip
+
+    def _proxy_unlisted(self, proxy: Any, step: rr.Step) -> bool:
+        """The proxy lists none of the step's groups, as its last answer said (None: no proxy process)."""
+        if proxy.active is None:
+            return True
+        return all(not set(self.layout.group(g).endpoints) & proxy.active.get(self.layout.group(g).kind, set())
                    for g in step.groups)  # fmt: skip
 
     async def _drained(self, step: rr.Step) -> bool:
@@ -484,21 +494,23 @@ class RolloutExecutor:
 
     # ---- NodeLayer ---------------------------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
-        """A rank of a step that changes the container's image starts only in the new container."""
+        """A rank of a step that changes the container's image starts only in the new container; in an
+        incompatible change, only once the proxy lists its group no more (`rollout_rules.proxy_wait`)."""
         record, group = self.record, self.group
         if record is None or group is None or comp.name not in group.components(self.node):
             return None
         i = record.current()
         step = record.steps[i] if i is not None else None
-        if step is None or group.name not in step.groups or step.phase not in ("staging", "restarting", "gating"):
+        if step is None or group.name not in step.groups or step.phase not in rr.RESTARTS:
             return None
         if step.phase == "staging" and self.node not in step.staged:
             return None
         pending = self.host.container_pending()
-        if pending is None:
-            return None
-        return Hold(HoldKind.CONTAINER, f"rollout {record.id} step {i + 1}: the container is recreated first "
-                    f"({pending} changed), after the step's generation stopped the ranks")  # fmt: skip
+        if pending is not None:
+            return Hold(HoldKind.CONTAINER, f"rollout {record.id} step {i + 1}: the container is recreated first "
+                        f"({pending} changed), after the step's generation stopped the ranks")  # fmt: skip
+        wait = rr.proxy_wait(record, group.name, bool(self.layout.proxies))
+        return Hold(HoldKind.ROLLOUT, wait) if wait is not None else None
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         return None

@@ -27,6 +27,8 @@ from nodeagent.cluster.rollout_plan import Options, Plan
 PHASES = ("pending", "draining", "staging", "restarting", "gating", "rejoining", "baking", "done")
 ENDED = ("done", "rolled_back", "skipped")
 OUT_OF_PROXY = ("draining", "staging", "restarting", "gating")
+RESTARTS = ("staging", "restarting", "gating")
+"""The phases in which a step's ranks may start on the file it takes them to."""
 MOVING = ("running", "rolling_back")
 """Statuses in which the next step may start."""
 FINAL = ("done", "rolled_back", "halted", "aborted", "failed")
@@ -75,6 +77,9 @@ class Step:
     outage: tuple[str, ...] = ()
     expected_outage_s: float | None = None
     note: str = ""
+    unlisted: bool = False
+    """An exclusive rollout's step: the proxy lists none of its groups any more (deleted, not only told to):
+    their ranks may start on the other file (`proxy_wait`)."""
 
     @property
     def in_progress(self) -> bool:
@@ -88,7 +93,7 @@ class Step:
                 "canary": dict(self.canary), "bake": dict(self.bake), "proxy_out": self.proxy_out,
                 "proxy_in": self.proxy_in, "base": dict(self.base),
                 "outage": list(self.outage), "expected_outage_s": self.expected_outage_s,
-                "note": self.note}  # fmt: skip
+                "note": self.note, "unlisted": self.unlisted}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Step:
@@ -98,7 +103,7 @@ class Step:
                    tuple(d.get("staged", ())), dict(d.get("stage_errors") or {}), dict(d.get("canary") or {}),
                    dict(d.get("bake") or {}), bool(d.get("proxy_out")), bool(d.get("proxy_in")),
                    {k: int(v) for k, v in (d.get("base") or {}).items()}, tuple(d.get("outage", ())),
-                   d.get("expected_outage_s"), str(d.get("note", "")))  # fmt: skip
+                   d.get("expected_outage_s"), str(d.get("note", "")), bool(d.get("unlisted")))  # fmt: skip
 
     def nodes(self, group_nodes: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
         return tuple(n for g in self.groups for n in group_nodes.get(g, ()))
@@ -257,7 +262,7 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
         return record.with_step(i, replace(step, failed=step.failed or why)).say(
             now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
     back = _enter(step, "staging", now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
-                  staged=(), stage_errors={}, canary={}, bake={}, proxy_in=False, base={})  # fmt: skip
+                  staged=(), stage_errors={}, canary={}, bake={}, proxy_in=False, base={}, unlisted=False)  # fmt: skip
     return record.with_step(i, back).say(now, f"step {i + 1} ({names}) failed: {why}; rolling {names} back to the "
                                               "previous config, then halting")  # fmt: skip
 
@@ -435,9 +440,10 @@ def ready_again(step: Step, obs: Observed, group: str) -> bool:
 def mark(record: Record, index: int, what: str, node: str, value: str = "") -> Record | None:
     """The record with this agent's observation added (None: already there, or the step moved on)."""
     step = record.steps[index]
-    phase_of = {"drained": "draining", "proxy_out": "draining", "staged": "staging", "stage_error": "staging",
-                "canary": "gating", "proxy_in": "rejoining", "bake": "baking"}  # fmt: skip
-    if step.phase != phase_of[what]:
+    phase_of = {"drained": ("draining",), "proxy_out": ("draining",), "staged": ("staging",),
+                "stage_error": ("staging",), "canary": ("gating",), "proxy_in": ("rejoining",), "bake": ("baking",),
+                "unlisted": RESTARTS}  # fmt: skip
+    if step.phase not in phase_of[what]:
         return None
     if what == "drained":
         new = replace(step, drained=(*step.drained, node)) if node not in step.drained else None
@@ -451,6 +457,8 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "") -> R
         new = replace(step, bake={**step.bake, node: value}) if node not in step.bake else None
     elif what == "proxy_out":
         new = replace(step, proxy_out=True) if not step.proxy_out else None
+    elif what == "unlisted":
+        new = replace(step, unlisted=True) if not step.unlisted else None
     else:
         new = replace(step, proxy_in=True) if not step.proxy_in else None
     return record.with_step(index, new) if new is not None else None
@@ -487,7 +495,7 @@ def group_files(record: Record) -> dict[str, frozenset[str]]:
         for g in s.groups:
             if s.phase in ("pending", "draining", "skipped"):
                 out.setdefault(g, frozenset((s.from_hash,)))
-            elif s.phase in ("staging", "restarting", "gating"):
+            elif s.phase in RESTARTS:
                 out[g] = frozenset((s.from_hash, s.to_hash))
             else:
                 out[g] = frozenset((s.to_hash,))
@@ -512,6 +520,24 @@ def fence(record: Record | None) -> dict[str, tuple[str, ...]]:
     serving, files = serving_hash(record), group_files(record)
     others = tuple(sorted(g for g, f in files.items() if f != {serving}))
     return {g: others for g, f in files.items() if f == {serving}} if others else {}
+
+
+def proxy_wait(record: Record | None, group: str, proxied: bool) -> str | None:
+    """Why a rank of `group` must not start yet (None: it may). In an exclusive rollout a step's ranks start on the
+    other file only once the proxy lists none of the step's groups (`Step.unlisted`): vllm-ascend's proxy keeps an
+    instance removed under load (routing to it when it is its kind's last) until it is idle once, so a group
+    started while still listed is sent requests prefilled on the old file (CI: the only decode group, back fast,
+    got the old prefill group's requests). While its ranks are stopped every request to it fails at once, and the
+    proxy's idle moment comes. `proxied`: the cluster runs a proxy (else nothing routes)."""
+    if record is None or not record.exclusive or not proxied or not record.active:
+        return None
+    i = record.current()
+    step = record.steps[i] if i is not None else None
+    if step is None or group not in step.groups or step.phase not in RESTARTS or step.unlisted:
+        return None
+    return (f"rollout {record.id} step {i + 1}: waiting for the proxy to delete {', '.join(step.groups)} (it does "
+            "once no request is in flight): started while it still lists them, the old file's groups would send "
+            "them requests (an incompatible change)")
 
 
 def _mixed_after_abort(record: Record) -> list[str]:
@@ -553,7 +579,7 @@ def control(record: Record, action: str, now: float, by: str) -> Record:
         if record.status == "halted":
             steps = tuple(replace(s, phase="pending", failed="", from_hash=s.to_hash, to_hash=s.from_hash,
                                   since=now, drained=(), staged=(), stage_errors={}, canary={}, bake={},
-                                  proxy_out=False, proxy_in=False, base={}, finished=None)
+                                  proxy_out=False, proxy_in=False, base={}, finished=None, unlisted=False)
                           if s.phase == "rolled_back" else s
                           for s in record.steps)  # fmt: skip
             return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed", "running")
