@@ -265,7 +265,13 @@ class RecordStore:
 async def _create(engine: ContainerEngine) -> None:
     """The run line; when the runtime fails it (exit 126/127), the container is left `created` under our name and
     would be adopted next time as one we did not make, never recreated: remove it. A never-started container has
-    no process, so nothing is signalled even were it another's."""
+    no process, so nothing is signalled even were it another's.
+
+    A bind mount's source must exist: the guide's shared folders this host lacks are made first, before every run
+    line (docker would create them; podman refuses the line — `statfs /data: no such file or directory`)."""
+    for folder in engine.spec.create_on_host:
+        with contextlib.suppress(OSError):
+            Path(folder).mkdir(parents=True, exist_ok=True)
     try:
         await engine.create()
     except EngineError:

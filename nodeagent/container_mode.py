@@ -245,9 +245,9 @@ class ContainerMode:
         for note in (*self.spec.adaptations, *self.spec.problems):
             self.sup.events.emit("container_adapted", f"container {self.spec.name}: {note.text}", None,
                                  "error" if note in self.spec.problems else "info")  # fmt: skip
-        # a bind mount's source must exist before the run line: the agent's folders, and the guide's shared folders
-        # this host lacks (docker would create them; podman refuses the line)
-        for folder in (*shared_folders(self.sup.config), *map(Path, self.spec.create_on_host)):
+        # a bind mount's source must exist before the run line: the agent's folders (the guide's shared folders
+        # this host lacks are made before each run line: `container._create`)
+        for folder in shared_folders(self.sup.config):
             with contextlib.suppress(OSError):
                 folder.mkdir(parents=True, exist_ok=True)
         self._task = asyncio.create_task(self._run(), name="container")

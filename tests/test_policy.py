@@ -250,7 +250,7 @@ def test_the_hold_order_is_the_documented_one() -> None:
     assert [str(k) for k in HOLD_ORDER] == [
         "desired_stopped", "node_pause", "cluster_pause", "etcd_unreachable", "node_redeploy", "dependency",
         "container", "cluster_redeploy", "isolated", "npu_reset", "memory_headroom", "preflight", "npu_fault",
-        "coordination", "group_backoff", "barrier", "foreign_holder"]
+        "coordination", "group_backoff", "rollout", "barrier", "foreign_holder"]
     pause = Hold(HoldKind.CLUSTER_PAUSE, "cluster paused by n1", operator_passes=True, resolves_itself=False)
     assert pause.is_pause and not Hold(HoldKind.BARRIER, "paused-looking text").is_pause, "kinds, never texts"
     assert min([Hold(HoldKind.BARRIER, "b"), Hold(HoldKind.PREFLIGHT, "p")],

@@ -290,7 +290,7 @@ async def test_a_busy_proxy_keeps_a_group_isolated_and_the_next_step_waits(world
 async def test_a_report_lost_with_its_lease_is_written_again(world: World) -> None:
     """Reports live on the member's lease; a long stall can lose it (found by the simulation at N = 256, where
     steps waited for reports that were gone)."""
-    from nodeagent.cluster.rollout_rules import report_prefix
+    from nodeagent.cluster.rollout_record import report_prefix
 
     key = report_prefix(world.harness.cluster_name) + "n2"
     await world.until("n2's report", lambda: "n2" in world.agents["n0"].rollout.reports)

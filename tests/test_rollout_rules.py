@@ -13,6 +13,7 @@ from cluster_harness import ClusterHarness
 
 from nodeagent.cluster import rollout_rules as rr
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.cluster.rollout_record import RESTARTS, Record, Step, new_record
 from nodeagent.cluster.rollout_view import time_left
 from nodeagent.config import load_config
 from nodeagent.config_cluster import cluster_file_hash
@@ -163,13 +164,13 @@ def test_an_incompatible_change_behind_the_proxy_states_the_switch_and_needs_the
                                                  "group)")  # fmt: skip
     assert rest.note == ("the rest at once, out of the proxy since the switch: p0, d0 serve alone meanwhile (their "
                          "load ~30 min, then the bake)")  # fmt: skip
-    assert rr.new_record("r1", "op", 0.0, allowed).exclusive
+    assert new_record("r1", "op", 0.0, allowed).exclusive
 
 
-def exclusive_record() -> rr.Record:
+def exclusive_record() -> Record:
     opts = Options.from_dict({"bake_s": 60, "drain_timeout_s": 30, "gate_timeout_s": 600, "max_unavailable": 2})
-    return rr.Record("r1", "n0", 0.0, "old", "new", opts, (rr.Step(("p0", "d0"), ("prefill", "decode"), "old", "new"),
-                                                          rr.Step(("p1", "d1"), ("prefill", "decode"), "old", "new")),
+    return Record("r1", "n0", 0.0, "old", "new", opts, (Step(("p0", "d0"), ("prefill", "decode"), "old", "new"),
+                                                          Step(("p1", "d1"), ("prefill", "decode"), "old", "new")),
                      exclusive=True)  # fmt: skip
 
 
@@ -186,7 +187,7 @@ def test_an_exclusive_rollout_keeps_the_files_apart_in_the_proxy() -> None:
     held = rr.held_out(switched)
     assert set(held) == {"p1", "d1"} and "runs old while the proxy routes new" in held["p1"]
     assert rr.fence(switched) == {"p0": ("d1", "p1"), "d0": ("d1", "p1")}
-    assert rr.Record.from_dict(switched.to_dict()) == switched, "exclusive survives etcd"
+    assert Record.from_dict(switched.to_dict()) == switched, "exclusive survives etcd"
     with pytest.raises(ValueError, match=r"would leave d1, p1 on the other file"):
         rr.control(switched, "abort", 5, "op")
     assert rr.control(staging, "pause", 5, "op").status == "paused"
@@ -206,7 +207,7 @@ def test_an_exclusive_steps_ranks_start_only_once_the_proxy_lists_none_of_its_gr
     proxy's agent marks the step unlisted; marked again from scratch when the step turns back."""
     rec = exclusive_record()
     assert rr.proxy_wait(rec, "p0", True) is None, "pending: the old processes run on"
-    for phase in rr.RESTARTS:
+    for phase in RESTARTS:
         moving = rec.with_step(0, replace(rec.steps[0], phase=phase))
         why = rr.proxy_wait(moving, "d0", True)
         assert why is not None and "waiting for the proxy to delete p0, d0" in why, phase
@@ -216,7 +217,7 @@ def test_an_exclusive_steps_ranks_start_only_once_the_proxy_lists_none_of_its_gr
         unlisted = rr.mark(moving, 0, "unlisted", "n0")
         assert unlisted is not None and rr.proxy_wait(unlisted, "d0", True) is None
         assert rr.mark(unlisted, 0, "unlisted", "n1") is None, "marked once"
-        assert rr.Step.from_dict(unlisted.steps[0].to_dict()) == unlisted.steps[0], "survives etcd"
+        assert Step.from_dict(unlisted.steps[0].to_dict()) == unlisted.steps[0], "survives etcd"
     draining = rec.with_step(0, replace(rec.steps[0], phase="draining"))
     assert rr.mark(draining, 0, "unlisted", "n0") is None, "only while its ranks may start"
     gating = rr.mark(rec.with_step(0, replace(rec.steps[0], phase="gating")), 0, "unlisted", "n0")
@@ -240,18 +241,18 @@ def observed(now: float, gens: dict[str, int], healthy: dict[str, bool] | None =
     return rr.Observed(now, groups, reports, proxy)
 
 
-def record(*steps: tuple[str, ...], **options: Any) -> rr.Record:
+def record(*steps: tuple[str, ...], **options: Any) -> Record:
     opts = Options.from_dict({"bake_s": 60, "drain_timeout_s": 30, "gate_timeout_s": 600, **options})
-    return rr.Record("r1", "n0", 0.0, "old", "new", opts, tuple(rr.Step(s, ("prefill",), "old", "new") for s in steps))
+    return Record("r1", "n0", 0.0, "old", "new", opts, tuple(Step(s, ("prefill",), "old", "new") for s in steps))
 
 
-def move(rec: rr.Record, obs: rr.Observed) -> tuple[rr.Record, list[rr.Ask]]:
+def move(rec: Record, obs: rr.Observed) -> tuple[Record, list[rr.Ask]]:
     out = rr.advance(rec, obs)
     assert out is not None, f"nothing moved from {rec.steps[rec.current() or 0].phase}: {rec.message}"
     return out
 
 
-def marked(rec: rr.Record, what: str, *nodes: str, value: str = "") -> rr.Record:
+def marked(rec: Record, what: str, *nodes: str, value: str = "") -> Record:
     for node in nodes:
         new = rr.mark(rec, rec.current() or 0, what, node, value)
         assert new is not None
@@ -385,9 +386,9 @@ def test_time_left_from_load_times_then_from_steps_done() -> None:
     rec = record(("p0",), ("p1",))
     assert time_left(rec, {}, 0) is None
     assert time_left(rec, {"p0": 100.0, "p1": 200.0}, 0) == 100 + 60 + 200 + 60
-    done = rec.with_step(0, rr.Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
+    done = rec.with_step(0, Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
     assert time_left(done, {}, 600) == 500
-    assert rr.Record.from_dict(done.to_dict()) == done, "the record survives etcd"
+    assert Record.from_dict(done.to_dict()) == done, "the record survives etcd"
 
 
 def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None:

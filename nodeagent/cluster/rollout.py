@@ -33,6 +33,7 @@ from nodeagent.cluster.rollout_bake import BakeWatch, Scrape
 from nodeagent.cluster.rollout_config import ConfigHost, MemberConfig
 from nodeagent.cluster.rollout_http import http_canary, http_inflight, http_scrape
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
+from nodeagent.cluster.rollout_record import RESTARTS, Record, Step, new_record, report_prefix, rollout_key
 from nodeagent.cluster.rollout_view import floor_text, group_load_s, serving_now, time_left
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
@@ -75,13 +76,13 @@ class RolloutExecutor:
         self.cluster = coordinator.cluster
         self.layout = coordinator.layout
         self.group = self.layout.group_of(self.node)
-        self.key = rr.rollout_key(self.cluster)
-        self.report_key = rr.report_prefix(self.cluster) + self.node
+        self.key = rollout_key(self.cluster)
+        self.report_key = report_prefix(self.cluster) + self.node
         self._inflight = inflight or http_inflight
         self._canary = canary or http_canary
         self.bake = BakeWatch(scrape or http_scrape)
         self._recreated: set[tuple[str, int, str]] = set()
-        self.record: rr.Record | None = None
+        self.record: Record | None = None
         self.synced = False
         """The record was read once: until then the proxy is told nothing (a group held out must stay out)."""
         self.mod_revision = 0
@@ -105,7 +106,7 @@ class RolloutExecutor:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
-        for key, apply in ((self.key, self._on_record), (rr.report_prefix(self.cluster), self._on_report)):
+        for key, apply in ((self.key, self._on_record), (report_prefix(self.cluster), self._on_report)):
             self.tasks.start(follow(self.store, key, functools.partial(self._on_watch, key, apply), clock=self.clock,
                                     retry_s=ACTIVE_TICK_S, what="rollout"), f"rollout:watch:{key}")  # fmt: skip
         self.tasks.start(self._work(), "rollout:work")
@@ -132,7 +133,7 @@ class RolloutExecutor:
     def _on_record(self, key: str, kv: KV | None) -> None:
         if key != self.key:
             return
-        record = rr.Record.from_dict(kv.json()) if kv is not None else None
+        record = Record.from_dict(kv.json()) if kv is not None else None
         if kv is None or kv.mod_revision != self.mod_revision:
             self.changed_at = self.clock.monotonic()
         self.record, self.mod_revision = record, kv.mod_revision if kv is not None else 0
@@ -164,7 +165,7 @@ class RolloutExecutor:
                 logger.exception("rollout: step failed")
                 await self.clock.sleep(ACTIVE_TICK_S)
 
-    async def _cas(self, record: rr.Record) -> bool:
+    async def _cas(self, record: Record) -> bool:
         result = await self.store.compare_and_swap(self.key, self.mod_revision, json.dumps(record.to_dict()))
         if result.succeeded:
             self.record, self.mod_revision, self.changed_at = record, result.revision, self.clock.monotonic()
@@ -225,7 +226,7 @@ class RolloutExecutor:
         self.bake.keep_only(record.id)
         if step.phase in ("restarting", "gating") and self.group is not None and self.group.name in step.groups:
             await self._recreate_container(record, i, step)
-        if (record.exclusive and step.phase in rr.RESTARTS and self.co.proxies and not step.unlisted
+        if (record.exclusive and step.phase in RESTARTS and self.co.proxies and not step.unlisted
                 and all(self._proxy_unlisted(p, step) for p in self.co.proxies)):  # fmt: skip
             await self._mark(i, "unlisted")
         if step.phase == "draining":
@@ -268,21 +269,21 @@ class RolloutExecutor:
         if new is not None:
             await self._cas(new)
 
-    def _proxy_out(self, proxy: Any, step: rr.Step) -> bool:
+    def _proxy_out(self, proxy: Any, step: Step) -> bool:
         """The proxy was told to stop routing to the step's groups (it deletes them once idle: not waited for)."""
         if proxy.applied is None:
             return True  # no proxy process: nothing routes to them
         return all(not set(self.layout.group(g).endpoints) & proxy.applied.get(self.layout.group(g).kind, set())
                    for g in step.groups)  # fmt: skip
 
-    def _proxy_unlisted(self, proxy: Any, step: rr.Step) -> bool:
+    def _proxy_unlisted(self, proxy: Any, step: Step) -> bool:
         """The proxy lists none of the step's groups, as its last answer said (None: no proxy process)."""
         if proxy.active is None:
             return True
         return all(not set(self.layout.group(g).endpoints) & proxy.active.get(self.layout.group(g).kind, set())
                    for g in step.groups)  # fmt: skip
 
-    async def _drained(self, step: rr.Step) -> bool:
+    async def _drained(self, step: Step) -> bool:
         """No request running or waiting on this node's serving ranks of the step, twice DRAIN_QUIET_S apart."""
         here = self.port.snapshot().components
         busy = 0
@@ -302,7 +303,7 @@ class RolloutExecutor:
             self.wake()
         return now - self._quiet_since >= DRAIN_QUIET_S
 
-    async def _stage(self, index: int, step: rr.Step) -> None:
+    async def _stage(self, index: int, step: Step) -> None:
         running = self.host.running_config()
         if self._hash(running) == step.from_hash and not step.failed and not step.rollback:
             self.member.save_previous(running)
@@ -320,7 +321,7 @@ class RolloutExecutor:
                        f"{step.to_hash[:12]}")  # fmt: skip
         await self._mark(index, "staged")
 
-    async def _recreate_container(self, record: rr.Record, i: int, step: rr.Step) -> None:
+    async def _recreate_container(self, record: Record, i: int, step: Step) -> None:
         """A step that changes the container's image: once the step's generation stopped this node's ranks, the
         container is recreated with it (a planned recreate: the worker inside stops and starts too) before the
         ranks start again; `gate` holds them until then."""
@@ -370,7 +371,7 @@ class RolloutExecutor:
         published = {n: r.get("cluster_hash") for n, r in members.items()}
         return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published)
 
-    def _may_drive(self, record: rr.Record) -> bool:
+    def _may_drive(self, record: Record) -> bool:
         i = record.current()
         master = self.layout.master
         if i is None or (master is not None and master.name == self.node):
@@ -448,7 +449,7 @@ class RolloutExecutor:
         out["have_new_file"] = sorted(n for n, r in self.reports.items() if r.get("hash") == new_hash)
         if dry_run or not out["ok"]:
             return {**out, "started": False}
-        record = rr.new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan,
+        record = new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan,
                                new_shared=cluster_file_hash(new))  # fmt: skip
         if not await self._cas(record):
             raise RolloutRefused("another rollout was stored meanwhile: see `nodeagentctl cluster rollout status`")
@@ -501,7 +502,7 @@ class RolloutExecutor:
             return None
         i = record.current()
         step = record.steps[i] if i is not None else None
-        if step is None or group.name not in step.groups or step.phase not in rr.RESTARTS:
+        if step is None or group.name not in step.groups or step.phase not in RESTARTS:
             return None
         if step.phase == "staging" and self.node not in step.staged:
             return None

@@ -10,11 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nodeagent.cluster.rollout_record import ENDED, MOVING, Record
 from nodeagent.cluster.rollout_rules import (
-    ENDED,
-    MOVING,
     Observed,
-    Record,
     files_problem,
     floor_problem,
     held_out,
