@@ -306,7 +306,7 @@ def page(requests: int, errors: int) -> str:
 
 async def test_a_group_failing_requests_while_it_bakes_is_rolled_back(world: World) -> None:
     """The gate passed (ready, one canary answered) but real traffic fails on the new file: the head's reading
-    of its ranks' /metrics during the bake fails the step, and the group goes back."""
+    of its ranks' /metrics during the bake fails the step, and the group goes back once drained (it served)."""
     old = cluster_file_hash(world.stacks["n0"].config)
     world.install(set_group_env(["p1"], {"X": "flaky"}))
     new = disk_hash(world)
@@ -319,8 +319,15 @@ async def test_a_group_failing_requests_while_it_bakes_is_rolled_back(world: Wor
     await world.until("p1 baking", lambda: record(world).steps[0].phase == "baking", 300)
     await world.advance(3)  # the head took the bake's first reading
     assert record(world).steps[0].phase == "baking" and not record(world).steps[0].bake
+    world.stacks["n2"].inflight["vllm"] = (1, 0)  # a request of the new file's traffic still running
     for stack, endpoint in ranks:
         stack.metrics_text[endpoint] = page(1020, 4)
+    await world.until("p1 failed and leaving the proxy", lambda: record(world).steps[0].failed != "", 60)
+    await world.until("p1 out of the proxy", lambda: record(world).steps[0].proxy_out, 30)
+    await world.advance(20)
+    step = record(world).steps[0]
+    assert step.phase == "draining" and launched(world, "n2") == [old, new], "the request in flight is let finish"
+    world.stacks["n2"].inflight["vllm"] = (0, 0)
     await world.until("halted", lambda: status(world, "n2") == "halted", 120)
     rec = record(world)
     assert rec.steps[0].phase == "rolled_back"

@@ -260,6 +260,17 @@ def marked(rec: Record, what: str, *nodes: str, value: str = "") -> Record:
     return rec
 
 
+def to_gating(rec: Record) -> Record:
+    """p0's step drained, staged and restarted (generation 1 → 2): at its gate."""
+    rec, _ = move(rec, observed(1, {}))
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(2, {}))
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
+    rec, _ = move(rec, observed(4, {"p0": 2}))
+    assert rec.steps[0].phase == "gating"
+    return rec
+
+
 def test_one_step_through_every_phase() -> None:
     rec = record(("p0",), ("p1",))
     rec, _ = move(rec, observed(10, {}))
@@ -328,11 +339,7 @@ def test_the_floor_holds_a_step_and_the_drain_times_out() -> None:
 
 def test_a_failure_in_the_gate_turns_the_step_back_and_halts() -> None:
     rec = record(("p0",), ("p1",))
-    rec, _ = move(rec, observed(1, {}))
-    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
-    rec, _ = move(rec, observed(2, {}))
-    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
-    rec, _ = move(rec, observed(4, {"p0": 2}))
+    rec = to_gating(rec)
     rec, _ = move(rec, observed(5, {"p0": 2}, failed={"p0": {"n1/vllm": 2}}))
     step = rec.steps[0]
     assert step.phase == "staging" and step.failed == "n1/vllm failed" and (step.from_hash, step.to_hash) == ("new",
@@ -349,6 +356,33 @@ def test_a_failure_in_the_gate_turns_the_step_back_and_halts() -> None:
     resumed = rr.control(rec, "resume", 11, "op")
     assert resumed.status == "running" and resumed.steps[0].phase == "pending"
     assert (resumed.steps[0].from_hash, resumed.steps[0].to_hash) == ("old", "new")
+
+
+def test_a_group_failing_its_bake_is_drained_before_it_goes_back() -> None:
+    """Failed while baking, the group is in the proxy and serving: it leaves and drains as on the way out before
+    the rollback restarts it (CI: straight to staging, the restart killed four requests in flight), keeps
+    running the new file meanwhile, and an abort does not cancel that drain."""
+    rec = record(("p0",), ("p1",))
+    rec = to_gating(rec)
+    rec, _ = move(marked(rec, "canary", "p0", value="ok"), observed(5, {"p0": 2}))
+    rec, _ = move(marked(rec, "proxy_in", "n0"), observed(6, {"p0": 2}))
+    rec, _ = move(marked(rec, "bake", "p0", value="mean TTFT 20x"), observed(7, {"p0": 2}))
+    step = rec.steps[0]
+    assert step.phase == "draining" and step.failed == "while baking, p0: mean TTFT 20x"
+    assert (step.from_hash, step.to_hash) == ("new", "old") and not step.proxy_out and not step.drained
+    assert rr.held_out(rec) == {"p0": "rollout r1 step 1: draining"} and rr.wanted_hash(rec, "p0", "n0") == "new"
+    assert rr.advance(rec, observed(8, {"p0": 2})) is None, "not drained yet"
+    aborting = rr.control(rec, "abort", 8, "op")
+    assert rr.advance(aborting, observed(9, {"p0": 2})) is None, "an abort does not cancel the way back"
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(9, {"p0": 2}))
+    assert rec.steps[0].phase == "staging" and rr.wanted_hash(rec, "p0", "n0") == "new"
+    rec, asks = move(marked(rec, "staged", "n0", "n1"), observed(10, {"p0": 2}))
+    assert asks[0].reason.startswith("rollback") and rr.wanted_hash(rec, "p0", "n0") == "old"
+    rec, _ = move(rec, observed(11, {"p0": 3}))
+    rec, _ = move(marked(rec, "canary", "p0", value="ok"), observed(12, {"p0": 3}))
+    rec, _ = move(marked(rec, "proxy_in", "n0"), observed(13, {"p0": 3}))
+    assert rec.steps[0].phase == "rolled_back" and rec.status == "halted"
 
 
 def test_pause_abort_and_rollback_controls() -> None:
@@ -395,11 +429,7 @@ def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None
     """Each agent sees member and gang records through its own watch, a little late (found by the simulation at
     N = 64: a healthy group failed its bake on one agent's late view)."""
     rec = record(("p0",))
-    rec, _ = move(rec, observed(1, {}))
-    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
-    rec, _ = move(rec, observed(2, {}))
-    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
-    rec, _ = move(rec, observed(4, {"p0": 2}))
+    rec = to_gating(rec)
     rec = marked(rec, "canary", "p0", value="ok")
     assert rr.advance(rec, observed(5, {"p0": 1})) is None, "the old generation, all ready: not the gate"
     assert not rr.ready_again(rec.steps[0], observed(5, {"p0": 1}), "p0")

@@ -245,13 +245,13 @@ def test_a_group_slower_under_traffic_fails_its_bake_and_is_rolled_back(cl: Clus
         view = until_status(cl, "halted", 240, after=previous)
         wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
                  == "in", 60)  # fmt: skip
+    assert cl.ctl("n1", "cluster", "rollout", "abort").returncode == 0, "closed first: the next test's rollout"
     why = view["steps"][0]["failed"]
     print(f"\nthe step failed {why}")
     assert why.startswith("while baking, p1: mean TTFT") and "before the step (more than 2x)" in why, view
     assert view["options"]["bake_ttft_factor"] == 2.0
     assert not traffic.failed(), f"requests failed: {traffic.failed()[:5]}"
     assert hashes(cl)["n2"] == hashes(cl)["n3"] == old, "p1 runs the previous file again"
-    assert cl.ctl("n1", "cluster", "rollout", "abort").returncode == 0
 
 
 def test_an_incompatible_change_switches_the_proxy_without_ever_mixing(cl: ClusterHarness) -> None:

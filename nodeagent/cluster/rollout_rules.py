@@ -12,7 +12,8 @@ restart, including the one that started it. One step, for its groups:
     ─► baking (healthy for the bake time) ─► done ─► the next step
 
 On a failure from staging on: the step turns back (from ↔ to swapped, `failed`), runs staging → rejoining again
-with the previous config, ends `rolled_back` and the rollout halts; the other groups stay as they are.
+with the previous config (from draining when it failed back in the proxy: rejoining, baking), ends `rolled_back`
+and the rollout halts; the other groups stay as they are.
 Marks (drained, staged, canary, proxy out/in, unlisted) are each written by the agent that can see them. The
 record itself, data only, is `rollout_record`.
 """
@@ -115,8 +116,12 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
     if step.failed or step.rollback:
         return record.with_step(i, replace(step, failed=step.failed or why)).say(
             now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
-    back = _enter(step, "staging", now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
-                  staged=(), stage_errors={}, canary={}, bake={}, proxy_in=False, base={}, unlisted=False)  # fmt: skip
+    # A group the proxy may route to again (from its rejoin on) is drained first, as on the way out: restarted
+    # while listed, its requests in flight fail (CI: a bake failed on TTFT, four 500s through the proxy).
+    phase = "draining" if step.phase in ("rejoining", "baking") else "staging"
+    back = _enter(step, phase, now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
+                  staged=(), stage_errors={}, canary={}, bake={}, proxy_out=False, proxy_in=False, base={},
+                  unlisted=False)  # fmt: skip
     return record.with_step(i, back).say(now, f"step {i + 1} ({names}) failed: {why}; rolling {names} back to the "
                                               "previous config, then halting")  # fmt: skip
 
@@ -180,7 +185,7 @@ def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
         return record.with_step(i, _enter(step, "draining", now, started=now)).say(
             now, f"step {i + 1} ({names}): out of the proxy, draining"), []
     if step.phase == "draining":
-        if record.status == "aborting":
+        if record.status == "aborting" and not step.failed:
             return record.with_step(i, _enter(step, "skipped", now, finished=now)).say(
                 now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
         nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
@@ -414,9 +419,9 @@ def wanted_hash(record: Record | None, group: str | None, node: str) -> str | No
         return record.new_hash if record.status == "done" or record.finishing else record.old_hash
     want = record.old_hash
     for s in record.steps:
-        if group not in s.groups or s.phase in ("pending", "draining", "skipped"):
+        if group not in s.groups or s.phase in ("pending", "skipped"):
             continue
-        staged = s.phase != "staging" or node in s.staged
+        staged = s.phase != "draining" and (s.phase != "staging" or node in s.staged)
         want = s.to_hash if staged else s.from_hash
     return want
 
