@@ -184,6 +184,17 @@ class ClusterHarness:
             comps = ["datasystem", "vllm"] + (["etcd"] if self.run_etcd and name == self.names[0] else [])
             self.wait_states(name, {c: {"running", "ready"} for c in comps}, timeout)
 
+    def proxy_groups(self, node: str) -> dict[str, str]:
+        """group → "in" or why not, as the proxy's agent (`node`) sees its first proxy."""
+        return self.cluster(node)["coordination"]["proxies"][0]["groups"]  # type: ignore[no-any-return]
+
+    def wait_routed(self, node: str, groups: Iterable[str], timeout: float = 120.0) -> None:
+        """Every one of `groups` routed by the proxy: ranks ready is not yet that (the sync adds a group once it
+        saw it healthy, and the proxy activates it at its next check)."""
+        want = set(groups)
+        wait_for(f"{', '.join(sorted(want))} in the proxy",
+                 lambda: want <= {g for g, v in self.proxy_groups(node).items() if v == "in"}, timeout)  # fmt: skip
+
     def log_tails(self, lines: int = 25) -> str:
         out = []
         for name, agent in self.agents.items():

@@ -268,6 +268,7 @@ def test_a_proxy_killed_while_a_group_is_out_starts_without_it(cl: ClusterHarnes
     again with p0 and d0 only. Launched with its config's command line it would route to p1 at once, until the
     sync's next step removed it again — requests sent there in that window fail."""
     cl.wait_up()
+    cl.wait_routed("n0", ("p0", "p1", "d0"))  # (the previous test's redeploy: p1 ready, not yet routed, in CI)
     port = {n: str(cl.node(n)["components"]["vllm"]["port"]) for n in ("n0", "n2")}
     log = cl.agents["n0"].log
     mark = len(log())

@@ -49,8 +49,7 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
     try:
         h.start()
         h.wait_up(timeout=180)
-        wait_for("the proxy ready", lambda: h.cluster("n0")["coordination"]["proxies"][0]["groups"] ==
-                 {"p0": "in", "p1": "in", "d0": "in"}, 120)  # fmt: skip
+        h.wait_routed("n0", ("p0", "p1", "d0"), 120)
         yield h
     finally:
         h.cleanup()
@@ -180,8 +179,7 @@ def test_a_rollout_under_traffic_survives_a_killed_agent_and_no_request_fails(cl
         cl.kill("n3")  # a member of the step in progress
         cl.start("n3")
         until_status(cl, "done", 240, "n4", after=previous)
-        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
-                 == "in", 60)  # fmt: skip
+        cl.wait_routed("n0", ("p1",), 60)
         sent_at = time.monotonic()
         wait_for("requests after the rollout", lambda: any(r[0] > sent_at for r in traffic.results), 30)
     print(f"{len(traffic.results)} requests during the rollout")
@@ -209,8 +207,7 @@ def test_a_group_failing_its_gate_is_rolled_back_and_the_rollout_halts(cl: Clust
         out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "5s")
         assert out.returncode == 0, out
         until_status(cl, "halted", 240, after=previous)
-        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
-                 == "in", 60)  # fmt: skip
+        cl.wait_routed("n0", ("p1",), 60)
     view = rollout(cl)
     # the stand-in answers without tokens: the canary fails, or the rank's own probes restart it first
     why = view["steps"][0]["failed"]
@@ -243,8 +240,7 @@ def test_a_group_slower_under_traffic_fails_its_bake_and_is_rolled_back(cl: Clus
         out = cl.ctl("n1", "cluster", "rollout", str(path), "--bake", "90s", "--bake-ttft-factor", "2")
         assert out.returncode == 0 and "stored as rollout" in out.stdout, out
         view = until_status(cl, "halted", 240, after=previous)
-        wait_for("p1 back in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"]["p1"]
-                 == "in", 60)  # fmt: skip
+        cl.wait_routed("n0", ("p1",), 60)
     assert cl.ctl("n1", "cluster", "rollout", "abort").returncode == 0, "closed first: the next test's rollout"
     why = view["steps"][0]["failed"]
     print(f"\nthe step failed {why}")
@@ -282,8 +278,7 @@ def test_an_incompatible_change_switches_the_proxy_without_ever_mixing(cl: Clust
         switched = time.monotonic()
         assert not mixed_lines(cl), f"requests crossed the two files: {mixed_lines(cl)[:3]}"
         until_status(cl, "done", 240, "n4", after=previous)
-        wait_for("every group in the proxy", lambda: cl.cluster("n0")["coordination"]["proxies"][0]["groups"] ==
-                 {"p0": "in", "p1": "in", "d0": "in"}, 60)  # fmt: skip
+        cl.wait_routed("n0", ("p0", "p1", "d0"), 60)
         sent_at = time.monotonic()
         wait_for("requests after the rollout", lambda: any(r[0] > sent_at and r[1] == 200 for r in traffic.results),
                  30)  # fmt: skip
