@@ -49,6 +49,7 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHarness]:
         h.start()
         h.wait_up(timeout=180)
         wait_for("the proxy ready", lambda: component(h, "n0", "proxy")["ready"], 120)
+        h.wait_routed("n0", ("p0", "p1", "d0"))  # ready takes one group per kind; the tests expect all routed
         yield h
     finally:
         h.cleanup()
