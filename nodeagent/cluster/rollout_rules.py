@@ -116,9 +116,9 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
     if step.failed or step.rollback:
         return record.with_step(i, replace(step, failed=step.failed or why)).say(
             now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
-    # A group the proxy may route to again (from its rejoin on) is drained first, as on the way out: restarted
-    # while listed, its requests in flight fail (CI: a bake failed on TTFT, four 500s through the proxy).
-    phase = "draining" if step.phase in ("rejoining", "baking") else "staging"
+    # A group the step no longer held out of the proxy (from its rejoin on) is drained first, as on the way out:
+    # restarted while listed, its requests in flight fail (CI: a bake failed on TTFT, four 500s through the proxy).
+    phase = "staging" if step.phase in OUT_OF_PROXY else "draining"
     back = _enter(step, phase, now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
                   staged=(), stage_errors={}, canary={}, bake={}, proxy_out=False, proxy_in=False, base={},
                   unlisted=False)  # fmt: skip
