@@ -100,6 +100,37 @@ async def test_fails_over_to_the_next_endpoint(etcd: EtcdServer, unique_name: st
         await store.close()
 
 
+async def test_a_write_on_a_lease_etcd_forgot_goes_on_the_new_lease(etcd: EtcdServer, unique_name: str) -> None:
+    """The lease expired in etcd while the agent still held its id (its keepalive late under load: CI lost a
+    3 s lease, and an operator's remote command failed with it). A key new to the lease is written on the lease
+    granted anew; a key the lease keeps is left to the re-grant, which writes its last value back."""
+    store, other = store_for(etcd.endpoint), store_for(etcd.endpoint)
+    p = f"/{unique_name}/"
+    try:
+        lease = store.lease(30)
+        assert await lease.wait_granted(5) and lease.id is not None
+        await store.put(p + "member", "v1", lease=lease)
+        first = lease.id
+        await other.revoke_lease(first)
+        await store.put(p + "command", "restart", lease=lease)
+        kv = await store.get(p + "command")
+        assert kv is not None and lease.id not in (None, first) and kv.lease == lease.id, (kv, first, lease.id)
+        member = await wait_until("the kept key written back", lambda: store.get(p + "member"), 10)
+        assert member.value == b"v1" and member.lease == lease.id
+
+        second = lease.id
+        await other.revoke_lease(second)
+        with pytest.raises(StoreUnavailable, match="lease lost"):
+            await store.put(p + "member", "v2", lease=lease)
+        member = await wait_until("the kept key written back again", lambda: store.get(p + "member"), 10)
+        assert member.value == b"v1" and member.lease not in (first, second)
+        await store.put(p + "member", "v2", lease=lease)
+        assert (await store.get(p + "member")).value == b"v2"  # type: ignore[union-attr]
+    finally:
+        await store.close()
+        await other.close()
+
+
 async def test_watch_resumes_after_an_etcd_restart_without_rereading(own_etcd: EtcdServer, unique_name: str) -> None:
     store = store_for(own_etcd.endpoint)
     p = f"/{unique_name}/"
