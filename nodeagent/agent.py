@@ -329,11 +329,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_checked(path: str, node: str | None = None) -> Config:
-    """The config, with residue paths vetted too: a path unsafe to delete is a config error."""
+    """The config, with residue paths vetted too: a path unsafe to delete is a config error; and the config-level
+    checks (`config_checks`: two of our listeners on one port, ...) — every door a config comes in through calls
+    this (validate, start, reload, a rollout's staging), so a file that cannot run is refused before anything
+    changes."""
+    from nodeagent.config_checks import config_problems
+    from nodeagent.launcher import base_environment
     from nodeagent.pathsafety import validate_residue_paths
 
     config = load_config(path, node=node)
-    problems = validate_residue_paths(config)
+    problems = validate_residue_paths(config) + config_problems(config, base_environment())
     if problems:
         raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
     return config
