@@ -116,7 +116,8 @@ class Agent:
             self.config = config
             if self.membership is not None:
                 self.membership.update_config(config)
-            logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}")
+            started = f"; started {', '.join(result['started'])}" if result.get("started") else ""
+            logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}{started}")
             return dict(result)
 
     def _reload_on_signal(self) -> None:
