@@ -204,9 +204,8 @@ class Agent:
         self.coordinator.spawn(kvlog.run())
         if self.coordinator.proxies:
             members = self.membership.members
-            model = next((c.served_model_name for c in self.config.components.values() if c.kind == "vllm"), "dsv4")
             records = lambda: {n: m.record for n, m in members.items()}  # noqa: E731
-            watch = PdWatch(self.coordinator, self.config.recovery.pd, records, model=model)
+            watch = PdWatch(self.coordinator, None, records)  # its settings and model: the config now, a reload's
             self.coordinator.spawn(watch.run())
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:

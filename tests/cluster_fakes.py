@@ -781,8 +781,8 @@ class World:
         if "proxy" in stack.components:
             stack.proxy_process = self.proxy
         post = self.proxy.post if self.proxy is not None else None
+        stack.config = config  # what this agent loaded: the file on disk now (the layers read it through the stack)
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
-        stack.config = config  # what this agent loaded: the file on disk now
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)
         if self.rollouts:
             from nodeagent.cluster.rollout import RolloutExecutor
