@@ -709,7 +709,9 @@ class FakeConfigHost:
         return self.stack.config
 
     def read_config_file(self, path: str | None = None) -> Config:
-        return load_config(path or self.world.harness.config_path(self.name), node=self.name)
+        from nodeagent.agent import load_checked  # as the agent: with the config-level checks
+
+        return load_checked(str(path or self.world.harness.config_path(self.name)), node=self.name)
 
     def stage_config(self, config: Config) -> None:
         self.stack.config = config

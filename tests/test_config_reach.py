@@ -10,9 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from cluster_fakes import World
 
 from nodeagent.cluster.pd_watch import PdWatch
+from nodeagent.cluster.rollout_plan import PlanError
+from nodeagent.errors import ConfigError
 from nodeagent.kvlog import KvTransferLog
 from nodeagent.worker_headroom import WorkerHeadroom
 
@@ -65,5 +68,27 @@ async def test_a_reload_reaches_the_rollouts_drain_and_canary_and_every_layer(tm
         assert kvlog.config is new and headroom.config is new
         assert co.config.components[rank].served_model_name == "dsv4-renamed"  # type: ignore[union-attr]
         await world.until("the rung's next round", lambda: co.ft.groups["g"].spec.retry_timeout_s == 45, 30)
+    finally:
+        await world.close()
+
+
+async def test_a_rollout_refuses_a_new_file_whose_listeners_collide(tmp_path: Path) -> None:
+    """The rollout's doors (its plan, a step's staging) read the new file as the agent loads it: a file whose
+    listeners collide is refused there, naming the keys, before any group is touched (issue 29 item 1)."""
+    world = World(tmp_path, NODES, [dict(g) for g in GROUPS], rollouts=True)
+    world.start()
+    try:
+        await world.until("every component up", world.all_up, within=120)
+
+        def collide(data: dict[str, Any]) -> None:
+            n0 = next(n for n in data["cluster"]["nodes"] if n["name"] == "n0")
+            n0["components"]["datasystem"]["worker_port"] = world.harness.api_ports["n0"]  # the agent's own API
+
+        world.install(collide)
+        rollout = world.agents["n0"].rollout
+        with pytest.raises(ConfigError, match=r"agent\.api\.listen and components\.datasystem\.worker_port: .*collide"):
+            rollout.member.config_for(rollout.member.hash(world.config("n0")))  # a step's staging
+        with pytest.raises(PlanError, match="collide"):
+            await world.run(rollout.plan(None, {}, dry_run=True, by="test"))
     finally:
         await world.close()
