@@ -116,7 +116,8 @@ class Agent:
             self.config = config
             if self.membership is not None:
                 self.membership.update_config(config)
-            logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}")
+            started = f"; started {', '.join(result['started'])}" if result.get("started") else ""
+            logger.info(f"reload: restarted {', '.join(result['restarted']) or 'nothing'}{started}")
             return dict(result)
 
     def _reload_on_signal(self) -> None:
@@ -203,9 +204,8 @@ class Agent:
         self.coordinator.spawn(kvlog.run())
         if self.coordinator.proxies:
             members = self.membership.members
-            model = next((c.served_model_name for c in self.config.components.values() if c.kind == "vllm"), "dsv4")
             records = lambda: {n: m.record for n, m in members.items()}  # noqa: E731
-            watch = PdWatch(self.coordinator, self.config.recovery.pd, records, model=model)
+            watch = PdWatch(self.coordinator, None, records)  # its settings and model: the config now, a reload's
             self.coordinator.spawn(watch.run())
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:
@@ -329,11 +329,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_checked(path: str, node: str | None = None) -> Config:
-    """The config, with residue paths vetted too: a path unsafe to delete is a config error."""
+    """The config, with residue paths vetted too: a path unsafe to delete is a config error; and the config-level
+    checks (`config_checks`: two of our listeners on one port, ...) — every door a config comes in through calls
+    this (validate, start, reload, a rollout's staging), so a file that cannot run is refused before anything
+    changes."""
+    from nodeagent.config_checks import config_problems
+    from nodeagent.launcher import base_environment
     from nodeagent.pathsafety import validate_residue_paths
 
     config = load_config(path, node=node)
-    problems = validate_residue_paths(config)
+    problems = validate_residue_paths(config) + config_problems(config, base_environment())
     if problems:
         raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
     return config

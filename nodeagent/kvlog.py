@@ -34,7 +34,6 @@ class KvTransferLog(ReportLayer):
     """A `NodeLayer` that only reports: it follows the PD ranks' logs and adds `kv_transfers` to /status."""
 
     def __init__(self, config: Config, port: StackPort, clock: Clock | None = None) -> None:
-        self.config = config
         self.clock = clock or Clock()
         layout = cluster_layout(config)
         kinds = {g.name: g.kind for g in layout.groups if g.kind in ("prefill", "decode")}
@@ -45,7 +44,13 @@ class KvTransferLog(ReportLayer):
         self.engines = {c: g.name for g in mine for c in g.components(config.node.name)
                         if c in config.active_components()}  # fmt: skip
         self.offsets: dict[str, int] = {}
+        self.port = port
         port.attach(self)
+
+    @property
+    def config(self) -> Config:
+        """The node's config now, through the port: a reload reaches it (`stackport.StackPort.config`)."""
+        return self.port.config
 
     def feed(self, component: str, lines: list[str]) -> None:
         engine = self.engines.get(component)

@@ -259,6 +259,7 @@ def openapi_document() -> dict[str, Any]:
             "Re-read the config file; restart only components whose command or environment changed",
             "reload", {"200": _json({"type": "object", "properties": {
                 "ok": {"type": "boolean"}, "restarted": {"type": "array", "items": {"type": "string"}},
+                "started": {"type": "array", "items": {"type": "string"}},
                 "unchanged": {"type": "array", "items": {"type": "string"}}}}, "Reloaded")},
         ),
     }  # fmt: skip

@@ -57,6 +57,8 @@ class PortUse:
     """The process picks a free port in the range when it starts (ADXL, Mooncake RPC), not a fixed one."""
     shared: str | None = None
     """Uses with the same key are one range shared by design (HCCL's host ports of a node)."""
+    key: str = ""
+    """The config key that sets it (`components.vllm.port`): a config check names it (`config_checks`)."""
 
     @property
     def label(self) -> str:
@@ -215,13 +217,14 @@ def vllm_uses(name: str, comp: VllmComponent, env: Mapping[str, str], node_ip: s
     Mooncake RPC, HCCL host ports. `env` is the rendered environment (overrides included)."""
     uses = []
     if not comp.headless:
-        uses.append(PortUse(name, "HTTP (--port)", comp.port, comp.port))
+        uses.append(PortUse(name, "HTTP (--port)", comp.port, comp.port, key=f"components.{name}.port"))
     first = comp.data_parallel_rank if comp.data_parallel_rank is not None else (comp.data_parallel_start_rank or 0)
     local = 1 if comp.data_parallel_rank is not None else (comp.data_parallel_size_local or comp.data_parallel_size)
     address = comp.data_parallel_address or node_ip
     if comp.data_parallel_size > 1 and first == 0 and address == node_ip:
         rpc = comp.data_parallel_rpc_port or DEFAULT_RPC_PORT
-        uses.append(PortUse(name, "DP RPC (--data-parallel-rpc-port)", rpc, rpc))
+        uses.append(PortUse(name, "DP RPC (--data-parallel-rpc-port)", rpc, rpc,
+                            key=f"components.{name}.data_parallel_rpc_port"))
     tp = comp.tensor_parallel_size
     connectors = _connectors(comp.kv_transfer_config)
     mooncake = [c for c in connectors if "Mooncake" in str(c.get("kv_connector", ""))]
@@ -232,27 +235,31 @@ def vllm_uses(name: str, comp: VllmComponent, env: Mapping[str, str], node_ip: s
             continue
         low = kv_port + first * tp
         uses.append(PortUse(name, f"{c['kv_connector']} handshake (kv_port {kv_port} + rank·TP)", low,
-                            low + local * tp - 1))
+                            low + local * tp - 1, key=f"components.{name}.kv_transfer_config.kv_port"))
     if mooncake:
         low = _env_int(env, "MC_MIN_RPC_PORT") or MOONCAKE_RPC_PORTS[0]
         high = _env_int(env, "MC_MAX_RPC_PORT") or MOONCAKE_RPC_PORTS[1]
-        uses.append(PortUse(name, "Mooncake transfer-engine RPC", low, max(low, high), random=True))
+        uses.append(PortUse(name, "Mooncake transfer-engine RPC", low, max(low, high), random=True,
+                            key=f"components.{name}.env.MC_MIN_RPC_PORT"))
     if any((c.get("kv_connector_extra_config") or {}).get("use_ascend_direct") for c in mooncake):
         base = _env_int(env, "ASCEND_BASE_PORT") or ADXL_BASE_PORT
         devices = list(comp.visible_devices) if comp.visible_devices is not None else list(range(local * tp))
         for dev in devices[:local * tp]:
             low = base + ADXL_PORTS_PER_DEVICE * dev
             uses.append(PortUse(name, f"ADXL listen (NPU {dev}, ASCEND_BASE_PORT {base})", low,
-                                low + ADXL_PORTS_PER_DEVICE, random=True))
+                                low + ADXL_PORTS_PER_DEVICE, random=True,
+                                key=f"components.{name}.env.ASCEND_BASE_PORT"))
     explicit = env.get("HCCL_HOST_SOCKET_PORT_RANGE")
     if explicit and explicit.strip() != "auto":
         for a, b in parse_ranges(explicit):
-            uses.append(PortUse(name, "HCCL host ports (HCCL_HOST_SOCKET_PORT_RANGE)", a, b, shared="hccl"))
+            uses.append(PortUse(name, "HCCL host ports (HCCL_HOST_SOCKET_PORT_RANGE)", a, b, shared="hccl",
+                                key=f"components.{name}.env.HCCL_HOST_SOCKET_PORT_RANGE"))
     elif not explicit:
         base = _env_int(env, "HCCL_IF_BASE_PORT")
         what = "HCCL host ports (" + ("HCCL_IF_BASE_PORT)" if base else "default: HCCL_IF_BASE_PORT unset)")
         base = base or HCCL_BASE_PORT
-        uses.append(PortUse(name, what, base, base + HCCL_PORTS - 1, shared="hccl"))
+        uses.append(PortUse(name, what, base, base + HCCL_PORTS - 1, shared="hccl",
+                            key=f"components.{name}.env.HCCL_IF_BASE_PORT"))
     return uses
 
 
@@ -260,7 +267,8 @@ def node_uses(config: Config, base_env: Mapping[str, str] | None = None) -> list
     """Every port this node's active components bind, from their rendered commands and environment."""
     from nodeagent.render import render_component
 
-    uses = [PortUse("agent", "API (agent.api.listen)", config.agent.api.port, config.agent.api.port)]
+    uses = [PortUse("agent", "API (agent.api.listen)", config.agent.api.port, config.agent.api.port,
+                    key="agent.api.listen")]
     for name, comp in config.active_components().items():
         spec = render_component(name, config, dict(base_env or {}))
         if isinstance(comp, VllmComponent):
@@ -269,14 +277,16 @@ def node_uses(config: Config, base_env: Mapping[str, str] | None = None) -> list
                 found = [u for u in found if u.shared != "hccl"]
             uses += found
         elif isinstance(comp, EtcdComponent):
-            uses += [PortUse(name, "etcd client", comp.client_port, comp.client_port),
-                     PortUse(name, "etcd peer", comp.peer_port, comp.peer_port)]
+            uses += [PortUse(name, "etcd client", comp.client_port, comp.client_port,
+                             key=f"components.{name}.client_port"),
+                     PortUse(name, "etcd peer", comp.peer_port, comp.peer_port, key=f"components.{name}.peer_port")]
         elif isinstance(comp, DatasystemComponent):
-            uses.append(PortUse(name, "datasystem worker", comp.worker_port, comp.worker_port))
+            uses.append(PortUse(name, "datasystem worker", comp.worker_port, comp.worker_port,
+                                key=f"components.{name}.worker_port"))
         elif isinstance(comp, ProxyComponent):
-            uses.append(PortUse(name, "PD proxy", comp.port, comp.port))
+            uses.append(PortUse(name, "PD proxy", comp.port, comp.port, key=f"components.{name}.port"))
         else:
-            uses += [PortUse(name, "port", p, p) for p in spec.ports]
+            uses += [PortUse(name, "port", p, p, key=f"components.{name}") for p in spec.ports]
     return uses
 
 

@@ -89,7 +89,6 @@ class NodeRecovery:
     def __init__(self, config: Config, port: StackPort, npu: NpuMonitor, *, changed: Callable[[], None],
                  redeploy_times: Callable[[], list[float]], clock: Clock | None = None,
                  resetter: Callable[[], str | None] = running_resetter) -> None:  # fmt: skip
-        self.config = config
         self.port = port
         self.npu = npu
         self.clock = clock or Clock()
@@ -121,6 +120,11 @@ class NodeRecovery:
         npu.on_change.append(self.wake)
         port.recovery_view = self.view  # type: ignore[attr-defined]
         port.attach(self)
+
+    @property
+    def config(self) -> Config:
+        """The node's config now, through the port: a reload reaches it (`stackport.StackPort.config`)."""
+        return self.port.config
 
     # ---- what the cluster layer and /status read ------------------------------------------------------------
     def view(self) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from nodeagent.config_model import RestartSpec
+    from nodeagent.config_model import Config, RestartSpec
     from nodeagent.failure import Failure
     from nodeagent.policy import RestartDecision
 
@@ -177,6 +177,11 @@ class ProxyRouting(Protocol):
 
 class StackPort(Protocol):
     """What the cluster layer may read from, and ask of, the node."""
+
+    @property
+    def config(self) -> Config:
+        """The node's config now: a reload or a rollout's staging replaces it. A layer reads its settings here
+        each time and keeps no copy of its own (issue 29: five layers kept the config they were made with)."""
 
     def snapshot(self) -> NodeView: ...
 

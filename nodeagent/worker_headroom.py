@@ -63,12 +63,16 @@ class WorkerHeadroom:
     """The `NodeLayer`: decides on a datasystem worker's failure, holds its start until the ranks let go."""
 
     def __init__(self, config: Config, port: StackPort, read: Callable[[], str] = read_meminfo) -> None:
-        self.config = config
         self.port = port
         self._read = read
         self.waiting: dict[str, tuple[str, ...]] = {}
         """worker → the vLLM ranks it waits for (they still map the dead worker's segments)."""
         port.attach(self)
+
+    @property
+    def config(self) -> Config:
+        """The node's config now, through the port: a reload reaches it (`stackport.StackPort.config`)."""
+        return self.port.config
 
     def _dependents(self, worker: str) -> list[str]:
         return [n for n, c in self.config.active_components().items() if c.kind == "vllm" and worker in c.depends_on]

@@ -709,7 +709,9 @@ class FakeConfigHost:
         return self.stack.config
 
     def read_config_file(self, path: str | None = None) -> Config:
-        return load_config(path or self.world.harness.config_path(self.name), node=self.name)
+        from nodeagent.agent import load_checked  # as the agent: with the config-level checks
+
+        return load_checked(str(path or self.world.harness.config_path(self.name)), node=self.name)
 
     def stage_config(self, config: Config) -> None:
         self.stack.config = config
@@ -781,8 +783,8 @@ class World:
         if "proxy" in stack.components:
             stack.proxy_process = self.proxy
         post = self.proxy.post if self.proxy is not None else None
+        stack.config = config  # what this agent loaded: the file on disk now (the layers read it through the stack)
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
-        stack.config = config  # what this agent loaded: the file on disk now
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)
         if self.rollouts:
             from nodeagent.cluster.rollout import RolloutExecutor

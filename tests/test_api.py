@@ -593,6 +593,36 @@ def test_real_reload_restarts_only_vllm(real: tuple[LocalAgent, dict[str, Any]])
 
 
 @pytest.mark.system
+def test_real_reload_onto_the_etcd_port_is_refused_with_the_stack_untouched(
+        real: tuple[LocalAgent, dict[str, Any]]) -> None:  # fmt: skip
+    """Issue 29: vLLM's port set to the agent's own etcd port. `config validate` and `reload` both exit 78 naming
+    the collision, and the refused reload keeps every process (same PIDs, vLLM still serving)."""
+    agent, _ = real
+    before = {n: (c["pid"], c["create_time"]) for n, c in agent.children().items()}
+    restarts = _comp(agent, "vllm")["restarts"]
+    original = agent.config_path.read_text()
+    data = yaml.safe_load(original)
+    data["components"]["vllm"]["port"] = "${DSV4_ETCD_PORT:-2379}"
+    agent.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    try:
+        ctl = [str(BIN / "nodeagentctl"), "--config", str(agent.config_path)]
+        validate = subprocess.run([str(BIN / "nodeagentctl"), "config", "validate", str(agent.config_path)],
+                                  env=agent.env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert validate.returncode == 78, validate.stdout + validate.stderr
+        assert "components.etcd.client_port and components.vllm.port" in validate.stderr
+        out = subprocess.run([*ctl, "reload"], env=agent.env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 78, out.stdout + out.stderr
+        port = agent.env["DSV4_ETCD_PORT"]
+        assert f"components.etcd.client_port and components.vllm.port: {port}: etcd etcd client {port} and vllm " \
+            f"HTTP (--port) {port} collide" in out.stderr and "nothing changed" in out.stderr, out.stderr  # fmt: skip
+        assert {n: (c["pid"], c["create_time"]) for n, c in agent.children().items()} == before
+        assert _comp(agent, "vllm")["state"] in ("running", "ready") and _comp(agent, "vllm")["restarts"] == restarts
+        assert "config reload refused, nothing changed" in agent.log()
+    finally:
+        agent.config_path.write_text(original)
+
+
+@pytest.mark.system
 def test_real_detach_then_a_new_agent_adopts(real: tuple[LocalAgent, dict[str, Any]]) -> None:
     """Last in the module: the agent exits 0 leaving the stack; the next one adopts the very same processes."""
     agent, _ = real

@@ -242,7 +242,8 @@ def cmd_simple(args: argparse.Namespace) -> int:
     body = {"component": args.component} if action == "reset" and args.component else None
     data = client.post(f"/{action}", body)
     if action == "reload":
-        print(f"reload: restarted {', '.join(data.get('restarted', [])) or 'nothing'}")
+        started = f"; started {', '.join(data['started'])} (down by a failure or held)" if data.get("started") else ""
+        print(f"reload: restarted {', '.join(data.get('restarted', [])) or 'nothing'}{started}")
     elif action == "detach":
         print("detach: the agent exits leaving the stack running; the next agent adopts it")
     elif action == "uncordon":

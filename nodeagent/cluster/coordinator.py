@@ -56,7 +56,6 @@ class Coordinator:
                  ft_client: FtClient | None = None) -> None:  # fmt: skip
         """operations: run the cluster redeploy and remote commands too (`ops.ClusterOps`; the scale simulation
         leaves them out). proxy_post, ft_client: how the PD proxy and vLLM's FT API are called (tests: fakes)."""
-        self.config = config
         self.clock = clock or Clock()
         self.port = port
         self.membership = membership
@@ -100,6 +99,13 @@ class Coordinator:
         self.ops = ClusterOps(self, self.clock) if operations else None
         self.ft = FtRung(self, self.clock, ft_client)  # attaches first: it sees every rank failure, takes none
         port.attach(self)
+
+    @property
+    def config(self) -> Config:
+        """The node's config now, through the port (a reload reaches the rung, the rollout's drain and canary, the
+        PD watch). What `__init__` took from its config (the cluster, this node, the layout and its groups) a
+        reload cannot change: it refuses added or removed components."""
+        return self.port.config
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 LADDER_KEPT = 20
 """Ladder steps kept per group for /status and post-mortems (older ones are in the event log)."""
+IDLE_S = 10.0
+"""How often a node without a group asking for fault tolerance looks whether a reload turned it on (no I/O)."""
 LIVENESS_HOLD_SLACK_S = 10.0
 """Past vLLM's own deadline (the engine gives up after `engine_recovery_timeout_s`): the ranks' liveness is held
 no longer than that, whatever the rung does."""
@@ -65,7 +67,10 @@ class GangPosition(Protocol):
 class Coordination(Protocol):
     """What the rung needs of the coordinator beside it (`cluster.Coordinator` is it)."""
 
-    config: Config
+    @property
+    def config(self) -> Config:
+        """The node's config now (a reload's)."""
+
     port: StackPort
     node: str
 
@@ -186,15 +191,26 @@ class FtRung:
         self.port.attach(self)
 
     # ---- the watch ------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """The groups as the node's config says now (a reload changes a group's timeouts, or turns its fault
+        tolerance on or off): a group kept keeps its episode; its spec and ranks are the config's."""
+        fresh = ft_groups(self.coordinator)
+        for name, group in fresh.items():
+            kept = self.groups.get(name)
+            if kept is not None:
+                kept.spec, kept.ranks = group.spec, group.ranks
+                fresh[name] = kept
+        self.groups = fresh
+        self.by_component = {r.component: g for g in self.groups.values() for r in g.ranks}
+
     async def run(self) -> None:
-        if not self.groups:
-            return
         try:
             while True:
                 busy = any(g.fault_at is not None or g.attempt is not None for g in self.groups.values())
-                every = min(g.spec.status_interval_s for g in self.groups.values())
+                every = min((g.spec.status_interval_s for g in self.groups.values()), default=IDLE_S)
                 await self.clock.sleep(every / 2 if busy else every)
-                for group in self.groups.values():
+                self.refresh()
+                for group in list(self.groups.values()):
                     try:
                         await self.step(group)
                     except Exception:  # a bug's last resort: the watch goes on

@@ -193,17 +193,19 @@ async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout:
 class PdWatch(ReportLayer):
     """Runs beside the coordinator's ProxySync on the proxy's node; its last probes are /status's `pd_watch`."""
 
-    def __init__(self, coordinator: Coordinator, settings: PdWatchConfig, members: Callable[[], Mapping[str, Any]],
-                 *, model: str, clock: Clock | None = None, http: Http | None = None) -> None:  # fmt: skip
+    def __init__(self, coordinator: Coordinator, settings: PdWatchConfig | None,
+                 members: Callable[[], Mapping[str, Any]], *, model: str | None = None, clock: Clock | None = None,
+                 http: Http | None = None) -> None:  # fmt: skip
+        """settings, model: fixed ones (tests); None: the node's config now, read at each use (a reload's)."""
         self.co = coordinator
-        self.settings = settings
+        self._settings = settings
         self.members = members
-        self.model = model
+        self._model = model
         self.clock = clock or Clock()
         self.http = http or http_call
         self.groups: dict[str, Group] = {g.name: g for g in coordinator.layout.groups if g.kind in ("prefill",
                                                                                                    "decode")}
-        self.empties = EmptyCounter(settings.empty_after)
+        self.empties = EmptyCounter(self.settings.empty_after)
         self.acted: dict[tuple[str, str], float] = {}
         """(why, group) → when it was last restarted for it (cooldown)."""
         self.last_probe: dict[str, dict[str, str]] = {}
@@ -214,6 +216,17 @@ class PdWatch(ReportLayer):
         """Rounds in a row in which the proxy was the fault."""
         self.rounds = 0
         coordinator.port.attach(self)
+
+    @property
+    def settings(self) -> PdWatchConfig:
+        return self._settings if self._settings is not None else self.co.config.recovery.pd
+
+    @property
+    def model(self) -> str:
+        """The name the probes ask for: the node's first vLLM's served_model_name now."""
+        if self._model is not None:
+            return self._model
+        return next((c.served_model_name for c in self.co.config.components.values() if c.kind == "vllm"), "dsv4")
 
     def _of(self, kind: str) -> list[Group]:
         return [g for g in self.groups.values() if g.kind == kind]
