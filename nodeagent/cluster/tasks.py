@@ -18,28 +18,6 @@ if TYPE_CHECKING:
 WatchHandler = Callable[["WatchItem"], Awaitable[None] | None]
 
 
-def log_death(task: asyncio.Future[Any]) -> None:
-    """A done-callback: a background task that ended by an exception is logged with its traceback (without an
-    owner that looks, its death would be silent — `asyncio` only complains when the task is collected)."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
-        logger.opt(exception=exc).error(f"background task {name} died: {type(exc).__name__}: {exc}")
-
-
-def guarded(what: str, callback: Callable[..., Any], *args: Any) -> bool:
-    """Call an observer; its exception is logged, never raised — one raising observer must not stop the loop that
-    tells it, nor the observers after it. Whether it returned."""
-    try:
-        callback(*args)
-    except Exception:
-        logger.exception(f"{what} raised; ignored")
-        return False
-    return True
-
-
 class TaskSet:
     """The tasks of one part (coordinator, membership, rollout): started one by one, cancelled as one."""
 
@@ -50,7 +28,6 @@ class TaskSet:
         task = asyncio.ensure_future(work)
         if name is not None and isinstance(task, asyncio.Task):
             task.set_name(name)
-        task.add_done_callback(log_death)
         self._tasks.append(task)
 
     def __len__(self) -> int:
@@ -83,3 +60,25 @@ async def follow(store: Store, prefix: str, handle: WatchHandler, *, clock: Cloc
         except Exception:
             logger.exception(f"{what}: the watch of {prefix} failed; restarting it")
             await clock.sleep(retry_s)
+
+
+def log_death(task: asyncio.Future[Any]) -> None:
+    """A done-callback: a background task that ended by an exception is logged with its traceback (without an
+    owner that looks, its death would be silent — `asyncio` only complains when the task is collected)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+        logger.opt(exception=exc).error(f"background task {name} died: {type(exc).__name__}: {exc}")
+
+
+def guarded(what: str, callback: Callable[..., Any], *args: Any) -> bool:
+    """Call an observer; its exception is logged, never raised — one raising observer must not stop the loop that
+    tells it, nor the observers after it. Whether it returned."""
+    try:
+        callback(*args)
+    except Exception:
+        logger.exception(f"{what} raised; ignored")
+        return False
+    return True
