@@ -110,7 +110,7 @@ class NodeLoops:
         await self._cancel_tasks()
         # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
         running = {name for name, comp in self.components.items() if comp.proc is not None}
-        graces = sum(float(getattr(c.cfg, "stop_grace_s", 0) or 0) for c in self.components.values())
+        graces = sum(float(getattr(c.cfg, "stop_grace_s", 0) or 0) + 30 for c in self.components.values())
         self.redeploy_beat.busy(self.clock.monotonic(), graces + HOST_MARGIN_S, "stopping every component")
         await self._stop_all_processes(f"node redeploy: {reason}")
         for name in self.order:
