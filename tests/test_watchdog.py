@@ -138,3 +138,31 @@ async def test_the_ping_loop_sends_while_every_loop_ticks(tmp_path: Path, monkey
         await asyncio.gather(task, return_exceptions=True)
         agent.notifier.close()
         await stop(r)
+
+
+async def test_while_a_redeploy_runs_its_own_heartbeat_stands_for_the_cancelled_loops(tmp_path: Path) -> None:
+    """The redeploy cancels every component loop: the watchdog then requires the redeploy's beat, bounded by the
+    cleanup it declared, and the components' again once their loops are back."""
+    r = await rig(tmp_path)
+    cleaning, go_on = asyncio.Event(), asyncio.Event()
+
+    async def cleanup(comp: object, scope: str = "start", reason: str | None = None, wipe_etcd: bool = False) -> None:
+        if scope == "redeploy":
+            cleaning.set()
+            await go_on.wait()
+
+    r.sup.cleanup = cleanup  # type: ignore[method-assign]
+    try:
+        redeploy = r.sup.redeploying = asyncio.create_task(r.sup._redeploy("test"))
+        await until("cleaning", cleaning.is_set)
+        beats = r.sup.heartbeats()
+        assert set(beats) == {"redeploy"}
+        now = time.monotonic()
+        assert beats["redeploy"].busy_until is not None and beats["redeploy"].busy_until > now + 180
+        assert watchdog_ok(beats, now + 200, max_age=HEARTBEAT_MAX_AGE_S), "a long cleanup is not a hang"
+        go_on.set()
+        await redeploy
+        assert set(r.sup.heartbeats()) == {"component:a", "component:b"}
+    finally:
+        go_on.set()
+        await stop(r)
