@@ -27,6 +27,8 @@ from nodeagent.policy import backoff_delay
 from nodeagent.states import State
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from nodeagent.bindrace import BindRaceRetries, BindRetry
     from nodeagent.host import Process
     from nodeagent.policy import RestartDecision
@@ -173,7 +175,7 @@ class FailurePath:
 
 
 @contextlib.contextmanager
-def _logged(name: str, what: str) -> Any:
+def _logged(name: str, what: str) -> Iterator[None]:
     """One step of the internal-error path: its own exception is logged, never raised."""
     try:
         yield
