@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from nodeagent import __version__
+from nodeagent.cluster.tasks import guarded, log_death
 from nodeagent.config import load_config
 from nodeagent.config_model import Config
 from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
 from nodeagent.errors import AgentError, ConfigError
+from nodeagent.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
 
 if TYPE_CHECKING:
@@ -70,6 +72,9 @@ class Agent:
         self._last_status = ""
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[object]] = set()
+        self.main_beat = Heartbeat(time.monotonic())
+        """The agent's main loop (the watchdog's own): with every component loop's, what WATCHDOG=1 requires."""
+        self._wedged: list[str] = []
         self.lock: InstanceLock | None = None
         self.membership: Membership | None = None
         self.coordinator: Coordinator | None = None
@@ -132,6 +137,7 @@ class Agent:
         task = asyncio.create_task(run(), name="reload:SIGHUP")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(log_death)
 
     def _publish_status(self) -> None:
         line = status_line(self.supervisor.status())
@@ -140,13 +146,34 @@ class Agent:
             self.notifier.status(line)
 
     async def _heartbeat(self) -> None:
-        """WATCHDOG=1 from the main loop: if the loop stalls, systemd restarts us (and we adopt the stack)."""
+        """WATCHDOG=1 from the main loop while every loop ticks: if the loop stalls, or a component's loop hangs or
+        died, systemd restarts us (and the next agent adopts the stack)."""
         interval = self.notifier.watchdog_interval()
         period = min(interval / 3, 5.0) if interval else 5.0
         while True:
-            self.notifier.watchdog()
-            self._publish_status()
+            self.watchdog_tick(time.monotonic())
+            guarded("the STATUS= line", self._publish_status)
             await asyncio.sleep(period)
+
+    def watchdog_tick(self, now: float) -> bool:
+        """Ping systemd's watchdog if every loop ticked recently (`heartbeat.watchdog_ok`); whether it was pinged.
+        A withheld ping is logged (with the loops that are stale) when the set of stale loops changes."""
+        self.main_beat.tick(now)
+        beats = {"main": self.main_beat, **self.supervisor.heartbeats()}
+        wedged = stale(beats, now, HEARTBEAT_MAX_AGE_S)
+        if wedged != self._wedged:
+            self._wedged = wedged
+            if wedged:
+                ages = ", ".join(f"{name} {beats[name].age(now):.0f}s" for name in wedged)
+                guarded("an event", self.supervisor.events.emit, "watchdog_withheld", f"WATCHDOG=1 withheld: not "
+                        f"ticked for over {HEARTBEAT_MAX_AGE_S:.0f}s: {ages}; systemd restarts the agent at "
+                        "WatchdogSec, the next one adopts the stack", None, "critical")  # fmt: skip
+            else:
+                logger.info("every loop ticks again: WATCHDOG=1 resumed")
+        if wedged:
+            return False
+        self.notifier.watchdog()
+        return True
 
     def _start_membership(self) -> None:
         """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
@@ -270,7 +297,8 @@ class Agent:
             if container is not None:
                 await container.start()  # before the stack: its components adopt or wait for it
             await self.supervisor.start()
-            heartbeat = asyncio.create_task(self._heartbeat())
+            heartbeat = asyncio.create_task(self._heartbeat(), name="watchdog")
+            heartbeat.add_done_callback(log_death)
             await self.stop_requested.wait()
             self.notifier.stopping()
             if self.mqtt is not None:

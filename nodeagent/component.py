@@ -28,6 +28,7 @@ from nodeagent.component_failure import FailurePath
 from nodeagent.component_status import component_status
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, exit_text
+from nodeagent.heartbeat import HOST_MARGIN_S, PREPARE_BOUND_S, TICK_S, Heartbeat
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
@@ -157,6 +158,10 @@ class Component(FailurePath):
         no longer lists it."""
         self.extra_status: dict[str, Any] = {}
         """What the host adds to this component's status (draining, gang generation...)."""
+        self.internal_errors = 0
+        """Consecutive internal errors of its loop (`_internal_error`): their backoff; reset once it is up."""
+        self.heartbeat = Heartbeat(host.clock.monotonic())
+        """Ticked on every iteration and bounded wait of its loop: the agent's watchdog ping requires it fresh."""
 
     @property
     def ready(self) -> bool:
@@ -251,30 +256,49 @@ class Component(FailurePath):
             self.host.on_state(self)
 
     # ---- the loop ------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        self.heartbeat.tick(self.host.clock.monotonic())
+
+    def _busy(self, seconds: float, doing: str) -> None:
+        """Host work that may rightly take `seconds` without a tick (plus a margin): the watchdog waits that long."""
+        self.heartbeat.busy(self.host.clock.monotonic(), seconds + HOST_MARGIN_S, doing)
+
     async def run(self, adopt: ProcessRecord | None) -> None:
+        """Supervise for as long as the task runs: an exception of one cycle (a bug, an OSError of the host) is the
+        failure path's `_internal_error`, and the loop goes on — only a cancel ends it."""
         while True:
-            if adopt is None:
-                await self._until_startable()
-            launched = await self._start(adopt)
+            self.tick()
+            try:
+                await self._cycle(adopt)
+            except Exception as exc:
+                await self._internal_error(exc)
             adopt = None
-            if not launched:
-                continue
-            outcome, detail, failure, drain = await self._supervise()
-            if failure is not None:
-                await self._failed(failure, detail)
-                continue
-            if drain:
-                await self._drain(detail)
-            await self.stop_process(detail)
-            if outcome == "restart":
-                self.count_restart(self._restart_cause)
-                self._drain_queue({"restart"})
-                self.host.on_state(self)
+
+    async def _cycle(self, adopt: ProcessRecord | None) -> None:
+        """One start, its supervision and its end."""
+        if self.proc is not None:  # left by an internal error whose stop failed: never a second process beside it
+            await self.stop_process("left running by an internal error")
+        if adopt is None:
+            await self._until_startable()
+        if not await self._start(adopt):
+            return
+        outcome, detail, failure, drain = await self._supervise()
+        if failure is not None:
+            await self._failed(failure, detail)
+            return
+        if drain:
+            await self._drain(detail)
+        await self.stop_process(detail)
+        if outcome == "restart":
+            self.count_restart(self._restart_cause)
+            self._drain_queue({"restart"})
+            self.host.on_state(self)
 
     async def _until_startable(self) -> None:
         """Wait until the one start gate opens: desired running, not paused (unless an operator asked),
         dependencies up, nothing holding it."""
         while True:
+            self.tick()
             why = self.host.start_gate(self, self.operator_start)
             if why is None:
                 self.hold = None  # the gate is open: what held it no longer does
@@ -324,6 +348,7 @@ class Component(FailurePath):
         self.ready = False
         if adopt is not None:
             try:
+                self._busy(0.0, "adopting")
                 self.proc = await self.host.adopt(self, adopt)
             except AdoptError as exc:  # it died while no agent watched: the start that follows is a restart
                 self.adoption_tried = True
@@ -340,6 +365,7 @@ class Component(FailurePath):
         else:
             self._set(State.STARTING)
             try:
+                self._busy(PREPARE_BOUND_S + float(getattr(self.cfg, "clean_slate_timeout_s", 0) or 0), "cleaning up")
                 await self.host.prepare(self)
                 # The cleanup can take a minute (HBM back to idle): a gate that closed meanwhile (a new generation
                 # of the group acted while nothing ran here to restart) holds the launch, not only the next start.
@@ -352,6 +378,7 @@ class Component(FailurePath):
                 # An operator's restart or start queued while it waited (a backoff that ran out as the command came,
                 # the cleanup) is what this launch carries out: left queued, it would kill the new process at once.
                 self._drain_queue({"restart", "wake"})
+                self._busy(float(getattr(self.cfg, "start_timeout_s", 0) or 60) + 30, "launching")
                 self.proc = await self.host.launch(self)
             except StartHeld as held:
                 await self._wait_out(held)
@@ -388,6 +415,7 @@ class Component(FailurePath):
             self._set(State.STOPPED, f"start held: {held.reason}", "warning")
         self._hold(held.hold)
         while True:
+            self.tick()
             getter = asyncio.ensure_future(self._next())
             try:
                 done, _ = await asyncio.wait({getter}, timeout=HOLD_RECHECK_S)
@@ -406,8 +434,9 @@ class Component(FailurePath):
 
     async def _supervise(self) -> tuple[str, str, Failure | None, bool]:
         while True:
-            sig = await self._next()
+            sig = await self._next_ticking()
             if sig.kind == "startup_ok":
+                self.internal_errors = 0
                 self.up.set()
                 self.host.on_up(self)
                 self.bind_retries.on_up()
@@ -437,6 +466,14 @@ class Component(FailurePath):
                 self._restart_cause = sig.cause or ("dependency" if sig.kind == "dep_restart" else "operator")
                 return "restart", sig.detail or "restart requested", None, planned
 
+    async def _next_ticking(self) -> Signal:
+        """The next signal of this generation, the heartbeat ticked at least every `TICK_S` while none comes."""
+        while True:
+            self.tick()
+            with contextlib.suppress(TimeoutError):  # in this task, no hop: a queued signal is taken at once
+                async with asyncio.timeout(TICK_S):
+                    return await self._next()
+
     async def _drain(self, why: str) -> None:
         """A planned restart or stop of a serving component: readiness off first (so the proxy or load
         balancer stops sending), then wait until no request is running or waiting, or the drain timeout."""
@@ -449,6 +486,7 @@ class Component(FailurePath):
         unknown = 0
         try:
             while True:
+                self.tick()
                 left = await self.host.inflight(self)
                 waited = self.host.clock.time() - started
                 if left is None:
@@ -522,7 +560,9 @@ class Component(FailurePath):
         if proc is None:
             self._set(State.STOPPED)
             return {}
+        self._busy(float(getattr(self.cfg, "stop_grace_s", 0) or 0), "stopping")
         result = await self.host.terminate(self, proc, why)
+        self.tick()
         self.proc = None
         self.gen += 1  # what the old process's probes still report is stale now
         self.gone.set()

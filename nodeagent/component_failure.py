@@ -16,16 +16,26 @@ is of the supervisor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
+from loguru import logger
+
 from nodeagent.failure import Failure, classify
+from nodeagent.heartbeat import TICK_S
+from nodeagent.policy import backoff_delay
 from nodeagent.states import State
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from nodeagent.bindrace import BindRaceRetries, BindRetry
     from nodeagent.host import Process
     from nodeagent.policy import RestartDecision
     from nodeagent.states import Signal
+
+INTERNAL_MIN_DELAY_S = 1.0
+"""The shortest wait after an internal error: a bug that recurs at once must never make a tight loop."""
 
 Judged = tuple[Failure, "BindRetry | None", "RestartDecision | None"]
 """A failure as judged: classified, and either a bind-race retry or the host's decision (None: no action)."""
@@ -42,11 +52,15 @@ class FailurePath:
         failure: Failure | None
         bind_retries: BindRaceRetries
         backoff_until: float | None
+        internal_errors: int
+        proc: Process | None
 
         def _set(self, state: State, message: str = "", level: str = "info", **data: Any) -> None: ...
         def _going_down(self, why: str) -> Process | None: ...
         async def _stopped(self, proc: Process | None, why: str) -> dict[str, Any]: ...
+        async def stop_process(self, why: str) -> dict[str, Any]: ...
         def count_restart(self, cause: str) -> None: ...
+        def tick(self) -> None: ...
         async def _next(self) -> Signal: ...
         def _take_command(self, sig: Signal) -> None: ...
         def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
@@ -114,11 +128,14 @@ class FailurePath:
         sleeper = asyncio.ensure_future(self.host.clock.sleep(delay))
         try:
             while True:
+                self.tick()
                 getter = asyncio.ensure_future(self._next())
                 try:
-                    done, _ = await asyncio.wait({getter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait({getter, sleeper}, timeout=TICK_S, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     getter.cancel()
+                if not done:  # only the heartbeat's bound: the backoff goes on
+                    continue
                 if getter not in done or getter.cancelled():  # a signal that came with the timer is not lost
                     return False
                 sig = getter.result()
@@ -130,3 +147,37 @@ class FailurePath:
         finally:
             sleeper.cancel()
             self.backoff_until = None
+
+    async def _internal_error(self, exc: Exception) -> None:
+        """A bug in the loop or in its host (an OSError from a full log folder, a raising callback): never a silent
+        `starting` forever. Logged with its traceback, an event, what runs of it stopped (its state is unknown),
+        shown `failed: internal error: <type>: <message>`, and the loop re-armed after the normal restart backoff
+        (`policy.backoff_delay` over the consecutive internal errors; reset once it is up again). Every step is
+        guarded: this path itself must not end the loop."""
+        what = f"internal error: {type(exc).__name__}: {exc}"
+        logger.opt(exception=exc).error(f"{self.name}: {what}")
+        self.internal_errors += 1
+        delay = max(INTERNAL_MIN_DELAY_S, backoff_delay(self.cfg.restart, self.internal_errors))
+        with _logged(self.name, "its event"):
+            self.host.events.emit("internal_error", f"{what}; retrying in {delay:.0f}s", self.name, "error",
+                                  error=type(exc).__name__, retry_in_s=delay)  # fmt: skip
+        if self.proc is not None:
+            with _logged(self.name, "the stop of its process"):
+                await self.stop_process(what)
+        self.failure = Failure("internal", f"failed: {what}")
+        with _logged(self.name, "its failed state"):
+            self._set(State.FAILED, f"failed: {what}; retrying in {delay:.0f}s", "critical", retry_in_s=delay)
+        try:
+            await self._sleep_interruptibly(delay)
+        except Exception:
+            logger.exception(f"{self.name}: the backoff after an internal error failed; waiting {delay:.0f}s")
+            await asyncio.sleep(delay)
+
+
+@contextlib.contextmanager
+def _logged(name: str, what: str) -> Iterator[None]:
+    """One step of the internal-error path: its own exception is logged, never raised."""
+    try:
+        yield
+    except Exception:
+        logger.exception(f"{name}: {what} failed after an internal error")

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.cluster.tasks import log_death
 from nodeagent.npu_monitor import NpuMonitor, our_pids
 from nodeagent.recovery import NodeRecovery
 from nodeagent.stackport import ComponentView, Hold, HoldKind
@@ -117,6 +118,7 @@ class StartGuards:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(log_death)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -23,6 +23,7 @@ from loguru import logger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nodeagent import __version__
+from nodeagent.cluster.tasks import log_death
 from nodeagent.metrics import VllmCacheScraper
 from nodeagent.mqttmodel import (
     Outbox,
@@ -102,6 +103,8 @@ class MqttPublisher:
         self.sup.on_state_change.append(self.status_changed)
         self._tasks = [asyncio.create_task(coro, name=f"mqtt-{name}") for name, coro in
                        (("pump", self._pump()), ("link", self._link()), ("cache", self._scrape_loop()))]  # fmt: skip
+        for task in self._tasks:
+            task.add_done_callback(log_death)
         logger.info(f"MQTT: publishing to {self.broker} under {self.topics.status.rsplit('/', 1)[0]}/")
 
     def status_changed(self) -> None:

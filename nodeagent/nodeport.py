@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.cluster.tasks import guarded
 from nodeagent.failure import Failure
 from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import hold_for_dependency
@@ -283,5 +284,6 @@ class NodePort:
         return out
 
     def tell_layers(self) -> None:
+        """Each layer on its own: one that raises is logged and the others are still told."""
         for layer in self.layers:
-            layer.on_node_change()
+            guarded(f"layer {type(layer).__name__}.on_node_change", layer.on_node_change)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
+from nodeagent.cluster.tasks import guarded, log_death
 from nodeagent.component import Component
 from nodeagent.config_model import Config
 from nodeagent.errors import LaunchError, MissingPrerequisite, UnknownComponentError
@@ -25,8 +26,10 @@ from nodeagent.events import EventBus
 from nodeagent.evidence import PostMortems
 from nodeagent.failure import Failure
 from nodeagent.graph import start_order
+from nodeagent.heartbeat import Heartbeat
 from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.intent import NodeIntent
+from nodeagent.node_loops import NodeLoops
 from nodeagent.nodeport import NodePort
 from nodeagent.output_tail import read_tail
 from nodeagent.policy import RestartDecision, restarts_with
@@ -49,7 +52,7 @@ STABILITY_TICK_S = 30.0
 STATE_FLUSH_S = 0.02
 
 
-class Supervisor(NodePort):
+class Supervisor(NodePort, NodeLoops):
     def __init__(self, config: Config, events: EventBus | None = None, clock: Clock | None = None) -> None:
         self.config = config
         self.events = events or EventBus()
@@ -85,6 +88,8 @@ class Supervisor(NodePort):
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.redeploying: asyncio.Task[None] | None = None
+        self.redeploy_beat = Heartbeat(self.clock.monotonic())
+        """The redeploy's own heartbeat: while it runs, the component loops are cancelled and it is what ticks."""
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
         self._saved_launches: dict[str, dict[str, Any]] = {}
@@ -247,8 +252,8 @@ class Supervisor(NodePort):
         if self._flush_handle is None:
             with contextlib.suppress(RuntimeError):
                 self._flush_handle = asyncio.get_running_loop().call_later(STATE_FLUSH_S, self.flush_state)
-        for callback in self.on_state_change:
-            callback()
+        for callback in self.on_state_change:  # each on its own: a raising observer stops neither us nor the others
+            guarded(f"state observer {getattr(callback, '__qualname__', callback)}", callback)
         self.tell_layers()
 
     def flush_state(self) -> None:
@@ -279,7 +284,7 @@ class Supervisor(NodePort):
             seconds = comp.record_load(now)
             if seconds is not None:
                 for callback in self.on_load:
-                    callback(comp.name, comp.kind, seconds)
+                    guarded("load-time observer", callback, comp.name, comp.kind, seconds)
         if not comp.cfg.probes.liveness:
             self.trackers[comp.name].record_healthy(now)
         if comp.kind == "vllm" and comp.proc is not None:
@@ -341,7 +346,7 @@ class Supervisor(NodePort):
                     self.policy_healthy(comp)  # every passing check: a stable run must be noticed
                 self.liveness_holds.result(comp.name, gen, result.ok, result.detail)
             for callback in self.on_probe_result:
-                callback(comp.name, role, result)
+                guarded("probe-result observer", callback, comp.name, role, result)
 
         prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
         self._stop_prober(comp.attach_prober(prober))
@@ -352,6 +357,7 @@ class Supervisor(NodePort):
     def _keep(self, task: asyncio.Task[Any] | asyncio.Future[Any]) -> None:
         self._background.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(log_death)
 
     def stop_probes(self, comp: Component) -> None:
         self._stop_prober(comp.prober)
@@ -473,7 +479,7 @@ class Supervisor(NodePort):
                                 for n, r in self.store.load_children().items()}  # fmt: skip
         adopt = self._adoptable()
         for name in self.order:
-            self.tasks[name] = asyncio.create_task(self.components[name].run(adopt.get(name)), name=f"component:{name}")
+            self._start_loop(name, adopt.get(name))
 
     def get(self, name: str) -> Component:
         try:
@@ -500,44 +506,6 @@ class Supervisor(NodePort):
             comp.signal("restart", None, "operator restart", operator=True, drain=drain, cause="operator")
         self.events.emit("command", f"{by}: {action}", name)
         return f"{action} {name}" + ("" if drain or action == "start" else " (no drain)")
-
-    def request_redeploy(self, reason: str) -> bool:
-        if self.redeploying is not None and not self.redeploying.done():
-            return False
-        self.redeploying = asyncio.create_task(self._redeploy(reason), name="redeploy")
-        return True
-
-    async def _redeploy(self, reason: str) -> None:
-        """The guide's recovery: stop all in reverse order, clean all residue, start all in order."""
-        self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning")
-        await self._cancel_tasks()
-        # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
-        running = {name for name, comp in self.components.items() if comp.proc is not None}
-        await self._stop_all_processes(f"node redeploy: {reason}")
-        for name in self.order:
-            comp = self.components[name]
-            hold = self.node_hold(comp, False)
-            if hold is not None and hold.kind in STOPS_AUTOMATIC:
-                self.events.emit("no_action", f"redeploy leaves it alone: {hold}", name)
-                continue
-            with contextlib.suppress(StartHeld, LaunchError):
-                await self.cleanup(comp, scope="redeploy", reason=reason)
-            self.trackers[name].record_redeploy(self.clock.time())
-            if name in running:
-                comp.count_restart("redeploy")
-        self._save_intent()
-        self.redeploying = None
-        for name in self.order:
-            self.tasks[name] = asyncio.create_task(self.components[name].run(None), name=f"component:{name}")
-        self.events.emit("redeploy_done", "node redeploy: residue cleaned, starting in order")
-
-    async def _cancel_tasks(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        for task in self.tasks.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self.tasks.clear()
 
     async def _stop_all_processes(self, why: str) -> None:
         for name in reversed(self.order):

@@ -60,3 +60,25 @@ async def follow(store: Store, prefix: str, handle: WatchHandler, *, clock: Cloc
         except Exception:
             logger.exception(f"{what}: the watch of {prefix} failed; restarting it")
             await clock.sleep(retry_s)
+
+
+def log_death(task: asyncio.Future[Any]) -> None:
+    """A done-callback: a background task that ended by an exception is logged with its traceback (without an
+    owner that looks, its death would be silent — `asyncio` only complains when the task is collected)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+        logger.opt(exception=exc).error(f"background task {name} died: {type(exc).__name__}: {exc}")
+
+
+def guarded(what: str, callback: Callable[..., Any], *args: Any) -> bool:
+    """Call an observer; its exception is logged, never raised — one raising observer must not stop the loop that
+    tells it, nor the observers after it. Whether it returned."""
+    try:
+        callback(*args)
+    except Exception:
+        logger.exception(f"{what} raised; ignored")
+        return False
+    return True
