@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -160,3 +161,114 @@ def test_a_rank_that_ran_already_asks_only_once_its_groups_hold_wins() -> None:
     assert rank_to_rejoin(True, 3, 2, {"vllm": 3}, {"vllm": view(ours)}, ("vllm",)) is None, "not released"
     assert rank_to_rejoin(True, 3, 3, {"vllm": 3}, {"vllm": view(ours, running=True)}, ("vllm",)) is None
     assert rank_to_rejoin(True, 3, 3, {"vllm": 3}, {"vllm": view(ours, desired="stopped")}, ("vllm",)) is None
+
+
+async def test_a_rank_is_not_launched_in_a_generation_a_newer_known_one_replaces(
+        worlds: Callable[..., World]) -> None:  # fmt: skip
+    """The watch delivered generation 2 before the work loop acted on it: a rank that would start now in 1 waits
+    (it passed the gate, released in 1, and the next step stopped it at once)."""
+    world = await cold(worlds)
+    co = world.agents["n2"].coordinator
+    gs = co.gangs["p1"]
+    assert gs.record is not None and gs.acted == gs.released == 1
+    gs.record = replace(gs.record, generation=2, reason="n3/vllm: killed by SIGKILL")
+    gs.ran.pop("vllm")  # a rank that did not run in 1 (it was stopped before its release): nothing else holds it
+    view = world.stacks["n2"].component("vllm")
+    hold = co.gate(replace(view, running=False), False)
+    assert hold is not None and hold.kind == HoldKind.COORDINATION
+    assert "generation 2 is known, not yet acted on here: the rank starts in it, not in 1" in hold.reason
+
+
+async def test_a_canary_crash_then_its_rollback_launch_each_rank_once_on_the_rollbacks_file(tmp_path: Any) -> None:
+    """A rollout step whose new command exits at once: the crash asks generation N, the rollback's generation N+1
+    follows. Generation N used to launch a rank (on the previous file, staged by then) that N+1 killed right
+    away (CI: 11 ms later, in 4 of 8 runs; here, every run on n2). Now nothing starts for a generation the
+    rollout's next known decision replaces: each rank of the group is launched once after the crash, on the
+    rollback's file."""
+    from test_rollout_layer import disk_hash, launched, record, set_group_env, start, status, up_world
+
+    from nodeagent.config_cluster import cluster_file_hash
+
+    world = await up_world(tmp_path)
+    try:
+        old = cluster_file_hash(world.stacks["n0"].config)
+        world.install(set_group_env(["p0"], {"X": "1"}))
+        world.install(set_group_env(["p1"], {"FAKE_START": "crash"}))
+        new = disk_hash(world)
+        await start(world)
+        await world.until("halted", lambda: status(world, "n2") == "halted", 300)
+        await world.until("p1 up", lambda: world.all_up(["n2", "n3"]), 60)
+        await world.advance(30)
+        assert record(world).steps[1].phase == "rolled_back"
+        for node in ("n2", "n3"):
+            assert launched(world, node) == [old, new, old], f"{node}: to the new file, then once back"
+        generations = [world.gang(n, "p1").acted for n in ("n2", "n3")]
+        assert generations[0] == generations[1] == world.gang("n2", "p1").record.generation
+        assert generations[0] >= 4, "the crash's generation and the rollback's: two generations, one launch"
+    finally:
+        await world.close()
+
+
+async def test_a_rank_waits_for_the_rollbacks_generation_while_the_way_back_is_staged(tmp_path: Any) -> None:
+    """The rollout decided the way back (its record says so) but the rollback's generation is not written yet — a
+    member takes its time to stage the previous file. The crash's generation must launch nothing meanwhile: not
+    the previous file on the member that staged it, not the crashing file again on the one that did not."""
+    from test_rollout_layer import disk_hash, launched, set_group_env, start, status, up_world
+
+    from nodeagent.config_cluster import cluster_file_hash
+
+    world = await up_world(tmp_path)
+    try:
+        executor = world.agents["n3"].rollout
+        stage = executor._stage
+
+        async def slow_way_back(index: int, step: Any) -> None:
+            if step.failed:
+                await world.clock.sleep(20.0)
+            await stage(index, step)
+
+        executor._stage = slow_way_back
+        old = cluster_file_hash(world.stacks["n0"].config)
+        world.install(set_group_env(["p0"], {"X": "1"}))
+        world.install(set_group_env(["p1"], {"FAKE_START": "crash"}))
+        new = disk_hash(world)
+        await start(world)
+        await world.until("halted", lambda: status(world, "n2") == "halted", 300)
+        await world.until("p1 up", lambda: world.all_up(["n2", "n3"]), 60)
+        for node in ("n2", "n3"):
+            assert launched(world, node) == [old, new, old], f"{node}: to the new file, then once back"
+    finally:
+        await world.close()
+
+
+def test_the_rollouts_next_known_decision_holds_a_start_it_would_replace() -> None:
+    """Pure: `rollout_rules.next_restart` through a step's phases, the way back's too."""
+    from test_rollout_rules import marked, move, observed, record, to_gating
+
+    from nodeagent.cluster import rollout_rules as rr
+
+    def why(rec: Any, acted: int, gens: dict[str, int] | None = None, group: str = "p0") -> str | None:
+        return rr.next_restart(rec, group, acted, lambda: observed(0, gens or {}))
+
+    rec = record(("p0",), ("p1",))
+    assert why(rec, 1) is None, "pending: nothing decided"
+    rec, _ = move(rec, observed(1, {}))
+    assert "step 1 restarts p0 once every member is drained and took the file" in (why(rec, 1) or "")
+    assert why(rec, 1, group="p1") is None, "a group of another step"
+    assert why(replace(rec, status="aborting"), 1) is None, "cancelled before its restart: nothing follows"
+    rec = marked(marked(rec, "drained", "n0", "n1"), "proxy_out", "n0")
+    rec, _ = move(rec, observed(2, {}))
+    assert rec.steps[0].phase == "staging" and "once every member took the file" in (why(rec, 1) or "")
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(3, {"p0": 1}))
+    assert rec.steps[0].phase == "restarting" and "generation past 1 is asked" in (why(rec, 1) or "")
+    assert why(rec, 2) is None, "the step's generation acted on: it starts in it"
+    gating = to_gating(record(("p0",), ("p1",)))
+    assert why(gating, 2, {"p0": 2}) is None, "healthy so far"
+    assert "goes back to the previous file next" in (why(gating, 3, {"p0": 3}) or ""), "crashed: generation 3"
+    back, _ = move(gating, observed(5, {"p0": 3}))
+    assert back.steps[0].phase == "staging" and back.steps[0].failed and why(back, 3) is not None
+    back, _ = move(marked(back, "staged", "n0", "n1"), observed(6, {"p0": 3}))
+    assert why(back, 3) is not None and why(back, 4) is None, "the rollback's generation 4 starts"
+    back, _ = move(back, observed(7, {"p0": 4}))
+    assert back.steps[0].phase == "gating" and why(back, 5, {"p0": 5}) is None, "a way back that fails: left as is"
+    assert why(replace(gating, status="halted"), 3, {"p0": 3}) is None, "an ended rollout holds nothing"

@@ -430,6 +430,10 @@ class Coordinator:
         if gs.deferred is not None:
             return Hold(HoldKind.COORDINATION, f"group {name}: generation {gs.deferred} waits for the end of the pause",
                         resolves_itself=False)  # fmt: skip
+        newer = rules.must_restart_for(rules.GangView(gs.record, gs.acted, gs.acted_epoch), self.epoch)
+        if newer is not None:  # one generation, one launch: not in `acted`, which the next one stops at once
+            return Hold(HoldKind.COORDINATION, f"group {name}: generation {newer} is known, not yet acted on here: "
+                        f"the rank starts in it, not in {gs.acted}")  # fmt: skip
         record = gs.record
         if record is not None and record.not_before > self.clock.time():
             left = record.not_before - self.clock.time()
