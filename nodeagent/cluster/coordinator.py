@@ -411,9 +411,10 @@ class Coordinator:
     # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
-        backoff and barrier."""
+        backoff and barrier. Side-effect free: the node asks every layer's gate, and the earliest hold wins — what
+        follows from ours (asking a generation) is the work loop's, once it is the hold the rank shows."""
         held = self.ops.gate(comp, operator) if self.ops is not None else None
-        return held or self._group_gate(comp)  # asked only when nothing earlier holds: it may ask a generation
+        return held or self._group_gate(comp)
 
     def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)
@@ -448,8 +449,7 @@ class Coordinator:
                             "already: the group starts again as one (the next generation is asked)",
                             data={"rejoin": gs.acted})  # fmt: skip
             return None
-        self.wake()
-        return self.barrier.hold(gs)
+        return self.barrier.hold(gs)  # the rank shown held wakes the work loop (on_node_change): it arrives then
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter). Asked as soon
