@@ -272,3 +272,45 @@ def test_the_rollouts_next_known_decision_holds_a_start_it_would_replace() -> No
     back, _ = move(back, observed(7, {"p0": 4}))
     assert back.steps[0].phase == "gating" and why(back, 5, {"p0": 5}) is None, "a way back that fails: left as is"
     assert why(replace(gating, status="halted"), 3, {"p0": 3}) is None, "an ended rollout holds nothing"
+
+
+class CasThenNewer:
+    """The store as one coordinator sees it: its gang record's compare-and-swap succeeds, and before the answer
+    reaches the work loop another member writes the next generation, which the watch delivers at once."""
+
+    def __init__(self, store: Any, world: World, newer: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self.store, self.world, self.newer = store, world, newer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def compare_and_swap(self, key: str, mod_revision: int, value: Any, *args: Any, **kwargs: Any) -> Any:
+        import json
+
+        result = await self.store.compare_and_swap(key, mod_revision, value, *args, **kwargs)
+        if "/gangs/" in key and result.succeeded and self.newer is not None:
+            newer, self.newer = self.newer, None  # type: ignore[assignment]
+            self.store.write_from_elsewhere(key, json.dumps(newer(json.loads(value))))
+            for _ in range(50):
+                await asyncio.sleep(0)  # the watches deliver it (to this agent too) before the answer is read
+        return result
+
+
+async def test_a_newer_generation_the_watch_brings_during_the_write_is_not_overwritten_by_ours(
+        worlds: Callable[..., World]) -> None:  # fmt: skip
+    """n3 writes generation 2; before its CAS answer is read, n2 writes 3 and the watch delivers it. Setting the
+    record to our 2 after the await clobbered the 3: n3 acted on 2 and never saw 3 again (the watch had delivered
+    it already), while n2 waited at generation 3's barrier for it. The newest revision wins."""
+    world = await cold(worlds)
+    co = world.agents["n3"].coordinator
+
+    def operator_restart(ours: dict[str, Any]) -> dict[str, Any]:
+        return {**ours, "generation": ours["generation"] + 1, "reason": "operator restart", "by": "n2",
+                "planned": True}  # fmt: skip
+
+    co.store = CasThenNewer(co.store, world, operator_restart)
+    world.stacks["n3"].crash("vllm")
+    await world.until("p1's ranks both started again", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)  # noqa: E501
+    for node in ("n2", "n3"):
+        gs = world.gang(node, "p1")
+        assert gs.record.generation == gs.acted == gs.released == 3, node

@@ -184,6 +184,14 @@ class Coordinator:
         gs.record = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
         gs.mod_revision = kv.mod_revision if kv is not None else 0
 
+    def _wrote(self, gs: GangState, record: rules.GangRecord, revision: int) -> None:
+        """Our write of the group's record succeeded: it is ours unless the watch brought a newer one during the
+        await (that one is not delivered again: taking ours over it, this node acted on an old generation and
+        never on the new one)."""
+        if revision > gs.mod_revision:
+            gs.record, gs.mod_revision = record, revision
+            self.records[gs.group.name] = record
+
     def _on_barrier(self, key: str, kv: KV | None) -> None:
         parts = key.rsplit("/", 3)
         self.barrier.on_key(self.gangs.get(parts[1]) if len(parts) == 4 else None, key, kv)
@@ -315,7 +323,7 @@ class Coordinator:
             if not result.succeeded:
                 self._on_gang(rules.gang_key(self.cluster, gs.group.name), result.current)
                 return
-            gs.record, gs.mod_revision = first, result.revision
+            self._wrote(gs, first, result.revision)
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
         here = self.port.snapshot().components
@@ -369,8 +377,7 @@ class Coordinator:
         del gs.requests[:len(batch)]  # appended only at the end: the batch is still the queue's head
         if gs.requests:
             self.wake()
-        gs.record, gs.mod_revision = record, result.revision
-        self.records[gs.group.name] = record
+        self._wrote(gs, record, result.revision)
         when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
         self.port.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
                        f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
@@ -405,7 +412,7 @@ class Coordinator:
             key = rules.gang_key(self.cluster, gs.group.name)
             result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
             if result.succeeded:
-                gs.record, gs.mod_revision = settled, result.revision
+                self._wrote(gs, settled, result.revision)
                 self.port.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
 
     # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
