@@ -47,8 +47,8 @@ async def test_empty_answers_while_etcd_is_away_restart_the_group_once_it_answer
     world.store.set_reachable(True)
     await world.until("d0 restarted", lambda: world.stacks["n2"].started("vllm") == 2, 60)
     assert world.clock.monotonic() - watch.acted[("empty", "d0")] < RESTART_COOLDOWN_S / 4
-    (claimed,) = said(world, "group d0 restarts (generation 2)")
-    assert "without the 2 tokens asked" in claimed
+    (claimed,) = said(world, "group d0 restarts: ")
+    assert "answers in a row without the 2 tokens asked" in claimed and claimed.endswith("(generation 2)"), claimed
     assert watch.status_section()["pd_watch"]["refused"] == {}
 
 
@@ -65,4 +65,4 @@ async def test_a_busy_record_is_not_a_restart(world: World, monkeypatch: pytest.
     assert not await watch._restart("transfer", "d0", "transfer failures with every prefill peer")
     assert not watch.acted and said(world, "group d0 not restarted (busy: another node is changing it")
     assert await watch._restart("transfer", "d0", "transfer failures with every prefill peer"), "asked again"
-    assert said(world, "group d0 restarts (generation 7): transfer failures")
+    assert said(world, "group d0 restarts: transfer failures with every prefill peer (generation 7)")

@@ -273,7 +273,7 @@ class PdWatch(ReportLayer):
             return False
         self.refused.pop(group, None)
         self.acted[(why, group)] = now
-        self.co.port.emit("pd_watch", f"group {group} restarts ({answer}): {reason}", None, "warning", group=group,
+        self.co.port.emit("pd_watch", f"group {group} restarts: {reason} ({answer})", None, "warning", group=group,
                           why=why)  # fmt: skip
         return True
 
