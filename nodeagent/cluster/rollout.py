@@ -502,7 +502,7 @@ class RolloutExecutor:
         if record is None or group is None or comp.name not in group.components(self.node):
             return None
         gs = self.co.gangs.get(group.name)
-        replaced = rr.next_restart(record, group.name, gs.acted if gs is not None else 0, self._observe)
+        replaced = rr.next_restart(record, group.name, gs.acted, self._observe) if gs is not None else None
         if replaced is not None and not comp.running:
             return Hold(HoldKind.ROLLOUT, replaced)
         i = record.current()
