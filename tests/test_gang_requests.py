@@ -314,3 +314,45 @@ async def test_a_newer_generation_the_watch_brings_during_the_write_is_not_overw
     for node in ("n2", "n3"):
         gs = world.gang(node, "p1")
         assert gs.record.generation == gs.acted == gs.released == 3, node
+
+
+class LostCasThenNewer:
+    """The store as one coordinator sees it: its gang record's compare-and-swap loses to a write made just before
+    it (generation 2), and before the answer reaches the work loop a third write (generation 3) arrives through
+    the watch."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.armed = store, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def compare_and_swap(self, key: str, mod_revision: int, value: Any, *args: Any, **kwargs: Any) -> Any:
+        import json
+
+        if "/gangs/" not in key or not self.armed:
+            return await self.store.compare_and_swap(key, mod_revision, value, *args, **kwargs)
+        self.armed = False
+        ours = json.loads(value)
+        self.store.write_from_elsewhere(key, json.dumps({**ours, "by": "n2", "reason": "n2/vllm: killed"}))
+        result = await self.store.compare_and_swap(key, mod_revision, value, *args, **kwargs)
+        assert not result.succeeded
+        third = {**ours, "generation": ours["generation"] + 1, "by": "n2", "reason": "operator restart"}
+        self.store.write_from_elsewhere(key, json.dumps(third))
+        for _ in range(50):
+            await asyncio.sleep(0)  # the watches deliver it before the lost answer is read
+        return result
+
+
+async def test_a_lost_write_does_not_bring_back_a_record_older_than_the_watch_gave(
+        worlds: Callable[..., World]) -> None:  # fmt: skip
+    """n3's CAS loses to n2's generation 2; generation 3 arrives through the watch before n3 reads the answer.
+    Taking the answer's record (2) over it, n3 acted on 2 and never on 3 while n2 waited at 3's barrier."""
+    world = await cold(worlds)
+    co = world.agents["n3"].coordinator
+    co.store = LostCasThenNewer(co.store)
+    world.stacks["n3"].crash("vllm")
+    await world.until("p1's ranks both started again", lambda: vllm_starts(world)["n2"] == vllm_starts(world)["n3"] == 2, 60)  # noqa: E501
+    for node in ("n2", "n3"):
+        gs = world.gang(node, "p1")
+        assert gs.record.generation == gs.acted == gs.released == 3, node

@@ -192,6 +192,12 @@ class Coordinator:
             gs.record, gs.mod_revision = record, revision
             self.records[gs.group.name] = record
 
+    def _lost_write(self, gs: GangState, current: KV | None) -> None:
+        """Our write lost to another: the record the store answered with, unless the watch brought a newer one
+        during the await (as `_wrote`)."""
+        if current is None or current.mod_revision > gs.mod_revision:
+            self._on_gang(rules.gang_key(self.cluster, gs.group.name), current)
+
     def _on_barrier(self, key: str, kv: KV | None) -> None:
         parts = key.rsplit("/", 3)
         self.barrier.on_key(self.gangs.get(parts[1]) if len(parts) == 4 else None, key, kv)
@@ -321,7 +327,7 @@ class Coordinator:
             result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
                                                        json.dumps(first.to_dict()))  # fmt: skip
             if not result.succeeded:
-                self._on_gang(rules.gang_key(self.cluster, gs.group.name), result.current)
+                self._lost_write(gs, result.current)
                 return
             self._wrote(gs, first, result.revision)
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
@@ -371,7 +377,7 @@ class Coordinator:
         result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(record.to_dict()))
         if not result.succeeded:
             gs.requests[:len(batch)] = [r for r in batch if r not in done]  # said once
-            self._on_gang(key, result.current)  # re-read; the next step decides again
+            self._lost_write(gs, result.current)  # re-read; the next step decides again
             self.wake()
             return
         del gs.requests[:len(batch)]  # appended only at the end: the batch is still the queue's head
