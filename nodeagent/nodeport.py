@@ -252,6 +252,8 @@ class NodePort:
 
     # ---- what the node asks its layers -----------------------------------------------------------------------
     def layer_hold(self, comp: Component, operator: bool) -> Hold | None:
+        """Every layer's gate is asked, the earliest kind wins: a gate only reports (what follows from its hold is
+        the layer's own loop's, once the rank shows that hold — `ComponentView.hold`)."""
         if not self.layers:
             return None
         view = self.view(comp)

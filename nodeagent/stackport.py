@@ -51,7 +51,8 @@ class HoldKind(StrEnum):
     """A multi-node group cannot start its ranks while etcd is away (or a generation is being asked for)."""
     GROUP_BACKOFF = "group_backoff"
     ROLLOUT = "rollout"
-    """An incompatible rollout's step: its ranks wait for the proxy to stop listing their group."""
+    """An incompatible rollout's step: its ranks wait for the proxy to stop listing their group; any step: its ranks
+    wait for the generation its next known decision makes (`rollout_rules.next_restart`)."""
     BARRIER = "barrier"
     FOREIGN_HOLDER = "foreign_holder"
     """A process that is not ours holds a port or an NPU: the start waits, nothing is signalled."""

@@ -190,6 +190,20 @@ class Coordinator:
         gs.record = rules.GangRecord.from_dict(kv.json()) if kv is not None else None
         gs.mod_revision = kv.mod_revision if kv is not None else 0
 
+    def _wrote(self, gs: GangState, record: rules.GangRecord, revision: int) -> None:
+        """Our write of the group's record succeeded: it is ours unless the watch brought a newer one during the
+        await (that one is not delivered again: taking ours over it, this node acted on an old generation and
+        never on the new one)."""
+        if revision > gs.mod_revision:
+            gs.record, gs.mod_revision = record, revision
+            self.records[gs.group.name] = record
+
+    def _lost_write(self, gs: GangState, current: KV | None) -> None:
+        """Our write lost to another: the record the store answered with, unless the watch brought a newer one
+        during the await (as `_wrote`)."""
+        if current is None or current.mod_revision > gs.mod_revision:
+            self._on_gang(rules.gang_key(self.cluster, gs.group.name), current)
+
     def _on_barrier(self, key: str, kv: KV | None) -> None:
         parts = key.rsplit("/", 3)
         self.barrier.on_key(self.gangs.get(parts[1]) if len(parts) == 4 else None, key, kv)
@@ -256,8 +270,8 @@ class Coordinator:
         late would otherwise make a second generation)."""
         for gs in self.gangs.values():
             gs.released = 0
-            if gs.pending is None and (gs.record is None or gs.record.reason != reason):
-                gs.pending = (gs.acted, reason, False)
+            if gs.record is None or reason not in gs.record.reason.split(rules.REASONS_SEP):
+                self.ask(gs, gs.acted, reason, False)
         self.wake()
 
     def redeploy_done(self, rid: str) -> None:
@@ -266,10 +280,17 @@ class Coordinator:
             self.done_redeploys.append(rid)
             self.save()
 
+    def ask(self, gs: GangState, seen: int, reason: str, planned: bool) -> None:
+        """Queue a request for the group's next generation. Only the work loop decides and writes it (one writer
+        per group's record): nothing here awaits, and no request replaces another — those decided together make
+        one generation, a later one is decided on the record written meanwhile (`rules.merge_requests`)."""
+        gs.requests.append(rules.GenRequest(seen, reason, planned))
+        self.wake()
+
     async def _step(self, gs: GangState) -> None:
         assert self.epoch is not None
         epoch = self.epoch
-        if gs.pending is not None:
+        if gs.requests:
             await self._bump(gs, epoch)
         view = rules.GangView(gs.record, gs.acted, gs.acted_epoch)
         if rules.baseline(view, epoch):
@@ -282,11 +303,10 @@ class Coordinator:
             gs.fresh = False
             if any(here.components[c].running for c in gs.components):
                 gs.released = gs.acted  # adopted: they run on in the generation they started in
-            elif gs.pending is None:
+            elif not gs.requests:
                 # Back without our ranks while the group ran on (they died unwatched, or never ran): a DP group
                 # cannot take a rank back; restart it.
-                gs.pending = (gs.acted, f"{self.node} came back without its ranks of the group", False)
-                self.wake()
+                self.ask(gs, gs.acted, f"{self.node} came back without its ranks of the group", False)
                 return
         target = rules.must_restart_for(view, epoch)
         if target is not None:
@@ -298,6 +318,11 @@ class Coordinator:
                                    f"{gs.record.by}: paused, acting on resume", None, "warning")  # fmt: skip
                 return
             self._act(gs, target, here)
+        elif not gs.requests and (rank := rules.rank_to_rejoin(gs.multi, gs.acted, gs.released, gs.ran,
+                                                                 here.components, gs.components)):
+            # the gate said so (its hold won: nothing earlier holds the rank); asking is this step's, not the gate's
+            self.ask(gs, gs.acted, f"{self.node}/{rank} stopped during generation {gs.acted}: its group cannot take "
+                     "a rank back", False)  # fmt: skip
         await self.barrier.step(gs, here)
 
     async def _adopt_baseline(self, gs: GangState, epoch: str) -> None:
@@ -308,9 +333,9 @@ class Coordinator:
             result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
                                                        json.dumps(first.to_dict()))  # fmt: skip
             if not result.succeeded:
-                self._on_gang(rules.gang_key(self.cluster, gs.group.name), result.current)
+                self._lost_write(gs, result.current)
                 return
-            gs.record, gs.mod_revision = first, result.revision
+            self._wrote(gs, first, result.revision)
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
         here = self.port.snapshot().components
@@ -337,29 +362,51 @@ class Coordinator:
         self.port.wake()
 
     async def _bump(self, gs: GangState, epoch: str) -> None:
-        assert gs.pending is not None
-        seen, reason, planned = gs.pending
-        spec = self.port.component(gs.components[0]).restart
-        out = rules.bump(gs.record, seen, node=self.node, reason=reason, now=self.clock.time(), epoch=epoch, spec=spec,
-                         planned=planned)  # fmt: skip
+        """Decide the queued requests on one snapshot (the record and the queue as they are now), write the one
+        generation they make, and remove only what was decided: a request queued during the write is decided at
+        the next step, against the record just written."""
+        batch = list(gs.requests)
+        merged, done = rules.merge_requests(gs.record, epoch, batch)
+        for request in done:  # someone (maybe us, a moment ago) already moved the group on: we follow theirs
+            self._joined(gs, request)
+        out = None
+        if merged is not None:
+            spec = self.port.component(gs.components[0]).restart
+            out = rules.bump(gs.record, merged.seen, node=self.node, reason=merged.reason, now=self.clock.time(),
+                             epoch=epoch, spec=spec, planned=merged.planned)  # fmt: skip
         if out is None:
-            gs.pending = None  # someone else already moved the group on: we follow theirs
+            del gs.requests[:len(batch)]
             return
         record, decision = out
+        reason = record.reason
         key = rules.gang_key(self.cluster, gs.group.name)
         result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(record.to_dict()))
         if not result.succeeded:
-            self._on_gang(key, result.current)  # re-read; the next step decides again
+            gs.requests[:len(batch)] = [r for r in batch if r not in done]  # said once
+            self._lost_write(gs, result.current)  # re-read; the next step decides again
             self.wake()
             return
-        gs.pending = None
-        gs.record, gs.mod_revision = record, result.revision
+        del gs.requests[:len(batch)]  # appended only at the end: the batch is still the queue's head
+        if gs.requests:
+            self.wake()
+        self._wrote(gs, record, result.revision)
         when = "now" if decision.delay_s <= 0 else f"in {decision.delay_s:.0f}s"
         self.port.emit("gang_generation", f"group {gs.group.name}: generation {record.generation} ({reason}); "
                        f"every node of the group restarts, {when}", None, "warning", group=gs.group.name,
                        generation=record.generation, delay_s=decision.delay_s)  # fmt: skip
         if decision.action == "redeploy" and self.ops is not None:
             self.ops.request_redeploy(f"group {gs.group.name} keeps failing: {decision.reason}", self.node)
+
+    def _joined(self, gs: GangState, request: rules.GenRequest) -> None:
+        """A request the generation under way answers: said, not dropped (a second generation would restart the
+        group just started once more)."""
+        record = gs.record
+        assert record is not None
+        if request.reason in record.reason.split(rules.REASONS_SEP):
+            return  # the one the record was written for
+        self.port.emit("gang_joined", f"group {gs.group.name}: {request.reason}: answered by generation "
+                       f"{record.generation} ({record.reason}), asked after generation {request.seen}: every rank "
+                       "restarts once, in it", None, group=gs.group.name, generation=record.generation)  # fmt: skip
 
     async def _settle(self, gs: GangState) -> None:
         """The group ran stably: clear its crash loop in etcd (the head writes; only when it changes)."""
@@ -377,15 +424,16 @@ class Coordinator:
             key = rules.gang_key(self.cluster, gs.group.name)
             result = await self.store.compare_and_swap(key, gs.mod_revision, json.dumps(settled.to_dict()))
             if result.succeeded:
-                gs.record, gs.mod_revision = settled, result.revision
+                self._wrote(gs, settled, result.revision)
                 self.port.emit("gang_stable", f"group {gs.group.name} ran stably: crash loop cleared")
 
     # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
-        backoff and barrier."""
+        backoff and barrier. Side-effect free: the node asks every layer's gate, and the earliest hold wins — what
+        follows from ours (asking a generation) is the work loop's, once it is the hold the rank shows."""
         held = self.ops.gate(comp, operator) if self.ops is not None else None
-        return held or self._group_gate(comp)  # asked only when nothing earlier holds: it may ask a generation
+        return held or self._group_gate(comp)
 
     def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)
@@ -397,28 +445,30 @@ class Coordinator:
         if self.epoch is None or not self.reachable:
             return Hold(HoldKind.COORDINATION,
                         f"group {name}: waiting for etcd to coordinate its start ({self.store.state.endpoint})")
-        if gs.pending is not None:
+        if gs.requests:
             return Hold(HoldKind.COORDINATION, f"group {name}: asking for the next generation")
         if gs.deferred is not None:
             return Hold(HoldKind.COORDINATION, f"group {name}: generation {gs.deferred} waits for the end of the pause",
                         resolves_itself=False)  # fmt: skip
+        newer = rules.must_restart_for(rules.GangView(gs.record, gs.acted, gs.acted_epoch), self.epoch)
+        if newer is not None:  # one generation, one launch: not in `acted`, which the next one stops at once
+            return Hold(HoldKind.COORDINATION, f"group {name}: generation {newer} is known, not yet acted on here: "
+                        f"the rank starts in it, not in {gs.acted}")  # fmt: skip
         record = gs.record
         if record is not None and record.not_before > self.clock.time():
             left = record.not_before - self.clock.time()
             return Hold(HoldKind.GROUP_BACKOFF,
                         f"group {name}: backing off {left:.0f}s as one (generation {record.generation})")
         if gs.released == gs.acted:
-            if gs.multi and gs.ran.get(comp.name) == gs.acted and not comp.running:
+            if rules.rejoins(gs.multi, gs.acted, gs.ran.get(comp.name), comp.running):
                 # It ran in this generation and stopped without the group's restart (it died while paused, an
                 # operator stopped and starts it): a DP group cannot take a rank back; the group starts again.
-                gs.pending = (gs.acted, f"{self.node}/{comp.name} stopped during generation {gs.acted}: its group "
-                              "cannot take a rank back", False)  # fmt: skip
-                self.wake()
-                return Hold(HoldKind.COORDINATION, f"group {name}: asking for the next generation "
-                            f"({comp.name} ran in generation {gs.acted} already)")  # fmt: skip
+                # Only said here: the work loop asks, once this hold is the one that wins (`rank_to_rejoin`).
+                return Hold(HoldKind.COORDINATION, f"group {name}: {comp.name} ran in generation {gs.acted} "
+                            "already: the group starts again as one (the next generation is asked)",
+                            data={"rejoin": gs.acted})  # fmt: skip
             return None
-        self.wake()
-        return self.barrier.hold(gs)
+        return self.barrier.hold(gs)  # the rank shown held wakes the work loop (on_node_change): it arrives then
 
     def decide(self, comp: ComponentView, failure: Failure) -> str | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter). Asked as soon
@@ -436,13 +486,10 @@ class Coordinator:
             under_way = gs.record.generation if gs.record is not None else gs.acted
             return f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}"
         reason = f"{self.node}/{comp.name}: {failure.detail}"
+        self.ask(gs, seen, reason, False)
         if not self.reachable:
-            gs.pending = gs.pending or (seen, reason, False)
             return (f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
                     "(the other nodes keep serving)")  # fmt: skip
-        if gs.pending is None:
-            gs.pending = (seen, reason, False)
-        self.wake()
         return f"group {name} restarts as one: generation {seen + 1} on {nodes}"
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
@@ -463,8 +510,7 @@ class Coordinator:
         gs = self.gangs.get(group)
         if gs is None:
             raise KeyError(group)
-        gs.pending = (gs.acted, reason, planned)
-        self.wake()
+        self.ask(gs, gs.acted, reason, planned)
         return (f"restarting group {group} as generation {gs.acted + 1}: every rank on "
                 f"{', '.join(gs.group.nodes)} restarts once")  # fmt: skip
 
@@ -523,7 +569,7 @@ class Coordinator:
                            "reason": record.reason if record else None, "by": record.by if record else None,
                            "barrier": {"arrived": sorted(gs.arrivals), "released": gs.released == gs.acted},
                            "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
-                           "pending": gs.pending is not None}  # fmt: skip
+                           "pending": gs.pending}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
                 "pause": self.port.cluster_pause(), "gangs": gangs,
                 "redeploy": self.ops.status() if self.ops is not None else None,

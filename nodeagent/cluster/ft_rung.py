@@ -58,7 +58,6 @@ class GangPosition(Protocol):
     components: tuple[str, ...]
     acted: int
     """The generation this node's ranks run in."""
-    pending: tuple[int, str, bool] | None
 
     @property
     def multi(self) -> bool: ...
@@ -354,8 +353,7 @@ class FtRung:
                                  nxt)  # fmt: skip
         cause = f"fault tolerance on {self.coordinator.node}: {reason}"
         if self.coordinator.reachable or gs.multi:
-            if gs.pending is None:
-                self.coordinator.request_generation(g.name, cause, planned=False)
+            self.coordinator.request_generation(g.name, cause, planned=False)  # queued: merges with one asked already
         else:  # a one-node group while etcd is away restarts here, as the coordinator's decide would let it
             self.port.restart([r.component for r in g.ranks], cause, planned=False)
 

@@ -19,8 +19,10 @@ class GangState:
     mod_revision: int = 0
     acted: int = 0
     acted_epoch: str = ""
-    pending: tuple[int, str, bool] | None = None
-    """A generation bump this node asks for: (seen generation, reason, planned)."""
+    requests: list[rules.GenRequest] = field(default_factory=list)
+    """Generation requests queued here (a failure, an operator, FT, recovery, a rank that ran already): anyone
+    appends (`Coordinator.ask`), only the work loop's decision step removes what it decided on — a request
+    arriving while a generation is being written waits for the next decision, never dropped."""
     deferred: int | None = None
     """A generation seen while paused, acted on at resume."""
     arrivals: set[str] = field(default_factory=set)
@@ -44,6 +46,11 @@ class GangState:
     a line per action)."""
     unclean_holder: str | None = None
     """What that re-check answered last: a new holder is said once."""
+
+    @property
+    def pending(self) -> bool:
+        """A request is queued: the next generation is being asked for."""
+        return bool(self.requests)
 
     @property
     def multi(self) -> bool:

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from nodeagent.bindaddr import connect_host, direct_opener
-from nodeagent.errors import UnknownComponentError
+from nodeagent.cluster.store import StoreError
+from nodeagent.errors import CoordinationUnavailable, UnknownComponentError
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
 from nodeagent.stackport import ReportLayer
@@ -214,6 +215,8 @@ class PdWatch(ReportLayer):
         """The last probe through the proxy: ok, what, at, and `fault` when the proxy itself is to blame."""
         self.proxy_faults = 0
         """Rounds in a row in which the proxy was the fault."""
+        self.refused: dict[str, str] = {}
+        """group → why its last restart was not granted (etcd away, busy): said once, asked again each round."""
         self.rounds = 0
         coordinator.port.attach(self)
 
@@ -263,17 +266,29 @@ class PdWatch(ReportLayer):
 
     async def _restart(self, why: str, group: str, reason: str) -> bool:
         """One restart of the group per cooldown, whatever the reason: an empty-answer restart followed by a KV or
-        transfer verdict read before it took effect would restart a group that is loading already."""
+        transfer verdict read before it took effect would restart a group that is loading already. Claimed (the
+        cooldown armed, "restarts" said) only once a generation was granted: a refusal — etcd away, the record busy
+        — is said as such and the verdict is asked again at the next round."""
         now = self.clock.monotonic()
         last = max((t for (_, g), t in self.acted.items() if g == group), default=-RESTART_COOLDOWN_S)
         if now - last < RESTART_COOLDOWN_S:
             return False
+        try:
+            answer = (await self.co.ask_generations([group], f"pd watch: {reason}", planned=False)).get(group, "")
+        except (CoordinationUnavailable, StoreError) as exc:
+            answer = f"etcd unavailable: {exc}"
+        if not answer.startswith("generation "):
+            if self.refused.get(group) != answer:  # said once per answer; logged at every round
+                self.co.port.emit("pd_watch", f"group {group} not restarted ({answer}): {reason}; asked again at "
+                                  "the next round", None, "error", group=group, why=why)  # fmt: skip
+            self.refused[group] = answer
+            logger.warning(f"pd watch: group {group} not restarted ({answer}); asked again at the next round")
+            return False
+        self.refused.pop(group, None)
         self.acted[(why, group)] = now
-        self.co.port.emit("pd_watch", f"group {group} restarts: {reason}", None, "warning", group=group, why=why)
-        with contextlib.suppress(Exception):
-            await self.co.ask_generations([group], f"pd watch: {reason}", planned=False)
-            return True
-        return False
+        self.co.port.emit("pd_watch", f"group {group} restarts: {reason} ({answer})", None, "warning", group=group,
+                          why=why)  # fmt: skip
+        return True
 
     async def probe_round(self) -> None:
         """Every decode instance of the groups in the proxy, then the proxy itself, spread over one period."""
@@ -420,7 +435,7 @@ class PdWatch(ReportLayer):
     def status_section(self) -> dict[str, Any]:
         streaks = {g.name: {e: self.empties.streak.get(e, 0) for e in g.endpoints} for g in self._of("decode")}
         return {"pd_watch": {"probes": {g: dict(p) for g, p in self.last_probe.items()}, "empty_streaks": streaks,
-                             "proxy": dict(self.proxy),
+                             "proxy": dict(self.proxy), "refused": dict(self.refused),
                              "restarted": {f"{g} ({why})": round(self.clock.time() - (self.clock.monotonic() - t), 3)
                                            for (why, g), t in self.acted.items() if g}}}  # fmt: skip
 

@@ -496,10 +496,15 @@ class RolloutExecutor:
     # ---- NodeLayer ---------------------------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """A rank of a step that changes the container's image starts only in the new container; in an
-        incompatible change, only once the proxy lists its group no more (`rollout_rules.proxy_wait`)."""
+        incompatible change, only once the proxy lists its group no more (`rollout_rules.proxy_wait`); never for a
+        generation the step's next known decision replaces (`rollout_rules.next_restart`)."""
         record, group = self.record, self.group
         if record is None or group is None or comp.name not in group.components(self.node):
             return None
+        gs = self.co.gangs.get(group.name)
+        replaced = rr.next_restart(record, group.name, gs.acted, self._observe) if gs is not None else None
+        if replaced is not None and not comp.running:
+            return Hold(HoldKind.ROLLOUT, replaced)
         i = record.current()
         step = record.steps[i] if i is not None else None
         if step is None or group.name not in step.groups or step.phase not in RESTARTS:

@@ -20,7 +20,7 @@ record itself, data only, is `rollout_record`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -397,6 +397,36 @@ def proxy_wait(record: Record | None, group: str, proxied: bool) -> str | None:
     return (f"rollout {record.id} step {i + 1}: waiting for the proxy to delete {', '.join(step.groups)} (it does "
             "once no request is in flight): started while it still lists them, the old file's groups would send "
             "them requests (an incompatible change)")
+
+
+def next_restart(record: Record | None, group: str, acted: int, observe: Callable[[], Observed]) -> str | None:
+    """Why a rank of `group` starting now, in generation `acted`, would be stopped again by the rollout's next
+    known decision (None: it would not): one generation, one launch. The step's own generation comes after its
+    drain and staging, or is asked and not yet acted on here; a forward step whose health already fails (a rank
+    crashed with the new file: the group's generation moved past the step's) rolls the group back next. A start
+    meanwhile is a vLLM killed as it loads (CI: the crash's generation launched a rank on the previous file, the
+    rollback's generation killed it 11 ms later; on an A2, 8 NPUs grabbed mid-init). `observe`: the cluster as
+    seen here, read only when the step's health decides."""
+    if record is None or not record.active:
+        return None
+    i = record.current()
+    step = record.steps[i] if i is not None else None
+    if step is None or group not in step.groups:
+        return None
+    what = f"rollout {record.id} step {i + 1}"
+    back = bool(step.failed or step.rollback)
+    if step.phase == "draining" and record.status == "aborting" and not step.failed:
+        return None  # cancelled before its restart: nothing follows
+    if step.phase in ("draining", "staging"):
+        until = "is drained and took the file" if step.phase == "draining" else "took the file"
+        return f"{what} restarts {group} once every member {until}: it starts then"
+    if step.phase == "restarting" and acted <= step.base.get(group, 0):
+        return f"{what}: {group}'s generation past {step.base.get(group, 0)} is asked; it starts in that one"
+    if step.phase in ("gating", "rejoining", "baking") and not back:
+        problem = _health_problem(step, observe())
+        if problem is not None:
+            return f"{what} fails ({problem}): {group} goes back to the previous file next; it starts then"
+    return None
 
 
 def _mixed_after_abort(record: Record) -> list[str]:

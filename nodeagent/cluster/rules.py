@@ -19,11 +19,13 @@ Keys, under `/dsv4-agent/<cluster>/`:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nodeagent.config_model import RestartSpec
 from nodeagent.policy import RestartDecision, RestartTracker
+from nodeagent.stackport import ComponentView, HoldKind
 
 # ---- keys ------------------------------------------------------------------------------------------------------
 
@@ -143,6 +145,40 @@ def failed_in(view: GangView, ran_in: int | None) -> int | None:
     return seen
 
 
+@dataclass(frozen=True)
+class GenRequest:
+    """One ask for a group's next generation, queued for the coordinator's work loop (the one writer of the group's
+    record): the generation the asker saw, why, and whether it is planned (drained first, no failure counted)."""
+
+    seen: int
+    reason: str
+    planned: bool = False
+
+
+REASONS_SEP = " | "
+"""Between the reasons of requests merged into one generation (`GangRecord.reason`)."""
+
+
+def answered(current: GangRecord | None, epoch: str, request: GenRequest) -> bool:
+    """A generation past the one the request saw exists already: it restarts every rank after the request was
+    made, which is all a request asks (`bump` would follow it, not make another)."""
+    return current is not None and current.epoch == epoch and current.generation > request.seen
+
+
+def merge_requests(current: GangRecord | None, epoch: str,
+                   requests: list[GenRequest]) -> tuple[GenRequest | None, list[GenRequest]]:  # fmt: skip
+    """One decision over the requests queued for a group: (the one request to write as the next generation, or
+    None; the requests the record already answers). Requests decided together make ONE generation — one burst,
+    one launch: the newest generation any of them saw, every distinct reason, planned only if each was (a
+    failure's generation counts in the group's policy, and its group is broken: nothing to drain)."""
+    done = [r for r in requests if answered(current, epoch, r)]
+    rest = [r for r in requests if not answered(current, epoch, r)]
+    if not rest:
+        return None, done
+    reason = REASONS_SEP.join(dict.fromkeys(r.reason for r in rest))
+    return GenRequest(max(r.seen for r in rest), reason, all(r.planned for r in rest)), done
+
+
 def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason: str, now: float, epoch: str,
          spec: RestartSpec, planned: bool = False) -> tuple[GangRecord, RestartDecision] | None:  # fmt: skip
     """The next generation after a failure (or an operator's restart) seen while running `seen_generation`.
@@ -163,6 +199,29 @@ def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason:
                      planned=planned, not_before=now + decision.delay_s, epoch=epoch,
                      policy=tracker.to_dict())  # fmt: skip
     return record, decision
+
+
+def rejoins(multi: bool, acted: int, ran_in: int | None, running: bool) -> bool:
+    """A stopped rank of a multi-node group that already ran in the generation acted on: it cannot join its
+    running peers alone (a DP group cannot take a rank back), the group must start again."""
+    return multi and ran_in == acted and not running
+
+
+def rank_to_rejoin(multi: bool, acted: int, released: int, ran: Mapping[str, int],
+                   views: Mapping[str, ComponentView], ranks: tuple[str, ...]) -> str | None:  # fmt: skip
+    """The rank whose start asks the group's next generation now (None: none). The gate only reports the
+    `rejoins` hold; asking waits until that hold is the one that wins the node's gates (what the rank shows as
+    held): while an earlier one holds it (a pause, preflight, isolation, a container being made) nothing is
+    asked — the peers would stop for a rank that cannot start."""
+    if released != acted:
+        return None
+    for name in ranks:
+        view = views[name]
+        hold = view.hold
+        if (rejoins(multi, acted, ran.get(name), view.running) and view.desired == "running" and hold is not None
+                and hold.kind == HoldKind.COORDINATION and hold.data.get("rejoin") == acted):  # fmt: skip
+            return name
+    return None
 
 
 def settle(current: GangRecord, now: float, spec: RestartSpec, healthy_since: float) -> GangRecord | None:
