@@ -390,7 +390,7 @@ class Simulation:
                 answer = await call
             except Exception as exc:
                 answer = f"refused: {type(exc).__name__}: {exc}"
-            self.log(f"{what}: {answer}")
+            self.log(f"{what}: {_rounded(answer)}")
 
         self.log(f"{what} ...")
         self.tasks.append(asyncio.ensure_future(run()))
@@ -643,6 +643,17 @@ class Simulation:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
             await self.world.close()
             self.wall_s = time.perf_counter() - wall
+
+
+def _rounded(value: Any) -> Any:
+    """An answer as the trace shows it: times to the millisecond (float sums differ in the last bits)."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def run_schedule(schedule: Schedule) -> Result:
