@@ -18,8 +18,8 @@ JOBS = int(os.environ.get("DSV4_SIM_JOBS", str(os.cpu_count() or 2)))
 
 KEPT: list[tuple[int, str, float, str]] = [
     # (seed, layout, duration, what it found — docs/simulation.md has each bug's story)
-    (108, "8node", 600, "an arrival of the old epoch, written back by a lease re-granted after etcd was wiped, released "
-     "the new epoch's barrier of the same generation number: a rank started beside a peer's old tree"),
+    (108, "8node", 600, "an arrival of the old epoch, written back by a lease re-granted after etcd was wiped, "
+     "released the new epoch's barrier of the same generation number: a rank started beside a peer's old tree"),
 ]
 
 
