@@ -45,7 +45,10 @@ class StartBarrier:
             return
         _, _, gen, node = parts
         if gen.isdigit() and int(gen) == gs.acted:
-            (gs.arrivals.add if kv is not None else gs.arrivals.discard)(node)
+            if kv is None:
+                gs.arrivals.discard(node)
+            elif arrival_epoch(kv) in (None, gs.acted_epoch):
+                gs.arrivals.add(node)
 
     @staticmethod
     def _wants_start(gs: GangState, here: NodeView) -> bool:
@@ -92,7 +95,8 @@ class StartBarrier:
     async def _arrive(self, gs: GangState) -> None:
         gen = gs.acted
         key = rules.barrier_key(self.cluster, gs.group.name, gen, self.node)
-        await self.store.put(key, json.dumps({"at": self.clock.time()}), lease=self.membership.lease)
+        value = {"at": self.clock.time(), "epoch": gs.acted_epoch}
+        await self.store.put(key, json.dumps(value), lease=self.membership.lease)
         if gs.arrived_for:
             with contextlib.suppress(StoreError):
                 await self.store.delete(rules.barrier_key(self.cluster, gs.group.name, gs.arrived_for, self.node))
@@ -100,7 +104,8 @@ class StartBarrier:
         gs.arrivals.add(self.node)
         gs.waiting_since = self.clock.monotonic()
         snap = await self.store.get_prefix(rules.barrier_prefix(self.cluster, gs.group.name, gen))
-        gs.arrivals |= {k.rsplit("/", 1)[-1] for k in snap.items}
+        gs.arrivals |= {k.rsplit("/", 1)[-1] for k, kv in snap.items.items()
+                        if arrival_epoch(kv) in (None, gs.acted_epoch)}  # fmt: skip
 
     def check(self, gs: GangState) -> None:
         """Release when every node arrived; say who is late once per timeout."""
@@ -134,3 +139,16 @@ class StartBarrier:
 
     def _waited(self, gs: GangState) -> float:
         return self.clock.monotonic() - (gs.waiting_since or self.clock.monotonic())
+
+
+def arrival_epoch(kv: KV) -> str | None:
+    """The epoch an arrival was made in (None: an agent from before arrivals carried it). Generations count again
+    from 1 after etcd lost its data, and a lease re-granted after the wipe writes its keys back: an arrival for
+    generation N of the old epoch must not count for the new epoch's generation N (the simulation found a rank
+    started beside a peer's old tree that way: tests/test_simulation.py, seeds 108 and 109)."""
+    try:
+        data = json.loads(kv.value)
+    except (ValueError, TypeError):
+        return None
+    epoch = data.get("epoch") if isinstance(data, dict) else None
+    return str(epoch) if epoch is not None else None

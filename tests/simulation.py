@@ -1,0 +1,801 @@
+"""A deterministic simulation of a whole cluster: random fault schedules from a seed, invariants after every step.
+
+What runs is the agents' own cluster code — `Membership`, `Coordinator` with its barriers, gangs, `ClusterOps`,
+`ProxySync` and the FT rung — one agent per node, all on one `FakeStore`, one `VirtualClock` and one event loop
+(`tests/cluster_fakes.World`). Each node's stack is `cluster_fakes.FakeStack`: components start through the same
+ordered gates as the supervisor's, are up `start_s` later, a stop takes the tree `stop_s` to end. Nothing waits
+for real time; a run of an hour of cluster time takes seconds.
+
+A schedule is (seed, layout, fault mix, duration): the seed draws every fault and command, their times and
+parameters, before the run starts, so the same seed replays the same run event for event (`Trace`). A violated
+invariant is recorded with the virtual time and the trace up to it; `shrink` then removes events while the same
+invariant still fails (Hypothesis-style: halves, then single events), and prints the smallest schedule.
+
+The invariants (checked on every change a node or the proxy reports, and after every event):
+- `two_generations`: never two generations of a group's ranks alive at once (the barrier means "stopped");
+- `restart_while_paused`: nothing is stopped or started by an automatic action while its node or the cluster is
+  paused;
+- `restart_without_cause`: every stop of a component is licensed by a fault or command the rules name (a crash
+  licenses its own component and its group's ranks; an operator restart its target and group; a cluster redeploy
+  every component);
+- `etcd_loss_stopped_serving`: while the store is unreachable, nothing that was serving is stopped unless a fault
+  hit its group;
+- `generations_per_fault`: at most one new generation per fault or command that touched the group;
+- `routed_down`: the proxy routes to no rank that has been down for more than `ROUTED_DOWN_S`;
+- `no_convergence` (liveness): once the faults stop and heal, every component of every node is up, every gang
+  acted on its group's generation and the proxy routes every group, within a bound derived from the config.
+
+Usage: `.venv/bin/python tests/simulation.py --seed 7 --layout local-cluster` (one run, its trace and verdict);
+`--schedules 500 --jobs 2` (a batch, seeds from `--seed` on); `bench/sim_campaign.py --hours 1` (a long campaign
+with a report). Replays need the same PYTHONHASHSEED (the runner sets 0 for its workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+from cluster_fakes import FakeComponent, FakeStack, World  # noqa: E402
+
+ROUTED_DOWN_S = 30.0
+"""How long the proxy may still route to a rank that is down: the sync removes a group as its generation is asked
+(≤ 1 s) and re-reads the proxy every second; 30 s leaves room for an agent that is being restarted."""
+LICENSE_S = 400.0
+"""How long a fault or command licenses the stops it implies (a gang restart under a long backoff comes late)."""
+
+
+# ---- layouts ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nodes: tuple[str, ...]
+    groups: tuple[dict[str, Any], ...]
+
+
+def layout_from_file(path: Path, name: str) -> Layout:
+    """A shipped cluster file's topology (node names, groups, kinds; the master first): what the agents coordinate."""
+    data = yaml.safe_load(path.read_text())
+    cluster = data["cluster"]
+    nodes = tuple(n["name"] for n in cluster["nodes"])
+    groups = []
+    for i, g in enumerate(cluster["vllm_groups"]):
+        group = {"name": g["name"], "kind": g["kind"], "nodes": list(g["nodes"])}
+        if len(g["nodes"]) > 1:
+            group["data_parallel_rpc_port"] = 43000 + i
+        groups.append(group)
+    return Layout(name, nodes, tuple(groups))
+
+
+def layouts() -> dict[str, Layout]:
+    small = Layout("small", ("n0", "n1", "n2", "n3", "n4"), (
+        {"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
+        {"name": "p1", "kind": "prefill", "nodes": ["n2", "n3"], "data_parallel_rpc_port": 43001},
+        {"name": "d0", "kind": "decode", "nodes": ["n4"]},
+    ))  # fmt: skip
+    return {
+        "local-cluster": layout_from_file(ROOT / "config" / "local-cluster.yaml", "local-cluster"),
+        "8node": layout_from_file(ROOT / "config" / "dsv4-flash-a2-8node.yaml", "8node"),
+        "small": small,
+    }
+
+
+# ---- schedules -------------------------------------------------------------------------------------------------------
+
+FAULTS: dict[str, float] = {
+    # kind: weight in the default mix
+    "crash": 6.0,            # kill -9 of a running component (its tree takes a random time to die)
+    "crash_pair": 1.0,       # two ranks of one group die together
+    "agent_kill": 2.0,       # kill -9 of an agent, a successor after a while (adoption)
+    "agent_pause": 1.0,      # an agent paused past its lease (SIGSTOP), then resumed
+    "etcd_down": 1.5,        # the store unreachable from every agent for a while
+    "etcd_wipe": 0.5,        # etcd's data gone
+    "compact": 0.5,          # the store compacted (watches resume past it)
+    "op_restart": 2.0,       # nodeagentctl restart COMPONENT on one node
+    "op_remote_restart": 1.0,  # nodeagentctl --node N restart vllm from another node
+    "node_pause": 1.0,       # nodeagentctl pause / resume on one node
+    "cluster_pause": 1.0,    # nodeagentctl cluster pause / resume
+    "cluster_redeploy": 0.3,  # nodeagentctl cluster redeploy
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float
+    """Virtual seconds after the cluster first came up."""
+    kind: str
+    node: int
+    """Index into the layout's nodes (the target, or the node the command is given on)."""
+    pick: int
+    """Chooses among what is applicable when the event runs (a component, a peer), modulo their number."""
+    duration: float
+    """How long the fault lasts before it heals (a stop's tree, an outage, a pause)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    layout: str
+    duration: float
+    events: tuple[Event, ...]
+
+    def without(self, drop: set[int]) -> Schedule:
+        return Schedule(self.seed, self.layout, self.duration,
+                        tuple(e for i, e in enumerate(self.events) if i not in drop))  # fmt: skip
+
+
+def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 600.0,
+                  mix: dict[str, float] | None = None, mean_gap_s: float = 25.0) -> Schedule:  # fmt: skip
+    """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight."""
+    rng = random.Random(seed)
+    weights = mix or FAULTS
+    kinds, w = list(weights), list(weights.values())
+    events: list[Event] = []
+    at = rng.uniform(1.0, mean_gap_s)
+    while at < duration:
+        kind = rng.choices(kinds, w)[0]
+        lasting = {"etcd_down": (2.0, 60.0), "agent_kill": (0.5, 40.0), "agent_pause": (4.0, 20.0),
+                   "node_pause": (5.0, 90.0), "cluster_pause": (5.0, 90.0)}.get(kind, (0.1, 45.0))  # fmt: skip
+        events.append(Event(round(at, 3), kind, rng.randrange(1 << 16), rng.randrange(1 << 16),
+                            round(rng.uniform(*lasting), 3)))  # fmt: skip
+        at += rng.expovariate(1.0 / mean_gap_s)
+    return Schedule(seed, layout, duration, tuple(events))
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Violation:
+    invariant: str
+    at: float
+    detail: str
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] t={self.at:.3f}s: {self.detail}"
+
+
+@dataclass
+class Result:
+    schedule: Schedule
+    violations: list[Violation]
+    trace: list[str]
+    checks: int
+    faults: Counter[str]
+    simulated_s: float
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class SimStack(FakeStack):
+    """A FakeStack that tells the simulation of every launch, stop and restart ask (the checks run there)."""
+
+    sim: Simulation
+
+    def _launch(self, comp: FakeComponent) -> None:
+        self.sim.before_launch(self, comp)
+        super()._launch(comp)
+
+    def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
+        self.sim.on_restart(self, names, reason, planned)
+        super().restart(names, reason, planned=planned, cause=cause)
+
+    def notify(self) -> None:
+        super().notify()
+        self.sim.check(self)
+
+
+class Simulation:
+    def __init__(self, schedule: Schedule, home: Path) -> None:
+        self.schedule = schedule
+        self.layout = layouts()[schedule.layout]
+        self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True)
+        self.clock = self.world.clock
+        self.violations: list[Violation] = []
+        self.trace: list[str] = []
+        self.checks = 0
+        self.faults: Counter[str] = Counter()
+        self.started_at = 0.0
+        self.epoch = 0
+        """Bumped at an etcd wipe: generations start again at 1 there."""
+        self.alive: dict[tuple[str, str], tuple[int, int]] = {}
+        """(group, node) → the (epoch, generation) its running rank was launched in."""
+        self.licenses: list[tuple[float, str, str, str]] = []
+        """(until, node or '*', component or '*', why): stops a fault or command implies."""
+        self.group_causes: Counter[str] = Counter()
+        self.generations: dict[str, set[tuple[int, int]]] = {}
+        self.outage = False
+        self.outage_hit: set[str] = set()
+        """Groups a fault hit during the current etcd outage."""
+        self.down_since: dict[str, float] = {}
+        """endpoint → when its rank was last seen not up."""
+        self.paused_agents: set[str] = set()
+        self.store_back: float | None = 0.0
+        """When the store was last reachable again (None while it is not): the proxy sync needs it."""
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.running = False
+        configs = {name: self.world.config(name) for name in self.layout.nodes}
+        self.world.config = configs.__getitem__  # type: ignore[method-assign]  # parsed once: the files never change
+        for name in self.layout.nodes:
+            stack = SimStack(configs[name], self.clock, lambda: self.world.store.reachable)
+            stack.sim = self
+            self.world.stacks[name] = stack
+        self.ranks = {e: (name, stack.components["vllm"]) for name, stack in self.world.stacks.items()
+                      for e in stack.endpoints()}  # fmt: skip
+        """endpoint → (node, its vLLM rank)."""
+        self.group_of: dict[str, str] = {}
+        for g in self.layout.groups:
+            for n in g["nodes"]:
+                self.group_of[n] = g["name"]
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.clock.monotonic() - self.started_at
+
+    def log(self, line: str) -> None:
+        self.trace.append(f"{self.now():9.3f} {line}")
+
+    def violate(self, invariant: str, detail: str) -> None:
+        if any(v.invariant == invariant and v.detail == detail for v in self.violations):
+            return
+        self.violations.append(Violation(invariant, self.now(), detail))
+        self.log(f"VIOLATION {invariant}: {detail}")
+
+    def license(self, node: str, component: str, why: str) -> None:
+        self.licenses.append((self.clock.monotonic() + LICENSE_S, node, component, why))
+
+    def licensed(self, node: str, component: str) -> bool:
+        now = self.clock.monotonic()
+        return any(until >= now and n in ("*", node) and c in ("*", component) for until, n, c, _ in self.licenses)
+
+    def license_group(self, group: str, why: str) -> None:
+        self.group_causes[group] += 1
+        for g in self.layout.groups:
+            if g["name"] == group:
+                for n in g["nodes"]:
+                    self.license(n, "vllm", why)
+        if self.outage:
+            self.outage_hit.add(group)
+
+    def generation(self, node: str, group: str) -> int | None:
+        agent = self.world.agents.get(node)
+        gs = agent.coordinator.gangs.get(group) if agent is not None else None
+        return gs.acted if gs is not None else None
+
+    # ---- hooks from the stacks ---------------------------------------------------------------------------------
+    def before_launch(self, stack: FakeStack, comp: FakeComponent) -> None:
+        if not self.running:
+            return
+        paused = stack.pause_info()
+        if paused is not None and not comp.operator_start:
+            self.violate("restart_while_paused", f"{stack.node}/{comp.name} started while {paused['scope']} paused")
+        group = self.group_of.get(stack.node)
+        if comp.kind == "vllm" and group is not None:
+            gen = self.generation(stack.node, group)
+            self.alive[(group, stack.node)] = (self.epoch, gen or 0)
+            self.generations.setdefault(group, set()).add((self.epoch, gen or 0))
+            self.log(f"launch {stack.node}/{comp.name} group {group} generation {gen}")
+        else:
+            self.log(f"launch {stack.node}/{comp.name}")
+
+    def on_restart(self, stack: FakeStack, names: Sequence[str], reason: str, planned: bool) -> None:
+        if not self.running:
+            return
+        self.log(f"restart asked {stack.node}/{','.join(names)}: {reason} (planned={planned})")
+        for name in names:
+            comp = stack.components[name]
+            if not comp.running:
+                continue
+            if not self.licensed(stack.node, name) and not reason.startswith("cluster redeploy"):
+                self.violate("restart_without_cause", f"{stack.node}/{name} restarted: {reason}")
+            if stack.paused and not planned:
+                self.violate("restart_while_paused", f"{stack.node}/{name} restarted while paused: {reason}")
+            group = self.group_of.get(stack.node)
+            if self.outage and comp.up and group not in self.outage_hit and not planned:
+                self.violate("etcd_loss_stopped_serving", f"{stack.node}/{name} stopped during an etcd outage: "
+                             f"{reason}")  # fmt: skip
+
+    def check(self, stack: FakeStack | None = None) -> None:
+        """Safety, after every change a node reports."""
+        if not self.running:
+            return
+        self.checks += 1
+        for group, node in list(self.alive):
+            comp = self.world.stacks[node].components.get("vllm")
+            if comp is None or not comp.running:
+                del self.alive[(group, node)]
+        by_group: dict[str, set[tuple[int, int]]] = {}
+        for (group, _node), gen in self.alive.items():
+            by_group.setdefault(group, set()).add(gen)
+        for group, gens in by_group.items():
+            if len(gens) > 1:
+                ranks = {n: (g, self.world.stacks[n].components["vllm"].state) for (gr, n), g in self.alive.items()
+                         if gr == group}  # fmt: skip
+                self.violate("two_generations", f"group {group} has ranks of generations {sorted(gens)} alive at "
+                             f"once: {ranks}")  # fmt: skip
+        self.check_proxy()
+
+    def endpoint_ranks(self) -> dict[str, tuple[str, FakeComponent]]:
+        return self.ranks
+
+    def check_proxy(self) -> None:
+        proxy = self.world.proxy
+        now = self.clock.monotonic()
+        if not self.world.store.reachable:
+            self.store_back = None
+            return
+        if self.store_back is None:
+            self.store_back = now
+        if proxy is None or proxy.busy:
+            return
+        ranks = self.endpoint_ranks()
+        for endpoint, (_node, comp) in ranks.items():
+            if comp.up:
+                self.down_since.pop(endpoint, None)
+            else:
+                self.down_since.setdefault(endpoint, now)
+        for kind in ("prefill", "decode"):
+            serving = proxy.serving(kind)
+            up = {e for e in serving if e in ranks and ranks[e][1].up}
+            if not up:
+                continue  # nothing else to route to: a down instance listed is no worse than none
+            for endpoint in serving:
+                since = self.down_since.get(endpoint)
+                if since is not None and now - max(since, self.store_back) > ROUTED_DOWN_S:
+                    self.violate("routed_down", f"the proxy routes {kind} to {endpoint}, down for "
+                                 f"{now - since:.0f}s")  # fmt: skip
+
+    # ---- faults and commands -----------------------------------------------------------------------------------
+    def node_of(self, event: Event) -> str:
+        return self.layout.nodes[event.node % len(self.layout.nodes)]
+
+    def later(self, seconds: float, what: Callable[[], Any]) -> None:
+        async def run() -> None:
+            await self.clock.sleep(seconds)
+            result = what()
+            if asyncio.iscoroutine(result):
+                await result
+
+        self.tasks.append(asyncio.ensure_future(run()))
+
+    def command(self, what: str, call: Any) -> None:
+        """An operator's command runs beside the cluster (the CLI waits for its answer while time goes on)."""
+
+        async def run() -> None:
+            try:
+                answer = await call
+            except Exception as exc:
+                answer = f"refused: {type(exc).__name__}: {exc}"
+            self.log(f"{what}: {_rounded(answer)}")
+
+        self.log(f"{what} ...")
+        self.tasks.append(asyncio.ensure_future(run()))
+
+    async def apply(self, event: Event) -> None:
+        node = self.node_of(event)
+        stack = self.world.stacks[node]
+        kind = event.kind
+        if kind in ("crash", "crash_pair"):
+            running = sorted(n for n, c in stack.components.items() if c.running and not c.stopping and not c.dying)
+            if not running:
+                return self.log(f"skip {kind} on {node}: nothing running")
+            name = running[event.pick % len(running)]
+            targets = [(node, name)]
+            group = self.group_of.get(node)
+            if kind == "crash_pair" and group is not None:
+                peers = [n for g in self.layout.groups if g["name"] == group for n in g["nodes"] if n != node]
+                for peer in peers[:1]:
+                    comp = self.world.stacks[peer].components.get("vllm")
+                    if comp is not None and comp.running and not comp.stopping and not comp.dying:
+                        targets = [(node, "vllm"), (peer, "vllm")] if stack.components["vllm"].running else targets
+            for target_node, target in targets:
+                tstack = self.world.stacks[target_node]
+                comp = tstack.components[target]
+                if not comp.running or comp.stopping or comp.dying:
+                    continue
+                comp.stop_s = min(event.duration, 40.0)
+                self.faults["crash"] += 1
+                self.license(target_node, target, f"crash of {target_node}/{target}")
+                if comp.kind == "vllm" and target_node in self.group_of:
+                    self.license_group(self.group_of[target_node], f"crash of {target_node}/{target}")
+                elif comp.kind in ("datasystem", "etcd"):
+                    self.license(target_node, "vllm", f"{target} crashed under it")  # its dependants may follow
+                    for peer_node, g in self.group_of.items():
+                        if peer_node == target_node:
+                            self.license_group(g, f"{target} crashed under {target_node}'s rank")
+                if tstack.agent_alive and target_node not in self.paused_agents:
+                    verdict = tstack.crash(target)
+                    self.log(f"crash {target_node}/{target} (tree {comp.stop_s:.1f}s): {verdict}")
+                else:
+                    tstack._gone(comp, "failed")
+                    self.log(f"crash {target_node}/{target} with no agent deciding")
+            return None
+        if kind == "agent_kill":
+            if node not in self.world.agents or node in self.paused_agents:
+                return self.log(f"skip agent_kill {node}: not running")
+            self.faults[kind] += 1
+            self.agent_fault(node)
+            await self.world.kill_agent(node)
+            self.log(f"agent {node} killed; back in {event.duration:.1f}s")
+            self.later(event.duration, lambda: self.start_agent(node))
+            return None
+        if kind == "agent_pause":
+            if node not in self.world.agents or node in self.paused_agents:
+                return self.log(f"skip agent_pause {node}")
+            # A stopped agent: its lease runs out, it decides nothing; then it goes on (its successor is itself).
+            self.faults[kind] += 1
+            self.agent_fault(node)
+            self.paused_agents.add(node)
+            await self.world.kill_agent(node)
+            self.log(f"agent {node} paused for {event.duration:.1f}s (past its lease)")
+
+            def resume() -> None:
+                self.paused_agents.discard(node)
+                self.start_agent(node)
+
+            self.later(event.duration, resume)
+            return None
+        if kind == "etcd_down":
+            if not self.world.store.reachable:
+                return self.log("skip etcd_down: down already")
+            self.faults[kind] += 1
+            self.outage, self.outage_hit = True, set()
+            self.world.store.set_reachable(False)
+            self.log(f"etcd unreachable for {event.duration:.1f}s")
+
+            def heal() -> None:
+                self.outage = False
+                self.world.store.set_reachable(True)
+                self.log("etcd reachable again")
+
+            self.later(event.duration, heal)
+            return None
+        if kind == "etcd_wipe":
+            if not self.world.store.reachable:
+                return self.log("skip etcd_wipe: etcd down")
+            self.faults[kind] += 1
+            self.epoch += 1
+            self.world.store.wipe()
+            self.log("etcd wiped")
+            return None
+        if kind == "compact":
+            self.faults[kind] += 1
+            self.world.store.compact(self.world.store.revision)
+            self.log(f"etcd compacted at {self.world.store.revision}")
+            return None
+        agent = self.world.agents.get(node)
+        if agent is None:
+            return self.log(f"skip {kind} on {node}: no agent")
+        if kind == "op_restart":
+            names = sorted(stack.components)
+            name = names[event.pick % len(names)]
+            self.faults[kind] += 1
+            self.license(node, name, f"operator restart of {node}/{name}")
+            if stack.components[name].kind == "vllm" and node in self.group_of:
+                self.license_group(self.group_of[node], f"operator restart of {node}/{name}")
+            try:
+                answer = stack.command(name, "restart")
+            except Exception as exc:
+                answer = f"refused: {exc}"
+            self.log(f"operator: restart {node}/{name}: {answer}")
+            return None
+        if kind == "op_remote_restart":
+            target = self.layout.nodes[event.pick % len(self.layout.nodes)]
+            if "vllm" not in self.world.stacks[target].components or agent.coordinator.ops is None:
+                return self.log(f"skip remote restart of {target}")
+            self.faults[kind] += 1
+            self.license(target, "vllm", f"remote restart of {target}/vllm")
+            if target in self.group_of:
+                self.license_group(self.group_of[target], f"remote restart of {target}/vllm")
+            self.command(f"operator on {node}: --node {target} restart vllm",
+                         agent.coordinator.ops.remote(target, "vllm", "restart", True, "operator"))
+            return None
+        if kind == "node_pause":
+            if stack.node_pause is not None:
+                return self.log(f"skip node_pause {node}")
+            self.faults[kind] += 1
+            stack.node_pause = {"by": "operator", "at": self.clock.time(), "reason": "simulated maintenance"}
+            stack.notify()
+            self.log(f"operator: pause {node} for {event.duration:.1f}s")
+
+            def resume_node() -> None:
+                stack.node_pause = None
+                stack.notify()
+                self.log(f"operator: resume {node}")
+
+            self.later(event.duration, resume_node)
+            return None
+        if kind == "cluster_pause":
+            self.faults[kind] += 1
+            self.command(f"operator on {node}: cluster pause for {event.duration:.1f}s",
+                         agent.coordinator.set_pause(True, "operator", "simulated maintenance"))
+
+            async def resume_cluster() -> None:
+                for name in self.layout.nodes:
+                    a = self.world.agents.get(name)
+                    if a is None:
+                        continue
+                    with contextlib.suppress(Exception):
+                        await a.coordinator.set_pause(False, "operator")
+                        self.log(f"operator on {name}: cluster resume")
+                        return
+                self.later(5.0, resume_cluster)  # no agent could: the operator tries again
+
+            self.later(event.duration, resume_cluster)
+            return None
+        if kind == "cluster_redeploy":
+            if agent.coordinator.ops is None:
+                return self.log("skip cluster_redeploy")
+            self.faults[kind] += 1
+            self.license("*", "*", "cluster redeploy")
+            for g in self.layout.groups:
+                self.license_group(g["name"], "cluster redeploy")
+            self.command(f"operator on {node}: cluster redeploy",
+                         agent.coordinator.ops.ask_redeploy("simulated", "operator"))
+            return None
+        raise ValueError(f"unknown event kind {kind!r}")
+
+    def agent_fault(self, node: str) -> None:
+        """An agent gone past its lease: its groups may need one generation (a rank that died meanwhile)."""
+        if node in self.group_of:
+            self.group_causes[self.group_of[node]] += 1
+            if self.outage:
+                self.outage_hit.add(self.group_of[node])
+
+    def start_agent(self, node: str) -> None:
+        if node in self.world.agents:
+            return
+        self.world.start_agent(node)
+        self.log(f"agent {node} started (adopting)")
+
+    # ---- liveness ----------------------------------------------------------------------------------------------
+    def converged(self) -> str | None:
+        """None once the cluster serves again; else what is still missing."""
+        if any(n not in self.world.agents for n in self.layout.nodes):
+            return "an agent is not running"
+        for name, stack in self.world.stacks.items():
+            if stack.paused:
+                return f"{name} paused"
+            for comp in stack.components.values():
+                if not comp.up:
+                    return f"{name}/{comp.name} {comp.state}" + (f" (held: {comp.hold})" if comp.hold else "")
+        proxy = self.world.proxy
+        if proxy is not None:
+            ranks = self.endpoint_ranks()
+            for g in self.layout.groups:
+                endpoints = {e for e, (n, _c) in ranks.items() if n in g["nodes"]}
+                if endpoints and not endpoints & proxy.serving(g["kind"]):
+                    return f"group {g['name']} not routed by the proxy"
+        return None
+
+    def convergence_bound(self) -> float:
+        """From the config's timeouts: the longest tree stop, the group's backoff at its cap, a lease, the proxy's
+        re-add, a start, plus the barrier's own wait — with margin for a successor agent's adoption."""
+        config = self.world.stacks[self.layout.nodes[0]].config
+        vllm = config.components.get("vllm")
+        backoff = float(getattr(getattr(vllm, "restart", None), "max_backoff_s", 60.0) or 60.0)
+        return 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+
+    # ---- the whole run -----------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        wall = time.perf_counter()
+        self.world.start()
+        await self.world.until("every component of every node up", self.world.all_up, within=300)
+        await self.world.until("the proxy routes every group", lambda: self.converged() is None, within=120)
+        self.started_at = self.clock.monotonic()
+        self.running = True
+        self.log(f"cluster up ({self.schedule.layout}: {len(self.layout.nodes)} nodes)")
+        try:
+            for event in self.schedule.events:
+                wait = event.at - self.now()
+                if wait > 0:
+                    await self.world.advance(wait)
+                await self.apply(event)
+                await self.clock.settle()
+                self.check()
+            end = self.schedule.duration - self.now()
+            if end > 0:
+                await self.world.advance(end)
+            # the faults heal: every pending heal runs, then the cluster must converge
+            heal_by = max((e.at + e.duration for e in self.schedule.events), default=0.0) + 1.0
+            if heal_by > self.now():
+                await self.world.advance(heal_by - self.now())
+            bound = self.convergence_bound()
+            try:
+                await self.world.until("convergence", lambda: self.converged() is None, within=bound)
+            except AssertionError:
+                self.violate("no_convergence", f"not converged {bound:.0f}s after the faults healed: "
+                             f"{self.converged()}")  # fmt: skip
+            for group, gens in self.generations.items():
+                made = len(gens) - 1
+                if made > self.group_causes[group]:
+                    self.violate("generations_per_fault", f"group {group}: {made} new generations for "
+                                 f"{self.group_causes[group]} faults/commands")  # fmt: skip
+        finally:
+            self.running = False
+            for task in self.tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.world.close()
+            self.wall_s = time.perf_counter() - wall
+
+
+def _rounded(value: Any) -> Any:
+    """An answer as the trace shows it: times to the millisecond (float sums differ in the last bits)."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def run_schedule(schedule: Schedule) -> Result:
+    with tempfile.TemporaryDirectory(prefix="dsv4-sim-") as home:
+        sim = Simulation(schedule, Path(home))
+        asyncio.run(_quiet(sim.run()))
+        return Result(schedule, sim.violations, sim.trace, sim.checks, sim.faults, sim.now(), sim.wall_s)
+
+
+async def _quiet(work: Any) -> None:
+    from loguru import logger
+
+    logger.remove()
+    await work
+
+
+def layout_for(seed: int, layout: str) -> str:
+    """`mixed`: the seed chooses among the layouts (the shipped 8-node file, the local cluster, the small one)."""
+    names = sorted(layouts())
+    return names[seed % len(names)] if layout == "mixed" else layout
+
+
+def run_seed(seed: int, layout: str, duration: float) -> dict[str, Any]:
+    """One schedule, summed up (a worker process's answer: plain data)."""
+    result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration))
+    return {"seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
+            "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
+            "wall_s": result.wall_s, "checks": result.checks, "faults": dict(result.faults),
+            "events": len(result.schedule.events), "replay": replay_line(result.schedule)}  # fmt: skip
+
+
+def batch(first: int, count: int, layout: str, duration: float, jobs: int) -> list[dict[str, Any]]:
+    """`count` seeds from `first` over `jobs` worker processes (each with PYTHONHASHSEED=0: replays match)."""
+    import concurrent.futures
+    import multiprocessing
+
+    os.environ["PYTHONHASHSEED"] = "0"
+    seeds = range(first, first + count)
+    if jobs <= 1:
+        return [run_seed(seed, layout, duration) for seed in seeds]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        return list(pool.map(run_seed, seeds, [layout] * count, [duration] * count, chunksize=4))
+
+
+def shrink(schedule: Schedule, invariant: str, budget: int = 200) -> Schedule:
+    """The fewest events that still violate `invariant` (ddmin-style: chunks, then single events)."""
+
+    def fails(s: Schedule) -> bool:
+        return any(v.invariant == invariant for v in run_schedule(s).violations)
+
+    current, tries = schedule, 0
+    chunk = max(1, len(current.events) // 2)
+    while chunk >= 1 and tries < budget:
+        i, progressed = 0, False
+        while i < len(current.events) and tries < budget:
+            candidate = current.without(set(range(i, i + chunk)))
+            tries += 1
+            if candidate.events != current.events and fails(candidate):
+                current, progressed = candidate, True
+            else:
+                i += chunk
+        if not progressed:
+            chunk //= 2
+    return current
+
+
+def describe(result: Result) -> str:
+    s = result.schedule
+    head = (f"seed {s.seed} layout {s.layout} duration {s.duration:g}s: {len(s.events)} events, "
+            f"{result.checks} checks, {result.simulated_s:.0f}s simulated in {result.wall_s:.2f}s")  # fmt: skip
+    if result.ok:
+        return head + ": OK"
+    return head + "\n" + "\n".join(f"  {v}" for v in result.violations)
+
+
+def replay_line(s: Schedule) -> str:
+    return (f"PYTHONHASHSEED=0 .venv/bin/python tests/simulation.py --seed {s.seed} --layout {s.layout} "
+            f"--duration {s.duration:g}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--seed", type=int, default=None, help="the first seed (default: from the time)")
+    parser.add_argument("--schedules", type=int, default=1)
+    parser.add_argument("--layout", default="local-cluster", choices=[*sorted(layouts()), "mixed"])
+    parser.add_argument("--duration", type=float, default=600.0, help="virtual seconds of faults per schedule")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--trace", action="store_true", help="print the whole trace of a single run")
+    parser.add_argument("--shrink", action="store_true", help="shrink a failing single run")
+    parser.add_argument("--json", type=Path, help="write the batch's summary here")
+    args = parser.parse_args(argv)
+    first = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    if args.schedules == 1:
+        result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration))
+        print(describe(result))
+        if args.trace or not result.ok:
+            print("\n".join(result.trace if args.trace else result.trace[-80:]))
+        if not result.ok and args.shrink:
+            small = shrink(result.schedule, result.violations[0].invariant)
+            print(f"shrunk to {len(small.events)} events:")
+            print("\n".join(f"  {asdict(e)}" for e in small.events))
+            print("\n".join(run_schedule(small).trace))
+        if not result.ok:
+            print("replay: " + replay_line(result.schedule))
+        return 0 if result.ok else 1
+    started = time.perf_counter()
+    results = batch(first, args.schedules, args.layout, args.duration, args.jobs)
+    wall = time.perf_counter() - started
+    failed = [r for r in results if not r["ok"]]
+    for r in failed:
+        print(r["report"])
+        print("  replay: " + r["replay"])
+    print(summary_line(first, results, wall))
+    if args.json:
+        args.json.write_text(json.dumps(summary(first, results, wall), indent=1))
+    return 1 if failed else 0
+
+
+def summary(first: int, results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    faults: Counter[str] = Counter()
+    violations: Counter[str] = Counter()
+    for r in results:
+        faults.update(r["faults"])
+        violations.update(v["invariant"] for v in r["violations"])
+    simulated = sum(r["simulated_s"] for r in results)
+    return {"first_seed": first, "schedules": len(results), "failed": sum(not r["ok"] for r in results),
+            "failed_seeds": [r["seed"] for r in results if not r["ok"]], "simulated_s": simulated,
+            "wall_s": wall, "speed": simulated / max(wall, 1e-9),
+            "cpu_s_per_schedule": sum(r["wall_s"] for r in results) / max(len(results), 1),
+            "checks": sum(r["checks"] for r in results), "faults": dict(sorted(faults.items())),
+            "violations": dict(sorted(violations.items())),
+            "layouts": dict(Counter(r["layout"] for r in results))}  # fmt: skip
+
+
+def summary_line(first: int, results: list[dict[str, Any]], wall: float) -> str:
+    s = summary(first, results, wall)
+    return (f"{s['schedules']} schedules from seed {first}: {s['failed']} failed; {s['simulated_s']:.0f}s simulated "
+            f"in {wall:.1f}s ({s['speed']:.0f}x real time); {s['checks']} invariant checks; faults: {s['faults']}; "
+            f"violations: {s['violations']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    sys.exit(main())
