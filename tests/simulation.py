@@ -21,6 +21,7 @@ The invariants (checked on every change a node or the proxy reports, and after e
 - `etcd_loss_stopped_serving`: while the store is unreachable, nothing that was serving is stopped unless a fault
   hit its group;
 - `generations_per_fault`: at most one new generation per fault or command that touched the group;
+- `command_lost` (liveness): an operator restart the agents acknowledged is carried out (its target starts again);
 - `routed_down`: the proxy routes to no rank that has been down for more than `ROUTED_DOWN_S`;
 - `no_convergence` (liveness): once the faults stop and heal, every component of every node is up, every gang
   acted on its group's generation and the proxy routes every group, within a bound derived from the config.
@@ -234,6 +235,8 @@ class Simulation:
         self.down_since: dict[str, float] = {}
         """endpoint → when its rank was last seen not up."""
         self.paused_agents: set[str] = set()
+        self.acked: list[tuple[str, str, float, str]] = []
+        """(node, component, when, what): operator restarts the agents answered as done or under way."""
         self.store_back: float | None = 0.0
         """When the store was last reachable again (None while it is not): the proxy sync needs it."""
         self.tasks: list[asyncio.Task[Any]] = []
@@ -382,7 +385,7 @@ class Simulation:
 
         self.tasks.append(asyncio.ensure_future(run()))
 
-    def command(self, what: str, call: Any) -> None:
+    def command(self, what: str, call: Any, then: Callable[[Any], None] | None = None) -> None:
         """An operator's command runs beside the cluster (the CLI waits for its answer while time goes on)."""
 
         async def run() -> None:
@@ -390,6 +393,9 @@ class Simulation:
                 answer = await call
             except Exception as exc:
                 answer = f"refused: {type(exc).__name__}: {exc}"
+            else:
+                if then is not None:
+                    then(answer)
             self.log(f"{what}: {_rounded(answer)}")
 
         self.log(f"{what} ...")
@@ -501,6 +507,8 @@ class Simulation:
                 answer = stack.command(name, "restart")
             except Exception as exc:
                 answer = f"refused: {exc}"
+            else:
+                self.acked.append((node, name, self.clock.monotonic(), f"restart {node}/{name}: {answer}"))
             self.log(f"operator: restart {node}/{name}: {answer}")
             return None
         if kind == "op_remote_restart":
@@ -511,8 +519,14 @@ class Simulation:
             self.license(target, "vllm", f"remote restart of {target}/vllm")
             if target in self.group_of:
                 self.license_group(self.group_of[target], f"remote restart of {target}/vllm")
+            asked_at = self.clock.monotonic()
+
+            def acked(answer: Any) -> None:
+                if isinstance(answer, dict) and answer.get("ok"):
+                    self.acked.append((target, "vllm", asked_at, f"--node {target} restart vllm: {answer}"))
+
             self.command(f"operator on {node}: --node {target} restart vllm",
-                         agent.coordinator.ops.remote(target, "vllm", "restart", True, "operator"))
+                         agent.coordinator.ops.remote(target, "vllm", "restart", True, "operator"), acked)
             return None
         if kind == "node_pause":
             if stack.node_pause is not None:
@@ -630,6 +644,11 @@ class Simulation:
             except AssertionError:
                 self.violate("no_convergence", f"not converged {bound:.0f}s after the faults healed: "
                              f"{self.converged()}")  # fmt: skip
+            for node, name, when, what in self.acked:
+                comp = self.world.stacks[node].components[name]
+                if not any(start > when for start in comp.starts):
+                    self.violate("command_lost", f"the operator was answered ({what}) but {node}/{name} never "
+                                 "started again")  # fmt: skip
             for group, gens in self.generations.items():
                 made = len(gens) - 1
                 if made > self.group_causes[group]:
