@@ -20,6 +20,8 @@ KEPT: list[tuple[int, str, float, str]] = [
     # (seed, layout, duration, what it found — docs/simulation.md has each bug's story)
     (108, "8node", 600, "an arrival of the old epoch, written back by a lease re-granted after etcd was wiped, "
      "released the new epoch's barrier of the same generation number: a rank started beside a peer's old tree"),
+    (109, "local-cluster", 600, "a rank being stopped for a gang restart when etcd was wiped was adopted as running "
+     "in the new epoch's first generation and started, without a barrier, while its peer's crashed tree still ran"),
 ]
 
 

@@ -339,7 +339,9 @@ class Coordinator:
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
         here = self.port.snapshot().components
-        gs.released = gs.acted if any(here[c].running for c in gs.components) else 0
+        # a rank running on is adopted in the new epoch's generation; one being stopped (a restart under way when
+        # etcd lost its data) starts again only through the new epoch's barrier, with its peers' old trees gone
+        gs.released = gs.acted if any(here[c].running and not here[c].going_down for c in gs.components) else 0
         self.save()
         self.port.wake()
 
