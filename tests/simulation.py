@@ -646,7 +646,7 @@ class Simulation:
                              f"{self.converged()}")  # fmt: skip
             for node, name, when, what in self.acked:
                 comp = self.world.stacks[node].components[name]
-                if not any(start > when for start in comp.starts):
+                if not any(start >= when for start in comp.starts):
                     self.violate("command_lost", f"the operator was answered ({what}) but {node}/{name} never "
                                  "started again")  # fmt: skip
             for group, gens in self.generations.items():

@@ -22,6 +22,8 @@ KEPT: list[tuple[int, str, float, str]] = [
      "released the new epoch's barrier of the same generation number: a rank started beside a peer's old tree"),
     (109, "local-cluster", 600, "a rank being stopped for a gang restart when etcd was wiped was adopted as running "
      "in the new epoch's first generation and started, without a barrier, while its peer's crashed tree still ran"),
+    (208, "local-cluster", 300, "an agent back after a cluster redeploy it missed did its part (stopped vLLM and the "
+     "worker) while the operator had paused the cluster since"),
 ]
 
 

@@ -80,6 +80,8 @@ class ClusterOps:
         self.stop_began = 0.0
         self.handled: set[str] = set()
         self._busy = False
+        self.deferred: str | None = None
+        """The redeploy this node missed and defers while paused (said once)."""
 
     def watches(self) -> list[tuple[str, Any]]:
         p = rules.prefix(self.cluster)
@@ -173,7 +175,14 @@ class ClusterOps:
             if rules.may_wipe(self.acks, live, self.clock.monotonic() - self.stop_began, ACK_TIMEOUT_S):
                 self._spawn(self._wipe(self.record))
         elif duty == "start":
-            if self.phase is None:  # we were away while it ran: do our part now
+            if self.phase is None and self.port.snapshot().paused:
+                # we were away while it ran, and the node or the cluster is paused now: the operator's pause
+                # came after the redeploy's ask, and a pause means no stop the operator did not ask for now
+                if self.deferred != self.record.id:
+                    self.deferred = self.record.id
+                    self.port.emit("cluster_redeploy_deferred", f"cluster redeploy {self.record.id}: this node "
+                                   "missed it and is paused: doing its part at resume", None, "warning")  # fmt: skip
+            elif self.phase is None:  # we were away while it ran: do our part now
                 self._spawn(self._stop_and_ack(self.record, ack=False))
             elif self.phase == "acked":
                 self._finish(self.record.id)
