@@ -32,14 +32,7 @@ class TaskSet:
         if name is not None and isinstance(task, asyncio.Task):
             task.set_name(name)
         self._tasks.add(task)
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Future[Any]) -> None:
-        """Forget it; a failure is logged here (nobody awaits a finished task any more)."""
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            name = task.get_name() if isinstance(task, asyncio.Task) else "task"
-            logger.opt(exception=exc).error(f"{name} failed")
+        task.add_done_callback(self._tasks.discard)
 
     def __len__(self) -> int:
         return len(self._tasks)
