@@ -15,6 +15,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
+from nodeagent.proctable import TABLES
 from nodeagent.recovery import NodeRecovery
 from nodeagent.stackport import ComponentView, Hold, HoldKind
 from nodeagent.worker_headroom import WorkerHeadroom
@@ -49,8 +50,8 @@ class StartGuards:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 
-    def _our_pids(self) -> set[int]:
-        return our_pids(self.sup.process_records().values())
+    async def _our_pids(self) -> set[int]:
+        return our_pids(self.sup.process_records().values(), await TABLES.get())
 
     @property
     def has_vllm(self) -> bool:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +22,15 @@ from loguru import logger
 
 from nodeagent.npu import NpuSnapshot, NpuTools
 from nodeagent.npu_health import Change, Fault, HealthEvaluator, HealthPolicy, StartDecision, policy_from
+from nodeagent.proctable import ProcessTable, scan
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config, NpuProbe
     from nodeagent.events import EventBus
     from nodeagent.process import ProcessRecord
 
-OursFn = Callable[[], "set[int] | None"]
+OursFn = Callable[[], "set[int] | Awaitable[set[int] | None] | None"]
+"""Our PIDs (the foreign-process rule): an async one reads the shared process table (`proctable.TABLES`)."""
 
 
 def expected_npus(config: Config) -> int:
@@ -47,11 +50,11 @@ def expected_npus(config: Config) -> int:
     return need
 
 
-def our_pids(records: Iterable[ProcessRecord]) -> set[int]:
-    """Every PID of these components' process trees (what is ours on the NPUs)."""
-    from nodeagent.process import tree_of
-
-    return {proc.pid for record in records for proc in tree_of(record)}
+def our_pids(records: Iterable[ProcessRecord], table: ProcessTable | None = None) -> set[int]:
+    """Every PID of these components' process trees (what is ours on the NPUs), from `table` or a pass over /proc
+    now (blocking: the CLI's; the agent's monitor passes the shared table)."""
+    table = table if table is not None else scan()
+    return {pid for record in records for pid in table.tree(record)}
 
 
 class NpuMonitor:
@@ -136,7 +139,8 @@ class NpuMonitor:
         ours = None
         if self.ours is not None:
             try:
-                ours = self.ours()
+                found = self.ours()
+                ours = await found if inspect.isawaitable(found) else found
             except Exception:  # the foreign-process rule is skipped rather than the whole poll lost
                 logger.exception("npu monitor: listing our PIDs failed")
         changes = self.evaluator.observe(snap, ours, now)
