@@ -3,9 +3,10 @@
 A full pass over `/proc` costs tens of milliseconds on a host with a few hundred processes (more under load), and
 the agent needed one for every process stop (twice), every NPU poll (the foreign-process check) and every
 `/metrics` scrape — each on the event loop, where it stalled every probe, watch and API request meanwhile.
-`ProcessTables.get` takes the pass with `asyncio.to_thread` and shares it: callers within `max_age_s` get the
-same table, concurrent callers wait on the same pass. `ProcessTable.tree` is the one definition of a
-component's process tree (`process.tree_of`, `metrics.tree_usage` and `npu_monitor.our_pids` read it).
+`ProcessTables.get` takes the pass (psutil: the fields of /proc/PID/stat) with `asyncio.to_thread` and shares it:
+callers within `max_age_s` get the same table, concurrent callers wait on the same pass. `ProcessTable.tree` is
+the one definition of a component's process tree (`process.tree_of`, `metrics.tree_usage` and
+`npu_monitor.our_pids` read it).
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ class Recorded(Protocol):
 
 @dataclass(frozen=True)
 class ProcInfo:
+    """What the pass reads of every process: /proc/PID/stat's fields (one read each). Not the command line: it
+    is the costliest read and only a record's main process needs it (`ProcessTable.tree` reads that one)."""
+
     pid: int
     ppid: int
     create_time: float
-    cmdline: tuple[str, ...]
     status: str
     sid: int
     """-1 when it could not be read (the process went away during the pass)."""
@@ -82,7 +85,7 @@ class ProcessTable:
         descendants, and every live member of its session (descendants re-parented to PID 1 stay in it)."""
         found: dict[int, None] = {}
         main = self.matches(record)
-        if main is not None and not main.zombie and main.cmdline:
+        if main is not None and not main.zombie and has_cmdline(main.pid):
             stack = [main.pid]
             while stack:
                 pid = stack.pop()
@@ -96,17 +99,25 @@ class ProcessTable:
         return list(found)
 
 
+def has_cmdline(pid: int) -> bool:
+    """A live program, not a kernel thread or a process exiting (`process.verify`'s test)."""
+    try:
+        return bool(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+
+
 def scan(clock: Callable[[], float] = time.monotonic) -> ProcessTable:
     """One pass over `/proc` (blocking: call it in a thread)."""
     began = clock()
     procs: dict[int, ProcInfo] = {}
-    for proc in psutil.process_iter(["ppid", "create_time", "cmdline", "status"]):
+    for proc in psutil.process_iter(["ppid", "create_time", "status"]):
         info = proc.info
         sid = -1
         with contextlib.suppress(OSError):
             sid = os.getsid(proc.pid)
-        procs[proc.pid] = ProcInfo(proc.pid, info["ppid"] or 0, info["create_time"] or 0.0,
-                                   tuple(info["cmdline"] or ()), info["status"] or "", sid)  # fmt: skip
+        procs[proc.pid] = ProcInfo(proc.pid, info["ppid"] or 0, info["create_time"] or 0.0, info["status"] or "",
+                                   sid)  # fmt: skip
     return ProcessTable(procs, began)
 
 
