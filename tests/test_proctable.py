@@ -114,3 +114,22 @@ def test_a_pid_reused_after_the_pass_is_left_out() -> None:
     record = type(record_of(os.getpid()))(os.getpid(), 1.0, ("x",), 1)
     assert table.tree(record) == [os.getpid()]
     assert tree_of(record, table=table) == [], "our create_time is not 1.0: the PID is someone else's now"
+
+
+def test_the_pass_reads_what_psutil_reads(tmp_path: Path) -> None:
+    """create_time, ppid, status and session as psutil gives them (records are taken through psutil)."""
+    main, children = a_tree(tmp_path)
+    try:
+        table = scan()
+        for pid in (os.getpid(), main, *children):
+            proc, info = psutil.Process(pid), table.procs[pid]
+            assert (info.ppid, info.status, info.sid) == (proc.ppid(), proc.status(), os.getsid(pid))
+            assert abs(info.create_time - proc.create_time()) < 1e-6
+        weird = proctable.parse_stat(7, b"7 (a) b (c) S 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 100 0 0", 1000.0)
+        assert (weird.ppid, weird.status, weird.sid) == (1, "sleeping", 7)
+        assert weird.create_time == 1000.0 + 100 / os.sysconf("SC_CLK_TCK")
+    finally:
+        for pid in (main, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        os.waitpid(main, 0)
