@@ -147,7 +147,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         from nodeagent.proctable import TABLES
 
         async def ours() -> set[int]:
-            return our_pids(records(), await TABLES.get())  # type: ignore[call-arg]
+            return our_pids(records(), await TABLES.get(0))  # type: ignore[call-arg]  # as guards.py
     else:
 
         def ours() -> set[int]:  # type: ignore[misc]

@@ -51,7 +51,9 @@ class StartGuards:
         self._announced: tuple[str, ...] = ()
 
     async def _our_pids(self) -> set[int]:
-        return our_pids(self.sup.process_records().values(), await TABLES.get())
+        """From a pass begun after this call, so after npu-smi's snapshot: an older table would miss a vLLM
+        worker started meanwhile, which npu-smi shows, and call it foreign."""
+        return our_pids(self.sup.process_records().values(), await TABLES.get(0))
 
     @property
     def has_vllm(self) -> bool:
