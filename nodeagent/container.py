@@ -86,11 +86,11 @@ async def run_engine(argv: Sequence[str], timeout_s: float, check: bool = True,
 
 async def kill_group(proc: asyncio.subprocess.Process) -> None:
     """SIGKILL the process group a `start_new_session` child leads, then reap the child. The group is killed even
-    when the leader already exited (its children may not have); the reaping is shielded from a second cancel."""
+    when the leader already exited (its children may not have); a second cancel leaves the reaping to go on
+    by itself (shielded) and is not swallowed."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(proc.wait())
+    await asyncio.shield(proc.wait())
 
 
 def _no_such(result: EngineResult) -> bool:
