@@ -52,7 +52,14 @@ def slow_proc(monkeypatch: pytest.MonkeyPatch) -> None:
         time.sleep(SLOW_PASS_S)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(psutil, "process_iter", slow)
+    real_scan = proctable.scan
+
+    def slow_scan(*args: Any, **kwargs: Any) -> ProcessTable:
+        time.sleep(SLOW_PASS_S)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(psutil, "process_iter", slow)  # the pass before the table (psutil's objects, on the loop)
+    monkeypatch.setattr(proctable, "scan", slow_scan)  # the table's pass
     monkeypatch.setattr(proctable, "TABLES", ProcessTables())
     monkeypatch.setattr("nodeagent.process.TABLES", proctable.TABLES, raising=False)  # (absent before the table)
 
@@ -128,6 +135,25 @@ def test_the_pass_reads_what_psutil_reads(tmp_path: Path) -> None:
         weird = proctable.parse_stat(7, b"7 (a) b (c) S 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 100 0 0", 1000.0)
         assert (weird.ppid, weird.status, weird.sid) == (1, "sleeping", 7)
         assert weird.create_time == 1000.0 + 100 / os.sysconf("SC_CLK_TCK")
+    finally:
+        for pid in (main, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        os.waitpid(main, 0)
+
+
+async def test_a_scrape_reads_the_trees_usage_off_the_loop(tmp_path: Path, slow_proc: None) -> None:
+    from types import SimpleNamespace
+
+    from nodeagent.metrics import AgentMetrics
+
+    main, children = a_tree(tmp_path)
+    try:
+        comps = {"tree": SimpleNamespace(record=record_of(main))}
+        owner = SimpleNamespace(supervisor=SimpleNamespace(components=comps), usage={})
+        _, lag = await max_lag(AgentMetrics.refresh_usage(owner))  # type: ignore[arg-type]
+        assert owner.usage["tree"][2] == 3
+        assert lag < SLOW_PASS_S / 2, f"the loop stalled {lag * 1000:.0f} ms during a scrape"
     finally:
         for pid in (main, *children):
             with contextlib.suppress(ProcessLookupError):
