@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -172,21 +173,23 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         for name in NAMES:
             await sup.wait(name, "up", 30)
 
-    await sup.start()
-    for name in NAMES:
-        await sup.wait(name, "up", 30)
     lags: list[float] = []
     done = asyncio.Event()
     counts = {"scrapes": [0], "npu_polls": [0], "stops": [0]}
-    tasks = [asyncio.create_task(ticker(lags, done)),
-             asyncio.create_task(every(args.scrape, scrape, done, counts["scrapes"])),
-             asyncio.create_task(every(args.npu, npu.poll, done, counts["npu_polls"])),
-             asyncio.create_task(every(args.stops, stop_start, done, counts["stops"]))]  # fmt: skip
-    await asyncio.sleep(args.seconds)
-    done.set()
-    await asyncio.gather(*tasks)
-    await sup.shutdown()
-    await metrics.close()
+    try:
+        await sup.start()
+        for name in NAMES:
+            await sup.wait(name, "up", 30)
+        tasks = [asyncio.create_task(ticker(lags, done)),
+                 asyncio.create_task(every(args.scrape, scrape, done, counts["scrapes"])),
+                 asyncio.create_task(every(args.npu, npu.poll, done, counts["npu_polls"])),
+                 asyncio.create_task(every(args.stops, stop_start, done, counts["stops"]))]  # fmt: skip
+        await asyncio.sleep(args.seconds)
+        done.set()
+        await asyncio.gather(*tasks)
+    finally:  # also when interrupted: the components' trees are stopped
+        await sup.shutdown()
+        await metrics.close()
     return {**summary(lags), **{k: v[0] for k, v in counts.items()}}
 
 
@@ -201,6 +204,7 @@ def main() -> None:
     parser.add_argument("--floor", type=float, default=10.0, help="seconds of the ticker alone first (the floor)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` or kill still ends the idle processes
     extra = [subprocess.Popen(["sleep", "3600"], start_new_session=True) for _ in range(args.extra_procs)]
     try:
         pass_ms = proc_pass_ms()
