@@ -231,7 +231,7 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
         return json_response(view)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        await self.agent_metrics.refresh_vllm()
+        await self.agent_metrics.refresh()
         return web.Response(body=self.agent_metrics.generate(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:

@@ -480,7 +480,7 @@ class Component(FailurePath):
         timeout = self.host.drain_timeout(self)
         if timeout is None or self.proc is None or not self.up.is_set():
             return
-        started = self.host.clock.time()
+        started = self.host.clock.monotonic()  # a duration: a wall-clock step (NTP) must not end or stretch it
         self.ready_blockers["draining"] = f"draining before: {why}"
         self._set(State.DRAINING, f"draining (readiness off) before {why}; up to {timeout:g}s", timeout_s=timeout)
         unknown = 0
@@ -488,7 +488,7 @@ class Component(FailurePath):
             while True:
                 self.tick()
                 left = await self.host.inflight(self)
-                waited = self.host.clock.time() - started
+                waited = self.host.clock.monotonic() - started
                 if left is None:
                     unknown += 1
                 else:

@@ -63,20 +63,34 @@ class EngineResult:
 
 async def run_engine(argv: Sequence[str], timeout_s: float, check: bool = True,
                      stdin: int | None = asyncio.subprocess.DEVNULL) -> EngineResult:  # fmt: skip
+    """Run one engine command (in its own session) with a timeout.
+
+    On the timeout and on cancellation the command's whole process group is killed and reaped: a setup step's
+    shell leaves its children behind otherwise, and a cancelled agent task must not leave a `podman` running."""
     proc = await asyncio.create_subprocess_exec(*argv, stdin=stdin, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await kill_group(proc)
         raise EngineError(f"{' '.join(argv[:4])} ... timed out after {timeout_s:g} s") from None
+    except BaseException:  # cancelled: the command must not outlive the task that ran it
+        await kill_group(proc)
+        raise
     result = EngineResult(tuple(argv), proc.returncode or 0, out.decode(errors="replace"),
                           err.decode(errors="replace"))
     if check and result.returncode != 0:
         raise EngineError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()[-500:]}")
     return result
+
+
+async def kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process group a `start_new_session` child leads, then reap the child. The group is killed even
+    when the leader already exited (its children may not have); a second cancel leaves the reaping to go on
+    by itself (shielded) and is not swallowed."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await asyncio.shield(proc.wait())
 
 
 def _no_such(result: EngineResult) -> bool:
@@ -163,10 +177,7 @@ class ContainerEngine:
                 if event_status(raw.decode(errors="replace")) in statuses:
                     wake.set()
         finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await kill_group(proc)
 
     async def watch(self, container_id: str, started_at: str | None, poll_s: float = 1.0, use_events: bool = True,
                     unresponsive_after_s: float = 10.0, clock: Callable[[], float] = time.monotonic,

@@ -298,12 +298,15 @@ class ContainerMode:
             redeployed = False
             watch = asyncio.create_task(self.engine.watch(state.id, state.started_at, wake=self._wake))
             changed = asyncio.create_task(self._reconfigured.wait())
-            await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
-            if not watch.done():  # a reload changed the container: plan again (a planned recreate)
-                watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+            try:
+                await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this task is cancelled: asyncio.wait leaves its tasks (and `podman events`) running
+                changed.cancel()
+                if not watch.done():
+                    watch.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watch
+            if watch.cancelled():  # a reload changed the container: plan again (a planned recreate)
                 self._reconfigured.clear()
                 continue
             death = watch.result()

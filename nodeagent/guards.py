@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.cluster.tasks import log_death
 from nodeagent.npu_monitor import NpuMonitor, our_pids
+from nodeagent.proctable import TABLES
 from nodeagent.recovery import NodeRecovery
 from nodeagent.stackport import ComponentView, Hold, HoldKind
 from nodeagent.worker_headroom import WorkerHeadroom
@@ -50,8 +51,10 @@ class StartGuards:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 
-    def _our_pids(self) -> set[int]:
-        return our_pids(self.sup.process_records().values())
+    async def _our_pids(self) -> set[int]:
+        """From a pass begun after this call, so after npu-smi's snapshot: an older table would miss a vLLM
+        worker started meanwhile, which npu-smi shows, and call it foreign."""
+        return our_pids(self.sup.process_records().values(), await TABLES.get(0))
 
     @property
     def has_vllm(self) -> bool:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +28,7 @@ from prometheus_client.core import (
 from nodeagent import __version__
 from nodeagent.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.loadtime import LOAD_BUCKETS
+from nodeagent.proctable import CREATE_TIME_SLACK_S, TABLES, ProcessTable, scan
 from nodeagent.states import RESTART_CAUSES, State
 from nodeagent.vllm_endpoints import vllm_metrics_urls
 
@@ -63,46 +62,29 @@ PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 RATIO_KINDS = ("local_total", "local_win", "ext_total", "ext_win", "eff_total")
 
 
-def tree_usage(records: dict[str, ProcessRecord]) -> dict[str, tuple[float, int, int]]:
-    """(CPU seconds, RSS bytes, process count) of each record's whole tree, in one pass over /proc.
-
-    Same membership as `process.tree_of`: the main process if it is still the recorded one, its descendants,
-    and every member of its session. CPU includes reaped children (children_user/system), so a short-lived
-    helper's time is not lost; RSS is a plain sum (shared pages count once per process).
+def tree_usage(records: dict[str, ProcessRecord], table: ProcessTable | None = None,
+               ) -> dict[str, tuple[float, int, int]]:  # fmt: skip
+    """(CPU seconds, RSS bytes, process count) of each record's whole tree (`ProcessTable.tree`, the membership
+    of `process.tree_of`), from `table` or a pass over /proc now: blocking, `AgentMetrics.refresh` runs it in a
+    thread. CPU includes reaped children (children_user/system), so a short-lived helper's time is not lost; RSS is
+    a plain sum (shared pages count once per process).
     """
     if not records:
         return {}
-    own_sid = os.getsid(0)
-    by_sid: dict[int, list[psutil.Process]] = defaultdict(list)
-    by_parent: dict[int, list[psutil.Process]] = defaultdict(list)
-    by_pid: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        by_pid[proc.pid] = proc
-        by_parent[proc.info["ppid"] or 0].append(proc)
-        with contextlib.suppress(OSError):
-            by_sid[os.getsid(proc.pid)].append(proc)
+    table = table if table is not None else scan()
     out = {}
     for name, rec in records.items():
-        members: dict[int, psutil.Process] = {}
-        main = by_pid.get(rec.pid)
-        with contextlib.suppress(psutil.Error):
-            if main is not None and abs(main.create_time() - rec.create_time) <= 0.05:
-                stack = [main]
-                while stack:
-                    proc = stack.pop()
-                    if proc.pid not in members:
-                        members[proc.pid] = proc
-                        stack.extend(by_parent.get(proc.pid, ()))
-        if rec.sid > 1 and rec.sid != own_sid:
-            for proc in by_sid.get(rec.sid, ()):
-                members.setdefault(proc.pid, proc)
         cpu, rss, count = 0.0, 0, 0
-        for proc in members.values():
-            with contextlib.suppress(psutil.Error), proc.oneshot():
-                times = proc.cpu_times()
-                cpu += times.user + times.system + times.children_user + times.children_system
-                rss += proc.memory_info().rss
-                count += 1
+        for pid in table.tree(rec):
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                with proc.oneshot():
+                    if abs(proc.create_time() - table.procs[pid].create_time) > CREATE_TIME_SLACK_S:
+                        continue  # the PID was reused since the table was taken
+                    times = proc.cpu_times()
+                    cpu += times.user + times.system + times.children_user + times.children_system
+                    rss += proc.memory_info().rss
+                    count += 1
         out[name] = (cpu, rss, count)
     return out
 
@@ -171,7 +153,10 @@ class _StackCollector:
                 records[name] = comp.record
                 if comp.started_at is not None:
                     started.add_metric(lv, comp.started_at)
-        for name, (seconds, resident, count) in tree_usage(records).items():
+        usage = self.owner.usage
+        for name, (seconds, resident, count) in usage.items():
+            if name not in records:
+                continue  # stopped since the refresh
             lv = [name, sup.components[name].kind]
             cpu.add_metric(lv, seconds)
             rss.add_metric(lv, resident)
@@ -313,7 +298,8 @@ class VllmCacheScraper:
 
 
 class AgentMetrics:
-    """The registry behind GET /metrics. Call `refresh_vllm()` (async) before `generate()`."""
+    """The registry behind GET /metrics. Call `refresh()` (async) before `generate()`: it reads what takes I/O
+    (vLLM's /metrics, the process trees' usage) off the event loop; `generate()` only formats."""
 
     def __init__(self, supervisor: Stack, started_at: float | None = None,
                  vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
@@ -333,6 +319,8 @@ class AgentMetrics:
         supervisor.on_probe_result.append(self.observe_probe)
         supervisor.on_load.append(self.observe_load)
         self.cache = VllmCacheScraper(supervisor, vllm_urls)
+        self.usage: dict[str, tuple[float, int, int]] = {}
+        """Each component's tree usage as of the last `refresh_usage` (what the scrape shows)."""
 
     def observe_probe(self, component: str, role: str, result: Any) -> None:
         """Supervisor.on_probe_result callback: cheap, synchronous."""
@@ -345,8 +333,19 @@ class AgentMetrics:
         if kind == "vllm":
             self.vllm_load.labels(component).observe(seconds)
 
+    async def refresh(self) -> None:
+        await self.refresh_vllm()
+        await self.refresh_usage()
+
     async def refresh_vllm(self) -> None:
         await self.cache.refresh()
+
+    async def refresh_usage(self) -> None:
+        """The components' tree usage, from the shared process table, in a thread (a pass over /proc and a few
+        reads per process stalled the loop on every scrape)."""
+        records = {n: c.record for n, c in self.supervisor.components.items() if c.record is not None}
+        table = await TABLES.get()
+        self.usage = await asyncio.to_thread(tree_usage, records, table)
 
     def vllm_families(self) -> Iterator[Metric]:
         urls = self.cache.vllm_urls

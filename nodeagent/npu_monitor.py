@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.npu import NpuSnapshot, NpuTools
 from nodeagent.npu_health import Change, Fault, HealthEvaluator, HealthPolicy, StartDecision, policy_from
+from nodeagent.proctable import ProcessTable, scan
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config, NpuProbe
     from nodeagent.events import EventBus
     from nodeagent.process import ProcessRecord
 
-OursFn = Callable[[], "set[int] | None"]
+OursFn = Callable[[], "set[int] | Awaitable[set[int] | None] | None"]
+"""Our PIDs (the foreign-process rule): an async one reads the shared process table (`proctable.TABLES`)."""
 
 
 def expected_npus(config: Config) -> int:
@@ -46,17 +50,21 @@ def expected_npus(config: Config) -> int:
     return need
 
 
-def our_pids(records: Iterable[ProcessRecord]) -> set[int]:
-    """Every PID of these components' process trees (what is ours on the NPUs)."""
-    from nodeagent.process import tree_of
-
-    return {proc.pid for record in records for proc in tree_of(record)}
+def our_pids(records: Iterable[ProcessRecord], table: ProcessTable | None = None) -> set[int]:
+    """Every PID of these components' process trees (what is ours on the NPUs), from `table` or a pass over /proc
+    now (blocking: the CLI's; the agent's monitor passes the shared table)."""
+    table = table if table is not None else scan()
+    return {pid for record in records for pid in table.tree(record)}
 
 
 class NpuMonitor:
     def __init__(self, tools: NpuTools, policy: HealthPolicy, period_s: float = 10.0, detail_every: int = 6,
                  roce: bool = True, ours: OursFn | None = None, events: EventBus | None = None,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
+        """`clock` measures every duration (the debounces, a snapshot's freshness): monotonic, so a wall-clock
+        step (NTP) neither ends nor stretches one; `wall` only dates what is shown and kept (a fault's `since`,
+        `polled_at`: see `to_wall`)."""
         self.tools = tools
         self.evaluator = HealthEvaluator(policy)
         self.period_s = period_s
@@ -65,6 +73,7 @@ class NpuMonitor:
         self.ours = ours
         self.events = events
         self.clock = clock
+        self.wall = wall
         self.last: NpuSnapshot | None = None
         self.last_polled_at: float | None = None
         self.last_poll_s: float = 0.0
@@ -77,11 +86,12 @@ class NpuMonitor:
 
     @classmethod
     def from_config(cls, config: Config, spec: NpuProbe | None = None, ours: OursFn | None = None,
-                    events: EventBus | None = None, clock: Callable[[], float] = time.time) -> NpuMonitor:  # fmt: skip
+                    events: EventBus | None = None, clock: Callable[[], float] = time.monotonic,
+                    wall: Callable[[], float] = time.time) -> NpuMonitor:  # fmt: skip
         spec = spec or config.node.npu_health
         tools = NpuTools.locate(spec.npu_smi, spec.hccn_tool, timeout_s=spec.timeout_s)
         return cls(tools, policy_from(spec, expected_npus(config)), spec.period_s, spec.detail_every, spec.roce,
-                   ours, events, clock)  # fmt: skip
+                   ours, events, clock, wall)  # fmt: skip
 
     @property
     def policy(self) -> HealthPolicy:
@@ -94,7 +104,14 @@ class NpuMonitor:
 
     @property
     def faults(self) -> list[Fault]:
-        return self.evaluator.faults
+        """The faults now, each `since` a wall-clock time (what /status shows and the recovery ladder compares
+        with its own wall-clock times and the resets it keeps on disk)."""
+        return [replace(f, since=self.to_wall(f.since)) for f in self.evaluator.faults]
+
+    def to_wall(self, at: float) -> float:
+        """A time of `clock` as wall-clock time now: after a wall-clock step it moves with it, so that
+        `wall() - to_wall(at)` is always the true time since."""
+        return self.wall() - (self.clock() - at)
 
     # ------------------------------------------------------------------------------------------- polling
 
@@ -122,7 +139,8 @@ class NpuMonitor:
         ours = None
         if self.ours is not None:
             try:
-                ours = self.ours()
+                found = self.ours()
+                ours = await found if inspect.isawaitable(found) else found
             except Exception:  # the foreign-process rule is skipped rather than the whole poll lost
                 logger.exception("npu monitor: listing our PIDs failed")
         changes = self.evaluator.observe(snap, ours, now)
@@ -194,7 +212,7 @@ class NpuMonitor:
     def override(self, npu: int | None = None, by: str = "operator") -> list[Fault]:
         """Start anyway despite the faults holding now (of `npu`, or all); they hold again if they clear
         and come back. Emits one event naming what was overridden."""
-        done = self.evaluator.override(npu)
+        done = [replace(f, since=self.to_wall(f.since)) for f in self.evaluator.override(npu)]
         if done and self.events is not None:
             self.events.emit("npu_override", f"{by} overrode: " + "; ".join(f.message for f in done), None,
                              "warning", npu=npu, faults=[f.to_dict() for f in done])  # fmt: skip
@@ -229,7 +247,8 @@ class NpuMonitor:
         snap = self.last
         out: dict[str, Any] = {
             "checked": self.skipped is None, "skipped": self.skipped, "expected_npus": self.policy.expected_npus,
-            "polled_at": self.last_polled_at, "faults": [f.to_dict() for f in self.faults],
+            "polled_at": None if self.last_polled_at is None else self.to_wall(self.last_polled_at),
+            "faults": [f.to_dict() for f in self.faults],
             "start": {"allowed": self.decision().allowed, "reasons": list(self.decision().reasons)},
         }  # fmt: skip
         if snap is not None and snap.info is not None:

@@ -117,6 +117,9 @@ class ComponentProber:
         self.on_result = on_result
         self.phase: Phase = "stopped"
         self.started_at: float | None = None
+        self._started_mono = 0.0
+        """`started_at` on the monotonic clock: the initial delays count on it (a wall-clock step must not stretch
+        or skip them)."""
         self.startup_succeeded_at: float | None = None
         self._gen = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -136,6 +139,7 @@ class ComponentProber:
         self._cancel()
         self._fresh()
         self.started_at = time.time() if started_at is None else started_at
+        self._started_mono = time.monotonic() - max(0.0, time.time() - self.started_at)
         self.phase = "startup"
         gen = self._gen
         if self.probes["startup"]:
@@ -285,7 +289,7 @@ class ComponentProber:
         spec = probe.spec
         loop = asyncio.get_running_loop()
         assert self.started_at is not None
-        delay = self.started_at + spec.initial_delay_s - time.time()
+        delay = self._started_mono + spec.initial_delay_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         next_at = loop.time()

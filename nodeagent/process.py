@@ -22,6 +22,11 @@ import psutil
 from loguru import logger
 
 from nodeagent.errors import AdoptError, LaunchError
+from nodeagent.proctable import CREATE_TIME_SLACK_S, TABLES, ProcessTable, scan
+
+STOP_TABLE_AGE_S = 0.25
+"""A stop starts from a process table at most this old (stops begun together share one pass); a descendant born
+in between is still found by the stop's last look, a pass begun after the signals."""
 
 
 @dataclass(frozen=True)
@@ -128,30 +133,21 @@ class ExitWatch:
             self.done.cancel()
 
 
-def session_members(sid: int) -> list[psutil.Process]:
-    """Every live process of a session: the whole tree of a child started with start_new_session."""
-    members = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):
-            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-    return members
+def tree_of(record: ProcessRecord, member: Callable[[int], bool] | None = None,
+            table: ProcessTable | None = None) -> list[psutil.Process]:  # fmt: skip
+    """The main process (if it is still the recorded one), its descendants and its session (`ProcessTable.tree`);
+    with `member`, only the processes it accepts (a component inside a container: the container's own).
 
-
-def tree_of(record: ProcessRecord, member: Callable[[int], bool] | None = None) -> list[psutil.Process]:
-    """The main process (if it is still the recorded one), its descendants and its session; with `member`, only
-    the processes it accepts (a component inside a container: the container's own)."""
-    procs: dict[int, psutil.Process] = {}
-    with contextlib.suppress(AdoptError):
-        main = verify(record)
-        procs[main.pid] = main
+    From `table` when given (on the event loop: `proctable.TABLES.get()` took it in a thread), else from a pass
+    over /proc now (blocking: off the loop only). A PID reused since the table was taken is left out."""
+    table = table if table is not None else scan()
+    procs = []
+    for pid in table.tree(record):
         with contextlib.suppress(psutil.Error):
-            for child in main.children(recursive=True):
-                procs[child.pid] = child
-    if record.sid > 1 and record.sid != os.getsid(0):
-        for proc in session_members(record.sid):
-            procs.setdefault(proc.pid, proc)
-    return [p for p in procs.values() if member is None or member(p.pid)]
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - table.procs[pid].create_time) <= CREATE_TIME_SLACK_S:
+                procs.append(proc)
+    return [p for p in procs if member is None or member(p.pid)]
 
 
 def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
@@ -188,7 +184,7 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "",
     event log.
     """
     started = time.monotonic()
-    tree = tree_of(record, member)
+    tree = tree_of(record, member, await TABLES.get(STOP_TABLE_AGE_S))
     if not tree:
         return {"signalled": 0, "killed": 0, "survivors": 0, "elapsed_s": 0.0, "tree": []}
     seen = [_describe(p) for p in tree]
@@ -206,7 +202,7 @@ async def stop_tree(record: ProcessRecord, grace_s: float, what: str = "",
         _signal(left, signal.SIGCONT)
         await _wait_gone(left, max(deadline, time.monotonic() + min(5.0, grace_s)))
     late = {p.pid: p for p in _alive(tree)}
-    for proc in tree_of(record, member):  # descendants born during the stop
+    for proc in tree_of(record, member, await TABLES.get(0)):  # descendants born during the stop
         late.setdefault(proc.pid, proc)
     killed = list(late.values())
     if killed:

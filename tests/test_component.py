@@ -791,3 +791,27 @@ async def test_a_restart_asked_during_the_start_cleanup_is_that_start(tmp_path: 
         await until("restarted", lambda: r.count("b") == 3 and b.up.is_set())
     finally:
         await stop(r)
+
+
+async def test_a_wall_clock_step_neither_ends_nor_stretches_a_drain(tmp_path: Path) -> None:
+    """The drain timeout is a duration: measured on the monotonic clock, an NTP step of an hour changes nothing."""
+    r = await rig(tmp_path)
+    try:
+        left = {"now": (2, 1)}
+
+        async def inflight(comp: Any) -> tuple[int, int] | None:
+            r.clock.advance(3600)  # the wall clock steps forward while the drain waits
+            return left["now"]
+
+        r.sup.drain_timeout = lambda comp: 30.0  # type: ignore[method-assign]
+        r.sup.inflight = inflight  # type: ignore[method-assign]
+        r.sup.command("b", "restart", drain=True)
+        b = r.sup.components["b"]
+        await until("draining", lambda: "draining" in b.extra_status)
+        await asyncio.sleep(0.05)
+        assert not r.events("drain_timeout"), "an hour of wall clock is not 30 s of drain"
+        left["now"] = (0, 0)
+        await until("drained", lambda: r.events("drained"))
+        await until("restarted", lambda: r.count("b") == 2)
+    finally:
+        await stop(r)

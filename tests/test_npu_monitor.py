@@ -223,3 +223,22 @@ def test_bad_npu_settings_are_config_errors(tmp_path: Path) -> None:
         load(tmp_path, vllm_with({}, npu_health={"flap_limt": 3}))
     with pytest.raises(ConfigError, match=r"node.npus"):
         load(tmp_path, vllm_with({}, npus=-1))
+
+
+async def test_durations_are_monotonic_and_a_faults_since_is_wall_time(tmp_path: Path) -> None:
+    """An NTP step of the wall clock back by an hour: the snapshot still ages (a new poll after a period), and a
+    fault's `since` stays the true time ago in the new wall time (what the recovery ladder compares)."""
+    fake, mono, wall = FakeAscend(tmp_path, "doc-critical-chip"), Clock(), Clock()
+    mono.now = 1000.0
+    mon = NpuMonitor(fake.tools(False), HealthPolicy(expected_npus=8), period_s=10, detail_every=1, roce=False,
+                     clock=mono, wall=wall)  # fmt: skip
+    await mon.poll()
+    (fault,) = [f for f in mon.faults if f.what == "health"]
+    assert fault.since == wall.now and mon.status()["polled_at"] == wall.now
+    wall.now -= 3600
+    mono.now += 11
+    polls = mon.polls
+    await mon.fresh()
+    assert mon.polls == polls + 1, "older than a period by the monotonic clock: polled again"
+    (fault,) = [f for f in mon.faults if f.what == "health"]
+    assert fault.since == wall.now - 11

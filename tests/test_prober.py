@@ -204,6 +204,18 @@ async def test_initial_delay(ctx: ProbeContext, tmp_path: Path) -> None:
     await prober.stop()
 
 
+async def test_a_wall_clock_step_does_not_stretch_the_initial_delay(ctx: ProbeContext,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    spec = ExecProbe(command=["true"], period_s=0.05, timeout_s=1.0, initial_delay_s=0.3)
+    prober = ComponentProber("v", {"startup": [ResolvedProbe(spec, "exec", "true", command=("true",))]}, ctx,
+                             Events())  # fmt: skip
+    real = time.time
+    prober.start()
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)  # NTP steps the wall clock back an hour
+    await until(lambda: prober.phase == "running", timeout=3.0)
+    await prober.stop()
+
+
 def hang_probe(pidfile: Path, timeout_s: float, period: float = 0.05) -> ResolvedProbe:
     argv = ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"]
     spec = ExecProbe(command=argv, period_s=period, timeout_s=timeout_s, failure_threshold=1)

@@ -68,8 +68,8 @@ class Ladder:
         self.tools = FakeTools(world.clock)
         if busy is not None:
             self.tools.busy = busy
-        self.npu = NpuMonitor(self.tools, HealthPolicy(expected_npus=8), clock=world.clock.time,  # type: ignore[arg-type]
-                              events=self.stack.events)  # fmt: skip
+        self.npu = NpuMonitor(self.tools, HealthPolicy(expected_npus=8), clock=world.clock.monotonic,  # type: ignore[arg-type]
+                              wall=world.clock.time, events=self.stack.events)  # fmt: skip
         self.redeploys: list[float] = []
         self.rec = NodeRecovery(self.stack.config, self.stack, self.npu, changed=self.stack.notify,  # type: ignore[arg-type]
                                 redeploy_times=lambda: self.redeploys, clock=world.clock,

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 SETTLE_EVERY_S = 30.0
 RETRY_S = 1.0
 IDLE_TICK_S = 5.0
+DONE_REDEPLOYS_KEPT = 20
+"""Cluster redeploys this node did its part of, newest last. There is one `redeploy` record at a time and a new
+one has a new id, so only the current record's id must be known; the last few cover a record read late."""
 """At rest the work loop wakes only for watch events and gate checks, and otherwise this often (barrier timeouts,
 settling): an idle agent costs next to nothing and sends no etcd request."""
 
@@ -110,7 +113,7 @@ class Coordinator:
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:
         data = {"gangs": {n: {"acted": g.acted, "epoch": g.acted_epoch} for n, g in self.gangs.items()},
-                "redeploys_done": self.done_redeploys[-20:]}  # fmt: skip
+                "redeploys_done": self.done_redeploys[-DONE_REDEPLOYS_KEPT:]}  # fmt: skip
         with contextlib.suppress(OSError):
             write_json_atomic(self.state_path, data)
 
@@ -277,7 +280,7 @@ class Coordinator:
     def redeploy_done(self, rid: str) -> None:
         """This node did its part of cluster redeploy `rid` (persisted: it is not done twice)."""
         if rid not in self.done_redeploys:
-            self.done_redeploys.append(rid)
+            self.done_redeploys = [*self.done_redeploys, rid][-DONE_REDEPLOYS_KEPT:]
             self.save()
 
     def ask(self, gs: GangState, seen: int, reason: str, planned: bool) -> None:

@@ -79,6 +79,9 @@ class ClusterOps:
         """This node's part: stopping | acked | wiping | None."""
         self.stop_began = 0.0
         self.handled: set[str] = set()
+        """Command keys taken while they are pending in etcd: a watch re-read (compaction, new store, restarted
+        watch) shows a pending key again, and it must not run twice. Forgotten once the key is answered or gone
+        (the asker deletes it; it lives on the asker's lease): neither comes back pending (ids are unique)."""
         self._busy = False
         self.deferred: str | None = None
         """The redeploy this node missed and defers while paused (said once)."""
@@ -106,10 +109,10 @@ class ClusterOps:
         return self.ack_map.get(self.record.id, set()) if self.record is not None else set()
 
     def _on_command(self, key: str, kv: KV | None) -> None:
-        if kv is None or key in self.handled:
-            return
-        body = kv.json()
-        if isinstance(body, dict) and body.get("state") == "pending":
+        body = kv.json() if kv is not None else None
+        if kv is None or not isinstance(body, dict) or body.get("state") != "pending":
+            self.handled.discard(key)  # answered or gone: it never comes back pending
+        elif key not in self.handled:
             self.handled.add(key)
             self.co.spawn(self._execute(key, kv, body))
 

@@ -19,23 +19,27 @@ WatchHandler = Callable[["WatchItem"], Awaitable[None] | None]
 
 
 class TaskSet:
-    """The tasks of one part (coordinator, membership, rollout): started one by one, cancelled as one."""
+    """The tasks of one part (coordinator, membership, rollout): started one by one, cancelled as one.
+
+    Only the running ones are kept: a finished task leaves the set at once (a long-lived agent spawns one per
+    command, barrier, bump; they were all kept, with their results, until the layer stopped)."""
 
     def __init__(self) -> None:
-        self._tasks: list[asyncio.Future[Any]] = []
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     def start(self, work: Awaitable[Any], name: str | None = None) -> None:
         task = asyncio.ensure_future(work)
         if name is not None and isinstance(task, asyncio.Task):
             task.set_name(name)
-        self._tasks.append(task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def __len__(self) -> int:
         return len(self._tasks)
 
     def cancel(self) -> list[asyncio.Future[Any]]:
         """Cancel without waiting (what a kill -9 does to them); the cancelled tasks are returned."""
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = list(self._tasks), set()
         for task in tasks:
             task.cancel()
         return tasks
