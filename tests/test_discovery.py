@@ -87,6 +87,49 @@ def test_stale_reused_and_untrusted_announcements_are_ignored(tmp_path: Path) ->
         locate_config(None, {}, tmp_path / "none.yaml", [runtime])
 
 
+def live(config: Path, node: str, cluster: str, pid: int) -> Announcement:
+    """An announcement of a running process (ours or our parent's) as an agent of that node and cluster."""
+    return me(str(config), pid=pid, start_ticks=discovery.start_ticks(pid), node=node, cluster=cluster)
+
+
+def test_node_never_picks_an_agent_of_another_cluster(tmp_path: Path) -> None:
+    """`--config mine.yaml --node n0` while only another stack's n0 runs here (run-local's agents not up yet):
+    that agent answered for the wrong cluster; now the lookup refuses, naming it. Beside it, ours is chosen."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    mine, theirs = tmp_path / "mine.yaml", tmp_path / "theirs.yaml"
+    mine.write_text("cluster: {name: local-cluster}\n")
+    theirs.write_text("cluster: {name: other}\n")
+    other = live(theirs, "n0", "other", os.getppid())
+    (runtime / f"{other.pid}.json").write_text(json.dumps(other._asdict()))
+    cluster = discovery_cluster(mine)
+    assert cluster == "local-cluster"
+    with pytest.raises(LookupFailed) as refused:
+        locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert "no agent of node n0 with cluster local-cluster and config" in str(refused.value)
+    assert f"pid {other.pid} (node n0, cluster other" in str(refused.value)
+    ours = live(mine, "n0", "local-cluster", os.getpid())
+    (runtime / f"{ours.pid}.json").write_text(json.dumps(ours._asdict()))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getpid()
+    # One file, two clusters (a `${VAR}` in its name): the cluster name decides, not the file alone.
+    same = live(mine, "n0", "elsewhere", os.getppid())
+    (runtime / f"{other.pid}.json").write_text(json.dumps(same._asdict()))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getpid()
+    # Without a config nothing names the cluster: two stacks' n0 are refused, not guessed.
+    with pytest.raises(SeveralAgents, match="2 agents of node n0 run on this host"):
+        locate_config(None, {}, tmp_path / "none.yaml", [runtime], node="n0")
+
+
+def discovery_cluster(path: Path) -> str | None:
+    from nodeagent.config_cluster import ClusterConfig
+    from nodeagent.config_raw import DEFAULT_CLUSTER_NAME, read_cluster_name
+
+    assert ClusterConfig().name == DEFAULT_CLUSTER_NAME
+    return read_cluster_name(path)
+
+
 # ---- real agents, the CLI in a clean environment ---------------------------------------------------------------
 
 
