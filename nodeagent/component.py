@@ -35,6 +35,9 @@ from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from nodeagent.blast_radius import Blast
     from nodeagent.events import EventBus
     from nodeagent.policy import RestartDecision
 
@@ -96,7 +99,11 @@ class ComponentHost(Protocol):
                 decision: RestartDecision | None) -> None:  # fmt: skip
         """Write the failure's post-mortem bundle in the background (off the crash path)."""
 
-    def request_redeploy(self, reason: str) -> bool: ...
+    def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool:
+        """A node redeploy of these components (None: the whole node)."""
+
+    def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
+        """What a redeploy of this failure class may touch (`blast_radius`)."""
 
     # ---- observe
     def on_process(self, comp: Component) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import logsink
+from nodeagent.blast_radius import Blast
 from nodeagent.container import ContainerEngine, EngineError, RecordStore, ensure_container, in_container, init_alive
 from nodeagent.container_exec import InsideWatch, adopt_inside, launch_inside
 from nodeagent.container_options import ContainerRenderError
@@ -333,16 +334,13 @@ class ContainerMode:
         self.sup.on_state(None)
 
     def _redeploy(self, reason: str) -> None:
-        """The guide's recovery, counted by the node's restart policy as a node redeploy."""
-        inside = [c for c in self.sup.components.values() if self.runs_inside(c.name)]
-        spec = (inside or list(self.sup.components.values()))[0].cfg.restart
-        decision = self.sup.redeploys.escalate(RestartDecision("redeploy", 0.0, reason, 0, False),
-                                               self.sup.clock.time(), spec)  # fmt: skip
-        self.sup.intent_store.save()
+        """The guide's recovery of what ran inside — never a host component (`blast_radius`: host etcd keeps
+        running) — asked of the node, which counts it as a node redeploy (it may turn the node `failed`)."""
+        inside = self.sup.blast(Blast.CONTAINER)
+        decision = self.sup.redeploy(inside, reason)
         level = "critical" if decision.action == "failed" else "warning"
-        self.sup.events.emit("container_redeploy", f"{reason}: node redeploy "
-                             f"({self.sup.redeploys.redeploys_total} so far); {decision.reason}", None, level)
-        self.sup.request_redeploy(reason)
+        self.sup.events.emit("container_redeploy", f"{reason}: node redeploy of {', '.join(inside) or 'nothing'}; "
+                             f"{decision.reason}", None, level)  # fmt: skip
 
     async def _drain(self, reason: str) -> None:
         """Before a planned recreate: hold the components inside, drain and stop them."""

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.blast_radius import Blast, Member, redeploy_scope
 from nodeagent.failure import Failure
 from nodeagent.liveness_hold import LivenessHolds
-from nodeagent.policy import hold_for_dependency
+from nodeagent.policy import RestartDecision, hold_for_dependency, restarts_with
 from nodeagent.stackport import (
     ComponentView,
     Hold,
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from nodeagent.evidence import PostMortems
     from nodeagent.host import Clock
     from nodeagent.intent import NodeIntent
-    from nodeagent.policy import RestartDecision
     from nodeagent.postmortem import Evidence
 
 WAIT_CONDITIONS = ("stopped", "up")
@@ -53,7 +53,11 @@ class NodePort:
     components: dict[str, Component]
     intent_store: NodeIntent
     redeploying: asyncio.Task[None] | None
+    redeploy_scope: tuple[str, ...]
+    _next_redeploy: tuple[str, tuple[str, ...]] | None
     postmortems: PostMortems
+    order: list[str]
+    container: Any
 
     if TYPE_CHECKING:  # the supervisor's own, used here
 
@@ -63,6 +67,7 @@ class NodePort:
         def on_state(self, comp: Component | None = None) -> None: ...
         def etcd_reachable(self) -> bool: ...
         def capture(self, comp: Component, failure: Failure) -> Evidence: ...
+        async def _redeploy(self, reason: str, scope: tuple[str, ...]) -> None: ...
         async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
                           wipe_etcd: bool = False) -> None: ...  # fmt: skip
 
@@ -137,6 +142,37 @@ class NodePort:
     def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
         for name in names:
             self.get(name).signal("restart", None, reason, operator=planned, drain=planned, cause=cause)
+
+    def redeploy(self, components: Sequence[str], cause: str) -> RestartDecision:
+        """A node redeploy of these components only (container mode: what ran in its dead container), counted by
+        the node's restart policy like any (it may turn the node `failed`: the decision says); the node keeps its
+        counters itself."""
+        comps = [self.get(n) for n in components] or list(self.components.values())
+        decision = self.intent_store.redeploys.escalate(RestartDecision("redeploy", 0.0, cause, 0, False),
+                                                        self.clock.time(), comps[0].cfg.restart)  # fmt: skip
+        self.intent_store.save()
+        self.request_redeploy(cause, components)
+        return decision
+
+    def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool:
+        """A node redeploy of `components` (None: the whole node), each caller's by `blast_radius`; one asked while
+        another runs follows it (False) unless that one touches all of it."""
+        queued = self._next_redeploy[1] if self._next_redeploy else ()
+        scope = tuple(n for n in self.order if components is None or n in components or n in queued)
+        if self.redeploying is not None and not self.redeploying.done():
+            self._next_redeploy = None if set(scope) <= set(self.redeploy_scope) else (reason, scope)
+            return False
+        self.redeploy_scope, self._next_redeploy = scope, None
+        self.redeploying = asyncio.create_task(self._redeploy(reason, scope), name="redeploy")
+        return True
+
+    def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
+        """What a redeploy of this class may touch here (`blast_radius`), in start order."""
+        inside = self.container.runs_inside if self.container is not None else (lambda name: False)
+        members = [Member(n, inside(n), {d: restarts_with(self.components[n].kind, self.components[d].kind, edge)
+                                         for d, edge in self.components[n].cfg.depends_on.items()
+                                         if d in self.components}) for n in self.order]  # fmt: skip
+        return redeploy_scope(blast, members, origin)
 
     async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
         await self.cleanup(self.get(name), scope, reason, wipe_etcd=wipe_etcd)
@@ -219,7 +255,7 @@ class NodePort:
         return Hold(HoldKind.ETCD_UNREACHABLE, why) if why else None
 
     def _redeploy_hold(self, comp: Component, operator: bool) -> Hold | None:
-        if self.redeploying is not None and not self.redeploying.done():
+        if self.redeploying is not None and not self.redeploying.done() and comp.name in self.redeploy_scope:
             return Hold(HoldKind.NODE_REDEPLOY, "node redeploy in progress")
         return None
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
@@ -85,6 +85,7 @@ class Supervisor(NodePort):
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.redeploying: asyncio.Task[None] | None = None
+        self.redeploy_scope, self._next_redeploy = (), None  # what the running one touches; the one to follow
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
         self._saved_launches: dict[str, dict[str, Any]] = {}
@@ -501,20 +502,14 @@ class Supervisor(NodePort):
         self.events.emit("command", f"{by}: {action}", name)
         return f"{action} {name}" + ("" if drain or action == "start" else " (no drain)")
 
-    def request_redeploy(self, reason: str) -> bool:
-        if self.redeploying is not None and not self.redeploying.done():
-            return False
-        self.redeploying = asyncio.create_task(self._redeploy(reason), name="redeploy")
-        return True
-
-    async def _redeploy(self, reason: str) -> None:
-        """The guide's recovery: stop all in reverse order, clean all residue, start all in order."""
-        self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning")
-        await self._cancel_tasks()
+    async def _redeploy(self, reason: str, scope: tuple[str, ...]) -> None:
+        """The guide's recovery within its blast radius: stop in reverse order, clean the residue, start in order."""
+        self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning", components=list(scope))
+        await self._cancel_tasks(scope)
         # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
-        running = {name for name, comp in self.components.items() if comp.proc is not None}
-        await self._stop_all_processes(f"node redeploy: {reason}")
-        for name in self.order:
+        running = {name for name in scope if self.components[name].proc is not None}
+        await self._stop_all_processes(f"node redeploy: {reason}", scope)
+        for name in scope:
             comp = self.components[name]
             hold = self.node_hold(comp, False)
             if hold is not None and hold.kind in STOPS_AUTOMATIC:
@@ -527,20 +522,22 @@ class Supervisor(NodePort):
                 comp.count_restart("redeploy")
         self._save_intent()
         self.redeploying = None
-        for name in self.order:
+        for name in scope:
             self.tasks[name] = asyncio.create_task(self.components[name].run(None), name=f"component:{name}")
         self.events.emit("redeploy_done", "node redeploy: residue cleaned, starting in order")
+        if self._next_redeploy is not None:
+            self.request_redeploy(*self._next_redeploy)
 
-    async def _cancel_tasks(self) -> None:
-        for task in self.tasks.values():
+    async def _cancel_tasks(self, names: Sequence[str] | None = None) -> None:
+        tasks = [self.tasks.pop(n) for n in list(self.tasks) if names is None or n in names]
+        for task in tasks:
             task.cancel()
-        for task in self.tasks.values():
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.tasks.clear()
 
-    async def _stop_all_processes(self, why: str) -> None:
-        for name in reversed(self.order):
+    async def _stop_all_processes(self, why: str, names: Sequence[str] | None = None) -> None:
+        for name in (n for n in reversed(self.order) if names is None or n in names):
             await self.components[name].stop_process(why)
 
     async def shutdown(self, detach: bool = False) -> None:
