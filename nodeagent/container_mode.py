@@ -29,7 +29,7 @@ from nodeagent.blast_radius import Blast
 from nodeagent.container import ContainerEngine, EngineError, RecordStore, ensure_container, in_container, init_alive
 from nodeagent.container_exec import InsideWatch, adopt_inside, launch_inside
 from nodeagent.container_options import ContainerRenderError
-from nodeagent.container_plan import ContainerState, SetupStepFailed
+from nodeagent.container_plan import ContainerState, SetupStepFailed, Step
 from nodeagent.errors import AdoptError, LaunchError
 from nodeagent.policy import RestartDecision
 from nodeagent.probe_resolve import ResolvedProbe
@@ -86,6 +86,14 @@ class ContainerMode:
     def runs_inside(self, name: str) -> bool:
         comp = self.sup.components.get(name)
         return comp is not None and isinstance(comp.host, InContainerHost)
+
+    def where(self, name: str) -> str:
+        """Where a component runs, for its stack run (`intent.stack_identity`): the host, or which container (the
+        one up, else the one the last agent kept)."""
+        if not self.runs_inside(name):
+            return "host"
+        cid = self.state.id if self.state is not None else getattr(self.records.load(), "container_id", "")
+        return f"container {cid[:12]}"
 
     @property
     def container_id(self) -> str:
@@ -292,6 +300,8 @@ class ContainerMode:
             delay, self._recreating = RETRY_MIN_S, False
             self.state, self.problem = state, None
             self.sup.events.emit("container_up", f"container {self.spec.name} {state.id[:12]} up ({plan.reason})")
+            if Step.CREATE in plan.steps:  # a new container: a new stack run of what runs inside
+                self.sup.begin_stack_run([n for n in self.sup.order if self.runs_inside(n)])
             self.sup.wake()
             self.sup.on_state(None)
             if plan.redeploy and not redeployed:

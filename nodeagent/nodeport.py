@@ -19,6 +19,7 @@ from loguru import logger
 
 from nodeagent.blast_radius import Blast, Member, redeploy_scope
 from nodeagent.failure import Failure
+from nodeagent.intent import stack_identity
 from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import RestartDecision, hold_for_dependency, restarts_with
 from nodeagent.stackport import (
@@ -165,6 +166,19 @@ class NodePort:
         self.redeploy_scope, self._next_redeploy = scope, None
         self.redeploying = asyncio.create_task(self._redeploy(reason, scope), name="redeploy")
         return True
+
+    def begin_stack_run(self, names: Sequence[str] | None = None) -> list[str]:
+        """The components (default: all) whose stack changed since their restart counters were kept — another
+        config section, host ↔ container, a new container — start a new stack run: no crash loop carried over
+        (a brand-new container stack showed the host stack's `crash loop`). At the agent's start, after a reload,
+        when container mode made a new container."""
+        where = self.container.where if self.container is not None else (lambda name: "host")
+        fresh = [n for n in (self.order if names is None else names)
+                 if self.intent_store.begin_stack(n, stack_identity(self.components[n].cfg, where(n)))]  # fmt: skip
+        self.intent_store.save(durable=False)
+        if fresh:
+            self.events.emit("stack_run", f"a new stack run: crash loop and backoff start afresh ({', '.join(fresh)})")
+        return fresh
 
     def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
         """What a redeploy of this class may touch here (`blast_radius`), in start order."""

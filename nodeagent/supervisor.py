@@ -462,6 +462,7 @@ class Supervisor(NodePort):
             await asyncio.sleep(every_s)
 
     async def start(self) -> None:
+        self.begin_stack_run()  # a crash loop belongs to one stack run (docs/operations.md); under the lock
         if not logsink.use_journal():
             self._keep(asyncio.create_task(self._rotate_logs(), name="log-rotation"))
         self._keep(asyncio.create_task(self._stability_tick(), name="stability"))

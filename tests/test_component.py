@@ -391,6 +391,16 @@ async def test_a_node_redeploy_counts_what_it_stopped_and_not_what_had_died(tmp_
         await stop(r)
 
 
+async def test_the_start_records_each_components_stack_run(tmp_path: Path) -> None:
+    """`Supervisor.start` (under the instance lock, not at construction) begins the stack runs a crash loop
+    belongs to (tests/test_container_mode.py has the rule)."""
+    r = await rig(tmp_path)
+    try:
+        assert set(r.sup.intent_store.data["stacks"]) == {"a", "b"}
+    finally:
+        await stop(r)
+
+
 async def test_the_ladders_redeploy_touches_the_failed_component_never_its_dependency(tmp_path: Path) -> None:
     """A component's failures escalated to a node redeploy stop, clean and start it (and what restarts with it),
     never what it depends on: a worker's redeploy took etcd down, a rank's the worker (`blast_radius`)."""
