@@ -505,7 +505,8 @@ class Supervisor(NodePort):
 
     async def _redeploy(self, reason: str, scope: tuple[str, ...]) -> None:
         """The guide's recovery within its blast radius: stop in reverse order, clean the residue, start in order."""
-        self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning", components=list(scope))
+        self.events.emit("redeploy", f"node redeploy: {reason} (of {', '.join(scope) or 'nothing'})", None, "warning",
+                         components=list(scope))  # fmt: skip
         await self._cancel_tasks(scope)
         # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
         running = {name for name in scope if self.components[name].proc is not None}
