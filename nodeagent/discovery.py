@@ -207,8 +207,10 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _runs(agent: Announcement, config: str | None, cluster: str | None) -> bool:
-    """Does this agent run that config file (if one is given) for that cluster (if it is known)?"""
-    return (not config or _same_file(agent.config, config)) and (cluster is None or agent.cluster == cluster)
+    """Does this agent run that config file (if one is given) for that cluster (if it is known; an agent started
+    before announcements named their cluster is judged by its file alone)?"""
+    same_cluster = cluster is None or agent.cluster in (None, cluster)
+    return (not config or _same_file(agent.config, config)) and same_cluster
 
 
 def _pick_node(agents: list[Announcement], node: str, wanted: str | None, cluster: str | None) -> Located | None:

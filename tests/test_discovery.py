@@ -117,6 +117,14 @@ def test_node_never_picks_an_agent_of_another_cluster(tmp_path: Path) -> None:
     (runtime / f"{other.pid}.json").write_text(json.dumps(same._asdict()))
     found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
     assert found.agent is not None and found.agent.pid == os.getpid()
+    # An agent started before announcements named their cluster: judged by its file alone (an upgrade's window).
+    older = live(mine, "n0", "x", os.getppid())._replace(cluster=None)
+    (runtime / f"{ours.pid}.json").unlink()
+    (runtime / f"{other.pid}.json").write_text(json.dumps({k: v for k, v in older._asdict().items() if k != "cluster"}))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getppid()
+    (runtime / f"{ours.pid}.json").write_text(json.dumps(ours._asdict()))
+    (runtime / f"{other.pid}.json").write_text(json.dumps(same._asdict()))
     # Without a config nothing names the cluster: two stacks' n0 are refused, not guessed.
     with pytest.raises(SeveralAgents, match="2 agents of node n0 run on this host"):
         locate_config(None, {}, tmp_path / "none.yaml", [runtime], node="n0")
