@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from apihelpers import tiny_config, write_config
 from conftest import BIN, free_port, wait_for
 
@@ -177,7 +178,8 @@ def agents(tmp_path: Path) -> Iterator[list[Agent]]:
 
 
 def ctl(runtime: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), discovery.ENV_RUNTIME_DIR: str(runtime)}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), discovery.ENV_RUNTIME_DIR: str(runtime),
+           **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}  # a worktree's code, not the install's
     return subprocess.run([str(BIN / "nodeagentctl"), *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
 
@@ -244,3 +246,23 @@ def test_node_picks_among_agents_sharing_one_file(agents: list[Agent], tmp_path:
     states = {node: json.loads(ctl(runtime, "--node", node, "status", "--json", cwd=tmp_path).stdout)
               ["components"]["a"]["desired"] for node in ("n0", "n1")}  # fmt: skip
     assert states == {"n0": "running", "n1": "stopped"}
+
+
+def test_node_never_reaches_another_clusters_agent(agents: list[Agent], tmp_path: Path) -> None:
+    """The window before run-local's agents are up: another stack's agent of the same node name listens on the API
+    address our file names. `--config ours --node NAME` was answered by it (another cluster); now it is refused,
+    naming that agent, and its own file still reaches it."""
+    runtime = tmp_path / "run"
+    agents.append(Agent(tmp_path / "theirs", runtime))
+    theirs = agents[0]
+    wait_for("their announcement", theirs.path.exists, 30)
+    data = yaml.safe_load(theirs.config.read_text())
+    data["cluster"]["name"] = "ours"
+    data["agent"]["state_dir"] = str(tmp_path / "ours" / "state")
+    ours = write_config(tmp_path / "ours.yaml", data)
+    wait_for("their API", lambda: ctl(runtime, "--config", str(theirs.config), "--node", "tiny", "status",
+                                      cwd=tmp_path).returncode == 0, 30)  # fmt: skip
+    out = ctl(runtime, "--config", str(ours), "--node", "tiny", "status", cwd=tmp_path)
+    assert out.returncode == cli.EXIT_CONFIG, out.stdout
+    assert "no agent of node tiny with cluster ours and config" in out.stderr
+    assert f"pid {theirs.proc.pid} (node tiny, cluster t" in out.stderr, out.stderr
