@@ -301,7 +301,7 @@ class ContainerMode:
             self.state, self.problem = state, None
             self.sup.events.emit("container_up", f"container {self.spec.name} {state.id[:12]} up ({plan.reason})")
             if Step.CREATE in plan.steps:  # a new container: a new stack run of what runs inside
-                self.sup.begin_stack_run([n for n in self.sup.order if self.runs_inside(n)])
+                self.sup.begin_stack_run(self.sup.blast(Blast.CONTAINER))
             self.sup.wake()
             self.sup.on_state(None)
             if plan.redeploy and not redeployed:
@@ -356,8 +356,8 @@ class ContainerMode:
         """Before a planned recreate: hold the components inside, drain and stop them."""
         self._recreating = True
         self._hold(f"container {self.spec.name}: recreating ({reason})")
-        for name in reversed(self.sup.order):  # in reverse order, as the stack stops: vLLM before its worker
-            if self.runs_inside(name) and self.sup.components[name].running:
+        for name in reversed(self.sup.blast(Blast.CONTAINER)):  # reverse order, as the stack stops: vLLM first
+            if self.sup.components[name].running:
                 self.sup.restart([name], f"container recreate: {reason}", planned=True, cause="reload")
                 await self.sup.wait(name, "stopped")
 
