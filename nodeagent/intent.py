@@ -77,13 +77,15 @@ class NodeIntent:
     # ---- stack runs ---------------------------------------------------------------------------------------
     def begin_stack(self, name: str, identity: str) -> bool:
         """A crash loop belongs to one stack run: once the component's stack changed since its counters were kept
-        (`stack_identity`: its config section, the host or another container), they start afresh (True). One
-        recorded by an agent before this field is kept: nothing says its stack changed."""
+        (`stack_identity`: its config section, the host or another container), they start afresh (True when
+        there was a failure to forget). One recorded by an agent before this field is kept: nothing says its stack
+        changed."""
         stacks = self.data.setdefault("stacks", {})
         before, stacks[name] = stacks.get(name), identity
-        if before is None or before == identity:
+        tracker = self.trackers[name]
+        if before is None or before == identity or not (tracker.consecutive_failures or tracker.failure_times):
             return False
-        self.trackers[name].reset()
+        tracker.reset()
         return True
 
     # ---- persistence --------------------------------------------------------------------------------------

@@ -412,9 +412,9 @@ async def test_the_ladders_redeploy_touches_the_failed_component_never_its_depen
             r.crash("b")
             await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
         r.crash("b")
-        await until("the redeploy's backoff", lambda: b.backoff_until is not None)
+        await until("the redeploy's backoff", lambda: b.backoff_until is not None, 20)  # (a loaded machine)
         r.clock.advance(20)
-        await until("b redeployed", lambda: r.count("b") == 4 and b.up.is_set() and not r.sup.redeploying)
+        await until("b redeployed", lambda: r.count("b") == 4 and b.up.is_set() and not r.sup.redeploying, 20)
         assert r.count("a") == 1 and a.restarts_by_cause == {}, "its dependency a was left running"
         done = [e for e in r.sup.events.recent if e.event == "redeploy"]
         assert [e.data.get("components") for e in done] == [["b"]]
