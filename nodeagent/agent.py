@@ -332,7 +332,7 @@ class Agent:
         settings, folder = self.config.agent, runtime_dir()
         me = this_agent(str(self.config_path), settings.api.listen, _str(settings.api.unix_socket),
                         str(settings.api.token_file), str(settings.state_dir), str(settings.log_dir),
-                        self.config.node.name)  # fmt: skip
+                        self.config.node.name, self.config.cluster.name)  # fmt: skip
         try:
             return announce(folder, me)
         except OSError as exc:

@@ -24,6 +24,7 @@ from loguru import logger
 
 from nodeagent import __version__
 from nodeagent.api_cluster import CLUSTER_ROUTES, ClusterRoutes
+from nodeagent.blast_radius import Blast
 from nodeagent.errors import AgentError, ConfigError, CoordinationUnavailable, UnknownComponentError
 from nodeagent.httpbase import (
     COMPONENT_ACTIONS,
@@ -318,7 +319,7 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
         reason = data.get("reason", f"operator request ({who})")
         if not isinstance(reason, str) or len(reason) > 500:
             raise ApiError(400, "reason must be a string of at most 500 characters")
-        started = self.sup.request_redeploy(reason)
+        started = self.sup.request_redeploy(reason, self.sup.blast(Blast.OPERATOR))
         return json_response({"accepted": True, "action": "redeploy", "component": None,
                               "already_in_progress": not started}, 202)  # fmt: skip
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from nodeagent.bindrace import BindRaceRetries
 from nodeagent.component_failure import FailurePath
 from nodeagent.component_status import component_status
+from nodeagent.drain import drain_end
 from nodeagent.errors import AdoptError, LaunchError, MissingPrerequisite
 from nodeagent.failure import Failure, exit_text
 from nodeagent.heartbeat import HOST_MARGIN_S, PREPARE_BOUND_S, TICK_S, Heartbeat
@@ -36,6 +37,9 @@ from nodeagent.stackport import Hold
 from nodeagent.states import COMMANDS, UP_STATES, Signal, State
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from nodeagent.blast_radius import Blast
     from nodeagent.events import EventBus
     from nodeagent.policy import RestartDecision
 
@@ -97,7 +101,11 @@ class ComponentHost(Protocol):
                 decision: RestartDecision | None) -> None:  # fmt: skip
         """Write the failure's post-mortem bundle in the background (off the crash path)."""
 
-    def request_redeploy(self, reason: str) -> bool: ...
+    def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool:
+        """A node redeploy of these components (None: the whole node)."""
+
+    def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
+        """What a redeploy of this failure class may touch (`blast_radius`)."""
 
     # ---- observe
     def on_process(self, comp: Component) -> None:
@@ -489,25 +497,14 @@ class Component(FailurePath):
                 self.tick()
                 left = await self.host.inflight(self)
                 waited = self.host.clock.monotonic() - started
-                if left is None:
-                    unknown += 1
-                else:
-                    unknown = 0
-                    running, waiting = left
-                    self.extra_status["draining"] = {"running": running, "waiting": waiting,
+                unknown = unknown + 1 if left is None else 0
+                if left is not None:
+                    self.extra_status["draining"] = {"running": left[0], "waiting": left[1],
                                                      "remaining_s": round(max(0.0, timeout - waited), 1)}
                     self.host.on_state(self)
-                    if running == 0 and waiting == 0:
-                        self.host.events.emit("drained", f"drained in {waited:.1f}s", self.name)
-                        return
-                if unknown >= 3:
-                    self.host.events.emit("drain_unknown", "cannot read in-flight requests; stopping now",
-                                          self.name, "warning")
-                    return
-                if waited >= timeout:
-                    self.host.events.emit("drain_timeout", f"drain timed out after {timeout:g}s with "
-                                          f"{left[0] if left else '?'} running, {left[1] if left else '?'} waiting; "
-                                          "stopping anyway", self.name, "warning")  # fmt: skip
+                end = drain_end(left, waited, timeout, unknown)
+                if end is not None:
+                    self.host.events.emit(end.event, end.message, self.name, end.level)
                     return
                 getter = asyncio.ensure_future(self._next())
                 try:

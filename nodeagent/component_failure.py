@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.blast_radius import Blast
 from nodeagent.failure import Failure, classify
 from nodeagent.heartbeat import TICK_S
 from nodeagent.policy import backoff_delay
@@ -105,7 +106,7 @@ class FailurePath:
                           delay_s=decision.delay_s)  # fmt: skip
                 if await self._sleep_interruptibly(decision.delay_s):
                     return
-            self.host.request_redeploy(f"{self.name}: {failure.detail}")
+            self._redeploy(f"{self.name}: {failure.detail}")
             return
         if decision.action == "failed":
             reason = failure.permanent or decision.reason
@@ -114,12 +115,17 @@ class FailurePath:
                       output_tail=list(failure.output_tail))  # fmt: skip
             if await self._sleep_interruptibly(decision.delay_s) or failure.permanent:
                 return
-            self.host.request_redeploy(f"{self.name}: retry after failed state")
+            self._redeploy(f"{self.name}: retry after failed state")
             return
         if decision.delay_s > 0:
             self._set(State.BACKOFF, f"restart in {decision.delay_s:.0f}s: {decision.reason}", "warning",
                       delay_s=decision.delay_s, consecutive_failures=decision.consecutive_failures)  # fmt: skip
             await self._sleep_interruptibly(decision.delay_s)
+
+    def _redeploy(self, reason: str) -> None:
+        """The ladder's node redeploy, of this component and what restarts with it only (`blast_radius`): a worker
+        failure never restarts etcd, a rank failure never the worker."""
+        self.host.request_redeploy(reason, self.host.blast(Blast.COMPONENT, self.name))
 
     async def _sleep_interruptibly(self, delay: float) -> bool:
         """Back off; an operator's start/restart/stop cuts the wait short (returns True then)."""

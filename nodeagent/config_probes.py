@@ -29,7 +29,10 @@ class ProbeBase(Tagged):
 class LivenessFileProbe(ProbeBase, tag="liveness_file"):
     path: ConfigPath | None = None
     """Default: the datasystem component's liveness_check_path."""
-    max_age_s: Positive = 5.0
+    max_age_s: Positive = 30.0
+    """The file must say `liveness check success` and be younger than this. 30 s is the guide's
+    `yr_liveness_check.sh`: a worker stalled for less keeps its KV pool (a restart loses every node's prefix
+    cache); a stopped worker still fails within this + period_s x failure_threshold (36 s by default)."""
 
 
 class EtcdProbe(ProbeBase, tag="etcd"):

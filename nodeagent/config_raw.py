@@ -25,6 +25,8 @@ DEFAULT_LISTEN = "127.0.0.1:18700"
 DEFAULT_TOKEN_FILE = Path("/etc/dsv4-agent/token")
 DEFAULT_STATE_DIR = Path("/var/lib/dsv4-agent")
 DEFAULT_LOG_DIR = Path("/var/log/dsv4-agent")
+DEFAULT_CLUSTER_NAME = "local"
+"""`ClusterConfig.name`'s default (tests/test_discovery.py holds them equal)."""
 
 
 def interpolate(text: str, env: typing.Mapping[str, str], where: str) -> str:
@@ -187,3 +189,17 @@ def read_agent_section(path: str | Path, env: typing.Mapping[str, str] | None = 
                         unix_socket=None if socket_raw is None else _path(socket_raw, base, Path()),
                         log_dir=_path(agent.get("log_dir"), base, DEFAULT_LOG_DIR),
                         state_dir=_path(agent.get("state_dir"), base, DEFAULT_STATE_DIR))  # fmt: skip
+
+
+def read_cluster_name(path: str | Path, env: typing.Mapping[str, str] | None = None) -> str | None:
+    """`cluster.name` of a config file as this shell reads it (`nodeagentctl --node` compares it with what a
+    running agent announced); None when the fast path cannot tell (unreadable, a `${VAR}` unset here, not a
+    plain string): the file alone is compared then."""
+    try:
+        file, text = read_config_text(path)
+        tree = RawTree(str(file), os.environ if env is None else env, getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        cluster = _mapping(tree.build(text, sections=("cluster",)), "cluster")
+    except (ConfigError, NotPlain):
+        return None
+    name = cluster.get("name", DEFAULT_CLUSTER_NAME)
+    return name if isinstance(name, str) else None

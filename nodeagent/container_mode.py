@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import logsink
+from nodeagent.blast_radius import Blast
 from nodeagent.container import ContainerEngine, EngineError, RecordStore, ensure_container, in_container, init_alive
 from nodeagent.container_exec import InsideWatch, adopt_inside, launch_inside
 from nodeagent.container_options import ContainerRenderError
-from nodeagent.container_plan import ContainerState, SetupStepFailed
+from nodeagent.container_plan import ContainerState, SetupStepFailed, Step
 from nodeagent.errors import AdoptError, LaunchError
 from nodeagent.policy import RestartDecision
 from nodeagent.probe_resolve import ResolvedProbe
@@ -85,6 +86,14 @@ class ContainerMode:
     def runs_inside(self, name: str) -> bool:
         comp = self.sup.components.get(name)
         return comp is not None and isinstance(comp.host, InContainerHost)
+
+    def where(self, name: str) -> str:
+        """Where a component runs, for its stack run (`intent.stack_identity`): the host, or which container (the
+        one up, else the one the last agent kept)."""
+        if not self.runs_inside(name):
+            return "host"
+        cid = self.state.id if self.state is not None else getattr(self.records.load(), "container_id", "")
+        return f"container {cid[:12]}"
 
     @property
     def container_id(self) -> str:
@@ -291,6 +300,8 @@ class ContainerMode:
             delay, self._recreating = RETRY_MIN_S, False
             self.state, self.problem = state, None
             self.sup.events.emit("container_up", f"container {self.spec.name} {state.id[:12]} up ({plan.reason})")
+            if Step.CREATE in plan.steps:  # a new container: a new stack run of what runs inside
+                self.sup.begin_stack_run(self.sup.blast(Blast.CONTAINER))
             self.sup.wake()
             self.sup.on_state(None)
             if plan.redeploy and not redeployed:
@@ -336,23 +347,20 @@ class ContainerMode:
         self.sup.on_state(None)
 
     def _redeploy(self, reason: str) -> None:
-        """The guide's recovery, counted by the node's restart policy as a node redeploy."""
-        inside = [c for c in self.sup.components.values() if self.runs_inside(c.name)]
-        spec = (inside or list(self.sup.components.values()))[0].cfg.restart
-        decision = self.sup.redeploys.escalate(RestartDecision("redeploy", 0.0, reason, 0, False),
-                                               self.sup.clock.time(), spec)  # fmt: skip
-        self.sup.intent_store.save()
+        """The guide's recovery of what ran inside — never a host component (`blast_radius`: host etcd keeps
+        running) — asked of the node, which counts it as a node redeploy (it may turn the node `failed`)."""
+        inside = self.sup.blast(Blast.CONTAINER)
+        decision = self.sup.redeploy(inside, reason)
         level = "critical" if decision.action == "failed" else "warning"
-        self.sup.events.emit("container_redeploy", f"{reason}: node redeploy "
-                             f"({self.sup.redeploys.redeploys_total} so far); {decision.reason}", None, level)
-        self.sup.request_redeploy(reason)
+        self.sup.events.emit("container_redeploy", f"{reason}: node redeploy of {', '.join(inside) or 'nothing'}; "
+                             f"{decision.reason}", None, level)  # fmt: skip
 
     async def _drain(self, reason: str) -> None:
         """Before a planned recreate: hold the components inside, drain and stop them."""
         self._recreating = True
         self._hold(f"container {self.spec.name}: recreating ({reason})")
-        for name in reversed(self.sup.order):  # in reverse order, as the stack stops: vLLM before its worker
-            if self.runs_inside(name) and self.sup.components[name].running:
+        for name in reversed(self.sup.blast(Blast.CONTAINER)):  # reverse order, as the stack stops: vLLM first
+            if self.sup.components[name].running:
                 self.sup.restart([name], f"container recreate: {reason}", planned=True, cause="reload")
                 await self.sup.wait(name, "stopped")
 

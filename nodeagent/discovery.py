@@ -53,9 +53,11 @@ class Announcement(NamedTuple):
     state_dir: str
     log_dir: str
     node: str
+    cluster: str | None = None
+    """Its cluster's name (None: announced by an agent older than the field): `--node` never crosses clusters."""
 
     def describe(self) -> str:
-        return f"pid {self.pid} (node {self.node}, API {self.api}, config {self.config})"
+        return f"pid {self.pid} (node {self.node}, cluster {self.cluster}, API {self.api}, config {self.config})"
 
 
 class Located(NamedTuple):
@@ -134,11 +136,11 @@ def withdraw(path: Path) -> None:
 
 
 def this_agent(config: str, api: str, unix_socket: str | None, token_file: str, state_dir: str, log_dir: str,
-               node: str) -> Announcement:  # fmt: skip
+               node: str, cluster: str | None = None) -> Announcement:  # fmt: skip
     pid = os.getpid()
     return Announcement(pid=pid, start_ticks=start_ticks(pid), config=str(Path(config).resolve()), api=api,
                         unix_socket=unix_socket, token_file=token_file, state_dir=state_dir, log_dir=log_dir,
-                        node=node)  # fmt: skip
+                        node=node, cluster=cluster)  # fmt: skip
 
 
 # ---- the CLI's side ------------------------------------------------------------------------------------------
@@ -204,26 +206,56 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _runs(agent: Announcement, config: str | None, cluster: str | None) -> bool:
+    """Does this agent run that config file (if one is given) for that cluster (if it is known; an agent started
+    before announcements named their cluster is judged by its file alone)?"""
+    same_cluster = cluster is None or agent.cluster in (None, cluster)
+    return (not config or _same_file(agent.config, config)) and same_cluster
+
+
+def _pick_node(agents: list[Announcement], node: str, wanted: str | None, cluster: str | None) -> Located | None:
+    """The agent of `node` that runs the wanted file and cluster; None: none here (the node is reached through the
+    cluster). Several stacks on one host may each have a node of that name (run-local's n0 in two checkouts): an
+    agent of another cluster or file is never chosen, and while one runs here the lookup refuses, naming it,
+    rather than let the file's API address reach whatever listens there (it answered for the wrong cluster)."""
+    named = [a for a in agents if a.node == node]
+    mine = [a for a in named if _runs(a, wanted, cluster)]
+    if len(mine) == 1:
+        return Located(mine[0].config, "announced", mine[0])
+    others = [a for a in named if a not in mine]
+    listed = "; ".join(a.describe() for a in sorted(mine or others, key=lambda a: a.pid))
+    if len(mine) > 1:
+        raise SeveralAgents(f"{len(mine)} agents of node {node} run on this host: {listed} — choose one with "
+                            "--config FILE")  # fmt: skip
+    if others and not any(_runs(a, wanted, cluster) for a in agents):
+        want = " and ".join(w for w in (f"cluster {cluster}" if cluster else "", f"config {wanted}" if wanted else "")
+                            if w)  # fmt: skip
+        raise LookupFailed(f"no agent of node {node} with {want} runs on this host; not chosen (another cluster or "
+                           f"config): {listed}")  # fmt: skip
+    return None
+
+
 def locate_config(explicit: str | None, env: Mapping[str, str] | None = None, default: Path = DEFAULT_CONFIG,
-                  dirs: list[Path] | None = None, node: str | None = None) -> Located:  # fmt: skip
+                  dirs: list[Path] | None = None, node: str | None = None,
+                  cluster: str | None = None) -> Located:  # fmt: skip
     """The config to use, in the order an operator expects; LookupFailed says what was tried or who runs.
 
-    `node`: the agent of that node if one announced itself here (and runs the given config, if one is given) —
-    several agents may share one cluster file, each told its node by its environment (`${DSV4_NODE_NAME}`).
-    A given config that exactly one running agent uses comes with that agent's announcement: its resolved API
-    address and folders, so the CLI need not parse the file (nor know the agent's `${VAR}`s)."""
+    `node`: the agent of that node if one announced itself here, of `cluster` (the given config's cluster name,
+    when the caller could read it) and running the given config, if one is given — several agents may share one
+    cluster file, each told its node by its environment (`${DSV4_NODE_NAME}`); `_pick_node` refuses rather than
+    cross clusters. A given config that exactly one running agent uses comes with that agent's announcement: its
+    resolved API address and folders, so the CLI need not parse the file (nor know the agent's `${VAR}`s)."""
     env = os.environ if env is None else env
     agents, notes = running_agents(search_dirs(env) if dirs is None else dirs)
     if node:
-        wanted = explicit or env.get(ENV_CONFIG)
-        mine = [a for a in agents if a.node == node and (not wanted or _same_file(a.config, wanted))]
-        if len(mine) == 1:
-            return Located(mine[0].config, "announced", mine[0])
+        picked = _pick_node(agents, node, explicit or env.get(ENV_CONFIG), cluster)
+        if picked is not None:
+            return picked
     given = ((explicit, "--config") if explicit else (env[ENV_CONFIG], f"${ENV_CONFIG}") if env.get(ENV_CONFIG)
              else (str(default), "default") if default.exists() else None)  # fmt: skip
     if given is not None:
         # The agent running exactly this file (one only) answers for it: its API and folders as it resolved them.
-        mine = [a for a in agents if _same_file(a.config, given[0])]
+        mine = [a for a in agents if _runs(a, given[0], cluster)]
         return Located(given[0], given[1], mine[0] if len(mine) == 1 else None)
     if len(agents) == 1:
         return Located(agents[0].config, "announced", agents[0])

@@ -8,14 +8,22 @@ last few on a power cut is harmless, losing them on every `kill -9` or upgrade o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from typing import Any
+
+import msgspec
 
 from nodeagent.config_model import RestartSpec
 from nodeagent.policy import RedeployTracker, RestartTracker
 from nodeagent.statefile import StateStore
 
 HISTORY_FIELDS = ("restarts", "restarts_by_cause", "last_exit", "failure", "loads")
+
+
+def stack_identity(cfg: Any, where: str) -> str:
+    """One stack run of a component: its config section and where it runs (the host, or which container)."""
+    return hashlib.sha256(msgspec.json.encode(cfg, enc_hook=str) + b"\0" + where.encode()).hexdigest()[:16]
 
 
 class NodeIntent:
@@ -64,6 +72,20 @@ class NodeIntent:
         if history.get(name) == entry:
             return False
         history[name] = entry
+        return True
+
+    # ---- stack runs ---------------------------------------------------------------------------------------
+    def begin_stack(self, name: str, identity: str) -> bool:
+        """A crash loop belongs to one stack run: once the component's stack changed since its counters were kept
+        (`stack_identity`: its config section, the host or another container), they start afresh (True when
+        there was a failure to forget). One recorded by an agent before this field is kept: nothing says its stack
+        changed."""
+        stacks = self.data.setdefault("stacks", {})
+        before, stacks[name] = stacks.get(name), identity
+        tracker = self.trackers[name]
+        if before is None or before == identity or not (tracker.consecutive_failures or tracker.failure_times):
+            return False
+        tracker.reset()
         return True
 
     # ---- persistence --------------------------------------------------------------------------------------

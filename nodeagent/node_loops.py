@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -40,13 +41,15 @@ class NodeLoops:
         tasks: dict[str, asyncio.Task[None]]
         redeploying: asyncio.Task[None] | None
         redeploy_beat: Heartbeat
+        redeploy_scope: tuple[str, ...]
+        _next_redeploy: tuple[str, tuple[str, ...]] | None
 
         @property
         def trackers(self) -> dict[str, Any]: ...
         def node_hold(self, comp: Component, operator: bool = False) -> Hold | None: ...
         async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
                           wipe_etcd: bool = False) -> None: ...  # fmt: skip
-        async def _stop_all_processes(self, why: str) -> None: ...
+        async def _stop_all_processes(self, why: str, names: Sequence[str] | None = None) -> None: ...
         def _save_intent(self, durable: bool = True) -> None: ...
 
     def _start_loop(self, name: str, adopt: ProcessRecord | None) -> None:
@@ -74,21 +77,30 @@ class NodeLoops:
             beats["redeploy"] = self.redeploy_beat
         return beats
 
-    def request_redeploy(self, reason: str) -> bool:
+    def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool:
+        """A node redeploy of `components` (None: the whole node), each caller's by `blast_radius`; one asked while
+        another runs follows it (False) unless that one touches all of it."""
+        queued = self._next_redeploy[1] if self._next_redeploy else ()
+        scope = tuple(n for n in self.order if components is None or n in components or n in queued)
         if self.redeploying is not None and not self.redeploying.done():
+            self._next_redeploy = None if set(scope) <= set(self.redeploy_scope) else (reason, scope)
             return False
+        self.redeploy_scope, self._next_redeploy = scope, None
         self.redeploy_beat.tick(self.clock.monotonic())
-        self.redeploying = asyncio.create_task(self._redeploy(reason), name="redeploy")
+        self.redeploying = asyncio.create_task(self._redeploy(reason, scope), name="redeploy")
         self.redeploying.add_done_callback(log_death)
         return True
 
-    async def _redeploy(self, reason: str) -> None:
-        """The guide's recovery: stop all in reverse order, clean all residue, start all in order. Whatever fails
-        half-way (a bug, an OSError) is logged and shown, and every component is supervised again all the same."""
-        self.events.emit("redeploy", f"node redeploy: {reason}", None, "warning")
+    async def _redeploy(self, reason: str, scope: tuple[str, ...] | None = None) -> None:
+        """The guide's recovery within its blast radius: stop in reverse order, clean the residue, start in order.
+        Whatever fails half-way (a bug, an OSError) is logged and shown, and every component is supervised again
+        all the same."""
+        scope = tuple(self.order) if scope is None else scope
+        self.events.emit("redeploy", f"node redeploy: {reason} (of {', '.join(scope) or 'nothing'})", None, "warning",
+                         components=list(scope))  # fmt: skip
         done = cancelled = False
         try:
-            await self._redeploy_steps(reason)
+            await self._redeploy_steps(reason, scope)
             done = True
         except asyncio.CancelledError:
             cancelled = True  # the agent stops: its shutdown takes over
@@ -105,15 +117,17 @@ class NodeLoops:
                         self._start_loop(name, None)
         if done:
             self.events.emit("redeploy_done", "node redeploy: residue cleaned, starting in order")
+        if not cancelled and self._next_redeploy is not None:
+            self.request_redeploy(*self._next_redeploy)
 
-    async def _redeploy_steps(self, reason: str) -> None:
-        await self._cancel_tasks()
+    async def _redeploy_steps(self, reason: str, scope: tuple[str, ...]) -> None:
+        await self._cancel_tasks(scope)
         # what was still running restarts for the redeploy (what had died is counted already, by its own cause)
-        running = {name for name, comp in self.components.items() if comp.proc is not None}
-        graces = sum(float(getattr(c.cfg, "stop_grace_s", 0) or 0) + 30 for c in self.components.values())
-        self.redeploy_beat.busy(self.clock.monotonic(), graces + HOST_MARGIN_S, "stopping every component")
-        await self._stop_all_processes(f"node redeploy: {reason}")
-        for name in self.order:
+        running = {name for name in scope if self.components[name].proc is not None}
+        graces = sum(float(getattr(self.components[n].cfg, "stop_grace_s", 0) or 0) + 30 for n in scope)
+        self.redeploy_beat.busy(self.clock.monotonic(), graces + HOST_MARGIN_S, "stopping what it touches")
+        await self._stop_all_processes(f"node redeploy: {reason}", scope)
+        for name in scope:
             comp = self.components[name]
             hold = self.node_hold(comp, False)
             if hold is not None and hold.kind in STOPS_AUTOMATIC:
@@ -129,15 +143,15 @@ class NodeLoops:
         self.redeploy_beat.tick(self.clock.monotonic())
         self._save_intent()
 
-    async def _cancel_tasks(self) -> None:
-        for task in self.tasks.values():
+    async def _cancel_tasks(self, names: Sequence[str] | None = None) -> None:
+        tasks = {n: self.tasks.pop(n) for n in list(self.tasks) if names is None or n in names}
+        for task in tasks.values():
             task.cancel()
-        for name, task in self.tasks.items():
+        for name, task in tasks.items():
             try:
                 await task
             except asyncio.CancelledError:
                 pass
             except Exception:  # already logged by its done-callback; said again where it was awaited
                 logger.exception(f"{name}: its supervision loop had failed")
-        self.tasks.clear()
 

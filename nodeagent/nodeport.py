@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.blast_radius import Blast, Member, redeploy_scope
 from nodeagent.cluster.tasks import guarded
 from nodeagent.failure import Failure
+from nodeagent.intent import stack_identity
 from nodeagent.liveness_hold import LivenessHolds
-from nodeagent.policy import hold_for_dependency
+from nodeagent.policy import RestartDecision, hold_for_dependency, restarts_with
 from nodeagent.stackport import (
     ComponentView,
     Hold,
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
     from nodeagent.evidence import PostMortems
     from nodeagent.host import Clock
     from nodeagent.intent import NodeIntent
-    from nodeagent.policy import RestartDecision
     from nodeagent.postmortem import Evidence
 
 WAIT_CONDITIONS = ("stopped", "up")
@@ -54,7 +55,11 @@ class NodePort:
     components: dict[str, Component]
     intent_store: NodeIntent
     redeploying: asyncio.Task[None] | None
+    redeploy_scope: tuple[str, ...]
+    _next_redeploy: tuple[str, tuple[str, ...]] | None
     postmortems: PostMortems
+    order: list[str]
+    container: Any
 
     if TYPE_CHECKING:  # the supervisor's own, used here
 
@@ -64,6 +69,7 @@ class NodePort:
         def on_state(self, comp: Component | None = None) -> None: ...
         def etcd_reachable(self) -> bool: ...
         def capture(self, comp: Component, failure: Failure) -> Evidence: ...
+        async def _redeploy(self, reason: str, scope: tuple[str, ...]) -> None: ...
         async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
                           wipe_etcd: bool = False) -> None: ...  # fmt: skip
 
@@ -138,6 +144,38 @@ class NodePort:
     def restart(self, names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
         for name in names:
             self.get(name).signal("restart", None, reason, operator=planned, drain=planned, cause=cause)
+
+    def redeploy(self, components: Sequence[str], cause: str) -> RestartDecision:
+        """A node redeploy of these components only (container mode: what ran in its dead container), counted by
+        the node's restart policy like any (it may turn the node `failed`: the decision says); the node keeps its
+        counters itself."""
+        comps = [self.get(n) for n in components] or list(self.components.values())
+        decision = self.intent_store.redeploys.escalate(RestartDecision("redeploy", 0.0, cause, 0, False),
+                                                        self.clock.time(), comps[0].cfg.restart)  # fmt: skip
+        self.intent_store.save()
+        self.request_redeploy(cause, components)
+        return decision
+
+    def begin_stack_run(self, names: Sequence[str] | None = None) -> list[str]:
+        """The components (default: all) whose stack changed since their restart counters were kept — another
+        config section, host ↔ container, a new container — start a new stack run: no crash loop carried over
+        (a brand-new container stack showed the host stack's `crash loop`). At the agent's start, after a reload,
+        when container mode made a new container."""
+        where = self.container.where if self.container is not None else (lambda name: "host")
+        fresh = [n for n in (self.order if names is None else names)
+                 if self.intent_store.begin_stack(n, stack_identity(self.components[n].cfg, where(n)))]  # fmt: skip
+        self.intent_store.save(durable=False)
+        if fresh:
+            self.events.emit("stack_run", f"a new stack run: crash loop and backoff start afresh ({', '.join(fresh)})")
+        return fresh
+
+    def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
+        """What a redeploy of this class may touch here (`blast_radius`), in start order."""
+        inside = self.container.runs_inside if self.container is not None else (lambda name: False)
+        members = [Member(n, inside(n), {d: restarts_with(self.components[n].kind, self.components[d].kind, edge)
+                                         for d, edge in self.components[n].cfg.depends_on.items()
+                                         if d in self.components}) for n in self.order]  # fmt: skip
+        return redeploy_scope(blast, members, origin)
 
     async def clean(self, name: str, scope: str, reason: str, *, wipe_etcd: bool = False) -> None:
         await self.cleanup(self.get(name), scope, reason, wipe_etcd=wipe_etcd)
@@ -220,7 +258,7 @@ class NodePort:
         return Hold(HoldKind.ETCD_UNREACHABLE, why) if why else None
 
     def _redeploy_hold(self, comp: Component, operator: bool) -> Hold | None:
-        if self.redeploying is not None and not self.redeploying.done():
+        if self.redeploying is not None and not self.redeploying.done() and comp.name in self.redeploy_scope:
             return Hold(HoldKind.NODE_REDEPLOY, "node redeploy in progress")
         return None
 

@@ -84,8 +84,9 @@ class RestartTracker:
     def crash_loop(self) -> bool:
         """The one definition (README, status NOTE, /metrics): two or more failures in a row with no stable run
         in between, so restarts back off. It clears once the current run has been healthy for `stable_after_s`
-        (10 min by default; an adoption does not restart that clock), at a node redeploy, and on
-        `nodeagentctl reset`. Escalation is another rule: `redeploy_after_failures` (5) within the window."""
+        (10 min by default; an adoption does not restart that clock), at a node redeploy, on `nodeagentctl reset`,
+        and when its stack run ends (`NodeIntent.begin_stack`). Escalation is another rule:
+        `redeploy_after_failures` (5) within the window."""
         return self.consecutive_failures >= 2
 
     def record_start(self, now: float) -> None:

@@ -17,10 +17,12 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
         "readiness": [],
     },
     "datasystem": {
-        # dscli itself waits for probe/ready; the file only has to turn fresh and say success.
+        # dscli itself waits for probe/ready; the file only has to turn fresh and say success. Liveness allows
+        # the guide's 30 s (yr_liveness_check.sh): a stall shorter than that must not cost the KV pool; a
+        # stopped worker is still caught within 30 + 3 x 2 s.
         "startup": [{"kind": "liveness_file", "period_s": 1, "timeout_s": 2, "failure_threshold": 120}],
         "liveness": [
-            {"kind": "liveness_file", "period_s": 2, "timeout_s": 2, "failure_threshold": 3, "max_age_s": 5}
+            {"kind": "liveness_file", "period_s": 2, "timeout_s": 2, "failure_threshold": 3, "max_age_s": 30}
         ],
         "readiness": [],
     },

@@ -37,6 +37,8 @@ class Reloadable(Protocol):
     @property
     def trackers(self) -> dict[str, Any]: ...
 
+    def begin_stack_run(self, names: Any = None) -> list[str]: ...
+
 
 def reload_config(sup: Reloadable, config: Config, restart: bool = True) -> dict[str, list[str]]:
     """restart=False (a rollout's staging): every component's next start uses the config, none restarts now, and
@@ -67,6 +69,8 @@ def reload_config(sup: Reloadable, config: Config, restart: bool = True) -> dict
             comp.signal("wake", None, "config reload changed its command or environment")
         else:
             unchanged.append(name)
+    if restart:  # a component whose config section changed starts a new stack run (no crash loop carried over)
+        sup.begin_stack_run()
     if recreate:
         sup.events.emit("reload", f"config reloaded: {recreate} of the container changed: a planned recreate")
     if restart:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
@@ -90,6 +90,7 @@ class Supervisor(NodePort, NodeLoops):
         self.redeploying: asyncio.Task[None] | None = None
         self.redeploy_beat = Heartbeat(self.clock.monotonic())
         """The redeploy's own heartbeat: while it runs, the component loops are cancelled and it is what ticks."""
+        self.redeploy_scope, self._next_redeploy = (), None  # what the running one touches; the one to follow
         self.started_at = self.clock.time()
         self.remote_etcd_ok = True
         self._saved_launches: dict[str, dict[str, Any]] = {}
@@ -467,6 +468,7 @@ class Supervisor(NodePort, NodeLoops):
             await asyncio.sleep(every_s)
 
     async def start(self) -> None:
+        self.begin_stack_run()  # a crash loop belongs to one stack run (docs/operations.md); under the lock
         if not logsink.use_journal():
             self._keep(asyncio.create_task(self._rotate_logs(), name="log-rotation"))
         self._keep(asyncio.create_task(self._stability_tick(), name="stability"))
@@ -507,8 +509,8 @@ class Supervisor(NodePort, NodeLoops):
         self.events.emit("command", f"{by}: {action}", name)
         return f"{action} {name}" + ("" if drain or action == "start" else " (no drain)")
 
-    async def _stop_all_processes(self, why: str) -> None:
-        for name in reversed(self.order):
+    async def _stop_all_processes(self, why: str, names: Sequence[str] | None = None) -> None:
+        for name in (n for n in reversed(self.order) if names is None or n in names):
             await self.components[name].stop_process(why)
 
     async def shutdown(self, detach: bool = False) -> None:

@@ -86,7 +86,6 @@ FALLBACK: dict[str, str] = {
     "ProbeBase.failure_threshold": "Consecutive failures before the role fails (startup budget = period × this).",
     "ProbeBase.success_threshold": "Consecutive successes before the role succeeds again.",
     "ProbeBase.initial_delay_s": "Seconds after the process start before the first run.",
-    "LivenessFileProbe.max_age_s": "The file must say `liveness check success` and be younger than this.",
     "EtcdProbe.put_get": "Also write and read back a key (proves a write commits), not only GET /health.",
     "HttpProbe.url": "Full URL; default: the component's own address and `path`.",
     "HttpProbe.path": "Path on the component's address.",

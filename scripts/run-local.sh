@@ -71,8 +71,9 @@ run-local: three agents of cluster local-cluster (one file: config/local-cluster
   n0 (master: etcd 127.0.0.1:12379, prefill0, the PD proxy)  API http://127.0.0.1:$base        log $home/n0/agent.log
   n1 (decode0 head)                                          API http://127.0.0.1:$((base + 1))    log $home/n1/agent.log
   n2 (decode0, headless)                                     API http://127.0.0.1:$((base + 2))    log $home/n2/agent.log
-  .venv/bin/nodeagentctl --node n1 status          (any member: --node picks the local agent)
-  .venv/bin/nodeagentctl --node n0 cluster         (members, groups, generations)
+  .venv/bin/nodeagentctl --node n1 status -c config/local-cluster.yaml   (any member: --node picks the local agent)
+  .venv/bin/nodeagentctl --node n0 cluster -c config/local-cluster.yaml  (members, groups, generations)
+  (-c names this stack: another stack's n0 on this host is refused, never answers for it)
   curl -s 127.0.0.1:18020/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model":"dsv4","prompt":"hello","max_tokens":8}'        (through the proxy: prefill n0, decode n1+n2)
 Ctrl-C stops all three.

@@ -6,6 +6,7 @@ escalating, history surviving adoption."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import re
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from apihelpers import wait_until
 
+from nodeagent.blast_radius import Blast
 from nodeagent.config import parse_config
 from nodeagent.errors import AdoptError, MissingPrerequisite
 from nodeagent.events import EventBus
@@ -120,8 +122,8 @@ class Rig:
     def archive(self, comp: Any, failure: Any, evidence: Any, tree: Any, decision: Any) -> None:
         self.evidence.append((comp.name, evidence, decision))
 
-    def request_redeploy(self, reason: str) -> bool:
-        self.redeploys.append((reason, self.clock.now))
+    def request_redeploy(self, reason: str, components: Any = None) -> bool:
+        self.redeploys.append((reason, self.clock.now, components))
         return True
 
     def crash(self, name: str, code: int = 1) -> None:
@@ -385,6 +387,40 @@ async def test_a_node_redeploy_counts_what_it_stopped_and_not_what_had_died(tmp_
         assert Supervisor.request_redeploy(r.sup, "container exited with code 137")
         await until("both relaunched", lambda: r.count("a") == 2 and r.count("b") == 3 and b.up.is_set())
         assert a.restarts_by_cause == {"redeploy": 1} and b.restarts_by_cause == {"crash": 1, "redeploy": 1}
+    finally:
+        await stop(r)
+
+
+async def test_the_start_records_each_components_stack_run(tmp_path: Path) -> None:
+    """`Supervisor.start` (under the instance lock, not at construction) begins the stack runs a crash loop
+    belongs to (tests/test_container_mode.py has the rule)."""
+    r = await rig(tmp_path)
+    try:
+        assert set(r.sup.intent_store.data["stacks"]) == {"a", "b"}
+    finally:
+        await stop(r)
+
+
+async def test_the_ladders_redeploy_touches_the_failed_component_never_its_dependency(tmp_path: Path) -> None:
+    """A component's failures escalated to a node redeploy stop, clean and start it (and what restarts with it),
+    never what it depends on: a worker's redeploy took etcd down, a rank's the worker (`blast_radius`)."""
+    r = await rig(tmp_path, "redeploy_after_failures: 3, quick_exit_s: 0")
+    r.sup.request_redeploy = functools.partial(Supervisor.request_redeploy, r.sup)  # type: ignore[method-assign]
+    try:
+        a, b = r.sup.components["a"], r.sup.components["b"]
+        for n in (2, 3):
+            r.crash("b")
+            await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+        r.crash("b")
+        await until("the redeploy's backoff", lambda: b.backoff_until is not None, 20)  # (a loaded machine)
+        r.clock.advance(20)
+        await until("b redeployed", lambda: r.count("b") == 4 and b.up.is_set() and not r.sup.redeploying, 20)
+        assert r.count("a") == 1 and a.restarts_by_cause == {}, "its dependency a was left running"
+        done = [e for e in r.sup.events.recent if e.event == "redeploy"]
+        assert [e.data.get("components") for e in done] == [["b"]]
+        # the dependency's redeploy takes b with it (a `process` restarts with what it depends on)
+        Supervisor.request_redeploy(r.sup, "a failed", r.sup.blast(Blast.COMPONENT, "a"))
+        await until("both relaunched", lambda: r.count("a") == 2 and r.count("b") == 5 and b.up.is_set())
     finally:
         await stop(r)
 

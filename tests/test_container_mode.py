@@ -200,3 +200,54 @@ def test_a_reload_refuses_what_only_an_agent_restart_can_do(tmp_path: Path) -> N
     staged = sup.reload(parse_config(text("container: {engine: docker, name: dsv4, image: other:2}\n"), "c.yaml"),
                         restart=False)  # fmt: skip
     assert "container" not in staged and sup.container.spec.image == "other:1", "staging leaves a started one as it is"
+
+
+def test_a_crash_loop_belongs_to_one_stack_run(tmp_path: Path) -> None:
+    """The host stack's `crash loop` showed on a brand-new container stack (one state folder for both). It is kept
+    across an agent restart of the same stack, and starts afresh when the stack changes: host ↔ container, another
+    config section (a reload), a new container."""
+    from nodeagent.supervisor import Supervisor
+
+    def text(container: bool, etcd_dir: str = "/srv/etcd") -> str:
+        where = "container: {engine: docker, name: dsv4}\n" if container else ""
+        return (f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/state, log_dir: {tmp_path}/l}}\n"
+                f"{where}components:\n  etcd: {{kind: etcd, container: false, data_dir: {etcd_dir}}}\n"
+                "  datasystem: {kind: datasystem, workdir: /srv/yr, liveness_check_path: /srv/yr/liveness,\n"
+                "               depends_on: [etcd]}\n")  # fmt: skip
+
+    def crash_loop(sup: Supervisor, name: str = "datasystem") -> bool:
+        return bool(sup.trackers[name].crash_loop)
+
+    def agent(container: bool) -> Supervisor:
+        sup = Supervisor(parse_config(text(container), "c.yaml"))
+        sup.begin_stack_run()  # as its start does (tests/test_component.py: the rig's start records the runs)
+        return sup
+
+    host = agent(False)
+    for t in (0.0, 1.0, 2.0):
+        host.trackers["datasystem"].record_failure(t, "exit 1")
+        host.trackers["etcd"].record_failure(t, "exit 1")
+    host.intent_store.save()
+    again = agent(False)
+    assert crash_loop(again), "an agent restart of the same stack keeps it"
+    inside = agent(True)
+    assert not crash_loop(inside), "the worker now runs in a container: a new stack run"
+    assert crash_loop(inside, "etcd"), "etcd still runs on the host, as it did"
+    assert any(e.event == "stack_run" and "(datasystem)" in e.message for e in inside.events.recent)
+    inside.trackers["datasystem"].record_failure(3.0, "exit 1")
+    inside.trackers["datasystem"].record_failure(4.0, "exit 1")
+    assert crash_loop(inside)
+    assert inside.container is not None
+    inside.container.state = _state("f" * 64)
+    assert inside.begin_stack_run(["datasystem"]) == ["datasystem"] and not crash_loop(inside), "a new container"
+    inside.trackers["datasystem"].record_failure(5.0, "exit 1")
+    inside.trackers["datasystem"].record_failure(6.0, "exit 1")
+    inside.reload(parse_config(text(True, "/srv/etcd2"), "c.yaml"))
+    assert not crash_loop(inside, "etcd"), "etcd's section changed: a new stack run"
+    assert crash_loop(inside), "the worker's section did not change: its run goes on"
+
+
+def _state(cid: str) -> object:
+    from nodeagent.container_plan import ContainerState
+
+    return ContainerState(id=cid, name="dsv4", status="running", running=True, image="i", pid=1)

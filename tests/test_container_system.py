@@ -183,6 +183,9 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     recovered_s = time.monotonic() - t0
     new_cid = inspect(name)["Id"]
     assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
+    # the smallest blast radius: a dead container redeploys what ran inside it, never host etcd (on the master,
+    # etcd of every member) — it was stopped and restarted by this redeploy before
+    assert after["etcd"]["pid"] == before["etcd"][0], "host etcd keeps its PID across the container's death"
     assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 4
     status = local.status()
     assert status["node_policy"]["redeploys_total"] == redeploys + 1
@@ -237,6 +240,7 @@ def test_the_docker_path_runs_the_stack_too(docker_agent: tuple[LocalAgent, str]
     after = local.wait_all_up(180)
     new_cid = inspect(name)["Id"]
     assert cgroup_has(after["vllm"]["pid"], new_cid) and cgroup_has(after["datasystem"]["pid"], new_cid)
+    assert after["etcd"]["pid"] == first["etcd"]["pid"], "host etcd keeps its PID across the container's death"
     print(f"\ndocker path: stack up after {up_s:.1f} s; docker kill noticed after {noticed_s * 1000:.0f} ms, "
           f"serving again after {time.monotonic() - t0:.1f} s")
 

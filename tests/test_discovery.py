@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from apihelpers import tiny_config, write_config
 from conftest import BIN, free_port, wait_for
 
@@ -87,6 +88,57 @@ def test_stale_reused_and_untrusted_announcements_are_ignored(tmp_path: Path) ->
         locate_config(None, {}, tmp_path / "none.yaml", [runtime])
 
 
+def live(config: Path, node: str, cluster: str, pid: int) -> Announcement:
+    """An announcement of a running process (ours or our parent's) as an agent of that node and cluster."""
+    return me(str(config), pid=pid, start_ticks=discovery.start_ticks(pid), node=node, cluster=cluster)
+
+
+def test_node_never_picks_an_agent_of_another_cluster(tmp_path: Path) -> None:
+    """`--config mine.yaml --node n0` while only another stack's n0 runs here (run-local's agents not up yet):
+    that agent answered for the wrong cluster; now the lookup refuses, naming it. Beside it, ours is chosen."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    mine, theirs = tmp_path / "mine.yaml", tmp_path / "theirs.yaml"
+    mine.write_text("cluster: {name: local-cluster}\n")
+    theirs.write_text("cluster: {name: other}\n")
+    other = live(theirs, "n0", "other", os.getppid())
+    (runtime / f"{other.pid}.json").write_text(json.dumps(other._asdict()))
+    cluster = discovery_cluster(mine)
+    assert cluster == "local-cluster"
+    with pytest.raises(LookupFailed) as refused:
+        locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert "no agent of node n0 with cluster local-cluster and config" in str(refused.value)
+    assert f"pid {other.pid} (node n0, cluster other" in str(refused.value)
+    ours = live(mine, "n0", "local-cluster", os.getpid())
+    (runtime / f"{ours.pid}.json").write_text(json.dumps(ours._asdict()))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getpid()
+    # One file, two clusters (a `${VAR}` in its name): the cluster name decides, not the file alone.
+    same = live(mine, "n0", "elsewhere", os.getppid())
+    (runtime / f"{other.pid}.json").write_text(json.dumps(same._asdict()))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getpid()
+    # An agent started before announcements named their cluster: judged by its file alone (an upgrade's window).
+    older = live(mine, "n0", "x", os.getppid())._replace(cluster=None)
+    (runtime / f"{ours.pid}.json").unlink()
+    (runtime / f"{other.pid}.json").write_text(json.dumps({k: v for k, v in older._asdict().items() if k != "cluster"}))
+    found = locate_config(str(mine), {}, tmp_path / "none.yaml", [runtime], node="n0", cluster=cluster)
+    assert found.agent is not None and found.agent.pid == os.getppid()
+    (runtime / f"{ours.pid}.json").write_text(json.dumps(ours._asdict()))
+    (runtime / f"{other.pid}.json").write_text(json.dumps(same._asdict()))
+    # Without a config nothing names the cluster: two stacks' n0 are refused, not guessed.
+    with pytest.raises(SeveralAgents, match="2 agents of node n0 run on this host"):
+        locate_config(None, {}, tmp_path / "none.yaml", [runtime], node="n0")
+
+
+def discovery_cluster(path: Path) -> str | None:
+    from nodeagent.config_cluster import ClusterConfig
+    from nodeagent.config_raw import DEFAULT_CLUSTER_NAME, read_cluster_name
+
+    assert ClusterConfig().name == DEFAULT_CLUSTER_NAME
+    return read_cluster_name(path)
+
+
 # ---- real agents, the CLI in a clean environment ---------------------------------------------------------------
 
 
@@ -126,7 +178,8 @@ def agents(tmp_path: Path) -> Iterator[list[Agent]]:
 
 
 def ctl(runtime: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), discovery.ENV_RUNTIME_DIR: str(runtime)}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), discovery.ENV_RUNTIME_DIR: str(runtime),
+           **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}  # a worktree's code, not the install's
     return subprocess.run([str(BIN / "nodeagentctl"), *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
 
@@ -193,3 +246,23 @@ def test_node_picks_among_agents_sharing_one_file(agents: list[Agent], tmp_path:
     states = {node: json.loads(ctl(runtime, "--node", node, "status", "--json", cwd=tmp_path).stdout)
               ["components"]["a"]["desired"] for node in ("n0", "n1")}  # fmt: skip
     assert states == {"n0": "running", "n1": "stopped"}
+
+
+def test_node_never_reaches_another_clusters_agent(agents: list[Agent], tmp_path: Path) -> None:
+    """The window before run-local's agents are up: another stack's agent of the same node name listens on the API
+    address our file names. `--config ours --node NAME` was answered by it (another cluster); now it is refused,
+    naming that agent, and its own file still reaches it."""
+    runtime = tmp_path / "run"
+    agents.append(Agent(tmp_path / "theirs", runtime))
+    theirs = agents[0]
+    wait_for("their announcement", theirs.path.exists, 30)
+    data = yaml.safe_load(theirs.config.read_text())
+    data["cluster"]["name"] = "ours"
+    data["agent"]["state_dir"] = str(tmp_path / "ours" / "state")
+    ours = write_config(tmp_path / "ours.yaml", data)
+    wait_for("their API", lambda: ctl(runtime, "--config", str(theirs.config), "--node", "tiny", "status",
+                                      cwd=tmp_path).returncode == 0, 30)  # fmt: skip
+    out = ctl(runtime, "--config", str(ours), "--node", "tiny", "status", cwd=tmp_path)
+    assert out.returncode == cli.EXIT_CONFIG, out.stdout
+    assert "no agent of node tiny with cluster ours and config" in out.stderr
+    assert f"pid {theirs.proc.pid} (node tiny, cluster t" in out.stderr, out.stderr

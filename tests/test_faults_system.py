@@ -254,17 +254,14 @@ def test_escalation_to_node_redeploy_then_failed(tmp_path: Path) -> None:
         agent.wait_states({n: {"running", "ready"} for n in ("etcd", "datasystem")}, timeout=90)
         first = agent.children()
         wait_for("a node redeploy", lambda: "node redeploy:" in agent.log(), 90)
-        wait_for("etcd and the worker started anew", lambda: all(
-            agent.children().get(n, {}).get("pid") not in (None, first[n]["pid"]) for n in ("etcd", "datasystem")), 90)
-        log = agent.log()
-        redeploy_at = log.index("node redeploy:")
-        # the redeploy stops the stack in reverse order: the worker and etcd go after vLLM
-        assert redeploy_at < log.index("[datasystem] stopping pid", redeploy_at) < log.index("[etcd] stopping pid",
-                                                                                             redeploy_at)
-        assert archives(agent, "datasystem"), "the redeploy archives the worker's logs before removing its folder"
         wait_for("node failed after the redeploy did not help",
                  lambda: agent.status()["node_policy"]["failed"], 120)  # fmt: skip
         assert "node failed" in agent.log()
         wait_for("still retrying while failed", lambda: agent.log().count("node redeploy:") >= 2, 120)
+        # the smallest blast radius: vLLM's redeploys never stop its worker (and its KV pool) nor etcd
+        log = agent.log()
+        redeploy_at = log.index("node redeploy:")
+        assert "[datasystem] stopping pid" not in log[redeploy_at:] and "[etcd] stopping pid" not in log[redeploy_at:]
+        assert all(agent.children()[n]["pid"] == first[n]["pid"] for n in ("etcd", "datasystem"))
     finally:
         agent.cleanup()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.error
@@ -23,8 +25,13 @@ STALL_AFTER_S = 3.0
 FAILURE_THRESHOLD = 5
 """High on purpose: a stall and an errored engine must fail at once, not after five results."""
 
+WORKER_MAX_AGE_S = 8.0
+"""The worker's liveness, explicit here so a test stays short (the default is the guide's 30 s)."""
+
 CONFIG = {
     "components": {
+        "datasystem": {"probes": {"liveness": {"period_s": 1, "failure_threshold": 2,
+                                               "max_age_s": WORKER_MAX_AGE_S}}},
         "vllm": {
             "env": {"VLLM_STANDIN_STEP_S": "0.1", "VLLM_STANDIN_TOKENS_PER_STEP": "1"},
             "probes": {
@@ -191,3 +198,28 @@ def test_no_drain_restarts_at_once_under_load(agent: LocalAgent) -> None:
     replaced(agent, pid)
     assert time.monotonic() - began < 30
     assert "draining (readiness off)" not in agent.log()[mark:]
+
+
+def test_a_worker_stall_shorter_than_max_age_keeps_it_a_longer_one_restarts_it(agent: LocalAgent) -> None:
+    """A stall of the worker shorter than `max_age_s` (the guide's 30 s by default, 8 s here) keeps it and its KV
+    pool; one longer restarts it. A 10.7 s SIGSTOP restarted the worker under the old 5 s default."""
+    agent.wait_all_up()
+    pid = agent.children()["datasystem"]["pid"]
+    live = agent.home / "yr" / "liveness"
+    mark = len(agent.log())
+    seen = live.stat().st_mtime
+    wait_for("the worker rewrites its liveness file", lambda: live.stat().st_mtime != seen, 30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(WORKER_MAX_AGE_S / 2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for("the file fresh again", lambda: time.time() - live.stat().st_mtime < 2, 30)
+    time.sleep(3)  # a few more liveness results after the stall
+    assert agent.children()["datasystem"]["pid"] == pid
+    assert "[datasystem] liveness failed" not in agent.log()[mark:]
+    os.kill(pid, signal.SIGSTOP)
+    wait_for("the stopped worker replaced", lambda: agent.children().get("datasystem", {}).get("pid") not in
+             (None, pid), 60)  # fmt: skip
+    assert "[datasystem] liveness failed" in agent.log()[mark:]
+    agent.wait_all_up()

@@ -81,11 +81,23 @@ STACK = {
 }
 
 
+def test_worker_liveness_allows_the_guides_30_s_and_still_catches_a_stop_within_90_s() -> None:
+    """A 10.7 s SIGSTOP restarted the worker (and lost its KV pool) under the old 5 s: the default is the guide's
+    yr_liveness_check.sh, in the model and in the kind's defaults; a stopped worker still fails well within 90 s."""
+    from nodeagent.probe_defaults import default_probes
+    from nodeagent.probecmd import GUIDE_LIVENESS_TIMEOUT_S
+
+    assert LivenessFileProbe().max_age_s == GUIDE_LIVENESS_TIMEOUT_S == 30
+    live = default_probes("datasystem")["liveness"][0]
+    assert live["max_age_s"] == GUIDE_LIVENESS_TIMEOUT_S
+    assert live["max_age_s"] + live["period_s"] * live["failure_threshold"] <= 60
+
+
 def test_resolve_defaults_of_the_guide_stack() -> None:
     cfg = make_config(STACK)
     ds = resolve_probe_set(cfg.components["ds"], cfg)
     assert [p.kind for p in ds["startup"] + ds["liveness"]] == ["liveness_file", "liveness_file"]
-    assert ds["liveness"][0].path == Path("/run/ds/liveness") and ds["liveness"][0].max_age_s == 5
+    assert ds["liveness"][0].path == Path("/run/ds/liveness") and ds["liveness"][0].max_age_s == 30
     etcd = resolve_probe_set(cfg.components["etcd"], cfg)
     assert etcd["liveness"][0].endpoint == "10.0.0.5:2379"
     assert etcd["liveness"][0].key == "/dsv4-agent/probe/node-1.example"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,16 @@ def locate(args: argparse.Namespace) -> tuple[str, Any]:
     announced on this host (`nodeagent.discovery`: also the agent that runs the given file, if one does; with
     --node NAME, the local agent of that node if one runs). Found once per command."""
     if getattr(args, "located", None) is None:
-        from nodeagent.discovery import LookupFailed, SeveralAgents, locate_config
+        from nodeagent.discovery import ENV_CONFIG, LookupFailed, SeveralAgents, locate_config
 
+        node, cluster = getattr(args, "node", None), None
+        given = args.config or os.environ.get(ENV_CONFIG)
+        if node and given:  # --node never picks an agent of another cluster (read only when it is asked for)
+            from nodeagent.config_raw import read_cluster_name
+
+            cluster = read_cluster_name(given)
         try:
-            found = locate_config(args.config, node=getattr(args, "node", None))
+            found = locate_config(args.config, node=node, cluster=cluster)
         except LookupFailed as exc:
             raise CliError(str(exc), EXIT_USAGE if isinstance(exc, SeveralAgents) else EXIT_CONFIG) from None
         args.located = (found.path, found.agent)
