@@ -20,7 +20,7 @@ from loguru import logger
 
 from nodeagent import __version__
 from nodeagent.config import load_config
-from nodeagent.config_model import Config
+from nodeagent.config_model import Config, VllmComponent
 from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
 from nodeagent.errors import AgentError, ConfigError
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
@@ -203,7 +203,8 @@ class Agent:
         self.coordinator.spawn(kvlog.run())
         if self.coordinator.proxies:
             members = self.membership.members
-            model = next((c.served_model_name for c in self.config.components.values() if c.kind == "vllm"), "dsv4")
+            model = next((c.served_model_name for c in self.config.components.values()
+                          if isinstance(c, VllmComponent)), "dsv4")  # fmt: skip
             records = lambda: {n: m.record for n, m in members.items()}  # noqa: E731
             watch = PdWatch(self.coordinator, self.config.recovery.pd, records, model=model)
             self.coordinator.spawn(watch.run())

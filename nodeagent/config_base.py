@@ -94,7 +94,7 @@ class Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
         return ()
 
 
-class Tagged(Strict, tag_field="kind"):
+class Tagged(Strict, tag_field="kind", frozen=True):
     """A member of a union told apart by `kind:` (msgspec's tag: not a field, read through this property)."""
 
     @property
@@ -155,9 +155,9 @@ def _checks_of(cls: type) -> tuple[tuple[str, tuple[Check, ...], bool], ...]:
     return tuple(out)
 
 
-def fields_of(cls: type) -> tuple[str, ...]:
+def fields_of(cls: type[msgspec.Struct]) -> tuple[str, ...]:
     """The keys a struct takes (without the ones marked internal)."""
-    internal = getattr(cls, "INTERNAL_FIELDS", frozenset())
+    internal: frozenset[str] = getattr(cls, "INTERNAL_FIELDS", frozenset())
     return tuple(n for n in cls.__struct_fields__ if n not in internal)
 
 

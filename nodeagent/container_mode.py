@@ -149,7 +149,7 @@ class ContainerMode:
                 if probe.kind == "exec":
                     probe = replace(probe, inside=self.spec)
                 elif probe.kind == "datasystem_kv":
-                    python = str(probe.spec.python) if getattr(probe.spec, "python", None) else "python3"
+                    python = str(getattr(probe.spec, "python", None) or "python3")
                     probe = replace(probe, inside=self.spec, python=python)
                 out[role].append(probe)
         return out

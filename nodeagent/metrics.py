@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
@@ -45,10 +45,15 @@ class Stack(Protocol):
     """What the metrics read of the supervisor (`Supervisor` is it): a Protocol, so metrics import no supervisor."""
 
     config: Config
-    components: Mapping[str, Any]
     on_probe_result: list[Any]
     on_load: list[Any]
-    redeploys: Any
+    recovery_view: Callable[[], Mapping[str, Any] | None]
+
+    @property
+    def components(self) -> Mapping[str, Any]: ...
+
+    @property
+    def redeploys(self) -> Any: ...
 
     @property
     def paused(self) -> bool: ...

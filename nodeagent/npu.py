@@ -213,7 +213,9 @@ def _key_values(text: str) -> list[tuple[str, str]]:
 
 def parse_health(text: str) -> HealthDetail:
     """`npu-smi info -t health -i N -c C`: Health Status, Error Code (space-separated hex or NA), Information."""
-    status, codes, info = None, (), []
+    status: str | None = None
+    codes: tuple[str, ...] = ()
+    info: list[str] = []
     for key, value in _key_values(text):
         if key == "Health Status":
             status = value

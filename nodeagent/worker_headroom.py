@@ -79,7 +79,7 @@ class WorkerHeadroom:
         cfg = self.config.active_components()[comp.name]
         huge = bool(getattr(cfg, "enable_huge_tlb", None) or getattr(cfg, "remote_h2d_device_ids", None))
         try:
-            room = headroom(self._read(), cfg.shared_memory_size_mb, huge,  # type: ignore[union-attr]
+            room = headroom(self._read(), cfg.shared_memory_size_mb, huge,
                             self.config.recovery.worker_headroom_margin_mb)  # fmt: skip
         except OSError as exc:
             room = Headroom(True, f"/proc/meminfo unreadable ({exc.strerror or exc}): assumed short")

@@ -85,10 +85,10 @@ class Coordinator:
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
-        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: port.component(c),
+        self.proxies = [ProxySync(plan, self.layout.groups, functools.partial(port.component, plan.component),
                                   lambda: {n: m.record for n, m in membership.members.items()},
                                   lambda: self.records, port.emit,
-                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason),
+                                  functools.partial(port.block_ready, plan.component, "backends"),
                                   self.clock, proxy_post)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip

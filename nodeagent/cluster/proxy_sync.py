@@ -45,7 +45,7 @@ instance removed under load only when no request is in flight at its check, and 
 under steady traffic, never (the group stays out, unused)."""
 
 
-def group_healthy(group: Group, members: dict[str, dict[str, Any]], generation: int | None) -> tuple[bool, str]:
+def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], generation: int | None) -> tuple[bool, str]:
     """(healthy, why not) from the members' records (pure)."""
     for node in group.nodes:  # an isolated member first: it is why the others wait
         if (members.get(node) or {}).get("isolated"):

@@ -502,7 +502,7 @@ class RolloutExecutor:
             return None
         i = record.current()
         step = record.steps[i] if i is not None else None
-        if step is None or group.name not in step.groups or step.phase not in RESTARTS:
+        if i is None or step is None or group.name not in step.groups or step.phase not in RESTARTS:
             return None
         if step.phase == "staging" and self.node not in step.staged:
             return None

@@ -61,7 +61,7 @@ def snapshot_config(config: Config) -> dict[str, Any]:
 def replace_config(config: Config, **changes: Any) -> Config:
     from nodeagent.config_base import replace
 
-    return replace(config, **changes)  # type: ignore[no-any-return]
+    return replace(config, **changes)
 
 
 def restore_config(data: Mapping[str, Any]) -> Config:

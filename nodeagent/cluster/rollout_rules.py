@@ -86,8 +86,8 @@ def floor_problem(record: Record, step: Step, obs: Observed) -> str | None:
             continue
         serving = [g for g, o in others.items() if o.kind == kind and o.healthy]
         if not serving:
-            down = ", ".join(f"{g} ({o.why})" for g, o in others.items() if o.kind == kind) or "none other"
-            return f"floor: no other {kind} group serving ({down})"
+            why = ", ".join(f"{g} ({o.why})" for g, o in others.items() if o.kind == kind) or "none other"
+            return f"floor: no other {kind} group serving ({why})"
     down = [g for g, o in others.items() if not o.healthy]
     if len(down) + len(step.groups) > record.options.max_unavailable:
         return (f"floor: {', '.join(down)} already down; {len(step.groups)} more would exceed --max-unavailable "
@@ -392,7 +392,7 @@ def proxy_wait(record: Record | None, group: str, proxied: bool) -> str | None:
         return None
     i = record.current()
     step = record.steps[i] if i is not None else None
-    if step is None or group not in step.groups or step.phase not in RESTARTS or step.unlisted:
+    if i is None or step is None or group not in step.groups or step.phase not in RESTARTS or step.unlisted:
         return None
     return (f"rollout {record.id} step {i + 1}: waiting for the proxy to delete {', '.join(step.groups)} (it does "
             "once no request is in flight): started while it still lists them, the old file's groups would send "
