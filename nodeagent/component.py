@@ -32,7 +32,7 @@ from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
-from nodeagent.states import COMMANDS, UP_STATES, Signal, State
+from nodeagent.states import COMMANDS, SERVING_STATES, Signal, State, is_up
 
 if TYPE_CHECKING:
     from nodeagent.events import EventBus
@@ -175,7 +175,7 @@ class Component(FailurePath):
             return
         else:
             self.ready_blockers[key] = reason
-        if self.state in (State.RUNNING, State.READY):
+        if self.state in SERVING_STATES:
             self._set(State.READY if self.ready else State.RUNNING)
         else:
             self.host.on_state(self)
@@ -416,7 +416,7 @@ class Component(FailurePath):
                           else f"up after {age:.1f}s")
             elif sig.kind in ("ready", "not_ready"):
                 self.ready = sig.kind == "ready"
-                if self.state in (State.RUNNING, State.READY):
+                if self.state in SERVING_STATES:
                     self._set(State.READY if self.ready else State.RUNNING)
             elif sig.kind == "exited":
                 code = int(sig.detail) if sig.detail.lstrip("-").isdigit() else None
@@ -548,7 +548,7 @@ class Component(FailurePath):
 
     @property
     def is_up(self) -> bool:
-        return self.state in UP_STATES
+        return is_up(self.state)
 
     def status(self) -> dict[str, Any]:
         return component_status(self, self.host.clock.time())

@@ -22,7 +22,24 @@ class State(StrEnum):
     FAILED = "failed"
 
 
+class Desired(StrEnum):
+    """The operator's intent for a component (`intent.json`'s `desired`, the same strings)."""
+
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
 UP_STATES = frozenset({State.RUNNING, State.READY, State.DRAINING})
+"""Up: its process runs and its startup probes passed. Draining is up — a draining vLLM still serves its in-flight
+requests, so `/livez` says live (docs/architecture.md, "Types where strings decided")."""
+SERVING_STATES = frozenset({State.RUNNING, State.READY})
+"""Up and not being taken down: what readiness toggles between; a drain ends in a stop, so whatever waits for a
+component to serve on (its own processes watched, the proxy's backends, the PD watch's proxy) leaves draining out."""
+
+
+def is_up(state: State | str) -> bool:
+    """The one test of "up" (`UP_STATES`); a string from a status record compares equal to its `State`."""
+    return state in UP_STATES
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, ve
 from nodeagent.render import component_dir, launch_fingerprint, routed_proxy
 from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
-from nodeagent.states import State
+from nodeagent.states import SERVING_STATES, State
 from nodeagent.tree_watch import watch_tree
 from nodeagent.vllm_endpoints import vllm_inflight
 
@@ -289,7 +289,7 @@ class Supervisor(NodePort):
         """vLLM's own processes (`tree_watch`): one that dies while the API server runs is a liveness failure."""
         gen = comp.gen
         self._keep(asyncio.ensure_future(watch_tree(
-            proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in (State.RUNNING, State.READY),
+            proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in SERVING_STATES,
             lambda detail: comp.signal("liveness_failed", gen, detail))))
 
     def _refresh_record(self, comp: Component) -> None:

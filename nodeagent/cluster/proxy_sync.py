@@ -27,6 +27,7 @@ from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.host import Clock
 from nodeagent.layout import Group, ProxyPlan
 from nodeagent.stackport import ProxyBackends
+from nodeagent.states import SERVING_STATES
 
 if TYPE_CHECKING:
     from nodeagent.stackport import ComponentView
@@ -38,7 +39,6 @@ an idle moment, and the sooner the waiting group is added, the shorter the time 
 RECONCILE_S = 10.0
 """At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
 proxy is noticed without waiting for a group to change."""
-UP = ("running", "ready")
 ISOLATED_WARN_S = 180.0
 """A healthy group the proxy has kept isolated this long gets one warning: vllm-ascend's proxy deletes an
 instance removed under load only when no request is in flight at its check, and ignores an add of it until then —
@@ -55,7 +55,7 @@ def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], genera
         if record is None:
             return False, f"{proc.node} has no agent"
         comp = (record.get("components") or {}).get(proc.component) or {}
-        if comp.get("state") not in UP or (proc.endpoint and not comp.get("ready")):
+        if comp.get("state") not in SERVING_STATES or (proc.endpoint and not comp.get("ready")):
             return False, f"{proc.node}/{proc.component} is {comp.get('state', 'absent')}"
         ack = (record.get("gangs") or {}).get(group.name) or {}
         if generation is not None and ack.get("generation") not in (None, generation):
