@@ -30,6 +30,7 @@ from nodeagent.stackport import (
     ProxyRouting,
     first_hold,
 )
+from nodeagent.states import Desired
 
 if TYPE_CHECKING:
     from nodeagent.component import Component
@@ -116,8 +117,8 @@ class NodePort:
     def view(self, comp: Component) -> ComponentView:
         record = comp.record
         return ComponentView(
-            name=comp.name, kind=comp.kind, state=str(comp.state), running=comp.running, up=comp.up.is_set(),
-            ready=comp.ready, desired=self.desired(comp.name), deps=tuple(self.deps(comp)),
+            name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up.is_set(),
+            ready=comp.ready, desired=Desired(self.desired(comp.name)), deps=tuple(self.deps(comp)),
             deps_up=not self.deps_waiting(comp), restart=comp.cfg.restart, pid=record.pid if record else None,
             hold=comp.hold, clean=comp.stopped_cleanly,
             ft_unsupported=comp.proc.extra.get("ft_unsupported") if comp.proc is not None else None,

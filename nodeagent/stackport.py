@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nodeagent.states import Desired, State
+
 if TYPE_CHECKING:
     from nodeagent.config_model import RestartSpec
     from nodeagent.failure import Failure
@@ -104,15 +106,15 @@ class ComponentView:
 
     name: str
     kind: str
-    state: str
+    state: State
     running: bool
     """A process of ours exists — also while it is being stopped: `False` only once its whole tree is confirmed
     stopped (a rank about to arrive at a start barrier must not see its old tree still dying as "stopped")."""
     up: bool
     """Its startup probes passed."""
     ready: bool
-    desired: str
-    """running | stopped (the operator's intent)."""
+    desired: Desired
+    """The operator's intent."""
     deps: tuple[str, ...]
     deps_up: bool
     """Every dependency is up (the node's dependency gate passes)."""
@@ -135,7 +137,7 @@ class ComponentView:
     def going_down(self) -> bool:
         """Its process is being stopped (after a failure, a stop, a restart): it will not run on, and a restart
         asked now would only repeat the stop under way. Still `running` until its whole tree is gone."""
-        return self.running and self.state == "stopping"
+        return self.running and self.state == State.STOPPING
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from nodeagent.errors import UnknownComponentError
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
 from nodeagent.stackport import ReportLayer
+from nodeagent.states import SERVING_STATES, Desired, State
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
@@ -132,7 +133,7 @@ def proxy_restart(faults: int, after: int, proxy: ComponentView | None) -> bool:
     """Restart the proxy: it was the fault `after` rounds in a row (0: never) and it is up and meant to run —
     not while it starts, stops or backs off (its own restart is under way) nor once an operator stopped it."""
     return (after > 0 and faults >= after and proxy is not None and proxy.running and proxy.up
-            and proxy.desired == "running" and proxy.state in ("running", "ready", "unhealthy"))
+            and proxy.desired == Desired.RUNNING and (proxy.state in SERVING_STATES or proxy.state == State.UNHEALTHY))
 
 
 def kv_usage(metrics_text: str) -> float | None:
