@@ -22,6 +22,7 @@ from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import hold_for_dependency
 from nodeagent.stackport import (
     ComponentView,
+    Delegated,
     Hold,
     HoldKind,
     NodeLayer,
@@ -257,7 +258,7 @@ class NodePort:
         view = self.view(comp)
         return first_hold(layer.gate(view, operator) for layer in self.layers)
 
-    def layer_decision(self, comp: Component, failure: Failure) -> RestartDecision | str | None:
+    def layer_decision(self, comp: Component, failure: Failure) -> RestartDecision | Delegated | None:
         if not self.layers:
             return None
         view = self.view(comp)

@@ -232,14 +232,25 @@ class StackPort(Protocol):
         commands and its status, and tells it of every change."""
 
 
+@dataclass(frozen=True)
+class Delegated:
+    """A layer's answer to a failure it carries out itself (a gang restart, the container's recovery): a type of its
+    own, so that no caller tells it from a decision by its being a string. `message` says what happens next."""
+
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class NodeLayer(Protocol):
     """What the node asks a layer above it (the cluster coordinator; the start guards)."""
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """Why this component may not start now (barrier, group backoff, coordination, cluster redeploy)."""
 
-    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
-        """A decision; a message when the layer handles the failure itself (a gang restart); None: not its."""
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
+        """A decision; `Delegated` when the layer handles the failure itself (a gang restart); None: not its."""
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         """A message when the layer carries the operator's command out itself; raises to refuse it."""
@@ -257,7 +268,7 @@ class ReportLayer:
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         return None
 
-    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
         return None
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:

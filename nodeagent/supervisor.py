@@ -36,7 +36,7 @@ from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, routed_proxy
-from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
+from nodeagent.stackport import STOPS_AUTOMATIC, Delegated, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
 from nodeagent.states import SERVING_STATES, State
 from nodeagent.tree_watch import watch_tree
@@ -405,7 +405,7 @@ class Supervisor(NodePort):
             self.events.emit("held", f"{failure.detail}; {hold}", comp.name, "error")
             return None
         verdict = self.layer_decision(comp, failure)
-        if isinstance(verdict, str):
+        if isinstance(verdict, Delegated):
             self._delegated[comp.name] = f"delegated: {verdict}"
             comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
             self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",

@@ -21,7 +21,7 @@ from nodeagent.events import EventBus
 from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
 from nodeagent.process import ProcessRecord
-from nodeagent.stackport import ComponentView, Hold, HoldKind, ReportLayer
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
 from nodeagent.supervisor import Supervisor
 
 _PIDS = itertools.count(4_000_000)
@@ -546,7 +546,7 @@ async def test_a_failure_is_decided_while_its_tree_is_still_being_stopped(tmp_pa
         layer = FakeLayer()
         seen: list[Any] = []
         layer.decide = lambda comp, failure: seen.append((comp, list(order))) or layer.verdict  # type: ignore[method-assign]
-        layer.verdict = "group g1 restarts as one: generation 2 on n0, n1"
+        layer.verdict = Delegated("group g1 restarts as one: generation 2 on n0, n1")
         r.sup.attach(layer)
         b = r.sup.components["b"]
         r.crash("b", -9)
@@ -572,7 +572,7 @@ async def test_a_layer_is_asked_at_its_gate_its_decision_its_command_and_status(
         r.sup.attach(layer)
         with pytest.raises(ValueError, match="attached already"):
             r.sup.attach(layer)
-        layer.verdict = "group g1 restarts as one"
+        layer.verdict = Delegated("group g1 restarts as one")
         r.crash("b")
         await until("delegated", lambda: any("next: group g1 restarts as one" in m for m in r.events("failure")))
         await asyncio.sleep(0.05)
@@ -591,7 +591,7 @@ async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_
     happened, the peers' restarts as `gang`."""
     r = await rig(tmp_path)
     layer = FakeLayer()
-    layer.verdict = "group g restarts as one"  # the layer restarts the group itself
+    layer.verdict = Delegated("group g restarts as one")  # the layer restarts the group itself
     r.sup.attach(layer)
     try:
         b = r.sup.components["b"]

@@ -33,7 +33,7 @@ from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.layout import cluster_layout
-from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -414,7 +414,7 @@ class Coordinator:
         self.wake()
         return self.barrier.hold(gs)
 
-    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> Delegated | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter). Asked as soon
         as the failure is known, while the rank's old tree is still being stopped: the generation is written now
         and the peers begin their stops at once; the barrier still waits for this tree."""
@@ -428,16 +428,16 @@ class Coordinator:
         if seen is None:
             self.wake()
             under_way = gs.record.generation if gs.record is not None else gs.acted
-            return f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}"
+            return Delegated(f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}")
         reason = f"{self.node}/{comp.name}: {failure.detail}"
         if not self.reachable:
             gs.pending = gs.pending or (seen, reason, False)
-            return (f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
-                    "(the other nodes keep serving)")  # fmt: skip
+            return Delegated(f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
+                             "(the other nodes keep serving)")  # fmt: skip
         if gs.pending is None:
             gs.pending = (seen, reason, False)
         self.wake()
-        return f"group {name} restarts as one: generation {seen + 1} on {nodes}"
+        return Delegated(f"group {name} restarts as one: generation {seen + 1} on {nodes}")
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         """An operator's restart of a rank restarts its group (a planned generation: drained first). Refused while a

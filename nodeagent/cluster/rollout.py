@@ -513,7 +513,7 @@ class RolloutExecutor:
         wait = rr.proxy_wait(record, group.name, bool(self.layout.proxies))
         return Hold(HoldKind.ROLLOUT, wait) if wait is not None else None
 
-    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> None:
         return None
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
