@@ -32,7 +32,7 @@ from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
-from nodeagent.states import COMMANDS, SERVING_STATES, Signal, State, is_up
+from nodeagent.states import COMMANDS, SERVING_STATES, Signal, SignalKind, SignalName, State, is_up
 
 if TYPE_CHECKING:
     from nodeagent.events import EventBus
@@ -228,9 +228,9 @@ class Component(FailurePath):
             self.failure = Failure.from_dict(saved["failure"])
 
     # ---- signals -------------------------------------------------------------------------------------------
-    def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
+    def signal(self, kind: SignalKind | SignalName, gen: int | None = None, detail: str = "", *, operator: bool = False,
                drain: bool = True, cause: str = "") -> None:  # fmt: skip
-        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain, cause))
+        self.signals.put_nowait(Signal(SignalKind(kind), gen, detail, operator, drain, cause))
 
     def count_restart(self, cause: str) -> None:
         """One restart, for this cause: `restarts` is the sum of `restarts_by_cause`."""
@@ -426,7 +426,7 @@ class Component(FailurePath):
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": code}
                 return "failure", f"process {text} unexpectedly", failure, False
             elif sig.kind in ("startup_failed", "liveness_failed"):
-                what, text = sig.kind.split("_")[0], f"{sig.kind.replace('_', ' ')}: {sig.detail}"
+                what, text = sig.kind.failed_probe, f"{sig.kind.replace('_', ' ')}: {sig.detail}"
                 self._set(State.UNHEALTHY, text, "warning")
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": None}
                 return "failure", f"{sig.kind}: {sig.detail}", Failure(what, text, uptime_s=self._uptime()), False

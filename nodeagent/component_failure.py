@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from nodeagent.bindrace import BindRaceRetries, BindRetry
     from nodeagent.host import Process
     from nodeagent.policy import RestartDecision
-    from nodeagent.states import Signal
+    from nodeagent.states import Signal, SignalKind, SignalName
 
 Judged = tuple[Failure, "BindRetry | None", "RestartDecision | None"]
 """A failure as judged: classified, and either a bind-race retry or the host's decision (None: no action)."""
@@ -49,8 +49,8 @@ class FailurePath:
         def count_restart(self, cause: str) -> None: ...
         async def _next(self) -> Signal: ...
         def _take_command(self, sig: Signal) -> None: ...
-        def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
-                   drain: bool = True, cause: str = "") -> None: ...  # fmt: skip
+        def signal(self, kind: SignalKind | SignalName, gen: int | None = None, detail: str = "", *,
+                   operator: bool = False, drain: bool = True, cause: str = "") -> None: ...  # fmt: skip
 
     async def _failed(self, failure: Failure, why: str) -> None:
         """Its process failed: evidence first, the stop begun, the failure judged, the tree gone, then acted on."""

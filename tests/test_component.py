@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import re
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
+from nodeagent.states import COMMANDS, SignalKind, SignalName
 from nodeagent.supervisor import Supervisor
 
 _PIDS = itertools.count(4_000_000)
@@ -356,6 +358,8 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
     r = await rig(tmp_path, "quick_exit_s: 0")
     try:
         b = r.sup.components["b"]
+        with pytest.raises(ValueError, match="liveness_fail"):
+            b.signal("liveness_fail", b.gen, "a misspelt kind is refused, not queued and ignored")  # type: ignore[arg-type]
         r.crash("b")
         await until("relaunched after the crash", lambda: r.count("b") == 2 and b.up.is_set())
         r.sup.command("b", "restart", drain=False)
@@ -371,6 +375,15 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
         assert again.components["b"].restarts_by_cause == {"crash": 1, "operator": 1, "dependency": 1}
     finally:
         await stop(r)
+
+
+def test_a_signal_kind_names_the_probe_whose_failure_it_reports() -> None:
+    """A probe failure's `Failure.what` is the member's `failed_probe`, no longer `kind.split("_")[0]`; the
+    literal spelling the host's calls use (mypy-checked) names exactly the members."""
+    assert {k: k.failed_probe for k in SignalKind if k.failed_probe} == {
+        SignalKind.STARTUP_FAILED: "startup", SignalKind.LIVENESS_FAILED: "liveness"}
+    assert set(typing.get_args(SignalName)) == {k.value for k in SignalKind}
+    assert {"stop", "restart", "wake", "dep_restart"} == COMMANDS, "the same strings as before"
 
 
 async def test_a_node_redeploy_counts_what_it_stopped_and_not_what_had_died(tmp_path: Path) -> None:
