@@ -20,7 +20,7 @@ record itself, data only, is `rollout_record`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -149,117 +149,150 @@ def _ended(record: Record, now: float) -> Record:
     return record.say(now, f"rollout {record.id}: {words}", final)
 
 
-def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
-    """The next transition (the record to write and what to ask after), or None when nothing moves now."""
+Move = tuple[Record, list[Ask]] | None
+"""A transition: the record to write and what to ask after; None when nothing moves now."""
+
+
+def advance(record: Record, obs: Observed) -> Move:
+    """The next transition (the record to write and what to ask after), or None when nothing moves now: the step in
+    progress, else the next pending one, moved on by its phase's rule (`_BY_PHASE`)."""
     if not record.active:
         return None
-    now = obs.now
     i = record.current()
     if i is None:
         lagging = _lagging(record, obs)
         if lagging is not None:
             return (lagging, []) if lagging is not record else None
-        ended = _ended(record, now)
+        ended = _ended(record, obs.now)
         return (ended, []) if ended is not record else None
     step = record.steps[i]
-    names = ", ".join(step.groups)
-    opts = record.options
-    if step.phase == Phase.PENDING:
-        if record.status not in MOVING:
-            ended = _ended(record, now) if record.status == Status.ABORTING else record
-            return (ended, []) if ended is not record else None
-        why = files_problem(step, obs) or floor_problem(record, step, obs)
-        if why is not None:
-            text = f"step {i + 1} ({names}) waits: {why}"
-            said = record.history[-1][0] if record.history else 0.0
-            # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
-            # record late), and every write of the record is read by every agent.
-            if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
-                                          and now - said < WAIT_SAY_S):  # fmt: skip
-                return None
-            return record.say(now, text), []
-        return record.with_step(i, _enter(step, Phase.DRAINING, now, started=now)).say(
-            now, f"step {i + 1} ({names}): out of the proxy, draining"), []
-    if step.phase == Phase.DRAINING:
-        if record.status == Status.ABORTING and not step.failed:
-            return record.with_step(i, _enter(step, Phase.SKIPPED, now, finished=now)).say(
-                now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
-        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
-        out = step.proxy_out or not obs.proxy
-        if out and set(nodes) <= set(step.drained):
-            return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
-                now, f"step {i + 1} ({names}): drained; the members take the new config"), []
-        if now - step.since >= opts.drain_timeout_s:
-            left = [n for n in nodes if n not in step.drained]
-            return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
-                now, f"step {i + 1} ({names}): drain timed out after {opts.drain_timeout_s:.0f}s "
-                     f"({', '.join(left) or 'the proxy'} not drained); going on"), []  # fmt: skip
-        return None
-    if step.phase == Phase.STAGING:
-        if step.stage_errors:
-            node, why = next(iter(step.stage_errors.items()))
-            return _fail(record, i, step, f"{node} cannot take the config: {why}", now), []
-        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
-        if set(nodes) <= set(step.staged):
-            base = {g: obs.groups[g].generation or 0 for g in step.groups}
-            return record.with_step(i, _enter(step, Phase.RESTARTING, now, base=base)).say(
-                now, f"step {i + 1} ({names}): restarting with {step.to_hash[:12]}"), _asks(record, step, base)
-        if now - step.since >= STAGE_TIMEOUT_S:
-            left = [n for n in nodes if n not in step.staged]
-            return _fail(record, i, step, f"{', '.join(left)} did not take the config within "
-                                          f"{STAGE_TIMEOUT_S:.0f}s", now), []  # fmt: skip
-        return None
-    if step.phase == Phase.RESTARTING:
-        if all((obs.groups[g].generation or 0) > step.base.get(g, 0) for g in step.groups):
-            return record.with_step(i, _enter(step, Phase.GATING, now)).say(
-                now, f"step {i + 1} ({names}): restarted; waiting for every rank ready and a canary answer"), []
-        return None if now - step.since < 10.0 else (record, _asks(record, step, dict(step.base)))
-    problem = _health_problem(step, obs)
-    if step.phase == Phase.GATING:
-        if problem is not None:
-            return _fail(record, i, step, problem, now), []
-        canary_bad = {g: v for g, v in step.canary.items() if v != "ok"}
-        if canary_bad:
-            group, why = next(iter(canary_bad.items()))
-            return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
-        if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
-            return record.with_step(i, _enter(step, Phase.REJOINING, now)).say(
-                now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
-        if now - step.since >= opts.gate_timeout_s:
-            waiting = "; ".join(f"{g}: {obs.groups[g].why or 'canary pending'}" for g in step.groups)
-            return _fail(record, i, step, f"not ready within the gate timeout {opts.gate_timeout_s:.0f}s "
-                                          f"({waiting})", now), []  # fmt: skip
-        return None
-    if step.phase == Phase.REJOINING:
-        if problem is not None:
-            return _fail(record, i, step, problem, now), []
-        if step.proxy_in or not obs.proxy:
-            if step.failed:
-                ended = record.with_step(i, _enter(step, Phase.ROLLED_BACK, now, finished=now))
-                return ended.say(now, f"step {i + 1} ({names}) rolled back after: {step.failed}; the rollout is "
-                                      "halted (resume retries it, rollback undoes the steps done)", Status.HALTED), []
-            bake = 0.0 if step.rollback else opts.bake_s
-            return record.with_step(i, _enter(step, Phase.BAKING, now)).say(
-                now, f"step {i + 1} ({names}): in the proxy; baking {bake:.0f}s"), []
-        if now - step.since >= REJOIN_TIMEOUT_S:
-            # Not the group's fault (vllm-ascend's proxy takes a removed instance back only once it was idle):
-            # wait, and say so once; the next step must not take another group out meanwhile.
-            text = (f"step {i + 1} ({names}): healthy, not back in the proxy after {REJOIN_TIMEOUT_S:.0f}s (see "
-                    "the proxy's groups in nodeagentctl cluster --json); waiting")  # fmt: skip
-            return (record.say(now, text), []) if record.message != text else None
-        return None
-    if step.phase == Phase.BAKING:
-        if problem is not None:
-            return _fail(record, i, step, f"while baking: {problem}", now), []
-        if step.bake:
-            group, why = next(iter(step.bake.items()))
-            return _fail(record, i, step, f"while baking, {group}: {why}", now), []
-        if now - step.since >= (0.0 if step.rollback else opts.bake_s):
-            done = record.with_step(i, _enter(step, Phase.DONE, now, finished=now)).say(
-                now, f"step {i + 1} ({names}) done")
-            return done, []
-        return None
+    rule = _BY_PHASE.get(step.phase)
+    return rule(record, i, step, obs) if rule is not None else None
+
+
+def _pending(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if record.status not in MOVING:
+        ended = _ended(record, now) if record.status == Status.ABORTING else record
+        return (ended, []) if ended is not record else None
+    why = files_problem(step, obs) or floor_problem(record, step, obs)
+    if why is not None:
+        text = f"step {i + 1} ({names}) waits: {why}"
+        said = record.history[-1][0] if record.history else 0.0
+        # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
+        # record late), and every write of the record is read by every agent.
+        if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
+                                      and now - said < WAIT_SAY_S):  # fmt: skip
+            return None
+        return record.say(now, text), []
+    return record.with_step(i, _enter(step, Phase.DRAINING, now, started=now)).say(
+        now, f"step {i + 1} ({names}): out of the proxy, draining"), []
+
+
+def _draining(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names, opts = obs.now, ", ".join(step.groups), record.options
+    if record.status == Status.ABORTING and not step.failed:
+        return record.with_step(i, _enter(step, Phase.SKIPPED, now, finished=now)).say(
+            now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
+    nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+    out = step.proxy_out or not obs.proxy
+    if out and set(nodes) <= set(step.drained):
+        return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
+            now, f"step {i + 1} ({names}): drained; the members take the new config"), []
+    if now - step.since >= opts.drain_timeout_s:
+        left = [n for n in nodes if n not in step.drained]
+        return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
+            now, f"step {i + 1} ({names}): drain timed out after {opts.drain_timeout_s:.0f}s "
+                 f"({', '.join(left) or 'the proxy'} not drained); going on"), []  # fmt: skip
     return None
+
+
+def _staging(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if step.stage_errors:
+        node, why = next(iter(step.stage_errors.items()))
+        return _fail(record, i, step, f"{node} cannot take the config: {why}", now), []
+    nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+    if set(nodes) <= set(step.staged):
+        base = {g: obs.groups[g].generation or 0 for g in step.groups}
+        return record.with_step(i, _enter(step, Phase.RESTARTING, now, base=base)).say(
+            now, f"step {i + 1} ({names}): restarting with {step.to_hash[:12]}"), _asks(record, step, base)
+    if now - step.since >= STAGE_TIMEOUT_S:
+        left = [n for n in nodes if n not in step.staged]
+        return _fail(record, i, step, f"{', '.join(left)} did not take the config within "
+                                      f"{STAGE_TIMEOUT_S:.0f}s", now), []  # fmt: skip
+    return None
+
+
+def _restarting(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if all((obs.groups[g].generation or 0) > step.base.get(g, 0) for g in step.groups):
+        return record.with_step(i, _enter(step, Phase.GATING, now)).say(
+            now, f"step {i + 1} ({names}): restarted; waiting for every rank ready and a canary answer"), []
+    return None if now - step.since < 10.0 else (record, _asks(record, step, dict(step.base)))
+
+
+def _gating(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names, opts = obs.now, ", ".join(step.groups), record.options
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, problem, now), []
+    canary_bad = {g: v for g, v in step.canary.items() if v != "ok"}
+    if canary_bad:
+        group, why = next(iter(canary_bad.items()))
+        return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
+    if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
+        return record.with_step(i, _enter(step, Phase.REJOINING, now)).say(
+            now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
+    if now - step.since >= opts.gate_timeout_s:
+        waiting = "; ".join(f"{g}: {obs.groups[g].why or 'canary pending'}" for g in step.groups)
+        return _fail(record, i, step, f"not ready within the gate timeout {opts.gate_timeout_s:.0f}s "
+                                      f"({waiting})", now), []  # fmt: skip
+    return None
+
+
+def _rejoining(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, problem, now), []
+    if step.proxy_in or not obs.proxy:
+        if step.failed:
+            ended = record.with_step(i, _enter(step, Phase.ROLLED_BACK, now, finished=now))
+            return ended.say(now, f"step {i + 1} ({names}) rolled back after: {step.failed}; the rollout is "
+                                  "halted (resume retries it, rollback undoes the steps done)", Status.HALTED), []
+        bake = 0.0 if step.rollback else record.options.bake_s
+        return record.with_step(i, _enter(step, Phase.BAKING, now)).say(
+            now, f"step {i + 1} ({names}): in the proxy; baking {bake:.0f}s"), []
+    if now - step.since >= REJOIN_TIMEOUT_S:
+        # Not the group's fault (vllm-ascend's proxy takes a removed instance back only once it was idle):
+        # wait, and say so once; the next step must not take another group out meanwhile.
+        text = (f"step {i + 1} ({names}): healthy, not back in the proxy after {REJOIN_TIMEOUT_S:.0f}s (see "
+                "the proxy's groups in nodeagentctl cluster --json); waiting")  # fmt: skip
+        return (record.say(now, text), []) if record.message != text else None
+    return None
+
+
+def _baking(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, f"while baking: {problem}", now), []
+    if step.bake:
+        group, why = next(iter(step.bake.items()))
+        return _fail(record, i, step, f"while baking, {group}: {why}", now), []
+    if now - step.since >= (0.0 if step.rollback else record.options.bake_s):
+        done = record.with_step(i, _enter(step, Phase.DONE, now, finished=now)).say(
+            now, f"step {i + 1} ({names}) done")
+        return done, []
+    return None
+
+
+_BY_PHASE: dict[Phase, Callable[[Record, int, Step, Observed], Move]] = {
+    Phase.PENDING: _pending, Phase.DRAINING: _draining, Phase.STAGING: _staging, Phase.RESTARTING: _restarting,
+    Phase.GATING: _gating, Phase.REJOINING: _rejoining, Phase.BAKING: _baking,
+}
+"""Each phase's rule: the step's next transition from it (an ended phase has none)."""
 
 
 def _asks(record: Record, step: Step, base: Mapping[str, int]) -> list[Ask]:
