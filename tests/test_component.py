@@ -23,7 +23,7 @@ from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
-from nodeagent.states import COMMANDS, SignalKind, SignalName
+from nodeagent.states import COMMANDS, Desired, SignalKind, SignalName
 from nodeagent.supervisor import Supervisor
 
 _PIDS = itertools.count(4_000_000)
@@ -375,6 +375,21 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
         assert again.components["b"].restarts_by_cause == {"crash": 1, "operator": 1, "dependency": 1}
     finally:
         await stop(r)
+
+
+def test_the_desired_state_is_read_as_a_desired(tmp_path: Path) -> None:
+    """`ComponentView.desired` is a `Desired`, made from intent.json: a value the file should not hold reads as
+    running (as the checks that compared with "stopped" read it) instead of breaking every layer's view."""
+    from nodeagent.intent import NodeIntent
+    from nodeagent.statefile import StateStore
+
+    (tmp_path / "intent.json").write_text('{"desired": {"a": "stopped", "b": "sideways"}}')
+    intent = NodeIntent(StateStore(tmp_path), {})
+    assert intent.desired("a") is Desired.STOPPED
+    assert intent.desired("b") is Desired.RUNNING and intent.desired("c") is Desired.RUNNING
+    intent.set_desired("c", Desired.STOPPED)
+    assert NodeIntent(StateStore(tmp_path), {}).desired("c") is Desired.STOPPED
+    assert '"c": "stopped"' in (tmp_path / "intent.json").read_text(), "the same string in the file"
 
 
 def test_a_signal_kind_names_the_probe_whose_failure_it_reports() -> None:
