@@ -17,8 +17,8 @@ import contextlib
 import contextvars
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aetcd import exceptions as aexc
 from aetcd import rpc, utils
@@ -351,7 +351,7 @@ class EtcdStore:
         await self.call(f"compact {revision}", op)
 
     # ---- watches ------------------------------------------------------------------------------------------------
-    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:
+    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         """See `store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
         retry = 0.2
         epoch = self.epoch
@@ -361,10 +361,10 @@ class EtcdStore:
         while True:
             try:
                 if next_rev is None or epoch != self.epoch:
-                    reason = "initial" if next_rev is None else "reset"
+                    reason: Literal["initial", "reset"] = "initial" if next_rev is None else "reset"
                     epoch = self.epoch
                     snapshot = await self.get_prefix(prefix)
-                    yield Resync(reason, snapshot)  # type: ignore[arg-type]
+                    yield Resync(reason, snapshot)
                     next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 revision, _term = await self._head(prefix)
                 if epoch != self.epoch or revision < next_rev - 1:

@@ -348,7 +348,7 @@ class ProxySync:
                 return False
             lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
             if all(isinstance(v, list) for v in lists.values()):
-                self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
+                self.active = {k: {str(e) for e in v or ()} for k, v in lists.items()}  # all lists (checked above)
                 if what == "remove":
                     self.isolated[kind] |= instances & self.active[kind]
                 for k in self.isolated:
