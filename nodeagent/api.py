@@ -36,6 +36,7 @@ from nodeagent.httpbase import (
     json_response,
 )
 from nodeagent.metrics import CONTENT_TYPE, AgentMetrics
+from nodeagent.states import State, is_up
 from nodeagent.ui.history import CacheSampler
 from nodeagent.ui.routes import UI_ROUTES, UiRoutes
 
@@ -50,6 +51,19 @@ SSE_KEEPALIVE_S = 10.0
 SSE_MAX_SUBSCRIBERS = 64
 REPLAY_DEFAULT = 50
 LIVENESS_KINDS = ("vllm", "datasystem", "etcd")
+
+
+def component_liveness(state: State, liveness: str, desired: str) -> dict[str, Any]:
+    """One component's part of /livez (pure): live while up (`states.is_up`: draining too, a draining vLLM still
+    serves its in-flight requests) and its liveness probe is not failing."""
+    up = is_up(state)
+    live = up and liveness != "failure"
+    reason = None
+    if not up:
+        reason = f"state {state}" + (", desired stopped" if desired == "stopped" else "")
+    elif not live:
+        reason = "liveness probe failing"
+    return {"live": live, "state": str(state), "liveness": liveness, "reason": reason}
 """What the guide's liveness check covers (etcd only runs on the master, so it is only there)."""
 
 
@@ -147,14 +161,7 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
             if comp.kind not in LIVENESS_KINDS:
                 continue
             liveness = comp.prober.status("liveness") if comp.prober is not None else "unknown"
-            running = str(comp.state) in ("running", "ready")
-            live = running and liveness != "failure"
-            reason = None
-            if not running:
-                reason = f"state {comp.state}" + (", desired stopped" if self.sup.desired(name) == "stopped" else "")
-            elif not live:
-                reason = "liveness probe failing"
-            out[name] = {"live": live, "state": str(comp.state), "liveness": liveness, "reason": reason}
+            out[name] = component_liveness(comp.state, liveness, self.sup.desired(name))
         return out
 
     async def livez(self, request: web.Request) -> web.Response:

@@ -235,7 +235,7 @@ def identify_node(cluster: ClusterConfig, node_raw: Mapping[str, Any], node: Nod
         raise ClusterFileError([(("cluster", "nodes"), f"this host {name!r} (node.name defaults to the host name) "
                                  f"has no entry here ({members}); set node.name or pass --node")])
     entry = entries[name]
-    problems = []
+    problems: list[tuple[KeyPath, str]] = []
     for key in ("ip", "role", "nic_name"):
         wanted = getattr(entry, key)
         if key in node_raw and wanted is not None and getattr(node, key) != wanted:

@@ -13,6 +13,7 @@ from typing import Any
 
 from nodeagent.cli import http
 from nodeagent.cli.common import pause_line, short_age
+from nodeagent.cluster.rollout_states import under_way
 
 REMOTE_TIMEOUT_S = 3.0
 
@@ -202,7 +203,7 @@ def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> l
         age = f" for {short_age(now - since)}" if isinstance(since, int | float) and since else ""
         head += f", step {current + 1}/{len(steps)} {', '.join(step['groups'])} {step['phase']}{age}"
     lines = [head, f"  {rollout.get('message', '')}"]
-    if rollout.get("status") in ("running", "paused", "rolling_back", "aborting"):
+    if under_way(rollout.get("status")):
         lines.append(f"  floor: {rollout.get('floor')}; time left: {_minutes(rollout.get('time_left_s'))}")
         held = rollout.get("held_out") or {}
         if held:

@@ -34,7 +34,7 @@ from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
-from nodeagent.states import COMMANDS, UP_STATES, Signal, State
+from nodeagent.states import COMMANDS, SERVING_STATES, Signal, SignalKind, SignalName, State, is_up
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -188,7 +188,7 @@ class Component(FailurePath):
             return
         else:
             self.ready_blockers[key] = reason
-        if self.state in (State.RUNNING, State.READY):
+        if self.state in SERVING_STATES:
             self._set(State.READY if self.ready else State.RUNNING)
         else:
             self.host.on_state(self)
@@ -241,9 +241,9 @@ class Component(FailurePath):
             self.failure = Failure.from_dict(saved["failure"])
 
     # ---- signals -------------------------------------------------------------------------------------------
-    def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
+    def signal(self, kind: SignalKind | SignalName, gen: int | None = None, detail: str = "", *, operator: bool = False,
                drain: bool = True, cause: str = "") -> None:  # fmt: skip
-        self.signals.put_nowait(Signal(kind, gen, detail, operator, drain, cause))
+        self.signals.put_nowait(Signal(SignalKind(kind), gen, detail, operator, drain, cause))
 
     def count_restart(self, cause: str) -> None:
         """One restart, for this cause: `restarts` is the sum of `restarts_by_cause`."""
@@ -453,7 +453,7 @@ class Component(FailurePath):
                           else f"up after {age:.1f}s")
             elif sig.kind in ("ready", "not_ready"):
                 self.ready = sig.kind == "ready"
-                if self.state in (State.RUNNING, State.READY):
+                if self.state in SERVING_STATES:
                     self._set(State.READY if self.ready else State.RUNNING)
             elif sig.kind == "exited":
                 code = int(sig.detail) if sig.detail.lstrip("-").isdigit() else None
@@ -463,7 +463,7 @@ class Component(FailurePath):
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": code}
                 return "failure", f"process {text} unexpectedly", failure, False
             elif sig.kind in ("startup_failed", "liveness_failed"):
-                what, text = sig.kind.split("_")[0], f"{sig.kind.replace('_', ' ')}: {sig.detail}"
+                what, text = sig.kind.failed_probe, f"{sig.kind.replace('_', ' ')}: {sig.detail}"
                 self._set(State.UNHEALTHY, text, "warning")
                 self.last_exit = {"at": self.host.clock.time(), "reason": text, "code": None}
                 return "failure", f"{sig.kind}: {sig.detail}", Failure(what, text, uptime_s=self._uptime()), False
@@ -585,7 +585,7 @@ class Component(FailurePath):
 
     @property
     def is_up(self) -> bool:
-        return self.state in UP_STATES
+        return is_up(self.state)
 
     def status(self) -> dict[str, Any]:
         return component_status(self, self.host.clock.time())

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from nodeagent.bindrace import BindRaceRetries, BindRetry
     from nodeagent.host import Process
     from nodeagent.policy import RestartDecision
-    from nodeagent.states import Signal
+    from nodeagent.states import Signal, SignalKind, SignalName
 
 INTERNAL_MIN_DELAY_S = 1.0
 """The shortest wait after an internal error: a bug that recurs at once must never make a tight loop."""
@@ -64,8 +64,8 @@ class FailurePath:
         def tick(self) -> None: ...
         async def _next(self) -> Signal: ...
         def _take_command(self, sig: Signal) -> None: ...
-        def signal(self, kind: str, gen: int | None = None, detail: str = "", *, operator: bool = False,
-                   drain: bool = True, cause: str = "") -> None: ...  # fmt: skip
+        def signal(self, kind: SignalKind | SignalName, gen: int | None = None, detail: str = "", *,
+                   operator: bool = False, drain: bool = True, cause: str = "") -> None: ...  # fmt: skip
 
     async def _failed(self, failure: Failure, why: str) -> None:
         """Its process failed: evidence first, the stop begun, the failure judged, the tree gone, then acted on."""

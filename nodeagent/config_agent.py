@@ -17,7 +17,7 @@ from nodeagent.config_raw import DEFAULT_LISTEN, DEFAULT_LOG_DIR, DEFAULT_STATE_
 from nodeagent.parsing import split_listen
 
 
-class ApiConfig(Strict):
+class ApiConfig(Strict, frozen=True):
     listen: Annotated[str, Check(check_listen)] = DEFAULT_LISTEN
     token_file: ConfigPath = DEFAULT_TOKEN_FILE
     unix_socket: ConfigPath | None = None
@@ -31,7 +31,7 @@ class ApiConfig(Strict):
         return split_listen(self.listen)[1]
 
 
-class UiConfig(Strict):
+class UiConfig(Strict, frozen=True):
     """The status page at GET /ui and the cache-rate history behind it (GET /cache)."""
 
     enabled: bool = True
@@ -78,7 +78,7 @@ def _topic_prefix(value: str) -> str:
     return value
 
 
-class MqttConfig(Strict):
+class MqttConfig(Strict, frozen=True):
     """Publish status, events and cache hit rates to the monitoring system's broker. Absent: no MQTT at all.
 
     Topics: `<topic_prefix>/<cluster.name>/<node.name>/{status,events,cache}` (see nodeagent/mqtt.py)."""
@@ -127,7 +127,7 @@ class MqttConfig(Strict):
         return url.port or MQTT_SCHEMES[url.scheme]
 
 
-class AgentSettings(Strict):
+class AgentSettings(Strict, frozen=True):
     preflight: Literal["enforce", "warn", "off"] = "enforce"
     """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
     operator start still works; `dsv4-agent --force` = warn), warn = events only, off = not run."""

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -37,6 +37,9 @@ _BASE_DIR: ContextVar[Path | None] = ContextVar("nodeagent_config_base_dir", def
 def base_dir() -> Path | None:
     """The folder of the config file being validated (None outside `validate` or without a file)."""
     return _BASE_DIR.get()
+
+
+_S = TypeVar("_S", bound=msgspec.Struct)
 
 
 class Check:
@@ -94,7 +97,7 @@ class Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
         return ()
 
 
-class Tagged(Strict, tag_field="kind"):
+class Tagged(Strict, tag_field="kind", frozen=True):
     """A member of a union told apart by `kind:` (msgspec's tag: not a field, read through this property)."""
 
     @property
@@ -102,7 +105,7 @@ class Tagged(Strict, tag_field="kind"):
         return str(self.__struct_config__.tag)
 
 
-def replace(obj: Any, **changes: Any) -> Any:
+def replace(obj: _S, **changes: Any) -> _S:
     """A copy with these fields changed (checks run again, constraints are not: like pydantic's model_copy)."""
     return msgspec.structs.replace(obj, **changes)
 
@@ -155,9 +158,9 @@ def _checks_of(cls: type) -> tuple[tuple[str, tuple[Check, ...], bool], ...]:
     return tuple(out)
 
 
-def fields_of(cls: type) -> tuple[str, ...]:
+def fields_of(cls: type[msgspec.Struct]) -> tuple[str, ...]:
     """The keys a struct takes (without the ones marked internal)."""
-    internal = getattr(cls, "INTERNAL_FIELDS", frozenset())
+    internal: frozenset[str] = getattr(cls, "INTERNAL_FIELDS", frozenset())
     return tuple(n for n in cls.__struct_fields__ if n not in internal)
 
 

@@ -44,7 +44,7 @@ def _topic_safe_name(value: str) -> str:
 TopicSafeName = Annotated[str, Check(_topic_safe_name)]
 
 
-class ClusterNode(Strict):
+class ClusterNode(Strict, frozen=True):
     """One member of the cluster, as its entry in `cluster.nodes` writes it."""
 
     name: TopicSafeName
@@ -55,7 +55,7 @@ class ClusterNode(Strict):
     """This member's own values for component keys (ports, folders): several members may share an IP."""
 
 
-class VllmGroup(Strict, kw_only=True):
+class VllmGroup(Strict, kw_only=True, frozen=True):
     """One data-parallel group of vLLM; every other key is a vLLM component setting for the whole group."""
 
     name: Annotated[str, Meta(min_length=1)]
@@ -77,7 +77,7 @@ def group_settings_apart(raw: Any) -> Any:
     return {**own, "settings": {k: v for k, v in raw.items() if k not in own}}
 
 
-class PdConfig(Strict):
+class PdConfig(Strict, frozen=True):
     """The KV transfer between prefill and decode groups (the Mooncake P2P half of the MultiConnector)."""
 
     p2p_connector: str = "MooncakeHybridConnector"
@@ -95,7 +95,7 @@ def _check_endpoint(value: str) -> str:
     return value
 
 
-class EtcdTls(Strict):
+class EtcdTls(Strict, frozen=True):
     """TLS to etcd (the endpoints then default to https)."""
 
     ca_file: ReadableFile | None = None
@@ -111,13 +111,13 @@ class EtcdTls(Strict):
             yield None, "cert_file and key_file go together"
 
 
-class EtcdAuth(Strict):
+class EtcdAuth(Strict, frozen=True):
     username: Annotated[str, Meta(min_length=1)]
     password_file: ReadableFile
     """The password, alone in a file (0600): never in the config itself."""
 
 
-class ClusterConfig(Strict):
+class ClusterConfig(Strict, frozen=True):
     name: TopicSafeName = "local"
     etcd_endpoints: Annotated[list[Annotated[str, Check(_check_endpoint)]], Meta(min_length=1)] = field(
         default_factory=lambda: ["127.0.0.1:2379"]
@@ -151,7 +151,7 @@ class ClusterConfig(Strict):
         return bool(self.nodes)
 
 
-class SharedSections(Strict):
+class SharedSections(Strict, frozen=True):
     """What every member of a cluster shares, as the file wrote it (after `${VAR}` interpolation)."""
 
     cluster: dict[str, Any] = field(default_factory=dict)

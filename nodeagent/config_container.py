@@ -39,7 +39,7 @@ def _run_arg(value: str) -> str:
 RunArg = Annotated[str, Check(_run_arg)]
 
 
-class ContainerConfig(Strict):
+class ContainerConfig(Strict, frozen=True):
     """The node's container, created with the guide's `start-docker.sh` line (`nodeagentctl render container`
     prints it); every component runs inside unless it says `container: false`."""
 

@@ -62,7 +62,7 @@ def default_node_ip() -> str:
     return "127.0.0.1"
 
 
-class NodeConfig(Strict):
+class NodeConfig(Strict, frozen=True):
     name: TopicSafeName = field(default_factory=_default_node_name)
     ip: str = field(default_factory=default_node_ip)
     role: Literal["master", "worker"] = "master"
@@ -82,7 +82,7 @@ def _prepare_node(raw: Any) -> Any:
     return raw
 
 
-class ProbeSet(Strict):
+class ProbeSet(Strict, frozen=True):
     """Kubernetes semantics: startup gates the others; liveness failure restarts; readiness only gates."""
 
     startup: list[ProbeSpec] = field(default_factory=list)
@@ -94,7 +94,7 @@ class ProbeSet(Strict):
             yield "startup", "a vllm_progress probe judges a running engine; for startup use http_get /health"
 
 
-class RestartSpec(Strict):
+class RestartSpec(Strict, frozen=True):
     first_delay_s: NonNegative = 0.0
     backoff_initial_s: NonNegative = 10.0
     backoff_max_s: NonNegative = 300.0
@@ -109,12 +109,12 @@ class RestartSpec(Strict):
     permanent failure (no redeploy, retried at backoff_max_s). 0 turns the rule off."""
 
 
-class DependencyEdge(Strict):
+class DependencyEdge(Strict, frozen=True):
     restart_with: bool | None = None
     """Restart this component when the dependency restarts; default depends on the dependency's kind."""
 
 
-class ComponentBase(Tagged):
+class ComponentBase(Tagged, frozen=True):
     # Defaults pass the checks too (Strict.__post_init__): a default `command: "etcd"` becomes ["etcd"].
     command: Command
     depends_on: dict[str, DependencyEdge] = field(default_factory=dict)
@@ -143,7 +143,7 @@ def prepare_component(raw: Any) -> Any:
     return data
 
 
-class EtcdComponent(ComponentBase, tag="etcd"):
+class EtcdComponent(ComponentBase, tag="etcd", frozen=True):
     command: Command = "etcd"
     name: str = "etcd-single"
     client_port: Port = 2379
@@ -159,7 +159,7 @@ class EtcdComponent(ComponentBase, tag="etcd"):
     """This node is one of `cluster.etcd_members` (so it runs etcd although it is not the master)."""
 
 
-class DatasystemComponent(ComponentBase, tag="datasystem"):
+class DatasystemComponent(ComponentBase, tag="datasystem", frozen=True):
     command: Command = "dscli"
     workdir: ConfigPath | None = None
     """Where `dscli start` runs: the worker's `datasystem/` folder (logs, probe files, uds) lands here."""
@@ -186,7 +186,7 @@ def _relative_model(value: str) -> str:
     return str(_resolve_path(Path(value))) if value.startswith(("./", "../")) else value
 
 
-class VllmComponent(ComponentBase, tag="vllm", kw_only=True):
+class VllmComponent(ComponentBase, tag="vllm", kw_only=True, frozen=True):
     """`vllm serve` with every flag of the guide's run_ds_v4_flash_w8a8_mtp.sh as a typed default."""
 
     command: Command = "vllm"
@@ -283,7 +283,7 @@ class VllmComponent(ComponentBase, tag="vllm", kw_only=True):
                          "probe reads; drop the flag, or set probes.liveness.kind: http (the guide's chat probe)")
 
 
-class ProcessComponent(ComponentBase, tag="process"):
+class ProcessComponent(ComponentBase, tag="process", frozen=True):
     """Anything else (a PD proxy, an exporter): a plain command, no code change."""
 
     ports: list[int] = field(default_factory=list)
@@ -296,7 +296,7 @@ PROXY_SCRIPT = Path("/vllm-workspace/vllm-ascend/examples/disaggregated_prefill_
 PROXY_SCRIPT /= "load_balance_proxy_server_example.py"
 
 
-class ProxyComponent(ComponentBase, tag="proxy"):
+class ProxyComponent(ComponentBase, tag="proxy", frozen=True):
     """vllm-ascend's PD load-balancing proxy, on the master; its backends come from `cluster.vllm_groups`."""
 
     command: Command = "python3"
@@ -328,7 +328,7 @@ KIND_ORDER = ("etcd", "datasystem", "vllm", "process", "proxy")
 MASTER_ONLY_KINDS = ("etcd", "proxy")
 
 
-class Config(Strict):
+class Config(Strict, frozen=True):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     agent: AgentSettings = field(default_factory=AgentSettings)

@@ -18,7 +18,7 @@ NonNegative = Annotated[float, Meta(ge=0)]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 
 
-class ProbeBase(Tagged):
+class ProbeBase(Tagged, frozen=True):
     period_s: Positive = 10.0
     timeout_s: Positive = 5.0
     failure_threshold: AtLeastOne = 3
@@ -26,7 +26,7 @@ class ProbeBase(Tagged):
     initial_delay_s: NonNegative = 0.0
 
 
-class LivenessFileProbe(ProbeBase, tag="liveness_file"):
+class LivenessFileProbe(ProbeBase, tag="liveness_file", frozen=True):
     path: ConfigPath | None = None
     """Default: the datasystem component's liveness_check_path."""
     max_age_s: Positive = 30.0
@@ -35,13 +35,13 @@ class LivenessFileProbe(ProbeBase, tag="liveness_file"):
     cache); a stopped worker still fails within this + period_s x failure_threshold (36 s by default)."""
 
 
-class EtcdProbe(ProbeBase, tag="etcd"):
+class EtcdProbe(ProbeBase, tag="etcd", frozen=True):
     endpoint: str | None = None
     """HOST:PORT; default: the component's own client URL, else the cluster's first endpoint."""
     put_get: bool = False
 
 
-class HttpProbe(ProbeBase, tag="http"):
+class HttpProbe(ProbeBase, tag="http", frozen=True):
     """A request with a JSON body; the guide's vLLM probe is a 2-token chat completion."""
 
     url: str | None = None
@@ -54,22 +54,22 @@ class HttpProbe(ProbeBase, tag="http"):
     expect_nonempty: str | None = "choices.0.message.content"
 
 
-class HttpGetProbe(ProbeBase, tag="http_get"):
+class HttpGetProbe(ProbeBase, tag="http_get", frozen=True):
     url: str | None = None
     path: str = "/health"
     expect_status: int = 200
 
 
-class TcpProbe(ProbeBase, tag="tcp"):
+class TcpProbe(ProbeBase, tag="tcp", frozen=True):
     host: str | None = None
     port: Annotated[int, Meta(gt=0, lt=65536)] | None = None
 
 
-class ExecProbe(ProbeBase, tag="exec", kw_only=True):
+class ExecProbe(ProbeBase, tag="exec", kw_only=True, frozen=True):
     command: Command
 
 
-class DatasystemKvProbe(ProbeBase, tag="datasystem_kv"):
+class DatasystemKvProbe(ProbeBase, tag="datasystem_kv", frozen=True):
     address: str | None = None
     python: ConfigPath | None = None
     """The interpreter that has `yr.datasystem`; default: the one next to the dscli the component runs."""
@@ -79,7 +79,7 @@ NpuLevel = Literal["NotHandleFault", "SubHealthFault", "RestartRequest", "Restar
                    "RestartNPU", "PreSeparateNPU", "SeparateNPU", "ManuallySeparateNPU"]
 
 
-class NpuProbe(ProbeBase, tag="npu"):
+class NpuProbe(ProbeBase, tag="npu", frozen=True):
     """NPU chip health, HBM ECC, foreign processes and RoCE links through npu-smi/hccn_tool (npu_health.py).
 
     Debounce and escalation happen inside (the Ascend Device Plugin's rules), so one failing result is
@@ -108,7 +108,7 @@ class NpuProbe(ProbeBase, tag="npu"):
     ecc_quiet_s: NonNegative = 300.0
 
 
-class VllmProgressProbe(ProbeBase, tag="vllm_progress"):
+class VllmProgressProbe(ProbeBase, tag="vllm_progress", frozen=True):
     """Load-safe vLLM liveness (`nodeagent.vllm_progress`): engine progress from /metrics under load, the
     guide's canary chat when idle, /health 503 at once.
 

@@ -11,7 +11,7 @@ from msgspec import Meta, field
 from nodeagent.config_base import Strict
 
 
-class PdWatchConfig(Strict):
+class PdWatchConfig(Strict, frozen=True):
     """Run by the agent that runs the PD proxy (the master)."""
 
     enabled: bool = True
@@ -36,7 +36,7 @@ class PdWatchConfig(Strict):
     """The sliding window of `transfer_threshold`."""
 
 
-class RecoveryConfig(Strict):
+class RecoveryConfig(Strict, frozen=True):
     npu_reset: bool = True
     """Reset chips with `npu-smi set -t reset` when the ladder says so (false: isolate instead)."""
     fault_lasting_s: Annotated[float, Meta(ge=0)] = 60.0

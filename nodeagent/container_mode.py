@@ -35,7 +35,7 @@ from nodeagent.policy import RestartDecision
 from nodeagent.probe_resolve import ResolvedProbe
 from nodeagent.render_container import container_spec, host_facts, shared_folders
 from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind
 
 if TYPE_CHECKING:
     from nodeagent.component import Component
@@ -158,7 +158,7 @@ class ContainerMode:
                 if probe.kind == "exec":
                     probe = replace(probe, inside=self.spec)
                 elif probe.kind == "datasystem_kv":
-                    python = str(probe.spec.python) if getattr(probe.spec, "python", None) else "python3"
+                    python = str(getattr(probe.spec, "python", None) or "python3")
                     probe = replace(probe, inside=self.spec, python=python)
                 out[role].append(probe)
         return out
@@ -167,12 +167,12 @@ class ContainerMode:
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         return self.problem if self.runs_inside(comp.name) else None
 
-    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
         """A component inside that died with the container: the container's recovery restarts it."""
         if not self.runs_inside(comp.name) or self.state is None or init_alive(self.state.pid):
             return None
         self._lost(f"its init (pid {self.state.pid}) is gone")
-        return f"the container {self.spec.name} died with it: recreate, setup, node redeploy"
+        return Delegated(f"the container {self.spec.name} died with it: recreate, setup, node redeploy")
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         return None

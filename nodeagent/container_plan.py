@@ -67,7 +67,7 @@ def parse_inspect(text: str) -> ContainerState | None:
     if not isinstance(data, dict) or not isinstance(data.get("State"), dict):
         raise ContainerInspectError("inspect printed no container (no State)")
     state: dict[str, Any] = data["State"]
-    config = data.get("Config") if isinstance(data.get("Config"), dict) else {}
+    config = data["Config"] if isinstance(data.get("Config"), dict) else {}
     pid = state.get("Pid")
     return ContainerState(
         id=str(data.get("Id", "")), name=str(data.get("Name", "")).lstrip("/"),

@@ -18,7 +18,7 @@ from nodeagent.config_base import RuleProblem, Strict
 from nodeagent.ft_rules import Support
 
 
-class FaultToleranceSpec(Strict):
+class FaultToleranceSpec(Strict, frozen=True):
     enabled: bool = False
     """Render vLLM's fault tolerance and try its `retry` on a rank fault before the gang restart."""
     engine_recovery_timeout_s: Annotated[int, Meta(gt=0)] = 120

@@ -17,6 +17,7 @@ import msgspec
 from nodeagent.config_model import RestartSpec
 from nodeagent.policy import RedeployTracker, RestartTracker
 from nodeagent.statefile import StateStore
+from nodeagent.states import Desired
 
 HISTORY_FIELDS = ("restarts", "restarts_by_cause", "last_exit", "failure", "loads")
 
@@ -36,8 +37,9 @@ class NodeIntent:
         self.changed = asyncio.Event()
 
     # ---- operator intent ---------------------------------------------------------------------------------
-    def desired(self, name: str) -> str:
-        return self.data.get("desired", {}).get(name, "running")
+    def desired(self, name: str) -> Desired:
+        """Anything but "stopped" (none saved, a hand-edited file) is running, as every check read it before."""
+        return Desired.STOPPED if self.data.get("desired", {}).get(name) == Desired.STOPPED else Desired.RUNNING
 
     def set_desired(self, name: str, desired: str) -> None:
         self.data.setdefault("desired", {})[name] = desired

@@ -191,7 +191,7 @@ class _Builder:
         self.expanded: dict[str, dict[str, Any]] = {n: {} for n in self.members}
 
     def vllm(self, node: str) -> VllmComponent:
-        return self.settings[node][self.template]  # type: ignore[index]
+        return self.settings[node][self.template]  # type: ignore[index]  # a template is set once there are groups
 
     def group(self, index: int, group: VllmGroup, pd_index: int | None) -> Group:
         pd: PdConfig = self.cluster.pd
@@ -217,20 +217,20 @@ class _Builder:
         v, ip = self.vllm(node), self.members[node].ip
         if group.dp_launch == "internal":
             headless = node != group.nodes[0]
-            return [VllmProcess(self.template, node, start, size, None, headless,  # type: ignore[arg-type]
+            return [VllmProcess(self.template, node, start, size, None, headless,  # type: ignore[arg-type]  # ditto
                                 None if headless else v.port, None if headless else _host(ip, v.port))]
         tp = v.tensor_parallel_size
         devices = list(v.visible_devices) if v.visible_devices is not None else list(range(size * tp))
         if len(devices) < size * tp:
             i, _ = self.entries[node]
-            self.problems.append((("cluster", "nodes", i, "components", self.template, "visible_devices"),  # type: ignore[arg-type]
+            self.problems.append((("cluster", "nodes", i, "components", self.template, "visible_devices"),  # type: ignore[arg-type]  # ditto
                                   f"{size} ranks × tensor_parallel_size {tp} need {size * tp} devices, "
                                   f"got {len(devices)}"))
         out = []
         for local in range(size):
             port = v.port + local
             if port > 65535:
-                self.problems.append((_group_path(self.cluster, index, self.template), f"port {port} > 65535"))  # type: ignore[arg-type]
+                self.problems.append((_group_path(self.cluster, index, self.template), f"port {port} > 65535"))  # type: ignore[arg-type]  # ditto
             out.append(VllmProcess(f"{self.template}-dp{start + local}", node, start + local, 1, start + local,
                                    False, port, _host(ip, port), tuple(devices[local * tp:(local + 1) * tp])))
         return out
@@ -422,11 +422,11 @@ def single_node_layout(config: Config) -> ClusterLayout:
         if not isinstance(c, VllmComponent):
             continue
         external = c.data_parallel_rank is not None
-        start = c.data_parallel_rank if external else (c.data_parallel_start_rank or 0)
+        start = c.data_parallel_rank if c.data_parallel_rank is not None else (c.data_parallel_start_rank or 0)
         size = 1 if external else (c.data_parallel_size_local or c.data_parallel_size)
         endpoint = None if c.headless else _host(connect_host(c.host, node.ip), c.port)
         kv = c.kv_transfer_config or {}
-        proc = VllmProcess(name, node.name, start, size, c.data_parallel_rank, c.headless,  # type: ignore[arg-type]
+        proc = VllmProcess(name, node.name, start, size, c.data_parallel_rank, c.headless,
                            None if c.headless else c.port, endpoint,
                            tuple(c.visible_devices) if c.visible_devices is not None else None)
         groups.append(Group(
@@ -434,7 +434,7 @@ def single_node_layout(config: Config) -> ClusterLayout:
             dp_size=c.data_parallel_size, tensor_parallel_size=c.tensor_parallel_size,
             address=c.data_parallel_address or node.ip, rpc_port=c.data_parallel_rpc_port or DEFAULT_RPC_PORT,
             kv_role=str(kv.get("kv_role", "kv_both")), engine_id=None, kv_port=None,
-            slices=(NodeSlice(node.name, start, size, (name,)),), processes=(proc,),  # type: ignore[arg-type]
+            slices=(NodeSlice(node.name, start, size, (name,)),), processes=(proc,),
         ))  # fmt: skip
     member = Member(node.name, node.ip, node.role, node.nic_name)
     return ClusterLayout(config.cluster.name, (member,), tuple(groups),

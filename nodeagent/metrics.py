@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
@@ -44,10 +44,15 @@ class Stack(Protocol):
     """What the metrics read of the supervisor (`Supervisor` is it): a Protocol, so metrics import no supervisor."""
 
     config: Config
-    components: Mapping[str, Any]
     on_probe_result: list[Any]
     on_load: list[Any]
-    redeploys: Any
+    recovery_view: Callable[[], Mapping[str, Any] | None]
+
+    @property
+    def components(self) -> Mapping[str, Any]: ...
+
+    @property
+    def redeploys(self) -> Any: ...
 
     @property
     def paused(self) -> bool: ...

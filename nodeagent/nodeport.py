@@ -25,6 +25,7 @@ from nodeagent.liveness_hold import LivenessHolds
 from nodeagent.policy import RestartDecision, hold_for_dependency, restarts_with
 from nodeagent.stackport import (
     ComponentView,
+    Delegated,
     Hold,
     HoldKind,
     NodeLayer,
@@ -33,6 +34,7 @@ from nodeagent.stackport import (
     ProxyRouting,
     first_hold,
 )
+from nodeagent.states import Desired
 
 if TYPE_CHECKING:
     from nodeagent.component import Component
@@ -69,7 +71,7 @@ class NodePort:
         def on_state(self, comp: Component | None = None) -> None: ...
         def etcd_reachable(self) -> bool: ...
         def capture(self, comp: Component, failure: Failure) -> Evidence: ...
-        async def _redeploy(self, reason: str, scope: tuple[str, ...]) -> None: ...
+        def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool: ...
         async def cleanup(self, comp: Component, scope: str = "start", reason: str | None = None,
                           wipe_etcd: bool = False) -> None: ...  # fmt: skip
 
@@ -123,8 +125,8 @@ class NodePort:
     def view(self, comp: Component) -> ComponentView:
         record = comp.record
         return ComponentView(
-            name=comp.name, kind=comp.kind, state=str(comp.state), running=comp.running, up=comp.up.is_set(),
-            ready=comp.ready, desired=self.desired(comp.name), deps=tuple(self.deps(comp)),
+            name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up.is_set(),
+            ready=comp.ready, desired=Desired(self.desired(comp.name)), deps=tuple(self.deps(comp)),
             deps_up=not self.deps_waiting(comp), restart=comp.cfg.restart, pid=record.pid if record else None,
             hold=comp.hold, clean=comp.stopped_cleanly,
             ft_unsupported=comp.proc.extra.get("ft_unsupported") if comp.proc is not None else None,
@@ -297,7 +299,7 @@ class NodePort:
         view = self.view(comp)
         return first_hold(layer.gate(view, operator) for layer in self.layers)
 
-    def layer_decision(self, comp: Component, failure: Failure) -> RestartDecision | str | None:
+    def layer_decision(self, comp: Component, failure: Failure) -> RestartDecision | Delegated | None:
         if not self.layers:
             return None
         view = self.view(comp)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 NPU_SMI_DEFAULT = Path("/usr/local/bin/npu-smi")
 HCCN_TOOL_DEFAULT = Path("/usr/local/Ascend/driver/tools/hccn_tool")
@@ -213,7 +214,9 @@ def _key_values(text: str) -> list[tuple[str, str]]:
 
 def parse_health(text: str) -> HealthDetail:
     """`npu-smi info -t health -i N -c C`: Health Status, Error Code (space-separated hex or NA), Information."""
-    status, codes, info = None, (), []
+    status: str | None = None
+    codes: tuple[str, ...] = ()
+    info: list[str] = []
     for key, value in _key_values(text):
         if key == "Health Status":
             status = value
@@ -441,7 +444,7 @@ class NpuTools:
             if detail:
                 jobs[("net", npu)] = asyncio.ensure_future(self.net_health(device))
         results = await asyncio.gather(*jobs.values(), return_exceptions=True)
-        found: dict[str, dict[int, object]] = {"health": {}, "ecc": {}, "link": {}, "net": {}}
+        found: dict[str, dict[int, Any]] = {"health": {}, "ecc": {}, "link": {}, "net": {}}  # each job's own type
         for (what, npu), result in zip(jobs, results, strict=True):
             if isinstance(result, NpuToolError):
                 errors.append(f"npu {npu} {what}: {result}")
@@ -450,8 +453,8 @@ class NpuTools:
             else:
                 found[what][npu] = result
         return NpuSnapshot(
-            at, info, health=found["health"], ecc=found["ecc"], links=found["link"],  # type: ignore[arg-type]
-            net_health=found["net"], tool_errors=tuple(errors), roce_checked=check_roce,  # type: ignore[arg-type]
+            at, info, health=found["health"], ecc=found["ecc"], links=found["link"],
+            net_health=found["net"], tool_errors=tuple(errors), roce_checked=check_roce,
         )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.states import Desired, State
 
 _ERROR = {"$ref": "#/components/responses/Error"}
 _AUTH_ERRORS = {"401": _ERROR, "503": _ERROR}
@@ -65,9 +66,8 @@ def openapi_document() -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "kind": {"type": "string"},
-                "state": {"type": "string", "enum": ["stopped", "starting", "running", "ready", "unhealthy",
-                                                     "draining", "stopping", "backoff", "failed"]},
-                "desired": {"type": "string", "enum": ["running", "stopped"]},
+                "state": {"type": "string", "enum": [str(s) for s in State]},
+                "desired": {"type": "string", "enum": [str(d) for d in Desired]},
                 "pid": {"type": "integer", "nullable": True},
                 "ready": {"type": "boolean"}, "up": {"type": "boolean"},
                 "restarts": {"type": "integer"},

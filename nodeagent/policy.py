@@ -257,7 +257,7 @@ def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-def _defaults(cls: type) -> dict[str, Any]:
+def _defaults(cls: Any) -> dict[str, Any]:
     blank = cls()
     return {name: _copy(getattr(blank, name)) for name in cls._STATE_FIELDS}
 

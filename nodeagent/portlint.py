@@ -255,9 +255,9 @@ def vllm_uses(name: str, comp: VllmComponent, env: Mapping[str, str], node_ip: s
             uses.append(PortUse(name, "HCCL host ports (HCCL_HOST_SOCKET_PORT_RANGE)", a, b, shared="hccl",
                                 key=f"components.{name}.env.HCCL_HOST_SOCKET_PORT_RANGE"))
     elif not explicit:
-        base = _env_int(env, "HCCL_IF_BASE_PORT")
-        what = "HCCL host ports (" + ("HCCL_IF_BASE_PORT)" if base else "default: HCCL_IF_BASE_PORT unset)")
-        base = base or HCCL_BASE_PORT
+        given = _env_int(env, "HCCL_IF_BASE_PORT")
+        what = "HCCL host ports (" + ("HCCL_IF_BASE_PORT)" if given else "default: HCCL_IF_BASE_PORT unset)")
+        base = given or HCCL_BASE_PORT
         uses.append(PortUse(name, what, base, base + HCCL_PORTS - 1, shared="hccl",
                             key=f"components.{name}.env.HCCL_IF_BASE_PORT"))
     return uses

@@ -199,7 +199,7 @@ def read_bundle(root: Path, bundle: str) -> tuple[dict[str, Any], str]:
         raise KeyError(f"{'no' if not matches else 'more than one'} post-mortem matches {bundle!r} (newest: {known})")
     with tarfile.open(matches[0]["path"]) as tar:
         members = {m.name.split("/", 1)[-1]: m for m in tar.getmembers()}
-        manifest = json.load(tar.extractfile(members["manifest.json"]))  # type: ignore[arg-type]
-        out = tar.extractfile(members["output.log"]).read().decode(errors="replace")  # type: ignore[union-attr]
+        manifest = json.load(tar.extractfile(members["manifest.json"]))  # type: ignore[arg-type]  # a file we wrote
+        out = tar.extractfile(members["output.log"]).read().decode(errors="replace")  # type: ignore[union-attr]  # ditto
     manifest["files"] = sorted(members)
     return manifest, out

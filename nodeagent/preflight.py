@@ -104,7 +104,7 @@ class _Ctx:
     host_only: bool = False
     """`components` leaves out those that run inside the node's container."""
 
-    def components(self, kind: type) -> dict[str, Any]:
+    def components(self, kind: type[Any]) -> dict[str, Any]:
         return {n: c for n, c in self.config.active_components().items() if isinstance(c, kind)
                 and not (self.host_only and self.config.container is not None and c.container)}
 

@@ -174,7 +174,7 @@ def _probe_python(ds: DatasystemComponent | None, spec: DatasystemKvProbe) -> st
 
 def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> ResolvedProbe:
     """Fill the probe's null targets from its component; raises ConfigError when nothing can be derived."""
-    what = f"{spec.kind} probe of a {component.kind} component"  # type: ignore[attr-defined]
+    what = f"{spec.kind} probe of a {component.kind} component"
     if isinstance(spec, LivenessFileProbe):
         path = spec.path
         if path is None:
@@ -226,7 +226,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
             raise ConfigError(f"{what}: set port (the component lists no ports)")
         return ResolvedProbe(spec, spec.kind, f"{url_host(host)}:{port}", host=host.strip("[]"), port=port)
     if isinstance(spec, ExecProbe):
-        argv = tuple(spec.command)  # type: ignore[arg-type]  # validated into a list
+        argv = tuple(spec.command)
         cwd = component.workdir
         return ResolvedProbe(spec, spec.kind, shlex.join(argv), command=argv, cwd=cwd)
     if isinstance(spec, DatasystemKvProbe):
@@ -249,7 +249,7 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         from nodeagent.npu_monitor import expected_npus
 
         return ResolvedProbe(spec, spec.kind, "npu-smi/hccn_tool", expected_npus=expected_npus(config))
-    raise ConfigError(f"unknown probe kind {spec.kind!r}")  # type: ignore[attr-defined]
+    raise ConfigError(f"unknown probe kind {spec.kind!r}")
 
 
 def resolve_probe_set(component: AnyComponent, config: Config) -> dict[str, list[ResolvedProbe]]:

@@ -44,10 +44,10 @@ class ProcessRecord:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> ProcessRecord:
         return cls(
-            pid=int(data["pid"]),  # type: ignore[arg-type]
-            create_time=float(data["create_time"]),  # type: ignore[arg-type]
-            cmdline=tuple(data["cmdline"]),  # type: ignore[arg-type]
-            sid=int(data["sid"]),  # type: ignore[arg-type]
+            pid=int(data["pid"]),  # type: ignore[call-overload]  # JSON: an int
+            create_time=float(data["create_time"]),  # type: ignore[arg-type]  # JSON: a number
+            cmdline=tuple(data["cmdline"]),  # type: ignore[arg-type]  # JSON: a list of strings
+            sid=int(data["sid"]),  # type: ignore[call-overload]  # JSON: an int
         )
 
 

@@ -118,7 +118,7 @@ class NodeRecovery:
         self._wake = asyncio.Event()
         self._pending_writes: set[asyncio.Future[Any]] = set()
         npu.on_change.append(self.wake)
-        port.recovery_view = self.view  # type: ignore[attr-defined]
+        port.recovery_view = self.view  # type: ignore[attr-defined]  # the supervisor's hook (nodeport), not StackPort's
         port.attach(self)
 
     @property

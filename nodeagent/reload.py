@@ -32,7 +32,9 @@ class Reloadable(Protocol):
     container: Any
     """The node's `ContainerMode`, or None on the host."""
     events: EventBus
-    base_env: Mapping[str, str]
+
+    @property
+    def base_env(self) -> Mapping[str, str]: ...
 
     @property
     def trackers(self) -> dict[str, Any]: ...

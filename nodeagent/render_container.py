@@ -127,7 +127,10 @@ def render_container(config: Config | ContainerConfig, env: Mapping[str, str] | 
     engine = container.engine or pick_engine(which)
     defaults = [replace(o, value=container.name) if o.flag == "--name" else o for o in guide_options(env or {})]
     options = merge_options(defaults, container.run_args)
-    runtime, notes, problems, create = container.runtime, (), (), ()
+    runtime = container.runtime
+    notes: tuple[Adaptation, ...] = ()
+    problems: tuple[Adaptation, ...] = ()
+    create: tuple[str, ...] = ()
     if facts is not None:
         if npu_less is None:
             npu_less = not isinstance(config, ContainerConfig) and config.node.npus == 0

@@ -252,7 +252,7 @@ def component_ports(comp: Any) -> tuple[int, ...]:
         rpc = comp.data_parallel_rpc_port
         # External launch: only rank 0 binds the rpc port; the other ranks of its node connect to it.
         owns_rpc = rpc is not None and not comp.data_parallel_rank
-        return (comp.port, rpc) if owns_rpc else (comp.port,)
+        return (comp.port, rpc) if owns_rpc and rpc is not None else (comp.port,)
     if isinstance(comp, ProxyComponent):
         return (comp.port,)
     if isinstance(comp, ProcessComponent):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 
 from loguru import logger
 
@@ -21,7 +22,7 @@ def _monotonic_usec() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
 
 
-def watchdog_interval(environ: dict[str, str] | None = None, pid: int | None = None) -> float | None:
+def watchdog_interval(environ: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
     """WatchdogSec= in seconds if systemd expects WATCHDOG=1 pings from this process, else None.
 
     Ping at half this interval (sd_watchdog_enabled(3)). ``$WATCHDOG_PID``, when set, names the process the

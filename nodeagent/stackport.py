@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nodeagent.states import Desired, State
+
 if TYPE_CHECKING:
     from nodeagent.config_model import Config, RestartSpec
     from nodeagent.failure import Failure
@@ -105,15 +107,15 @@ class ComponentView:
 
     name: str
     kind: str
-    state: str
+    state: State
     running: bool
     """A process of ours exists — also while it is being stopped: `False` only once its whole tree is confirmed
     stopped (a rank about to arrive at a start barrier must not see its old tree still dying as "stopped")."""
     up: bool
     """Its startup probes passed."""
     ready: bool
-    desired: str
-    """running | stopped (the operator's intent)."""
+    desired: Desired
+    """The operator's intent."""
     deps: tuple[str, ...]
     deps_up: bool
     """Every dependency is up (the node's dependency gate passes)."""
@@ -136,7 +138,7 @@ class ComponentView:
     def going_down(self) -> bool:
         """Its process is being stopped (after a failure, a stop, a restart): it will not run on, and a restart
         asked now would only repeat the stop under way. Still `running` until its whole tree is gone."""
-        return self.running and self.state == "stopping"
+        return self.running and self.state == State.STOPPING
 
 
 @dataclass(frozen=True)
@@ -236,14 +238,25 @@ class StackPort(Protocol):
         commands and its status, and tells it of every change."""
 
 
+@dataclass(frozen=True)
+class Delegated:
+    """A layer's answer to a failure it carries out itself (a gang restart, the container's recovery): a type of its
+    own, so that no caller tells it from a decision by its being a string. `message` says what happens next."""
+
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class NodeLayer(Protocol):
     """What the node asks a layer above it (the cluster coordinator; the start guards)."""
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """Why this component may not start now (barrier, group backoff, coordination, cluster redeploy)."""
 
-    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
-        """A decision; a message when the layer handles the failure itself (a gang restart); None: not its."""
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
+        """A decision; `Delegated` when the layer handles the failure itself (a gang restart); None: not its."""
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         """A message when the layer carries the operator's command out itself; raises to refuse it."""
@@ -261,7 +274,7 @@ class ReportLayer:
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         return None
 
-    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
         return None
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:

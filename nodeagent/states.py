@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 
 class State(StrEnum):
@@ -22,16 +23,58 @@ class State(StrEnum):
     FAILED = "failed"
 
 
+class Desired(StrEnum):
+    """The operator's intent for a component (`intent.json`'s `desired`, the same strings)."""
+
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
 UP_STATES = frozenset({State.RUNNING, State.READY, State.DRAINING})
+"""Up: its process runs and its startup probes passed. Draining is up — a draining vLLM still serves its in-flight
+requests, so `/livez` says live (docs/architecture.md, "Types where strings decided")."""
+SERVING_STATES = frozenset({State.RUNNING, State.READY})
+"""Up and not being taken down: what readiness toggles between; a drain ends in a stop, so whatever waits for a
+component to serve on (its own processes watched, the proxy's backends, the PD watch's proxy) leaves draining out."""
+
+
+def is_up(state: State | str) -> bool:
+    """The one test of "up" (`UP_STATES`); a string from a status record compares equal to its `State`."""
+    return state in UP_STATES
+
+
+class SignalKind(StrEnum):
+    """What a signal tells the machine (the event's text keeps these strings)."""
+
+    EXITED = "exited"
+    STARTUP_OK = "startup_ok"
+    STARTUP_FAILED = "startup_failed"
+    LIVENESS_FAILED = "liveness_failed"
+    READY = "ready"
+    NOT_READY = "not_ready"
+    STOP = "stop"
+    RESTART = "restart"
+    WAKE = "wake"
+    DEP_RESTART = "dep_restart"
+
+    @property
+    def failed_probe(self) -> str:
+        """The probe whose failure this reports — "startup" | "liveness", the `Failure.what` it becomes — or ""
+        for a signal that reports none (read from the member, not from the spelling of its name)."""
+        return _FAILED_PROBE.get(self, "")
+
+
+_FAILED_PROBE = {SignalKind.STARTUP_FAILED: "startup", SignalKind.LIVENESS_FAILED: "liveness"}
+SignalName = Literal["exited", "startup_ok", "startup_failed", "liveness_failed", "ready", "not_ready", "stop",
+                     "restart", "wake", "dep_restart"]
+"""A `SignalKind` by its string, as the host's calls spell it (mypy checks the spelling)."""
 
 
 @dataclass(frozen=True)
 class Signal:
     """One input to the machine; consumed strictly in order by the component's single task."""
 
-    kind: str
-    """exited | startup_ok | startup_failed | liveness_failed | ready | not_ready | stop | restart | wake
-    | dep_restart"""
+    kind: SignalKind
     gen: int | None = None
     """The process generation it concerns; stale signals of an older process are dropped."""
     detail: str = ""
@@ -49,4 +92,4 @@ RESTART_CAUSES = ("crash", "probe", "launch", "gang", "operator", "reload", "dep
 the group's gang restart, an operator's restart, a config reload, a dependency's restart, a node or cluster
 redeploy, a chip reset (or an isolation) of the node's NPUs."""
 
-COMMANDS = frozenset({"stop", "restart", "wake", "dep_restart"})
+COMMANDS = frozenset({SignalKind.STOP, SignalKind.RESTART, SignalKind.WAKE, SignalKind.DEP_RESTART})

@@ -39,9 +39,9 @@ from nodeagent.prober import ComponentProber
 from nodeagent.probes import ProbeContext, check_etcd, resolve_probe_set
 from nodeagent.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
 from nodeagent.render import component_dir, launch_fingerprint, routed_proxy
-from nodeagent.stackport import STOPS_AUTOMATIC, HoldKind
+from nodeagent.stackport import STOPS_AUTOMATIC, Delegated, HoldKind
 from nodeagent.statefile import StateStore, write_json_atomic
-from nodeagent.states import State
+from nodeagent.states import SERVING_STATES, State
 from nodeagent.tree_watch import watch_tree
 from nodeagent.vllm_endpoints import vllm_inflight
 
@@ -295,7 +295,7 @@ class Supervisor(NodePort, NodeLoops):
         """vLLM's own processes (`tree_watch`): one that dies while the API server runs is a liveness failure."""
         gen = comp.gen
         self._keep(asyncio.ensure_future(watch_tree(
-            proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in (State.RUNNING, State.READY),
+            proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in SERVING_STATES,
             lambda detail: comp.signal("liveness_failed", gen, detail))))
 
     def _refresh_record(self, comp: Component) -> None:
@@ -412,7 +412,7 @@ class Supervisor(NodePort, NodeLoops):
             self.events.emit("held", f"{failure.detail}; {hold}", comp.name, "error")
             return None
         verdict = self.layer_decision(comp, failure)
-        if isinstance(verdict, str):
+        if isinstance(verdict, Delegated):
             self._delegated[comp.name] = f"delegated: {verdict}"
             comp.count_restart(failure.cause)  # the layer restarts it (a gang restart): a restart for this crash
             self.events.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning",

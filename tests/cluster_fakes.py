@@ -42,6 +42,7 @@ from nodeagent.loadtime import load_status, remember
 from nodeagent.stackport import (
     STOPS_AUTOMATIC,
     ComponentView,
+    Delegated,
     Hold,
     HoldKind,
     NodeLayer,
@@ -420,9 +421,9 @@ class FakeStack:
         view = self.view(comp)
         for layer in self.layers:
             verdict = layer.decide(view, failure)
-            if isinstance(verdict, str):
+            if isinstance(verdict, Delegated):
                 self.emit("failure", f"{failure.detail}; next: {verdict}", comp.name, "warning", action="delegated")
-                return verdict
+                return verdict.message
         self.emit("failure", f"{failure.detail}; next: restart now", comp.name, "warning", action="restart")
         return None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -261,7 +261,7 @@ class FakeStore:
             lease.attached[key] = encode(value)
         return CasResult(True, revision)
 
-    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:
+    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         wake = asyncio.Event()
         self._wakeups.add(wake)
         epoch = self._epoch

@@ -33,7 +33,8 @@ import yaml
 from apihelpers import InProcess, tiny_config, write_config
 from conftest import BIN, LocalAgent, derived_config, wait_for
 
-from nodeagent.api import MAX_BODY, ROUTES, ensure_token
+from nodeagent.api import MAX_BODY, ROUTES, component_liveness, ensure_token
+from nodeagent.states import State
 
 # ---- in-process -----------------------------------------------------------------------------------------------
 
@@ -75,6 +76,18 @@ async def test_status_has_every_component_field(stack: InProcess) -> None:
         for key in ("state", "pid", "ready", "restarts", "uptime_s", "last_exit", "probes", "desired"):
             assert key in comp, (name, key)
         assert comp["pid"] == stack.pids()[name] and comp["state"] in ("running", "ready")
+
+
+def test_livez_says_a_draining_component_is_live() -> None:
+    """Draining is up (`states.is_up`): a draining vLLM still serves its in-flight requests, so a /livez that
+    said 503 then would have a watchdog kill the node in the middle of a planned restart."""
+    assert component_liveness(State.DRAINING, "success", "running")["live"]
+    assert component_liveness(State.READY, "unknown", "running") == {
+        "live": True, "state": "ready", "liveness": "unknown", "reason": None}
+    assert component_liveness(State.DRAINING, "failure", "running")["reason"] == "liveness probe failing"
+    assert component_liveness(State.STOPPING, "success", "stopped") == {
+        "live": False, "state": "stopping", "liveness": "success", "reason": "state stopping, desired stopped"}
+    assert component_liveness(State.BACKOFF, "success", "running")["reason"] == "state backoff"
 
 
 def _hostile_requests(token: str) -> list[tuple[str, str, dict[str, str], bytes | None, int]]:

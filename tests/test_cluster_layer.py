@@ -351,6 +351,8 @@ async def test_restarting_a_remote_rank_restarts_its_group(make_world: Callable[
     assert vllm_starts(world)["n4"] == 1
     bad = await world.run(ops.remote("n2", "nope", "restart", True, "operator"))
     assert bad["code"] == 4 and "unknown component 'nope'" in bad["message"], bad
+    odd = await world.run(ops.remote("n2", "vllm", "restart_component", True, "operator"))
+    assert odd["code"] == 2 and "unknown action 'restart_component'" in odd["message"], "the outcome, not the words"
     with pytest.raises(UnknownComponentError, match="node 'n9' has no agent"):
         await world.run(ops.remote("n9", "vllm", "restart", True, "operator"))
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from nodeagent.cluster.rules import (
+    CommandOutcome,
+    CommandResult,
     GangRecord,
     GangView,
     RedeployRecord,
@@ -110,5 +112,10 @@ def test_pause_and_redeploy_duties() -> None:
 
 def test_command_errors_name_what_is_wrong() -> None:
     assert command_error({"action": "restart", "component": "vllm"}, ["vllm"]) is None
-    assert "unknown action 'kill'" in (command_error({"action": "kill", "component": "vllm"}, ["vllm"]) or "")
-    assert "unknown component 'x'" in (command_error({"action": "stop", "component": "x"}, ["vllm"]) or "")
+    kill = command_error({"action": "kill", "component": "vllm"}, ["vllm"])
+    assert kill is not None and "unknown action 'kill'" in kill.message and kill.outcome.exit_code == 2
+    x = command_error({"action": "stop", "component": "x"}, ["vllm"])
+    assert x is not None and "unknown component 'x'" in x.message
+    assert x.to_dict() == {"ok": False, "code": 4, "message": x.message}, "the wire format, the CLI's exit code"
+    assert CommandResult(CommandOutcome.DONE, "n1: stop vllm").to_dict() == {
+        "ok": True, "code": 0, "message": "n1: stop vllm"}

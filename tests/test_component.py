@@ -10,6 +10,7 @@ import functools
 import itertools
 import re
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from nodeagent.events import EventBus
 from nodeagent.host import Clock, Process
 from nodeagent.probes import ProbeResult
 from nodeagent.process import ProcessRecord
-from nodeagent.stackport import ComponentView, Hold, HoldKind, ReportLayer
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
+from nodeagent.states import COMMANDS, Desired, SignalKind, SignalName
 from nodeagent.supervisor import Supervisor
 
 _PIDS = itertools.count(4_000_000)
@@ -358,6 +360,8 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
     r = await rig(tmp_path, "quick_exit_s: 0")
     try:
         b = r.sup.components["b"]
+        with pytest.raises(ValueError, match="liveness_fail"):
+            b.signal("liveness_fail", b.gen, "a misspelt kind is refused, not queued and ignored")  # type: ignore[arg-type]
         r.crash("b")
         await until("relaunched after the crash", lambda: r.count("b") == 2 and b.up.is_set())
         r.sup.command("b", "restart", drain=False)
@@ -373,6 +377,30 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
         assert again.components["b"].restarts_by_cause == {"crash": 1, "operator": 1, "dependency": 1}
     finally:
         await stop(r)
+
+
+def test_the_desired_state_is_read_as_a_desired(tmp_path: Path) -> None:
+    """`ComponentView.desired` is a `Desired`, made from intent.json: a value the file should not hold reads as
+    running (as the checks that compared with "stopped" read it) instead of breaking every layer's view."""
+    from nodeagent.intent import NodeIntent
+    from nodeagent.statefile import StateStore
+
+    (tmp_path / "intent.json").write_text('{"desired": {"a": "stopped", "b": "sideways"}}')
+    intent = NodeIntent(StateStore(tmp_path), {})
+    assert intent.desired("a") is Desired.STOPPED
+    assert intent.desired("b") is Desired.RUNNING and intent.desired("c") is Desired.RUNNING
+    intent.set_desired("c", Desired.STOPPED)
+    assert NodeIntent(StateStore(tmp_path), {}).desired("c") is Desired.STOPPED
+    assert '"c": "stopped"' in (tmp_path / "intent.json").read_text(), "the same string in the file"
+
+
+def test_a_signal_kind_names_the_probe_whose_failure_it_reports() -> None:
+    """A probe failure's `Failure.what` is the member's `failed_probe`, no longer `kind.split("_")[0]`; the
+    literal spelling the host's calls use (mypy-checked) names exactly the members."""
+    assert {k: k.failed_probe for k in SignalKind if k.failed_probe} == {
+        SignalKind.STARTUP_FAILED: "startup", SignalKind.LIVENESS_FAILED: "liveness"}
+    assert set(typing.get_args(SignalName)) == {k.value for k in SignalKind}
+    assert {"stop", "restart", "wake", "dep_restart"} == COMMANDS, "the same strings as before"
 
 
 async def test_a_node_redeploy_counts_what_it_stopped_and_not_what_had_died(tmp_path: Path) -> None:
@@ -582,7 +610,7 @@ async def test_a_failure_is_decided_while_its_tree_is_still_being_stopped(tmp_pa
         layer = FakeLayer()
         seen: list[Any] = []
         layer.decide = lambda comp, failure: seen.append((comp, list(order))) or layer.verdict  # type: ignore[method-assign]
-        layer.verdict = "group g1 restarts as one: generation 2 on n0, n1"
+        layer.verdict = Delegated("group g1 restarts as one: generation 2 on n0, n1")
         r.sup.attach(layer)
         b = r.sup.components["b"]
         r.crash("b", -9)
@@ -608,7 +636,7 @@ async def test_a_layer_is_asked_at_its_gate_its_decision_its_command_and_status(
         r.sup.attach(layer)
         with pytest.raises(ValueError, match="attached already"):
             r.sup.attach(layer)
-        layer.verdict = "group g1 restarts as one"
+        layer.verdict = Delegated("group g1 restarts as one")
         r.crash("b")
         await until("delegated", lambda: any("next: group g1 restarts as one" in m for m in r.events("failure")))
         await asyncio.sleep(0.05)
@@ -627,7 +655,7 @@ async def test_a_crash_the_cluster_layer_takes_over_still_counts_as_a_crash(tmp_
     happened, the peers' restarts as `gang`."""
     r = await rig(tmp_path)
     layer = FakeLayer()
-    layer.verdict = "group g restarts as one"  # the layer restarts the group itself
+    layer.verdict = Delegated("group g restarts as one")  # the layer restarts the group itself
     r.sup.attach(layer)
     try:
         b = r.sup.components["b"]

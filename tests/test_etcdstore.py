@@ -359,3 +359,19 @@ async def test_concurrent_calls_through_an_outage_all_recover(own_etcd: EtcdServ
         for watch in watches:
             await watch.close()
         await store.close()
+
+
+async def test_a_lease_of_another_store_is_refused_before_any_call() -> None:
+    """`Store.put`/`compare_and_swap` take any `Lease` (the contract mypy checks); only an `EtcdStore`'s own
+    `KeptLease` has the ledger of its keys, so another store's is a bug, said at once (no etcd needed)."""
+    from fakestore import FakeStore
+
+    store = store_for(f"127.0.0.1:{free_port()}", timeout=0.5)
+    foreign = FakeStore().lease(3.0)
+    try:
+        with pytest.raises(TypeError, match="not a lease of an EtcdStore"):
+            await store.put("/k", "v", lease=foreign)
+        with pytest.raises(TypeError, match="not a lease of an EtcdStore"):
+            await store.compare_and_swap("/k", 0, "v", lease=foreign)
+    finally:
+        await store.close()

@@ -4,6 +4,7 @@ files, and the step state machine on hand-made observations."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ from cluster_harness import ClusterHarness
 
 from nodeagent.cluster import rollout_rules as rr
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
-from nodeagent.cluster.rollout_record import RESTARTS, Record, Step, new_record
+from nodeagent.cluster.rollout_record import Record, Step, new_record
+from nodeagent.cluster.rollout_states import RESTARTS, Phase, Status
 from nodeagent.cluster.rollout_view import time_left
 from nodeagent.config import load_config
 from nodeagent.config_cluster import cluster_file_hash
@@ -423,6 +425,18 @@ def test_time_left_from_load_times_then_from_steps_done() -> None:
     done = rec.with_step(0, Step(("p0",), (), "old", "new", phase="done", started=0.0, finished=500.0))
     assert time_left(done, {}, 600) == 500
     assert Record.from_dict(done.to_dict()) == done, "the record survives etcd"
+
+
+def test_phases_and_statuses_are_enums_with_the_same_strings_in_etcd() -> None:
+    """`Phase`/`Status` are StrEnums: read from etcd they are members, written back the JSON text is unchanged; a
+    phase or status this version does not know makes the record unreadable, like any malformed one."""
+    rec = replace(record(("p0",), ("p1",)), status="rolling_back")
+    text = json.dumps(rec.with_step(0, replace(rec.steps[0], phase="staging")).to_dict())
+    back = Record.from_dict(json.loads(text))
+    assert back is not None and back.status is Status.ROLLING_BACK and back.steps[0].phase is Phase.STAGING
+    assert back.steps[1].phase is Phase.PENDING
+    assert json.dumps(back.to_dict()) == text and '"phase": "staging"' in text and '"status": "rolling_back"' in text
+    assert Record.from_dict({**json.loads(text), "status": "sideways"}) is None
 
 
 def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None:

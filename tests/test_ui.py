@@ -120,6 +120,23 @@ async def test_the_first_paint_is_rendered_on_the_server(stack: InProcess) -> No
     assert "server render" in html and "connecting…" not in html
 
 
+def test_a_rollout_is_under_way_by_one_definition() -> None:
+    """The floor and the time left are shown while the rollout is under way (not final): the server's first paint
+    and `nodeagentctl cluster` read `rollout_states.UNDER_WAY`; ui.js keeps a copy, compared here."""
+    from nodeagent.cluster.rollout_states import FINAL, UNDER_WAY, Status
+    from nodeagent.clustercmd import rollout_lines
+    from nodeagent.ui.firstpaint import rollout_texts
+    from nodeagent.ui.routes import read_static
+
+    assert set(UNDER_WAY) == set(Status) - set(FINAL) == {"running", "paused", "rolling_back", "aborting"}
+    js = re.search(r"const moving = (\[.*?\])\.includes", read_static("ui.js").decode())
+    assert js is not None and set(json.loads(js.group(1))) == set(UNDER_WAY)
+    for status in Status:
+        r = {"id": "r1", "status": str(status), "steps": [], "floor": "x", "time_left_s": 60}
+        assert bool(rollout_texts(r)["floor"]) == (status in UNDER_WAY), status
+        assert any("floor:" in line for line in rollout_lines(r, now=0)) == (status in UNDER_WAY), status
+
+
 def test_the_first_paint_escapes_every_value() -> None:
     """Member records come from other nodes through etcd: nothing in them becomes markup."""
     from nodeagent.ui.firstpaint import first_paint

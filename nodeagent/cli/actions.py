@@ -15,12 +15,12 @@ from nodeagent.cli.common import (
     EXIT_UNAUTHORISED,
     EXIT_UNKNOWN,
     EXIT_UNREACHABLE,
-    UP_STATES,
     CliError,
     error_text,
 )
 from nodeagent.cli.groupwait import GroupWait, component_of, followed, group_of, group_progress
 from nodeagent.cli.status import cluster_view
+from nodeagent.states import UP_STATES
 
 
 def _components(client: Client) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def locate(args: argparse.Namespace) -> tuple[str, Any]:
         except LookupFailed as exc:
             raise CliError(str(exc), EXIT_USAGE if isinstance(exc, SeveralAgents) else EXIT_CONFIG) from None
         args.located = (found.path, found.agent)
-    return args.located  # type: ignore[no-any-return]
+    return args.located
 
 
 def is_local_node(args: argparse.Namespace) -> bool:

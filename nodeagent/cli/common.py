@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
@@ -9,7 +10,6 @@ EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT
 DEFAULT_UNIT = "dsv4-agent"
 DEFAULT_WAIT_S = 1800.0
 """`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
-UP_STATES = ("running", "ready")
 NODE_COMMANDS = ("status", "render", "config", "start", "stop", "restart", "cluster")
 """Commands that take --node NAME (another member of the cluster, or which of this host's agents)."""
 
@@ -58,7 +58,7 @@ def human_duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def table(rows: list[tuple[str, ...]]) -> list[str]:
+def table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     """Columns padded to their widest cell, trailing blanks dropped."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

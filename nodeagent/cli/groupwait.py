@@ -88,7 +88,7 @@ def group_progress(wait: GroupWait, view: dict[str, Any]) -> tuple[str | None, s
             parts.append(f"{node}: no agent")
             done = False
             continue
-        gang = _gang(row, wait.group) if wait.group else {"released": True}
+        gang: dict[str, Any] = _gang(row, wait.group) if wait.group else {"released": True}
         generation = int(gang.get("generation") or 0)
         ranks = gang.get("ranks") or list(wait.before.get(node, {}))
         states = []
@@ -97,6 +97,7 @@ def group_progress(wait: GroupWait, view: dict[str, Any]) -> tuple[str | None, s
             if comp.get("state") == "failed":
                 raise CliError(f"group {wait.group}: {node}/{c} failed (see nodeagentctl --node {node} status)")
             fresh = comp.get("pid") is not None and comp.get("pid") != wait.before.get(node, {}).get(c)
+            ok: object
             if wait.stop:
                 ok = comp.get("pid") is None and comp.get("state") in ("stopped", "backoff", "failed")
             else:

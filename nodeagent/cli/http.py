@@ -60,7 +60,8 @@ def parse_response(raw: bytes) -> tuple[int, bytes]:
 
 
 def _dechunk(data: bytes) -> bytes:
-    out, pos = [], 0
+    out: list[bytes] = []
+    pos = 0
     while True:
         end = data.find(b"\r\n", pos)
         if end < 0:

@@ -18,6 +18,7 @@ from nodeagent.cluster.store import KV, StoreError
 from nodeagent.errors import AgentError
 from nodeagent.host import Clock, StartHeld
 from nodeagent.stackport import Hold, HoldKind, NodeView, StackPort
+from nodeagent.states import Desired
 
 if TYPE_CHECKING:
     from nodeagent.cluster.membership import Membership
@@ -55,7 +56,7 @@ class StartBarrier:
         """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
         its dependencies up (the worker is ready), no chip reset or isolation here."""
         ranks = [here.components[c] for c in gs.components]
-        return here.recovery is None and all(r.stopped and r.desired == "running" and r.deps_up for r in ranks)
+        return here.recovery is None and all(r.stopped and r.desired == Desired.RUNNING and r.deps_up for r in ranks)
 
     async def _clean_ranks(self, gs: GangState, here: NodeView) -> bool:
         """A rank whose old tree was not seen to die whole may have left an EngineCore holding the group's ports:

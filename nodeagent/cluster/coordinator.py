@@ -33,7 +33,7 @@ from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.layout import cluster_layout
-from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -87,10 +87,10 @@ class Coordinator:
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
         self.records: dict[str, rules.GangRecord] = {}
         """Every group's generation record (the proxy follows groups this node is not in)."""
-        self.proxies = [ProxySync(plan, self.layout.groups, lambda c=plan.component: port.component(c),
+        self.proxies = [ProxySync(plan, self.layout.groups, functools.partial(port.component, plan.component),
                                   lambda: {n: m.record for n, m in membership.members.items()},
                                   lambda: self.records, port.emit,
-                                  lambda reason, c=plan.component: port.block_ready(c, "backends", reason),
+                                  functools.partial(port.block_ready, plan.component, "backends"),
                                   self.clock, proxy_post)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip
@@ -339,6 +339,7 @@ class Coordinator:
                 self._lost_write(gs, result.current)
                 return
             self._wrote(gs, first, result.revision)
+        assert gs.record is not None
         gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
         gs.arrivals, gs.arrived_for = set(), 0
         here = self.port.snapshot().components
@@ -475,7 +476,7 @@ class Coordinator:
             return None
         return self.barrier.hold(gs)  # the rank shown held wakes the work loop (on_node_change): it arrives then
 
-    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> Delegated | None:
         """A rank's failure restarts its whole group, as one new generation (None: not a gang matter). Asked as soon
         as the failure is known, while the rank's old tree is still being stopped: the generation is written now
         and the peers begin their stops at once; the barrier still waits for this tree."""
@@ -489,13 +490,13 @@ class Coordinator:
         if seen is None:
             self.wake()
             under_way = gs.record.generation if gs.record is not None else gs.acted
-            return f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}"
+            return Delegated(f"group {name} restarts as one: generation {under_way} (already asked) on {nodes}")
         reason = f"{self.node}/{comp.name}: {failure.detail}"
         self.ask(gs, seen, reason, False)
         if not self.reachable:
-            return (f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
-                    "(the other nodes keep serving)")  # fmt: skip
-        return f"group {name} restarts as one: generation {seen + 1} on {nodes}"
+            return Delegated(f"group {name}: etcd unreachable, the group's restart waits until etcd is back "
+                             "(the other nodes keep serving)")  # fmt: skip
+        return Delegated(f"group {name} restarts as one: generation {seen + 1} on {nodes}")
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:
         """An operator's restart of a rank restarts its group (a planned generation: drained first). Refused while a

@@ -72,7 +72,7 @@ class Client(aetcd.Client):
     def __init__(self, endpoint: Endpoint, settings: EtcdSettings) -> None:
         password = settings.password() if settings.username else None
         super().__init__(endpoint.host, endpoint.port, username=settings.username, password=password,
-                         timeout=settings.timeout_s, options=CHANNEL_OPTIONS)  # type: ignore[arg-type]  # fmt: skip
+                         timeout=settings.timeout_s, options=CHANNEL_OPTIONS)  # fmt: skip
         self._endpoint = endpoint
         self._settings = settings
         self._lock = asyncio.Lock()

@@ -17,8 +17,8 @@ import contextlib
 import contextvars
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aetcd import exceptions as aexc
 from aetcd import rpc, utils
@@ -32,6 +32,7 @@ from nodeagent.cluster.store import (
     Change,
     ConnectionState,
     Endpoint,
+    Lease,
     Resync,
     Snapshot,
     StoreError,
@@ -60,6 +61,14 @@ def _cancelled_by_grpc() -> bool:
 def _cancels_requested() -> int:
     task = asyncio.current_task()
     return task.cancelling() if task is not None else 0
+
+
+def _kept(lease: Lease | None) -> KeptLease | None:
+    """The store's contract takes any `Lease`; only one this store keeps has the ledger of its keys (written again
+    after a re-grant): another store's lease here is a bug."""
+    if lease is not None and not isinstance(lease, KeptLease):
+        raise TypeError(f"not a lease of an EtcdStore: {lease!r}")
+    return lease
 
 
 class EtcdStore:
@@ -227,7 +236,7 @@ class EtcdStore:
     async def _range(self, c: Client, key: bytes, range_end: bytes | None, count_only: bool = False) -> Any:
         await c.connect()
         request = rpc.RangeRequest(key=key, range_end=range_end or b"", count_only=count_only)
-        reply = await c.kvstub.Range(request, timeout=self.timeout, metadata=c.metadata)  # type: ignore[union-attr]
+        reply = await c.kvstub.Range(request, timeout=self.timeout, metadata=c.metadata)
         self._observe(reply.header)
         return reply
 
@@ -277,7 +286,8 @@ class EtcdStore:
         regranted = self._lease_id(lease)
         return await self.call(what, lambda c: op(c, regranted))
 
-    async def put(self, key: str, value: bytes | str, lease: KeptLease | None = None) -> int:  # type: ignore[override]
+    async def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> int:
+        lease = _kept(lease)
         data = encode(value)
 
         async def op(c: Client, lease_id: int | None) -> int:
@@ -294,7 +304,7 @@ class EtcdStore:
         async def op(c: Client) -> bool:
             await c.connect()
             request = rpc.DeleteRangeRequest(key=key.encode())
-            reply = await c.kvstub.DeleteRange(request, timeout=self.timeout, metadata=c.metadata)  # type: ignore[union-attr]
+            reply = await c.kvstub.DeleteRange(request, timeout=self.timeout, metadata=c.metadata)
             self._observe(reply.header)
             return reply.deleted > 0
 
@@ -303,7 +313,8 @@ class EtcdStore:
         return await self.call(f"delete {key}", op)
 
     async def compare_and_swap(self, key: str, mod_revision: int, value: bytes | str | None,
-                               lease: KeptLease | None = None) -> CasResult:  # type: ignore[override]  # fmt: skip
+                               lease: Lease | None = None) -> CasResult:  # fmt: skip
+        lease = _kept(lease)
         raw = key.encode()
         data = encode(value) if value is not None else None
 
@@ -316,7 +327,7 @@ class EtcdStore:
                 success = rpc.RequestOp(request_put=rpc.PutRequest(key=raw, value=data, lease=lease_id or 0))
             failure = rpc.RequestOp(request_range=rpc.RangeRequest(key=raw))
             request = rpc.TxnRequest(compare=[compare], success=[success], failure=[failure])
-            reply = await c.kvstub.Txn(request, timeout=self.timeout, metadata=c.metadata)  # type: ignore[union-attr]
+            reply = await c.kvstub.Txn(request, timeout=self.timeout, metadata=c.metadata)
             self._observe(reply.header)
             if reply.succeeded:
                 return CasResult(True, reply.header.revision)
@@ -340,7 +351,7 @@ class EtcdStore:
         await self.call(f"compact {revision}", op)
 
     # ---- watches ------------------------------------------------------------------------------------------------
-    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:  # type: ignore[override]
+    async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         """See `store.Store.watch_prefix`. Use it with `contextlib.aclosing` so its watch is cancelled."""
         retry = 0.2
         epoch = self.epoch
@@ -350,10 +361,10 @@ class EtcdStore:
         while True:
             try:
                 if next_rev is None or epoch != self.epoch:
-                    reason = "initial" if next_rev is None else "reset"
+                    reason: Literal["initial", "reset"] = "initial" if next_rev is None else "reset"
                     epoch = self.epoch
                     snapshot = await self.get_prefix(prefix)
-                    yield Resync(reason, snapshot)  # type: ignore[arg-type]
+                    yield Resync(reason, snapshot)
                     next_rev, known_at = snapshot.revision + 1, snapshot.revision
                 revision, _term = await self._head(prefix)
                 if epoch != self.epoch or revision < next_rev - 1:
@@ -431,7 +442,7 @@ class EtcdStore:
                     await watch.cancel()
 
     # ---- leases -------------------------------------------------------------------------------------------------
-    def lease(self, ttl: float) -> KeptLease:  # type: ignore[override]
+    def lease(self, ttl: float) -> KeptLease:
         kept = KeptLease(self, ttl)
         self._leases.add(kept)
         return kept

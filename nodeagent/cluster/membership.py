@@ -71,7 +71,9 @@ class MemberHost(Protocol):
     """What membership needs from the agent: the supervisor satisfies it."""
 
     events: EventBus
-    base_env: Mapping[str, str]
+
+    @property
+    def base_env(self) -> Mapping[str, str]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -463,7 +465,7 @@ class Membership:
         self._cancel_recheck()
         self._content_changed = False
         grace = self.view_since is None or self.clock.monotonic() - self.view_since < self.config.cluster.member_ttl_s
-        duplicates = {n: list(c.values()) for n, c in self.duplicates.items() if c}
+        duplicates: dict[str, list[Mapping[str, Any]]] = {n: list(c.values()) for n, c in self.duplicates.items() if c}
         found = check_all(self.expected, {n: v.record for n, v in self.members.items()}, duplicates, self.offsets(),
                           self.config.cluster.clock_skew_max_s, missing_ok=grace)  # fmt: skip
         old, new = {(f.code, f.node): f for f in self.findings}, {(f.code, f.node): f for f in found}

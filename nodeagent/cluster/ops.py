@@ -40,7 +40,8 @@ DATASYSTEM_PREFIXES = ("/datasystem/",)
 class Coordination(Protocol):
     """What ClusterOps needs of the coordinator that runs it (`cluster.Coordinator` is it)."""
 
-    config: Config
+    @property
+    def config(self) -> Config: ...
     port: StackPort
     membership: Membership
     store: Store
@@ -280,23 +281,22 @@ class ClusterOps:
                 if answer.get("state") == "done":
                     return dict(answer.get("result") or {})
                 await self.clock.sleep(0.1)
-            return {"ok": False, "code": 1, "message": f"node {node} did not answer within {COMMAND_TIMEOUT_S:g}s"}
+            silent = f"node {node} did not answer within {COMMAND_TIMEOUT_S:g}s"
+            return rules.CommandResult(rules.CommandOutcome.FAILED, silent).to_dict()
         finally:
             with contextlib.suppress(StoreError):
                 await self.store.delete(key)
 
     async def _execute(self, key: str, kv: KV, body: dict[str, Any]) -> None:
-        error = rules.command_error(body, list(self.port.snapshot().components))
-        if error:
-            result = {"ok": False, "code": 4 if "component" in error else 2, "message": error}
-        else:
+        result = rules.command_error(body, list(self.port.snapshot().components))
+        if result is None:
             try:
                 message = self.port.command(body["component"], body["action"], drain=bool(body.get("drain", True)),
                                            by=f"remote {body.get('by', '?')}")  # fmt: skip
-                result = {"ok": True, "code": 0, "message": f"{self.node}: {message}"}
+                result = rules.CommandResult(rules.CommandOutcome.DONE, f"{self.node}: {message}")
             except AgentError as exc:
-                result = {"ok": False, "code": 1, "message": f"{self.node}: {exc}"}
-        answer = {**body, "state": "done", "result": result}
+                result = rules.CommandResult(rules.CommandOutcome.FAILED, f"{self.node}: {exc}")
+        answer = {**body, "state": "done", "result": result.to_dict()}
         with contextlib.suppress(StoreError):
             await self.store.compare_and_swap(key, kv.mod_revision, json.dumps(answer), self.co.membership.lease)
 

@@ -42,10 +42,12 @@ from loguru import logger
 
 from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.cluster.store import StoreError
+from nodeagent.config_model import VllmComponent
 from nodeagent.errors import CoordinationUnavailable, UnknownComponentError
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
 from nodeagent.stackport import ReportLayer
+from nodeagent.states import SERVING_STATES, Desired, State
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
@@ -133,7 +135,7 @@ def proxy_restart(faults: int, after: int, proxy: ComponentView | None) -> bool:
     """Restart the proxy: it was the fault `after` rounds in a row (0: never) and it is up and meant to run —
     not while it starts, stops or backs off (its own restart is under way) nor once an operator stopped it."""
     return (after > 0 and faults >= after and proxy is not None and proxy.running and proxy.up
-            and proxy.desired == "running" and proxy.state in ("running", "ready", "unhealthy"))
+            and proxy.desired == Desired.RUNNING and (proxy.state in SERVING_STATES or proxy.state == State.UNHEALTHY))
 
 
 def kv_usage(metrics_text: str) -> float | None:
@@ -229,7 +231,8 @@ class PdWatch(ReportLayer):
         """The name the probes ask for: the node's first vLLM's served_model_name now."""
         if self._model is not None:
             return self._model
-        return next((c.served_model_name for c in self.co.config.components.values() if c.kind == "vllm"), "dsv4")
+        return next((c.served_model_name for c in self.co.config.components.values() if isinstance(c, VllmComponent)),
+                    "dsv4")  # fmt: skip
 
     def _of(self, kind: str) -> list[Group]:
         return [g for g in self.groups.values() if g.kind == kind]

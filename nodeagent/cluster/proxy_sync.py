@@ -27,6 +27,7 @@ from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.host import Clock
 from nodeagent.layout import Group, ProxyPlan
 from nodeagent.stackport import ProxyBackends
+from nodeagent.states import SERVING_STATES
 
 if TYPE_CHECKING:
     from nodeagent.stackport import ComponentView
@@ -38,14 +39,13 @@ an idle moment, and the sooner the waiting group is added, the shorter the time 
 RECONCILE_S = 10.0
 """At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
 proxy is noticed without waiting for a group to change."""
-UP = ("running", "ready")
 ISOLATED_WARN_S = 180.0
 """A healthy group the proxy has kept isolated this long gets one warning: vllm-ascend's proxy deletes an
 instance removed under load only when no request is in flight at its check, and ignores an add of it until then —
 under steady traffic, never (the group stays out, unused)."""
 
 
-def group_healthy(group: Group, members: dict[str, dict[str, Any]], generation: int | None) -> tuple[bool, str]:
+def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], generation: int | None) -> tuple[bool, str]:
     """(healthy, why not) from the members' records (pure)."""
     for node in group.nodes:  # an isolated member first: it is why the others wait
         if (members.get(node) or {}).get("isolated"):
@@ -55,7 +55,7 @@ def group_healthy(group: Group, members: dict[str, dict[str, Any]], generation: 
         if record is None:
             return False, f"{proc.node} has no agent"
         comp = (record.get("components") or {}).get(proc.component) or {}
-        if comp.get("state") not in UP or (proc.endpoint and not comp.get("ready")):
+        if comp.get("state") not in SERVING_STATES or (proc.endpoint and not comp.get("ready")):
             return False, f"{proc.node}/{proc.component} is {comp.get('state', 'absent')}"
         ack = (record.get("gangs") or {}).get(group.name) or {}
         if generation is not None and ack.get("generation") not in (None, generation):
@@ -348,7 +348,7 @@ class ProxySync:
                 return False
             lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
             if all(isinstance(v, list) for v in lists.values()):
-                self.active = {k: {str(e) for e in v} for k, v in lists.items()}  # type: ignore[union-attr]
+                self.active = {k: {str(e) for e in v or ()} for k, v in lists.items()}  # all lists (checked above)
                 if what == "remove":
                     self.isolated[kind] |= instances & self.active[kind]
                 for k in self.isolated:

@@ -33,7 +33,8 @@ from nodeagent.cluster.rollout_bake import BakeWatch, Scrape
 from nodeagent.cluster.rollout_config import ConfigHost, MemberConfig
 from nodeagent.cluster.rollout_http import http_canary, http_inflight, http_scrape
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
-from nodeagent.cluster.rollout_record import RESTARTS, Record, Step, new_record, report_prefix, rollout_key
+from nodeagent.cluster.rollout_record import Record, Step, new_record, report_prefix, rollout_key
+from nodeagent.cluster.rollout_states import RESTARTS, Phase, Status
 from nodeagent.cluster.rollout_view import floor_text, group_load_s, serving_now, time_left
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
@@ -224,12 +225,12 @@ class RolloutExecutor:
         step = record.steps[i]
         nodes = step.nodes({g.name: g.nodes for g in self.layout.groups})
         self.bake.keep_only(record.id)
-        if step.phase in ("restarting", "gating") and self.group is not None and self.group.name in step.groups:
+        if step.phase in (Phase.RESTARTING, Phase.GATING) and self.group is not None and self.group.name in step.groups:
             await self._recreate_container(record, i, step)
         if (record.exclusive and step.phase in RESTARTS and self.co.proxies and not step.unlisted
                 and all(self._proxy_unlisted(p, step) for p in self.co.proxies)):  # fmt: skip
             await self._mark(i, "unlisted")
-        if step.phase == "draining":
+        if step.phase == Phase.DRAINING:
             for g in step.groups:  # the old processes' record, before the restart: the bake's baseline
                 group = self.layout.group(g)
                 if group.head == self.node and not step.failed and not step.rollback:
@@ -239,16 +240,16 @@ class RolloutExecutor:
             mine = self.node in nodes and self.node not in step.drained
             if mine and (step.proxy_out or not self.layout.proxies) and await self._drained(step):
                 await self._mark(i, "drained")
-        elif step.phase == "staging" and self.node in nodes and self.node not in (*step.staged, *step.stage_errors):
+        elif step.phase == Phase.STAGING and self.node in nodes and self.node not in (*step.staged, *step.stage_errors):
             await self._stage(i, step)
-        elif step.phase == "gating":
+        elif step.phase == Phase.GATING:
             obs = self._observe()
             for g in step.groups:
                 group = self.layout.group(g)
                 if group.head == self.node and g not in step.canary and rr.ready_again(step, obs, g):
                     ok, detail = await self._group_canary(group)
                     await self._mark(i, "canary", g, "ok" if ok else detail)
-        elif step.phase == "baking" and not step.failed and not step.rollback:
+        elif step.phase == Phase.BAKING and not step.failed and not step.rollback:
             for g in step.groups:
                 group = self.layout.group(g)
                 if group.head == self.node and g not in step.bake:
@@ -259,7 +260,7 @@ class RolloutExecutor:
                                                 opts.bake_ttft_factor, peers)  # fmt: skip
                     if why is not None:
                         await self._mark(i, "bake", g, why)
-        elif step.phase == "rejoining" and self.co.proxies and not step.proxy_in and all(
+        elif step.phase == Phase.REJOINING and self.co.proxies and not step.proxy_in and all(
                 all(p.health.get(g) == "" for g in step.groups) for p in self.co.proxies):  # fmt: skip
             await self._mark(i, "proxy_in")
 
@@ -391,7 +392,8 @@ class RolloutExecutor:
         if new is not record:
             if not await self._cas(new):
                 return
-            self.port.emit("rollout", new.message, None, "error" if new.status in ("halted", "failed") else "info",
+            bad = new.status in (Status.HALTED, Status.FAILED)
+            self.port.emit("rollout", new.message, None, "error" if bad else "info",
                            rollout=new.id, status=new.status)  # fmt: skip
         for ask in asks:
             await self._ask_generation(ask)
@@ -442,7 +444,7 @@ class RolloutExecutor:
                 f"{n} has {h}" for n, h in sorted(differ.items())) + f" (this node runs {old_hash[:12]})"]
             out["ok"] = False
         current = self.record
-        if (current is not None and current.active) or (current is not None and current.status == "halted"):
+        if (current is not None and current.active) or (current is not None and current.status == Status.HALTED):
             out["refused"] = [*out["refused"], f"rollout {current.id} is {current.status}: "
                               "abort or roll it back first"]  # fmt: skip
             out["ok"] = False
@@ -507,9 +509,9 @@ class RolloutExecutor:
             return Hold(HoldKind.ROLLOUT, replaced)
         i = record.current()
         step = record.steps[i] if i is not None else None
-        if step is None or group.name not in step.groups or step.phase not in RESTARTS:
+        if i is None or step is None or group.name not in step.groups or step.phase not in RESTARTS:
             return None
-        if step.phase == "staging" and self.node not in step.staged:
+        if step.phase == Phase.STAGING and self.node not in step.staged:
             return None
         pending = self.host.container_pending()
         if pending is not None:
@@ -518,7 +520,7 @@ class RolloutExecutor:
         wait = rr.proxy_wait(record, group.name, bool(self.layout.proxies))
         return Hold(HoldKind.ROLLOUT, wait) if wait is not None else None
 
-    def decide(self, comp: ComponentView, failure: Failure) -> str | None:
+    def decide(self, comp: ComponentView, failure: Failure) -> None:
         return None
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> str | None:

@@ -61,7 +61,7 @@ def snapshot_config(config: Config) -> dict[str, Any]:
 def replace_config(config: Config, **changes: Any) -> Config:
     from nodeagent.config_base import replace
 
-    return replace(config, **changes)  # type: ignore[no-any-return]
+    return replace(config, **changes)
 
 
 def restore_config(data: Mapping[str, Any]) -> Config:
@@ -117,7 +117,7 @@ class MemberConfig:
         and mtime) and for each new rollout."""
         stamp: Any = None
         with contextlib.suppress(OSError, TypeError):
-            st = os.stat(self.source)  # type: ignore[arg-type]
+            st = os.stat(self.source)  # type: ignore[arg-type]  # None (no file): the TypeError is suppressed
             stamp = (st.st_mtime_ns, st.st_size)
         if refresh or self._disk_for != (rollout, stamp) or self._disk[0] is None:
             try:

@@ -164,7 +164,7 @@ def member_config(config: Config, layout: ClusterLayout, name: str) -> Config:
     """What member `name` would load from this file (its node entry, exactly its components)."""
     m = layout.member(name)
     node = struct_replace(config.node, name=m.name, ip=m.ip, role=m.role, nic_name=m.nic_name)
-    return struct_replace(config, node=node, components=layout.node_components(name))  # type: ignore[no-any-return]
+    return struct_replace(config, node=node, components=layout.node_components(name))
 
 
 def rendered(config: Config, base_env: Mapping[str, str]) -> dict[str, dict[str, dict[str, Any]]]:

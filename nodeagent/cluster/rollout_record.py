@@ -8,15 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nodeagent.cluster.rollout_plan import Options, Plan
+from nodeagent.cluster.rollout_states import ENDED, FINAL, Phase, Status
 
-PHASES = ("pending", "draining", "staging", "restarting", "gating", "rejoining", "baking", "done")
-ENDED = ("done", "rolled_back", "skipped")
-OUT_OF_PROXY = ("draining", "staging", "restarting", "gating")
-RESTARTS = ("staging", "restarting", "gating")
-"""The phases in which a step's ranks may start on the file it takes them to."""
-MOVING = ("running", "rolling_back")
-"""Statuses in which the next step may start."""
-FINAL = ("done", "rolled_back", "halted", "aborted", "failed")
 HISTORY = 60
 
 
@@ -38,7 +31,7 @@ class Step:
     """An operator's rollback of a step that was done: back to the previous file, no bake."""
     failed: str = ""
     """Why this step failed: it is turning back (from and to swapped)."""
-    phase: str = "pending"
+    phase: Phase = Phase.PENDING
     since: float = 0.0
     started: float | None = None
     finished: float | None = None
@@ -62,7 +55,7 @@ class Step:
 
     @property
     def in_progress(self) -> bool:
-        return self.phase not in ("pending", *ENDED)
+        return self.phase not in (Phase.PENDING, *ENDED)
 
     def to_dict(self) -> dict[str, Any]:
         return {"groups": list(self.groups), "kinds": list(self.kinds), "from": self.from_hash, "to": self.to_hash,
@@ -77,7 +70,7 @@ class Step:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Step:
         return cls(tuple(d["groups"]), tuple(d.get("kinds", ())), str(d["from"]), str(d["to"]),
-                   bool(d.get("rollback")), str(d.get("failed", "")), str(d.get("phase", "pending")),
+                   bool(d.get("rollback")), str(d.get("failed", "")), Phase(d.get("phase", "pending")),
                    float(d.get("since") or 0.0), d.get("started"), d.get("finished"), tuple(d.get("drained", ())),
                    tuple(d.get("staged", ())), dict(d.get("stage_errors") or {}), dict(d.get("canary") or {}),
                    dict(d.get("bake") or {}), bool(d.get("proxy_out")), bool(d.get("proxy_in")),
@@ -97,7 +90,7 @@ class Record:
     new_hash: str
     options: Options
     steps: tuple[Step, ...]
-    status: str = "running"
+    status: Status = Status.RUNNING
     message: str = ""
     plan: Mapping[str, Any] = field(default_factory=dict)
     """The plan as made (changes and why), for status."""
@@ -122,7 +115,7 @@ class Record:
         try:
             return cls(str(d["id"]), str(d.get("by", "")), float(d.get("at") or 0.0), str(d["old_hash"]),
                        str(d["new_hash"]), Options.from_dict(d.get("options") or {}),
-                       tuple(Step.from_dict(s) for s in d.get("steps", ())), str(d.get("status", "running")),
+                       tuple(Step.from_dict(s) for s in d.get("steps", ())), Status(d.get("status", "running")),
                        str(d.get("message", "")), dict(d.get("plan") or {}),
                        tuple((float(t), str(m)) for t, m in d.get("history", ())),
                        bool(d.get("exclusive")), str(d.get("new_shared") or ""))  # fmt: skip
@@ -136,7 +129,7 @@ class Record:
     @property
     def finishing(self) -> bool:
         """Every step done, the rollout not yet: the members no step touched take the new file now."""
-        return self.status == "running" and bool(self.steps) and all(s.phase == "done" for s in self.steps)
+        return self.status == Status.RUNNING and bool(self.steps) and all(s.phase == Phase.DONE for s in self.steps)
 
     def current(self) -> int | None:
         """The step in progress, else the next pending one (None: every step ended)."""
@@ -144,11 +137,11 @@ class Record:
             if s.in_progress:
                 return i
         for i, s in enumerate(self.steps):
-            if s.phase == "pending":
+            if s.phase == Phase.PENDING:
                 return i
         return None
 
-    def say(self, now: float, message: str, status: str | None = None) -> Record:
+    def say(self, now: float, message: str, status: Status | None = None) -> Record:
         return replace(self, message=message, status=status or self.status,
                        history=(*self.history, (now, message))[-HISTORY:])
 

@@ -24,13 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nodeagent.cluster.rollout_record import (
-    MOVING,
-    OUT_OF_PROXY,
-    RESTARTS,
-    Record,
-    Step,
-)
+from nodeagent.cluster.rollout_record import Record, Step
+from nodeagent.cluster.rollout_states import MOVING, OUT_OF_PROXY, RESTARTS, Phase, Status
 
 STAGE_TIMEOUT_S = 300.0
 REJOIN_TIMEOUT_S = 180.0
@@ -86,8 +81,8 @@ def floor_problem(record: Record, step: Step, obs: Observed) -> str | None:
             continue
         serving = [g for g, o in others.items() if o.kind == kind and o.healthy]
         if not serving:
-            down = ", ".join(f"{g} ({o.why})" for g, o in others.items() if o.kind == kind) or "none other"
-            return f"floor: no other {kind} group serving ({down})"
+            why = ", ".join(f"{g} ({o.why})" for g, o in others.items() if o.kind == kind) or "none other"
+            return f"floor: no other {kind} group serving ({why})"
     down = [g for g, o in others.items() if not o.healthy]
     if len(down) + len(step.groups) > record.options.max_unavailable:
         return (f"floor: {', '.join(down)} already down; {len(step.groups)} more would exceed --max-unavailable "
@@ -107,7 +102,7 @@ def files_problem(step: Step, obs: Observed) -> str | None:
     return f"waiting for the file {step.to_hash[:12]} on {', '.join(missing)}" if missing else None
 
 
-def _enter(step: Step, phase: str, now: float, **changes: Any) -> Step:
+def _enter(step: Step, phase: Phase, now: float, **changes: Any) -> Step:
     return replace(step, phase=phase, since=now, **changes)
 
 
@@ -115,10 +110,10 @@ def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
     names = ", ".join(step.groups)
     if step.failed or step.rollback:
         return record.with_step(i, replace(step, failed=step.failed or why)).say(
-            now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", "failed")
+            now, f"step {i + 1} ({names}): going back failed too: {why}; the group is left as it is", Status.FAILED)
     # A group the step no longer held out of the proxy (from its rejoin on) is drained first, as on the way out:
     # restarted while listed, its requests in flight fail (CI: a bake failed on TTFT, four 500s through the proxy).
-    phase = "staging" if step.phase in OUT_OF_PROXY else "draining"
+    phase = Phase.STAGING if step.phase in OUT_OF_PROXY else Phase.DRAINING
     back = _enter(step, phase, now, failed=why, from_hash=step.to_hash, to_hash=step.from_hash, drained=(),
                   staged=(), stage_errors={}, canary={}, bake={}, proxy_out=False, proxy_in=False, base={},
                   unlisted=False)  # fmt: skip
@@ -140,130 +135,164 @@ def _lagging(record: Record, obs: Observed) -> Record | None:
     if obs.now - since >= PUBLISH_TIMEOUT_S:
         return record.say(obs.now, f"rollout {record.id}: every step done; {named} still publish another file "
                                    f"after {PUBLISH_TIMEOUT_S:.0f}s (see their agents' rollout_stage_failed "
-                                   "events)", "done")  # fmt: skip
+                                   "events)", Status.DONE)  # fmt: skip
     text = f"rollout {record.id}: every step done; waiting for every member to publish {record.new_shared[:12]}"
     return record if record.message == text else record.say(obs.now, text)
 
 
 def _ended(record: Record, now: float) -> Record:
-    final = {"running": "done", "rolling_back": "rolled_back", "aborting": "aborted"}.get(record.status)
+    final = {Status.RUNNING: Status.DONE, Status.ROLLING_BACK: Status.ROLLED_BACK,
+             Status.ABORTING: Status.ABORTED}.get(record.status)  # fmt: skip
     if final is None:
         return record
-    words = {"done": "every step done", "rolled_back": "rolled back", "aborted": "aborted"}[final]
+    words = {Status.DONE: "every step done", Status.ROLLED_BACK: "rolled back", Status.ABORTED: "aborted"}[final]
     return record.say(now, f"rollout {record.id}: {words}", final)
 
 
-def advance(record: Record, obs: Observed) -> tuple[Record, list[Ask]] | None:
-    """The next transition (the record to write and what to ask after), or None when nothing moves now."""
+Move = tuple[Record, list[Ask]] | None
+"""A transition: the record to write and what to ask after; None when nothing moves now."""
+
+
+def advance(record: Record, obs: Observed) -> Move:
+    """The next transition (the record to write and what to ask after), or None when nothing moves now: the step in
+    progress, else the next pending one, moved on by its phase's rule (`_BY_PHASE`)."""
     if not record.active:
         return None
-    now = obs.now
     i = record.current()
     if i is None:
         lagging = _lagging(record, obs)
         if lagging is not None:
             return (lagging, []) if lagging is not record else None
-        ended = _ended(record, now)
+        ended = _ended(record, obs.now)
         return (ended, []) if ended is not record else None
     step = record.steps[i]
-    names = ", ".join(step.groups)
-    opts = record.options
-    if step.phase == "pending":
-        if record.status not in MOVING:
-            ended = _ended(record, now) if record.status == "aborting" else record
-            return (ended, []) if ended is not record else None
-        why = files_problem(step, obs) or floor_problem(record, step, obs)
-        if why is not None:
-            text = f"step {i + 1} ({names}) waits: {why}"
-            said = record.history[-1][0] if record.history else 0.0
-            # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
-            # record late), and every write of the record is read by every agent.
-            if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
-                                          and now - said < WAIT_SAY_S):  # fmt: skip
-                return None
-            return record.say(now, text), []
-        return record.with_step(i, _enter(step, "draining", now, started=now)).say(
-            now, f"step {i + 1} ({names}): out of the proxy, draining"), []
-    if step.phase == "draining":
-        if record.status == "aborting" and not step.failed:
-            return record.with_step(i, _enter(step, "skipped", now, finished=now)).say(
-                now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
-        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
-        out = step.proxy_out or not obs.proxy
-        if out and set(nodes) <= set(step.drained):
-            return record.with_step(i, _enter(step, "staging", now)).say(
-                now, f"step {i + 1} ({names}): drained; the members take the new config"), []
-        if now - step.since >= opts.drain_timeout_s:
-            left = [n for n in nodes if n not in step.drained]
-            return record.with_step(i, _enter(step, "staging", now)).say(
-                now, f"step {i + 1} ({names}): drain timed out after {opts.drain_timeout_s:.0f}s "
-                     f"({', '.join(left) or 'the proxy'} not drained); going on"), []  # fmt: skip
-        return None
-    if step.phase == "staging":
-        if step.stage_errors:
-            node, why = next(iter(step.stage_errors.items()))
-            return _fail(record, i, step, f"{node} cannot take the config: {why}", now), []
-        nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
-        if set(nodes) <= set(step.staged):
-            base = {g: obs.groups[g].generation or 0 for g in step.groups}
-            return record.with_step(i, _enter(step, "restarting", now, base=base)).say(
-                now, f"step {i + 1} ({names}): restarting with {step.to_hash[:12]}"), _asks(record, step, base)
-        if now - step.since >= STAGE_TIMEOUT_S:
-            left = [n for n in nodes if n not in step.staged]
-            return _fail(record, i, step, f"{', '.join(left)} did not take the config within "
-                                          f"{STAGE_TIMEOUT_S:.0f}s", now), []  # fmt: skip
-        return None
-    if step.phase == "restarting":
-        if all((obs.groups[g].generation or 0) > step.base.get(g, 0) for g in step.groups):
-            return record.with_step(i, _enter(step, "gating", now)).say(
-                now, f"step {i + 1} ({names}): restarted; waiting for every rank ready and a canary answer"), []
-        return None if now - step.since < 10.0 else (record, _asks(record, step, dict(step.base)))
-    problem = _health_problem(step, obs)
-    if step.phase == "gating":
-        if problem is not None:
-            return _fail(record, i, step, problem, now), []
-        canary_bad = {g: v for g, v in step.canary.items() if v != "ok"}
-        if canary_bad:
-            group, why = next(iter(canary_bad.items()))
-            return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
-        if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
-            return record.with_step(i, _enter(step, "rejoining", now)).say(
-                now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
-        if now - step.since >= opts.gate_timeout_s:
-            waiting = "; ".join(f"{g}: {obs.groups[g].why or 'canary pending'}" for g in step.groups)
-            return _fail(record, i, step, f"not ready within the gate timeout {opts.gate_timeout_s:.0f}s "
-                                          f"({waiting})", now), []  # fmt: skip
-        return None
-    if step.phase == "rejoining":
-        if problem is not None:
-            return _fail(record, i, step, problem, now), []
-        if step.proxy_in or not obs.proxy:
-            if step.failed:
-                ended = record.with_step(i, _enter(step, "rolled_back", now, finished=now))
-                return ended.say(now, f"step {i + 1} ({names}) rolled back after: {step.failed}; the rollout is "
-                                      "halted (resume retries it, rollback undoes the steps done)", "halted"), []
-            bake = 0.0 if step.rollback else opts.bake_s
-            return record.with_step(i, _enter(step, "baking", now)).say(
-                now, f"step {i + 1} ({names}): in the proxy; baking {bake:.0f}s"), []
-        if now - step.since >= REJOIN_TIMEOUT_S:
-            # Not the group's fault (vllm-ascend's proxy takes a removed instance back only once it was idle):
-            # wait, and say so once; the next step must not take another group out meanwhile.
-            text = (f"step {i + 1} ({names}): healthy, not back in the proxy after {REJOIN_TIMEOUT_S:.0f}s (see "
-                    "the proxy's groups in nodeagentctl cluster --json); waiting")  # fmt: skip
-            return (record.say(now, text), []) if record.message != text else None
-        return None
-    if step.phase == "baking":
-        if problem is not None:
-            return _fail(record, i, step, f"while baking: {problem}", now), []
-        if step.bake:
-            group, why = next(iter(step.bake.items()))
-            return _fail(record, i, step, f"while baking, {group}: {why}", now), []
-        if now - step.since >= (0.0 if step.rollback else opts.bake_s):
-            done = record.with_step(i, _enter(step, "done", now, finished=now)).say(
-                now, f"step {i + 1} ({names}) done")
-            return done, []
-        return None
+    rule = _BY_PHASE.get(step.phase)
+    return rule(record, i, step, obs) if rule is not None else None
+
+
+def _pending(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if record.status not in MOVING:
+        ended = _ended(record, now) if record.status == Status.ABORTING else record
+        return (ended, []) if ended is not record else None
+    why = files_problem(step, obs) or floor_problem(record, step, obs)
+    if why is not None:
+        text = f"step {i + 1} ({names}) waits: {why}"
+        said = record.history[-1][0] if record.history else 0.0
+        # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
+        # record late), and every write of the record is read by every agent.
+        if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
+                                      and now - said < WAIT_SAY_S):  # fmt: skip
+            return None
+        return record.say(now, text), []
+    return record.with_step(i, _enter(step, Phase.DRAINING, now, started=now)).say(
+        now, f"step {i + 1} ({names}): out of the proxy, draining"), []
+
+
+def _draining(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names, opts = obs.now, ", ".join(step.groups), record.options
+    if record.status == Status.ABORTING and not step.failed:
+        return record.with_step(i, _enter(step, Phase.SKIPPED, now, finished=now)).say(
+            now, f"step {i + 1} ({names}) cancelled before its restart: back in the proxy"), []
+    nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+    out = step.proxy_out or not obs.proxy
+    if out and set(nodes) <= set(step.drained):
+        return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
+            now, f"step {i + 1} ({names}): drained; the members take the new config"), []
+    if now - step.since >= opts.drain_timeout_s:
+        left = [n for n in nodes if n not in step.drained]
+        return record.with_step(i, _enter(step, Phase.STAGING, now)).say(
+            now, f"step {i + 1} ({names}): drain timed out after {opts.drain_timeout_s:.0f}s "
+                 f"({', '.join(left) or 'the proxy'} not drained); going on"), []  # fmt: skip
     return None
+
+
+def _staging(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if step.stage_errors:
+        node, why = next(iter(step.stage_errors.items()))
+        return _fail(record, i, step, f"{node} cannot take the config: {why}", now), []
+    nodes = step.nodes({g: o.nodes for g, o in obs.groups.items()})
+    if set(nodes) <= set(step.staged):
+        base = {g: obs.groups[g].generation or 0 for g in step.groups}
+        return record.with_step(i, _enter(step, Phase.RESTARTING, now, base=base)).say(
+            now, f"step {i + 1} ({names}): restarting with {step.to_hash[:12]}"), _asks(record, step, base)
+    if now - step.since >= STAGE_TIMEOUT_S:
+        left = [n for n in nodes if n not in step.staged]
+        return _fail(record, i, step, f"{', '.join(left)} did not take the config within "
+                                      f"{STAGE_TIMEOUT_S:.0f}s", now), []  # fmt: skip
+    return None
+
+
+def _restarting(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    if all((obs.groups[g].generation or 0) > step.base.get(g, 0) for g in step.groups):
+        return record.with_step(i, _enter(step, Phase.GATING, now)).say(
+            now, f"step {i + 1} ({names}): restarted; waiting for every rank ready and a canary answer"), []
+    return None if now - step.since < 10.0 else (record, _asks(record, step, dict(step.base)))
+
+
+def _gating(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names, opts = obs.now, ", ".join(step.groups), record.options
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, problem, now), []
+    canary_bad = {g: v for g, v in step.canary.items() if v != "ok"}
+    if canary_bad:
+        group, why = next(iter(canary_bad.items()))
+        return _fail(record, i, step, f"the canary request to {group} failed: {why}", now), []
+    if all(ready_again(step, obs, g) and step.canary.get(g) == "ok" for g in step.groups):
+        return record.with_step(i, _enter(step, Phase.REJOINING, now)).say(
+            now, f"step {i + 1} ({names}): gate passed; back into the proxy"), []
+    if now - step.since >= opts.gate_timeout_s:
+        waiting = "; ".join(f"{g}: {obs.groups[g].why or 'canary pending'}" for g in step.groups)
+        return _fail(record, i, step, f"not ready within the gate timeout {opts.gate_timeout_s:.0f}s "
+                                      f"({waiting})", now), []  # fmt: skip
+    return None
+
+
+def _rejoining(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, problem, now), []
+    if step.proxy_in or not obs.proxy:
+        if step.failed:
+            ended = record.with_step(i, _enter(step, Phase.ROLLED_BACK, now, finished=now))
+            return ended.say(now, f"step {i + 1} ({names}) rolled back after: {step.failed}; the rollout is "
+                                  "halted (resume retries it, rollback undoes the steps done)", Status.HALTED), []
+        bake = 0.0 if step.rollback else record.options.bake_s
+        return record.with_step(i, _enter(step, Phase.BAKING, now)).say(
+            now, f"step {i + 1} ({names}): in the proxy; baking {bake:.0f}s"), []
+    if now - step.since >= REJOIN_TIMEOUT_S:
+        # Not the group's fault (vllm-ascend's proxy takes a removed instance back only once it was idle):
+        # wait, and say so once; the next step must not take another group out meanwhile.
+        text = (f"step {i + 1} ({names}): healthy, not back in the proxy after {REJOIN_TIMEOUT_S:.0f}s (see "
+                "the proxy's groups in nodeagentctl cluster --json); waiting")  # fmt: skip
+        return (record.say(now, text), []) if record.message != text else None
+    return None
+
+
+def _baking(record: Record, i: int, step: Step, obs: Observed) -> Move:
+    now, names = obs.now, ", ".join(step.groups)
+    problem = _health_problem(step, obs)
+    if problem is not None:
+        return _fail(record, i, step, f"while baking: {problem}", now), []
+    if step.bake:
+        group, why = next(iter(step.bake.items()))
+        return _fail(record, i, step, f"while baking, {group}: {why}", now), []
+    if now - step.since >= (0.0 if step.rollback else record.options.bake_s):
+        done = record.with_step(i, _enter(step, Phase.DONE, now, finished=now)).say(
+            now, f"step {i + 1} ({names}) done")
+        return done, []
+    return None
+
+
+_BY_PHASE: dict[Phase, Callable[[Record, int, Step, Observed], Move]] = {
+    Phase.PENDING: _pending, Phase.DRAINING: _draining, Phase.STAGING: _staging, Phase.RESTARTING: _restarting,
+    Phase.GATING: _gating, Phase.REJOINING: _rejoining, Phase.BAKING: _baking,
+}
+"""Each phase's rule: the step's next transition from it (an ended phase has none)."""
 
 
 def _asks(record: Record, step: Step, base: Mapping[str, int]) -> list[Ask]:
@@ -299,8 +328,9 @@ def ready_again(step: Step, obs: Observed, group: str) -> bool:
 def mark(record: Record, index: int, what: str, node: str, value: str = "") -> Record | None:
     """The record with this agent's observation added (None: already there, or the step moved on)."""
     step = record.steps[index]
-    phase_of = {"drained": ("draining",), "proxy_out": ("draining",), "staged": ("staging",),
-                "stage_error": ("staging",), "canary": ("gating",), "proxy_in": ("rejoining",), "bake": ("baking",),
+    phase_of = {"drained": (Phase.DRAINING,), "proxy_out": (Phase.DRAINING,), "staged": (Phase.STAGING,),
+                "stage_error": (Phase.STAGING,), "canary": (Phase.GATING,), "proxy_in": (Phase.REJOINING,),
+                "bake": (Phase.BAKING,),
                 "unlisted": RESTARTS}  # fmt: skip
     if step.phase not in phase_of[what]:
         return None
@@ -352,7 +382,7 @@ def group_files(record: Record) -> dict[str, frozenset[str]]:
     out: dict[str, frozenset[str]] = {}
     for s in record.steps:
         for g in s.groups:
-            if s.phase in ("pending", "draining", "skipped"):
+            if s.phase in (Phase.PENDING, Phase.DRAINING, Phase.SKIPPED):
                 out.setdefault(g, frozenset((s.from_hash,)))
             elif s.phase in RESTARTS:
                 out[g] = frozenset((s.from_hash, s.to_hash))
@@ -366,7 +396,7 @@ def serving_hash(record: Record) -> str:
     (it switches the proxy as it rejoins), else the running one."""
     serving = record.old_hash
     for s in record.steps:
-        if s.phase in ("rejoining", "baking", "done", "rolled_back"):
+        if s.phase in (Phase.REJOINING, Phase.BAKING, Phase.DONE, Phase.ROLLED_BACK):
             serving = s.to_hash
     return serving
 
@@ -392,7 +422,7 @@ def proxy_wait(record: Record | None, group: str, proxied: bool) -> str | None:
         return None
     i = record.current()
     step = record.steps[i] if i is not None else None
-    if step is None or group not in step.groups or step.phase not in RESTARTS or step.unlisted:
+    if i is None or step is None or group not in step.groups or step.phase not in RESTARTS or step.unlisted:
         return None
     return (f"rollout {record.id} step {i + 1}: waiting for the proxy to delete {', '.join(step.groups)} (it does "
             "once no request is in flight): started while it still lists them, the old file's groups would send "
@@ -411,7 +441,7 @@ def next_restart(record: Record | None, group: str, acted: int, observe: Callabl
         return None
     i = record.current()
     step = record.steps[i] if i is not None else None
-    if step is None or group not in step.groups:
+    if i is None or step is None or group not in step.groups:
         return None
     what = f"rollout {record.id} step {i + 1}"
     back = bool(step.failed or step.rollback)
@@ -432,8 +462,8 @@ def next_restart(record: Record | None, group: str, acted: int, observe: Callabl
 def _mixed_after_abort(record: Record) -> list[str]:
     """The groups an abort would leave on another file than the proxy's (an exclusive rollout only)."""
     ended = replace(record, steps=tuple(
-        replace(s, phase="skipped" if s.phase in ("pending", "draining") else "done")
-        if s.in_progress or s.phase == "pending" else s for s in record.steps))  # fmt: skip
+        replace(s, phase=Phase.SKIPPED if s.phase in (Phase.PENDING, Phase.DRAINING) else Phase.DONE)
+        if s.in_progress or s.phase == Phase.PENDING else s for s in record.steps))  # fmt: skip
     serving = serving_hash(ended)
     return sorted(g for g, f in group_files(ended).items() if f != {serving})
 
@@ -446,12 +476,12 @@ def wanted_hash(record: Record | None, group: str | None, node: str) -> str | No
         return None
     if group is None or not any(group in s.groups for s in record.steps):
         # Nothing of this member renders differently: it takes the new file once the rollout is done.
-        return record.new_hash if record.status == "done" or record.finishing else record.old_hash
+        return record.new_hash if record.status == Status.DONE or record.finishing else record.old_hash
     want = record.old_hash
     for s in record.steps:
-        if group not in s.groups or s.phase in ("pending", "skipped"):
+        if group not in s.groups or s.phase in (Phase.PENDING, Phase.SKIPPED):
             continue
-        staged = s.phase != "draining" and (s.phase != "staging" or node in s.staged)
+        staged = s.phase != Phase.DRAINING and (s.phase != Phase.STAGING or node in s.staged)
         want = s.to_hash if staged else s.from_hash
     return want
 
@@ -459,45 +489,48 @@ def wanted_hash(record: Record | None, group: str | None, node: str) -> str | No
 def control(record: Record, action: str, now: float, by: str) -> Record:
     """pause | resume | abort | rollback, as the operator asked; raises ValueError when it does not apply."""
     if action == "pause":
-        if record.status != "running":
+        if record.status != Status.RUNNING:
             raise ValueError(f"rollout {record.id} is {record.status}: only a running rollout pauses")
-        return record.say(now, f"paused by {by}: the step in progress finishes, no next one starts", "paused")
+        return record.say(now, f"paused by {by}: the step in progress finishes, no next one starts", Status.PAUSED)
     if action == "resume":
-        if record.status == "paused":
-            return record.say(now, f"resumed by {by}", "running")
-        if record.status == "halted":
-            steps = tuple(replace(s, phase="pending", failed="", from_hash=s.to_hash, to_hash=s.from_hash,
+        if record.status == Status.PAUSED:
+            return record.say(now, f"resumed by {by}", Status.RUNNING)
+        if record.status == Status.HALTED:
+            steps = tuple(replace(s, phase=Phase.PENDING, failed="", from_hash=s.to_hash, to_hash=s.from_hash,
                                   since=now, drained=(), staged=(), stage_errors={}, canary={}, bake={},
                                   proxy_out=False, proxy_in=False, base={}, finished=None, unlisted=False)
-                          if s.phase == "rolled_back" else s
+                          if s.phase == Phase.ROLLED_BACK else s
                           for s in record.steps)  # fmt: skip
-            return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed", "running")
+            return replace(record, steps=steps).say(now, f"resumed by {by}: retrying the step that failed",
+                                                    Status.RUNNING)  # fmt: skip
         raise ValueError(f"rollout {record.id} is {record.status}: nothing to resume")
     if action == "abort":
         left = _mixed_after_abort(record) if record.exclusive else []
-        if left and record.status != "aborted":
+        if left and record.status != Status.ABORTED:
             raise ValueError(f"rollout {record.id} changes the KV connector or vllm-ascend version: stopping here "
                              f"would leave {', '.join(left)} on the other file, out of the proxy for good (old and "
                              "new are never routed together); rollback goes back, resume goes on")  # fmt: skip
-        if record.status == "halted":
+        if record.status == Status.HALTED:
             # nothing runs for a halted rollout; closing it is what lets the operator start the next one
             return record.say(now, f"closed by {by}: the halted rollout ends here; the groups stay as they are",
-                              "aborted")  # fmt: skip
+                              Status.ABORTED)  # fmt: skip
         if not record.active:
             raise ValueError(f"rollout {record.id} is {record.status} already")
-        steps = tuple(replace(s, phase="skipped", finished=now) if s.phase == "pending" else s for s in record.steps)
+        steps = tuple(replace(s, phase=Phase.SKIPPED, finished=now) if s.phase == Phase.PENDING else s
+                      for s in record.steps)  # fmt: skip
         return replace(record, steps=steps).say(now, f"aborted by {by}: no further step; a step past its restart "
-                                                     "finishes", "aborting")  # fmt: skip
+                                                     "finishes", Status.ABORTING)  # fmt: skip
     if action == "rollback":
-        if record.status in ("rolling_back", "rolled_back"):
+        if record.status in (Status.ROLLING_BACK, Status.ROLLED_BACK):
             raise ValueError(f"rollout {record.id} is {record.status} already")
-        back = [s for s in record.steps if (s.phase == "done" or s.in_progress) and not s.rollback and not s.failed]
-        steps = tuple(replace(s, phase="skipped", finished=now) if s.phase == "pending" else s for s in record.steps)
+        back = [s for s in record.steps if (s.phase == Phase.DONE or s.in_progress) and not s.rollback and not s.failed]
+        steps = tuple(replace(s, phase=Phase.SKIPPED, finished=now) if s.phase == Phase.PENDING else s
+                      for s in record.steps)  # fmt: skip
         undo = tuple(Step(s.groups, s.kinds, s.to_hash, s.from_hash, rollback=True, outage=s.outage,
                           expected_outage_s=s.expected_outage_s, note="rollback") for s in reversed(back))  # fmt: skip
         if not undo:
             raise ValueError(f"rollout {record.id}: no step was done, nothing to roll back")
         return replace(record, steps=steps + undo).say(
             now, f"rollback by {by}: {', '.join(g for s in undo for g in s.groups)} go back to the previous config",
-            "rolling_back")  # fmt: skip
+            Status.ROLLING_BACK)  # fmt: skip
     raise ValueError(f"unknown rollout action {action!r} (pause, resume, abort, rollback)")

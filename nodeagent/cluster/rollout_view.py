@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nodeagent.cluster.rollout_record import ENDED, MOVING, Record
+from nodeagent.cluster.rollout_record import Record
 from nodeagent.cluster.rollout_rules import (
     Observed,
     files_problem,
@@ -18,6 +18,7 @@ from nodeagent.cluster.rollout_rules import (
     held_out,
     kept_apart,
 )
+from nodeagent.cluster.rollout_states import ENDED, MOVING, Phase
 
 
 def group_load_s(groups: Iterable[Any], members: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
@@ -40,7 +41,8 @@ def serving_now(record: Record, obs: Observed) -> dict[str, list[str]]:
     is rejoining) back in it. While an exclusive rollout's switch waits for the old groups to leave the proxy they
     still serve (it deletes them once idle): "p1 (until the switch)". A kind with none is down."""
     held = held_out(record)
-    rejoining = {g for s in record.steps if s.phase == "rejoining" and not s.proxy_in and obs.proxy for g in s.groups}
+    rejoining = {g for s in record.steps if s.phase == Phase.REJOINING and not s.proxy_in and obs.proxy
+                 for g in s.groups}  # fmt: skip
     switching, apart = record.exclusive and bool(rejoining), kept_apart(record)
     out: dict[str, list[str]] = {}
     for g, o in obs.groups.items():
@@ -57,7 +59,7 @@ def serving_now(record: Record, obs: Observed) -> dict[str, list[str]]:
 def floor_text(record: Record, obs: Observed) -> str:
     """What the status shows as the floor: why the next step waits, else what serves per kind now."""
     i = record.current()
-    if i is not None and record.steps[i].phase == "pending" and record.status in MOVING:
+    if i is not None and record.steps[i].phase == Phase.PENDING and record.status in MOVING:
         why = files_problem(record.steps[i], obs) or floor_problem(record, record.steps[i], obs)
         if why is not None:
             return f"step {i + 1} waits: {why.removeprefix('floor: ')}"
@@ -75,7 +77,7 @@ def time_left(record: Record, load_s: Mapping[str, float], now: float) -> float 
     if not record.active:
         return 0.0
     took = [s.finished - s.started for s in record.steps
-            if s.phase == "done" and s.finished is not None and s.started is not None]  # fmt: skip
+            if s.phase == Phase.DONE and s.finished is not None and s.started is not None]  # fmt: skip
     mean = sum(took) / len(took) if took else None
     total = 0.0
     for s in record.steps:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from nodeagent.config_model import RestartSpec
@@ -326,13 +327,45 @@ def may_wipe(acked: set[str], live_members: set[str], waited_s: float, timeout_s
 COMMAND_ACTIONS = ("start", "stop", "restart")
 
 
-def command_error(body: Any, components: list[str]) -> str | None:
+class CommandOutcome(StrEnum):
+    """How a remote command ended. Its exit code (`nodeagentctl --node N ...`) comes from the outcome, never
+    from the message's words (an action named "…component…" once read as an unknown component)."""
+
+    DONE = "done"
+    FAILED = "failed"
+    """The node refused it (paused, held…), failed it, or did not answer."""
+    BAD_REQUEST = "bad_request"
+    """Not a command: not a JSON object, or an unknown action."""
+    UNKNOWN_COMPONENT = "unknown_component"
+
+    @property
+    def exit_code(self) -> int:
+        return _EXIT_CODES[self]
+
+
+_EXIT_CODES = {CommandOutcome.DONE: 0, CommandOutcome.FAILED: 1, CommandOutcome.BAD_REQUEST: 2,
+               CommandOutcome.UNKNOWN_COMPONENT: 4}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    outcome: CommandOutcome
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire format: the command key's `result` and the API's answer (`ok`, `code`, `message`)."""
+        return {"ok": self.outcome is CommandOutcome.DONE, "code": self.outcome.exit_code, "message": self.message}
+
+
+def command_error(body: Any, components: list[str]) -> CommandResult | None:
     """Why a remote command cannot be carried out, or None (checked on the target, against its own config)."""
     if not isinstance(body, dict):
-        return "a command must be a JSON object"
+        return CommandResult(CommandOutcome.BAD_REQUEST, "a command must be a JSON object")
     action, comp = body.get("action"), body.get("component")
     if action not in COMMAND_ACTIONS:
-        return f"unknown action {action!r} (expected one of: {', '.join(COMMAND_ACTIONS)})"
+        return CommandResult(CommandOutcome.BAD_REQUEST,
+                             f"unknown action {action!r} (expected one of: {', '.join(COMMAND_ACTIONS)})")
     if comp not in components:
-        return f"unknown component {comp!r} (this node runs: {', '.join(components)})"
+        return CommandResult(CommandOutcome.UNKNOWN_COMPONENT,
+                             f"unknown component {comp!r} (this node runs: {', '.join(components)})")
     return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -152,7 +152,7 @@ class Store(Protocol):
                                lease: Lease | None = None) -> CasResult:
         """Write `value` (None: delete) only if the key's mod_revision is `mod_revision` (0: only if absent)."""
 
-    def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncIterator[WatchItem]:
+    def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         """Changes under `prefix` from `from_revision` on (None: first a Resync("initial") snapshot), across
         outages, restarts, compactions and wipes of the store; ends only when the consumer stops iterating."""
 

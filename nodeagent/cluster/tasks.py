@@ -56,7 +56,7 @@ async def follow(store: Store, prefix: str, handle: WatchHandler, *, clock: Cloc
     """Feed every item of the watch of `prefix` (first its snapshot) to `handle`, for as long as the task runs."""
     while True:
         try:
-            async with contextlib.aclosing(store.watch_prefix(prefix)) as items:  # type: ignore[type-var]
+            async with contextlib.aclosing(store.watch_prefix(prefix)) as items:
                 async for item in items:
                     done = handle(item)
                     if inspect.isawaitable(done):

@@ -12,6 +12,7 @@ import time
 from html import escape
 from typing import Any
 
+from nodeagent.cluster.rollout_states import under_way
 from nodeagent.node_alerts import container_line, node_alerts
 
 TBODY = '<table id="components">'
@@ -82,9 +83,6 @@ def js_dur(seconds: Any) -> str:
     return f"{d}d {h}h" if d else f"{h}h {m}m" if h else f"{m}m {s}s"
 
 
-MOVING = ("running", "paused", "rolling_back", "aborting")
-
-
 def rollout_texts(r: dict[str, Any]) -> dict[str, str]:
     """The rollout box's lines as ui.js's renderRollout writes them: meta, floor, message."""
     steps = r.get("steps") or []
@@ -93,7 +91,7 @@ def rollout_texts(r: dict[str, Any]) -> dict[str, str]:
     if isinstance(cur, int) and 0 <= cur < len(steps):
         where = f" · step {cur + 1}/{len(steps)} {', '.join(steps[cur].get('groups') or [])} {steps[cur].get('phase')}"
     floor = ""
-    if r.get("status") in MOVING:
+    if under_way(r.get("status")):
         floor = f"floor: {r.get('floor') or '?'} · time left {js_dur(r.get('time_left_s'))}"
         if r.get("held_out"):
             floor += f" · out of the proxy: {', '.join(r['held_out'])}"

@@ -377,6 +377,7 @@ function renderRollout(r) {
   const where = cur !== null && cur !== undefined && steps[cur] ? ` · step ${cur + 1}/${steps.length} ` +
     `${(steps[cur].groups || []).join(", ")} ${steps[cur].phase}` : "";
   // the floor: why the next step waits, else what serves per kind now (firstpaint.py writes the same lines)
+  // under way: a copy of nodeagent/cluster/rollout_states.py's UNDER_WAY (tests/test_ui.py compares them)
   const moving = ["running", "paused", "rolling_back", "aborting"].includes(r.status);
   const out = Object.keys(r.held_out || {});
   $("rollout-meta").textContent = `${r.id} · ${r.status}${where}`;
