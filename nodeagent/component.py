@@ -32,7 +32,7 @@ from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
-from nodeagent.states import COMMANDS, UP_STATES, Signal, State
+from nodeagent.states import COMMANDS, Signal, State
 
 if TYPE_CHECKING:
     from nodeagent.events import EventBus
@@ -545,10 +545,6 @@ class Component(FailurePath):
     def adopted(self) -> bool:
         """Its process is one the previous agent started (adopted at our start), not one we launched."""
         return self.proc is not None and self.proc.output == "adopted"
-
-    @property
-    def is_up(self) -> bool:
-        return self.state in UP_STATES
 
     def status(self) -> dict[str, Any]:
         return component_status(self, self.host.clock.time())
