@@ -322,52 +322,65 @@ def listener() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def refuse_processes(monkeypatch: pytest.MonkeyPatch, tried: list[str]) -> None:
-    """Every way the code and the tests start a process raises, and is recorded in `tried` (a refusal caught by
-    the code under test, say an NPU poll's `except Exception`, must still fail the test)."""
+class Refusal:
+    """What `refuse_processes` refused (`tried`); while not `active` (a fast test's teardown, where a module's or
+    the session's fixture may be finalized) the calls go through."""
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        tried.append(repr(args[:1])[:200])
-        raise AssertionError(f"a process-less test started a process: {args[:1]}")
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+        self.active = True
 
-    monkeypatch.setattr(subprocess, "Popen", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
-    monkeypatch.setattr(os, "system", refuse)
-    monkeypatch.setattr(os, "posix_spawn", refuse)
-    monkeypatch.setattr(os, "posix_spawnp", refuse)
-    monkeypatch.setattr(os, "fork", refuse)
+
+def refuse_processes(monkeypatch: pytest.MonkeyPatch) -> Refusal:
+    """Every way the code and the tests start a process raises, and is recorded (a refusal caught by the code
+    under test, say an NPU poll's `except Exception`, must still fail the test)."""
+    refusal = Refusal()
+    for owner, name in ((subprocess, "Popen"), (asyncio, "create_subprocess_exec"),
+                        (asyncio, "create_subprocess_shell"), (os, "system"), (os, "posix_spawn"),
+                        (os, "posix_spawnp"), (os, "fork")):  # fmt: skip
+        original = getattr(owner, name)
+
+        def refuse(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if not refusal.active:
+                return _original(*args, **kwargs)
+            refusal.tried.append(repr(args[:1])[:200])
+            raise AssertionError(f"a process-less test started a process: {args[:1]}")
+
+        monkeypatch.setattr(owner, name, refuse)
+    return refusal
 
 
 @pytest.fixture
 def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked, not claimed: a process-less test (the cluster layer's, the ladder's) may start no process."""
-    refuse_processes(monkeypatch, [])
+    refuse_processes(monkeypatch)
 
 
-_REFUSED = pytest.StashKey[tuple[pytest.MonkeyPatch, list[str]]]()
+_REFUSED = pytest.StashKey[tuple[pytest.MonkeyPatch, Refusal]]()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     """The fast tier's rule, checked (tests/tiers.py): from before its first fixture (a module's or the session's
-    too) to after its last, a fast test may start no process."""
+    too) to the end of its call, a fast test may start no process."""
     if item.get_closest_marker("fast") is not None:
-        refused = item.stash[_REFUSED] = (pytest.MonkeyPatch(), [])
-        refuse_processes(*refused)
+        patch = pytest.MonkeyPatch()
+        item.stash[_REFUSED] = (patch, refuse_processes(patch))
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    refused = item.stash.get(_REFUSED, None)
+    if refused is not None:
+        refused[1].active = False  # the last test of a module or the session finalizes fixtures it did not make
     try:
         result = yield
     finally:
-        refused = item.stash.get(_REFUSED, None)
         if refused is not None:
             refused[0].undo()  # after the test's own monkeypatch undid its patches over ours
-    if refused is not None and refused[1]:
-        raise AssertionError(f"a fast-tier test started processes {refused[1]}: add it (or its module) to "
+    if refused is not None and refused[1].tried:
+        raise AssertionError(f"a fast-tier test started processes {refused[1].tried}: add it (or its module) to "
                              "NOT_FAST in tests/tiers.py")  # fmt: skip
     return result
 
