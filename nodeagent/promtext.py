@@ -2,7 +2,8 @@
 
 Ours, not prometheus_client's `text_string_to_metric_families`, for three reasons its readers share:
 - they want a handful of series of a page with hundreds of histogram buckets per DP engine (the progress probe
-  reads it every period on every rank): the names are checked first, and only the wanted lines are parsed;
+  reads it every period on every rank): the names are checked first, and only the wanted lines are parsed (a
+  5,500-line page of 8 engines: 9 ms for two names, 32 ms strict, prometheus_client's parser 268 ms; loaded host);
 - prometheus_client refuses a whole page for one line it cannot read, but the progress probe, the bake and the
   PD watch must read a page as far as it is theirs (`strict` is the cache watcher's: anything but metrics text,
   a 404 page say, is an error there);
