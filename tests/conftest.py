@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
 import json
 import os
 import shutil
@@ -101,14 +100,14 @@ class GiveUp(Exception):
 
 
 def not_yet(exc: Exception) -> bool:
-    """Whether a wait_for check's exception means "not there yet" — a failed assert, a refused connection or a file
-    not written yet (OSError), a key or an item not there yet, JSON half-written (ValueError), an HTTP answer cut
-    short, a slow command, a process gone, a value still None — rather than a bug of the check (a NameError, an
-    attribute or a call misspelt), which is raised at once instead of burning the whole timeout."""
-    if isinstance(exc, AssertionError | OSError | LookupError | ValueError | http.client.HTTPException
-                  | subprocess.SubprocessError | psutil.Error):  # fmt: skip
-        return True
-    return isinstance(exc, TypeError | AttributeError) and "'NoneType'" in str(exc)
+    """Whether a wait_for check's exception may mean "not there yet" (a failed assert, a refused connection, a file
+    not written yet, a key missing, JSON half-written, a value still None: kept trying) rather than a bug of the
+    check — a name, an import, an attribute or a call misspelt — which is raised at once instead of burning the
+    whole timeout. A bug is told by its type, so what a check meets while it waits (any error of the system under
+    test, of its files, its answers) still only waits."""
+    if isinstance(exc, NameError | ImportError | SyntaxError):
+        return False
+    return not isinstance(exc, TypeError | AttributeError) or "'NoneType'" in str(exc)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
@@ -119,6 +118,8 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interva
             last = check()
             if last:
                 return last
+        except GiveUp:
+            raise
         except Exception as exc:
             if not not_yet(exc):
                 raise

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import tiers
-from conftest import _REFUSED, wait_for
+from conftest import _REFUSED, GiveUp, wait_for
 
 
 @dataclass
@@ -65,4 +65,6 @@ def test_a_typo_in_a_check_fails_at_once_not_after_the_timeout() -> None:
         wait_for("a typo", lambda: stauts()["ok"], timeout=5)  # type: ignore[name-defined]  # noqa: F821
     with pytest.raises(AttributeError, match="stauts"):
         wait_for("a misspelt attribute", lambda: time.stauts(), timeout=5)  # type: ignore[attr-defined]
+    with pytest.raises(GiveUp, match="the agent exited"):
+        wait_for("what can no longer happen", lambda: (_ for _ in ()).throw(GiveUp("the agent exited")), timeout=5)
     assert time.monotonic() - began < 2
