@@ -281,6 +281,8 @@ class Agent:
         except AgentError as exc:
             logger.error(str(exc))
             return 1
+        assert api.api is not None
+        api.api.agent_metrics.attach_npu(self.guards.npu)  # the NPU faults, HBM and RoCE series on /metrics
         assert self.lock is not None
         self.lock.update({"phase": "running"})
         announcement = self._announce()

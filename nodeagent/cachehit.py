@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from nodeagent.errors import AgentError
+from nodeagent.promtext import MetricsTextError, samples
 
 LOCAL_QUERIES = "vllm:prefix_cache_queries_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
@@ -100,24 +101,16 @@ def parse_cache_counters(text: str) -> dict[str, CacheCounters]:
 
     An empty dict means valid text without prefix-cache metrics; garbage raises :class:`CacheMetricsError`.
     """
-    # Lazy: prometheus_client costs ~70 ms to import and `nodeagentctl` must stay quick for other commands.
-    from prometheus_client.parser import text_string_to_metric_families
-
     sums: dict[str, dict[str, float]] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                field = _FIELD_BY_SAMPLE.get(sample.name)
-                if field is None:
-                    continue  # other metrics, and the counters' ``_created`` timestamps
-                if math.isnan(sample.value) or sample.value < 0:
-                    raise CacheMetricsError(f"{sample.name} has the impossible counter value {sample.value}")
-                engine = sample.labels.get("engine", UNKNOWN_ENGINE)
-                per_engine = sums.setdefault(engine, {})
-                per_engine[field] = per_engine.get(field, 0.0) + sample.value
-    except CacheMetricsError:
-        raise
-    except ValueError as exc:
+        for sample in samples(text, _FIELD_BY_SAMPLE, strict=True):
+            if math.isnan(sample.value) or sample.value < 0:
+                raise CacheMetricsError(f"{sample.name} has the impossible counter value {sample.value}")
+            engine = sample.labels.get("engine", UNKNOWN_ENGINE)
+            per_engine = sums.setdefault(engine, {})
+            field = _FIELD_BY_SAMPLE[sample.name]
+            per_engine[field] = per_engine.get(field, 0.0) + sample.value
+    except MetricsTextError as exc:
         first = next((line for line in text.splitlines() if line.strip()), "")
         raise CacheMetricsError(f"not Prometheus metrics text ({exc}); it starts {first[:80]!r}") from exc
     return {

@@ -34,7 +34,7 @@ from nodeagent.host import Clock, Process, StartHeld
 from nodeagent.loadtime import LOADS_KEPT, remember
 from nodeagent.process import ProcessRecord
 from nodeagent.stackport import Hold
-from nodeagent.states import COMMANDS, SERVING_STATES, Signal, SignalKind, SignalName, State, is_up
+from nodeagent.states import COMMANDS, SERVING_STATES, Signal, SignalKind, SignalName, State
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -582,10 +582,6 @@ class Component(FailurePath):
     def adopted(self) -> bool:
         """Its process is one the previous agent started (adopted at our start), not one we launched."""
         return self.proc is not None and self.proc.output == "adopted"
-
-    @property
-    def is_up(self) -> bool:
-        return is_up(self.state)
 
     def status(self) -> dict[str, Any]:
         return component_status(self, self.host.clock.time())

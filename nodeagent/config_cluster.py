@@ -146,10 +146,6 @@ class ClusterConfig(Strict, frozen=True):
         if self.vllm_groups is not None and not self.vllm_groups:
             yield "vllm_groups", "list at least one group, or leave vllm_groups out for one group of all nodes"
 
-    @property
-    def is_cluster_file(self) -> bool:
-        return bool(self.nodes)
-
 
 class SharedSections(Strict, frozen=True):
     """What every member of a cluster shares, as the file wrote it (after `${VAR}` interpolation)."""

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -460,10 +460,6 @@ class NpuTools:
 
 def _with_visibility(proc: NpuProcess) -> NpuProcess:
     return NpuProcess(proc.npu, proc.chip, proc.pid, proc.name, proc.memory_mb, pid_visible(proc.pid))
-
-
-def foreign_processes(processes: Iterable[NpuProcess], ours: set[int]) -> list[NpuProcess]:
-    return [p for p in processes if p.pid not in ours]
 
 
 def describe_process(proc: NpuProcess) -> str:

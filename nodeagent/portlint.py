@@ -23,7 +23,6 @@ belongs in `net.ipv4.ip_local_reserved_ports`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -356,7 +355,3 @@ def lint_ports(uses: list[PortUse], ephemeral: tuple[int, int] | None, reserved:
 
 def fixed_ports(uses: Iterable[PortUse]) -> list[int]:
     return sorted({p for u in uses if not u.random for p in range(u.low, u.high + 1)})
-
-
-def report_json(report: PortReport) -> str:
-    return json.dumps(report.to_dict(), indent=2)

@@ -21,11 +21,11 @@ from that sample, which is read neither as progress nor as a stall.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from nodeagent.errors import AgentError
+from nodeagent.promtext import MetricsTextError, samples
 
 COUNTERS = {
     "vllm:generation_tokens_total": "generation_tokens",
@@ -39,8 +39,6 @@ GAUGES = {
     "vllm:gpu_cache_usage_perc": "kv_usage",  # the same gauge before vLLM 0.10
 }
 _WANTED = {**COUNTERS, **GAUGES}
-_PREFIXES = tuple(_WANTED)
-_ENGINE_RE = re.compile(r'(?:^|,)\s*engine="((?:[^"\\]|\\.)*)"')
 STALL_SLACK = 0.02
 STALL_SLACK_MAX_S = 0.5
 """Scrapes run on the prober's period grid, a few milliseconds late or early: without slack, a stall_after_s
@@ -84,32 +82,18 @@ class EngineProgress:
 def parse_progress(text: str) -> dict[str, EngineProgress]:
     """The progress samples of a vLLM `/metrics` page, per engine label; {} when it has none.
 
-    Only lines of the six metrics are parsed (a real page has hundreds of histogram buckets); the
+    Only lines of the six metrics are parsed (a real page has hundreds of histogram buckets: `promtext`); the
     counters' `_created` timestamps and everything else are skipped by name."""
     sums: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if not line.startswith(_PREFIXES):
-            continue
-        name, sep, rest = line.partition("{")
-        if sep:
-            labels, _, value_part = rest.rpartition("}")
-        else:
-            name, _, value_part = line.partition(" ")
-            labels = ""
-        field = _WANTED.get(name.strip())
-        if field is None:
-            continue  # a longer name sharing the prefix (e.g. ..._total_created)
-        value_text = value_part.split()[0] if value_part.split() else ""
-        try:
-            value = float(value_text)
-        except ValueError:
-            raise ProgressMetricsError(f"{name.strip()} has no number: {line[:120]!r}") from None
-        if math.isnan(value) or value < 0:
-            raise ProgressMetricsError(f"{name.strip()} has the impossible value {value_text}")
-        match = _ENGINE_RE.search(labels)
-        engine = match.group(1) if match else UNLABELLED
-        per_engine = sums.setdefault(engine, {})
-        per_engine[field] = per_engine.get(field, 0.0) + value
+    try:
+        for sample in samples(text, _WANTED):
+            if math.isnan(sample.value) or sample.value < 0:
+                raise ProgressMetricsError(f"{sample.name} has the impossible value {sample.value:g}")
+            per_engine = sums.setdefault(sample.labels.get("engine", UNLABELLED), {})
+            field = _WANTED[sample.name]
+            per_engine[field] = per_engine.get(field, 0.0) + sample.value
+    except MetricsTextError as exc:
+        raise ProgressMetricsError(str(exc)) from None
     return {engine: EngineProgress(engine, **values) for engine, values in sorted(sums.items())}
 
 

@@ -6,6 +6,18 @@
 # fails on these hosts' hybrid cgroups). Python: .venv with the [test] extras; .venv-vllm with a real CPU vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fast" ]; then
+  # The fast tier (tests/tiers.py: no process, no real clock), before every commit: ruff and those tests in this
+  # process, nothing else installed; install-dev.sh only when .venv is not current (the stamp it writes: the
+  # pyprojects' hash and the `test` extras). More arguments go to pytest.
+  shift
+  want="$(cat pyproject.toml standin/pyproject.toml | sha256sum | cut -d' ' -f1) test"
+  if [ ! -x .venv/bin/pytest ] || [ "$(cat .venv/.run-local-installed 2>/dev/null)" != "$want" ]; then
+    EXTRAS=test scripts/install-dev.sh
+  fi
+  .venv/bin/ruff check nodeagent tests bench scripts
+  exec .venv/bin/pytest -q -p no:cacheprovider -m fast "$@"
+fi
 need=()
 for pair in debootstrap:debootstrap systemd-nspawn:systemd-container systemd-analyze:systemd mosquitto:mosquitto \
             mosquitto_passwd:mosquitto openssl:openssl nsenter:util-linux chromium:chromium podman:podman runc:runc; do

@@ -20,6 +20,7 @@ from typing import Any
 import parallel
 import psutil
 import pytest
+import tiers
 from parallel import free_port
 
 __all__ = ["free_port"]  # imported from here by most tests
@@ -48,8 +49,10 @@ _MADE: dict[str, Any] = {}
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads --basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    """The run folder before xdist starts its workers (they inherit it), and under xdist a short basetemp."""
+    """The run folder before xdist starts its workers (they inherit it), and under xdist a short basetemp; the
+    fast tier's marker."""
     _MADE["run_dir"] = parallel.make_run_dir()
+    config.addinivalue_line("markers", "fast: set by tests/tiers.py: starts no process, no real clock (test.sh --fast)")
     distributed = bool(getattr(config.option, "numprocesses", None)) and not os.environ.get("PYTEST_XDIST_WORKER")
     if distributed and config.option.basetemp is None:
         _MADE["basetemp"] = config.option.basetemp = str(parallel.short_basetemp())
@@ -71,8 +74,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist the system tests come first: the long ones start early and the short ones fill the end (the
-    scheduler hands out work in this order, after the groups, largest first)."""
+    """Marks the fast tier (tests/tiers.py: what it is, and why this rule). Under xdist the system tests come first:
+    the long ones start early and the short ones fill the end (the scheduler hands out work in this order, after
+    the groups, largest first)."""
+    for item in items:
+        if tiers.is_fast(item):
+            item.add_marker(pytest.mark.fast)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: item.get_closest_marker("system") is None)
 
@@ -92,6 +99,17 @@ class GiveUp(Exception):
     """Raised by a wait_for check: what it waits for can no longer happen (the agent exited)."""
 
 
+def not_yet(exc: Exception) -> bool:
+    """Whether a wait_for check's exception may mean "not there yet" (a failed assert, a refused connection, a file
+    not written yet, a key missing, JSON half-written, a value still None: kept trying) rather than a bug of the
+    check — a name, an import, an attribute or a call misspelt — which is raised at once instead of burning the
+    whole timeout. A bug is told by its type, so what a check meets while it waits (any error of the system under
+    test, of its files, its answers) still only waits."""
+    if isinstance(exc, NameError | ImportError | SyntaxError):
+        return False
+    return not isinstance(exc, TypeError | AttributeError) or "'NoneType'" in str(exc)
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -102,8 +120,9 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interva
                 return last
         except GiveUp:
             raise
-        except Exception:
-            pass
+        except Exception as exc:
+            if not not_yet(exc):
+                raise
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
@@ -304,16 +323,67 @@ def listener() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
+class Refusal:
+    """What `refuse_processes` refused (`tried`); while not `active` (a fast test's teardown, where a module's or
+    the session's fixture may be finalized) the calls go through."""
+
+    def __init__(self) -> None:
+        self.tried: list[str] = []
+        self.active = True
+
+
+def refuse_processes(monkeypatch: pytest.MonkeyPatch) -> Refusal:
+    """Every way the code and the tests start a process raises, and is recorded (a refusal caught by the code
+    under test, say an NPU poll's `except Exception`, must still fail the test)."""
+    refusal = Refusal()
+    for owner, name in ((subprocess, "Popen"), (asyncio, "create_subprocess_exec"),
+                        (asyncio, "create_subprocess_shell"), (os, "system"), (os, "posix_spawn"),
+                        (os, "posix_spawnp"), (os, "fork")):  # fmt: skip
+        original = getattr(owner, name)
+
+        def refuse(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if not refusal.active:
+                return _original(*args, **kwargs)
+            refusal.tried.append(repr(args[:1])[:200])
+            raise AssertionError(f"a process-less test started a process: {args[:1]}")
+
+        monkeypatch.setattr(owner, name, refuse)
+    return refusal
+
+
 @pytest.fixture
 def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked, not claimed: a process-less test (the cluster layer's, the ladder's) may start no process."""
+    refuse_processes(monkeypatch)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError(f"a process-less test started a process: {args[:1]}")
 
-    monkeypatch.setattr(subprocess, "Popen", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", refuse)
-    monkeypatch.setattr(asyncio, "create_subprocess_shell", refuse)
+_REFUSED = pytest.StashKey[tuple[pytest.MonkeyPatch, Refusal]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """The fast tier's rule, checked (tests/tiers.py): from before its first fixture (a module's or the session's
+    too) to the end of its call, a fast test may start no process."""
+    if item.get_closest_marker("fast") is not None:
+        patch = pytest.MonkeyPatch()
+        item.stash[_REFUSED] = (patch, refuse_processes(patch))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    refused = item.stash.get(_REFUSED, None)
+    if refused is not None:
+        refused[1].active = False  # the last test of a module or the session finalizes fixtures it did not make
+    try:
+        result = yield
+    finally:
+        if refused is not None:
+            refused[0].undo()  # after the test's own monkeypatch undid its patches over ours
+    if refused is not None and refused[1].tried:
+        raise AssertionError(f"a fast-tier test started processes {refused[1].tried}: add it (or its module) to "
+                             "NOT_FAST in tests/tiers.py")  # fmt: skip
+    return result
 
 
 @pytest.fixture

@@ -135,3 +135,33 @@ def test_a_chip_reset_that_works_then_isolation_past_the_budget_until_uncordon(
     assert (fake.state / "resets").exists() is False, "uncordon judges the chips as they are now: no reset"
     assert api_status(agent)["isolated"] is None and isolated_metric(agent) == 0
     assert ctl(agent, "uncordon").returncode != 0, "uncordon of a node that is not isolated is refused"
+
+
+def npu_series(agent: LocalAgent) -> dict[str, float]:
+    """`dsv4_npu_*` samples of the running agent's /metrics, keyed `name{label="v",...}` (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http_get(agent, "/metrics")):
+        for s in family.samples:
+            if s.name.startswith("dsv4_npu_"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_the_npu_monitor_series_reach_metrics(node: tuple[LocalAgent, FakeAscend]) -> None:
+    """The running agent exports its NPU monitor's view (faults, HBM, RoCE links) on /metrics, read at scrape time:
+    the collector was written but never attached, so none of these series existed."""
+    agent, fake = node
+    series = wait_for("the NPU series on /metrics", lambda: (s := npu_series(agent)).get("dsv4_npu_visible") and s,
+                      60, 0.3)  # fmt: skip
+    assert series["dsv4_npu_checked"] == 1 and series["dsv4_npu_expected"] == 8 and series["dsv4_npu_visible"] == 8
+    assert series["dsv4_npu_start_held"] == 0
+    assert all(series[f'dsv4_npu_healthy{{chip="0",npu="{n}"}}'] == 1 for n in range(8)), series
+    assert series['dsv4_npu_hbm_total_bytes{chip="0",npu="0"}'] > 0
+    assert series['dsv4_npu_roce_link_up{npu="5"}'] == 1
+    assert not any(key.startswith("dsv4_npu_fault{") for key in series), series
+    # the next poll's view, not a copy taken at start: npu 5's RoCE link goes down
+    fake.set("doc-link-down")
+    wait_for("npu 5's link down on /metrics", lambda: npu_series(agent)['dsv4_npu_roce_link_up{npu="5"}'] == 0, 30, 0.3)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import urllib.error
 import urllib.request
 import uuid
@@ -46,6 +45,7 @@ from nodeagent.config_model import VllmComponent
 from nodeagent.errors import CoordinationUnavailable, UnknownComponentError
 from nodeagent.host import Clock
 from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
+from nodeagent.promtext import samples
 from nodeagent.stackport import ReportLayer
 from nodeagent.states import SERVING_STATES, Desired, State
 
@@ -61,7 +61,6 @@ PROBE_TOKENS = 2
 """The issue's test: a 2-token request must return tokens — both of them."""
 RESTART_COOLDOWN_S = 300.0
 """After the watch restarted a group (for any of its reasons), the group waits this long before it acts on it again."""
-_KV_USAGE = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)', re.MULTILINE)
 
 
 # ---- pure ----------------------------------------------------------------------------------------------------------
@@ -140,7 +139,7 @@ def proxy_restart(faults: int, after: int, proxy: ComponentView | None) -> bool:
 
 def kv_usage(metrics_text: str) -> float | None:
     """The highest `vllm:kv_cache_usage_perc` (0..1) of a /metrics page (one series per DP engine)."""
-    values = [float(v) for v in _KV_USAGE.findall(metrics_text)]
+    values = [s.value for s in samples(metrics_text, ("vllm:kv_cache_usage_perc",))]
     return max(values) if values else None
 
 

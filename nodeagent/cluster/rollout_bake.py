@@ -20,15 +20,16 @@ the bake begins; with neither, TTFT is not judged. Pure functions here (`parse_s
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+
+from nodeagent.promtext import samples
 
 MIN_REQUESTS = 5
 TTFT_FLOOR_S = 0.5
 INFERENCE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_SERVED = frozenset({"http_requests_total", "vllm:request_success_total", "vllm:time_to_first_token_seconds_sum",
+                     "vllm:time_to_first_token_seconds_count"})  # fmt: skip
 
 Scrape = Callable[[str], Awaitable[str]]
 """An endpoint (host:port) → its /metrics text; raises OSError/ValueError when it cannot."""
@@ -63,21 +64,8 @@ class ServingSample:
 def parse_serving(text: str) -> ServingSample:
     """vLLM's /metrics text → what it served (every engine label summed)."""
     http_all = http_5xx = finished = engine_errors = ttft_sum = ttft_count = 0.0
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels_text, raw = m.groups()
-        if not (name.startswith("http_requests_total") or name.startswith("vllm:request_success")
-                or name.startswith("vllm:time_to_first_token_seconds_")):  # fmt: skip
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(labels_text or ""))
+    for sample in samples(text, _SERVED):
+        name, labels, value = sample.name, sample.labels, sample.value
         if name == "http_requests_total" and labels.get("handler") in INFERENCE_ROUTES:
             http_all += value
             if labels.get("status", "").startswith("5"):
