@@ -439,9 +439,10 @@ async def test_the_ladders_redeploy_touches_the_failed_component_never_its_depen
         for n in (2, 3):
             r.crash("b")
             await until(f"launch {n}", lambda n=n: r.count("b") == n and b.up.is_set())
+        r.clock.hold_at = 20  # the redeploy's backoff (20 s) waits until the test has seen it
         r.crash("b")
         await until("the redeploy's backoff", lambda: b.backoff_until is not None, 20)  # (a loaded machine)
-        r.clock.advance(20)
+        r.clock.released.set()
         await until("b redeployed", lambda: r.count("b") == 4 and b.up.is_set() and not r.sup.redeploying, 20)
         assert r.count("a") == 1 and a.restarts_by_cause == {}, "its dependency a was left running"
         done = [e for e in r.sup.events.recent if e.event == "redeploy"]
