@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
 from nodeagent.recovery import NodeRecovery
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport
 from nodeagent.worker_headroom import WorkerHeadroom
 
 if TYPE_CHECKING:
@@ -73,6 +73,9 @@ class StartGuards:
 
     def status_section(self) -> dict[str, Any]:
         return {}  # the API adds `status()` itself (the preflight report is not for status.json)
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         pass

@@ -126,7 +126,7 @@ class _StackCollector:
                                 value=float(sup.paused))  # fmt: skip
         yield GaugeMetricFamily("dsv4_node_failed", "1 while the node is in the failed state (alert).",
                                 value=float(sup.redeploys.failed))  # fmt: skip
-        ladder = sup.recovery_view() or {}
+        ladder = sup.snapshot().recovery or {}
         yield GaugeMetricFamily("dsv4_node_isolated", "1 while the node is isolated: chip resets did not help or an "
                                 "NPU must be separated; until nodeagentctl uncordon (alert).",
                                 value=float(ladder.get("state") == "isolated"))  # fmt: skip

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -113,6 +113,9 @@ class WorkerHeadroom:
 
     def status_section(self) -> dict[str, Any]:
         return {}
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         if self.waiting:

@@ -33,10 +33,11 @@ from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.layout import cluster_layout
-from nodeagent.stackport import ComponentView, Hold, HoldKind, NodeView, StackPort
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
+    from nodeagent.cluster.coordinator_port import ProxyFence, ProxyHold
     from nodeagent.cluster.membership import Membership
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
@@ -111,6 +112,12 @@ class Coordinator:
     @property
     def reachable(self) -> bool:
         return bool(self.store.state.reachable)
+
+    def hold_out(self, hold: ProxyHold, fence: ProxyFence) -> None:
+        """`coordinator_port.CoordinatorPort.hold_out`: every proxy of this node asks `hold` and `fence`."""
+        for proxy in self.proxies:
+            proxy.holds.append(hold)
+            proxy.fences.append(fence)
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -500,6 +507,9 @@ class Coordinator:
     # ---- views --------------------------------------------------------------------------------------------------
     def status_section(self) -> dict[str, Any]:
         return {"cluster": self.status(), "gangs": self.acks()}
+
+    def member_report(self) -> MemberReport:
+        return MemberReport(gangs=self.acks())
 
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""

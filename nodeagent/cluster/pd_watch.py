@@ -47,7 +47,7 @@ from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspe
 from nodeagent.stackport import ReportLayer
 
 if TYPE_CHECKING:
-    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.cluster.coordinator_port import CoordinatorPort
     from nodeagent.config_recovery import PdWatchConfig
     from nodeagent.layout import Group
     from nodeagent.stackport import ComponentView
@@ -193,7 +193,7 @@ async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout:
 class PdWatch(ReportLayer):
     """Runs beside the coordinator's ProxySync on the proxy's node; its last probes are /status's `pd_watch`."""
 
-    def __init__(self, coordinator: Coordinator, settings: PdWatchConfig, members: Callable[[], Mapping[str, Any]],
+    def __init__(self, coordinator: CoordinatorPort, settings: PdWatchConfig, members: Callable[[], Mapping[str, Any]],
                  *, model: str, clock: Clock | None = None, http: Http | None = None) -> None:  # fmt: skip
         self.co = coordinator
         self.settings = settings
