@@ -24,6 +24,7 @@ from nodeagent.config_model import Config
 from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
 from nodeagent.errors import AgentError, ConfigError
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
+from nodeagent.stackport import ChangeObserver
 
 if TYPE_CHECKING:
     from nodeagent.api import ApiServer
@@ -156,7 +157,7 @@ class Agent:
         from nodeagent.cluster.recovery import RecoveryFollower
 
         self.membership = Membership(self.config, self.supervisor)
-        self.supervisor.on_state_change.append(self.membership.status_changed)
+        self.supervisor.attach(ChangeObserver(self.membership.status_changed))  # its record follows every change
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
         RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
         self._start_pd_watches()
@@ -259,7 +260,7 @@ class Agent:
         announcement = self._announce()
         try:
             self.start_mqtt(api)
-            self.supervisor.on_state_change.append(self._publish_status)
+            self.supervisor.attach(ChangeObserver(self._publish_status))  # sd_notify's STATUS= line
             self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "
                                         f"({self.config.node.role}), config {self.config_path}")
             # READY=1 once the API answers, not when vLLM is ready: loading the model takes 30-60 min.

@@ -39,6 +39,7 @@ from nodeagent.mqttmodel import (
     status_payload,
     topics_for,
 )
+from nodeagent.stackport import ChangeObserver
 
 if TYPE_CHECKING:
     import aiomqtt
@@ -94,18 +95,21 @@ class MqttPublisher:
         self._finished = False
         self._queue: asyncio.Queue[Event] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._observing = False
 
     # ---- wiring -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Subscribe before the agent's first event, so the broker gets every one."""
         self._queue = self.sup.events.subscribe()
-        self.sup.on_state_change.append(self.status_changed)
+        if not self._observing:
+            self.sup.attach(ChangeObserver(self.status_changed))  # the node's one change channel; never detached
+            self._observing = True
         self._tasks = [asyncio.create_task(coro, name=f"mqtt-{name}") for name, coro in
                        (("pump", self._pump()), ("link", self._link()), ("cache", self._scrape_loop()))]  # fmt: skip
         logger.info(f"MQTT: publishing to {self.broker} under {self.topics.status.rsplit('/', 1)[0]}/")
 
     def status_changed(self) -> None:
-        """Supervisor.on_state_change: cheap; the publish is coalesced."""
+        """Every change of the node (a `ChangeObserver`): cheap; the publish is coalesced."""
         self._status_dirty = True
         self._wake.set()
 
@@ -136,8 +140,6 @@ class MqttPublisher:
                     await task
             if self._queue is not None:
                 self.sup.events.unsubscribe(self._queue)
-            with contextlib.suppress(ValueError):
-                self.sup.on_state_change.remove(self.status_changed)
             await self.scraper.close()
         if len(self.outbox) or not self.connects:
             logger.warning(f"MQTT: exiting with {len(self.outbox)} events undelivered to {self.broker}"

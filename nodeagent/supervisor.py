@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
@@ -56,8 +55,6 @@ class Supervisor(NodePort):
         self.clock = clock or Clock()
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
-        self.on_state_change: list[Callable[[], None]] = []
-        """Observers of every change outside the layers (sd_notify, MQTT, the member record); keep them cheap."""
         self.on_probe_result: list[Any] = []
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.on_load: list[Any] = []
@@ -247,9 +244,7 @@ class Supervisor(NodePort):
         if self._flush_handle is None:
             with contextlib.suppress(RuntimeError):
                 self._flush_handle = asyncio.get_running_loop().call_later(STATE_FLUSH_S, self.flush_state)
-        for callback in self.on_state_change:
-            callback()
-        self.tell_layers()
+        self.tell_layers()  # the one change channel: the layers, and observers attached as `ChangeObserver`
 
     def flush_state(self) -> None:
         self._flush_handle = None
