@@ -258,6 +258,9 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout
         agent = SimAgent(node, host, membership, coordinator)
         if rollout:
             agent.rollout = RolloutExecutor(coordinator, host, inflight=inflight, canary=canary, scrape=scrape)
+        for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
+            if layer is not None:
+                host.attach(layer)
         agents.append(agent)
     for agent in agents:
         agent.membership.start()

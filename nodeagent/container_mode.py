@@ -238,8 +238,7 @@ class ContainerMode:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Attach as a layer and keep the container (call before the supervisor starts its components)."""
-        self.sup.attach(self)
+        """Keep the container (call before the supervisor starts its components; the agent attaches it as a layer)."""
         self._wake = asyncio.Event()
         with contextlib.suppress(EngineError):  # the container of a previous agent: its components are adopted
             found = await self.engine.inspect()

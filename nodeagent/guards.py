@@ -41,11 +41,11 @@ class StartGuards:
         self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
         self.npu.on_change.append(supervisor.wake)
         supervisor.use_npu_monitor(self.npu)
-        supervisor.attach(self)
         self.recovery = NodeRecovery(supervisor.config, supervisor, self.npu, changed=supervisor.state_changed,
                                      redeploy_times=lambda: list(supervisor.redeploys.redeploy_times))
         """The ladder past node redeploy (chip reset, isolation): a layer of its own, after this one."""
-        WorkerHeadroom(supervisor.config, supervisor)  # a SIGKILLed worker's shared memory (openYuanrong FAQ §3)
+        self.headroom = WorkerHeadroom(supervisor.config, supervisor)
+        """A SIGKILLed worker's shared memory (openYuanrong FAQ §3): a layer of its own, after the ladder."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 

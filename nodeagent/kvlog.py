@@ -45,7 +45,6 @@ class KvTransferLog(ReportLayer):
         self.engines = {c: g.name for g in mine for c in g.components(config.node.name)
                         if c in config.active_components()}  # fmt: skip
         self.offsets: dict[str, int] = {}
-        port.attach(self)
 
     def feed(self, component: str, lines: list[str]) -> None:
         engine = self.engines.get(component)

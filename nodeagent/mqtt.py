@@ -39,7 +39,6 @@ from nodeagent.mqttmodel import (
     status_payload,
     topics_for,
 )
-from nodeagent.stackport import ChangeObserver
 
 if TYPE_CHECKING:
     import aiomqtt
@@ -95,15 +94,11 @@ class MqttPublisher:
         self._finished = False
         self._queue: asyncio.Queue[Event] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._observing = False
 
     # ---- wiring -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Subscribe before the agent's first event, so the broker gets every one."""
         self._queue = self.sup.events.subscribe()
-        if not self._observing:
-            self.sup.attach(ChangeObserver(self.status_changed))  # the node's one change channel; never detached
-            self._observing = True
         self._tasks = [asyncio.create_task(coro, name=f"mqtt-{name}") for name, coro in
                        (("pump", self._pump()), ("link", self._link()), ("cache", self._scrape_loop()))]  # fmt: skip
         logger.info(f"MQTT: publishing to {self.broker} under {self.topics.status.rsplit('/', 1)[0]}/")

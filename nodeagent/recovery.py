@@ -84,7 +84,7 @@ def policy_of(config: Config) -> LadderPolicy:
 
 
 class NodeRecovery:
-    """The ladder's executor for one node (attaches to the port as a `NodeLayer` when made)."""
+    """The ladder's executor for one node (a `NodeLayer`: the composition root attaches it, `agent.layers`)."""
 
     def __init__(self, config: Config, port: StackPort, npu: NpuMonitor, *, changed: Callable[[], None],
                  redeploy_times: Callable[[], list[float]], clock: Clock | None = None,
@@ -120,7 +120,6 @@ class NodeRecovery:
         self._pending_writes: set[asyncio.Future[Any]] = set()
         npu.on_change.append(self.wake)
         port.show_recovery(self.view)
-        port.attach(self)
 
     # ---- what the cluster layer and /status read ------------------------------------------------------------
     def view(self) -> dict[str, Any] | None:

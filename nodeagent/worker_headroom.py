@@ -68,7 +68,6 @@ class WorkerHeadroom:
         self._read = read
         self.waiting: dict[str, tuple[str, ...]] = {}
         """worker → the vLLM ranks it waits for (they still map the dead worker's segments)."""
-        port.attach(self)
 
     def _dependents(self, worker: str) -> list[str]:
         return [n for n, c in self.config.active_components().items() if c.kind == "vllm" and worker in c.depends_on]

@@ -816,6 +816,9 @@ class World:
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
                                             clock=self.clock, inflight=inflight, canary=canary,
                                             scrape=scrape)  # fmt: skip
+        for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
+            if layer is not None:
+                stack.attach(layer)
         self._start_container(stack)
         membership.start()
         coordinator.start()

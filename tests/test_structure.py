@@ -173,6 +173,9 @@ def test_the_seams_have_one_door_each() -> None:
             if SIDE_DOOR.search(line) or ("type: ignore" in line and re.search(r"\bport\b", line)):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "side doors around the seam:\n" + "\n".join(found)
+    attaching = [name for name, path in seam_modules().items() if name != "nodeagent.agent"
+                 and re.search(r"\.attach\(", path.read_text())]  # fmt: skip
+    assert not attaching, f"a layer attaches itself (the order of layers is agent.Agent.layers'): {attaching}"
     assert "on_state_change" not in (PACKAGE / "supervisor.py").read_text(), "one change channel: `attach`"
 
 

@@ -50,7 +50,7 @@ settling): an idle agent costs next to nothing and sends no etcd request."""
 
 
 class Coordinator:
-    """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
+    """The cluster layer of one node (`stackport.NodeLayer`; the composition root attaches it, `agent.layers`)."""
 
     def __init__(self, config: Config, port: StackPort, membership: Membership, *, clock: Clock | None = None,
                  operations: bool = True, proxy_post: ProxyPost | None = None,
@@ -99,8 +99,8 @@ class Coordinator:
         self.barrier = StartBarrier(self.cluster, self.node, port, membership, self.clock)
         self._wake = asyncio.Event()
         self.ops = ClusterOps(self, self.clock) if operations else None
-        self.ft = FtRung(self, self.clock, ft_client)  # attaches first: it sees every rank failure, takes none
-        port.attach(self)
+        self.ft = FtRung(self, self.clock, ft_client)
+        """vLLM's FT retry before the gang: a layer of its own, attached before this one (`agent.layers`)."""
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:

@@ -183,7 +183,6 @@ class FtRung:
         self.client: FtClient = client or HttpFtClient()
         self.groups = ft_groups(coordinator)
         self.by_component = {r.component: g for g in self.groups.values() for r in g.ranks}
-        self.port.attach(self)
 
     # ---- the watch ------------------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -213,7 +213,6 @@ class PdWatch(ReportLayer):
         self.proxy_faults = 0
         """Rounds in a row in which the proxy was the fault."""
         self.rounds = 0
-        coordinator.port.attach(self)
 
     def _of(self, kind: str) -> list[Group]:
         return [g for g in self.groups.values() if g.kind == kind]

@@ -27,7 +27,6 @@ class RecoveryFollower:
         self.coordinator = coordinator
         self.port = port
         self.drained: set[str] = set()
-        port.attach(self)
 
     def member_report(self) -> MemberReport | None:
         return None

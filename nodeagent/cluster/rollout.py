@@ -62,7 +62,7 @@ class RolloutRefused(ValueError):
 
 
 class RolloutExecutor:
-    """One agent's part in rollouts (`stackport.NodeLayer`): it attaches to the node's port when made."""
+    """One agent's part in rollouts (`stackport.NodeLayer`; the composition root attaches it, `agent.layers`)."""
 
     def __init__(self, coordinator: CoordinatorPort, host: ConfigHost, *, clock: Clock | None = None,
                  inflight: Inflight | None = None, canary: Canary | None = None,
@@ -96,7 +96,6 @@ class RolloutExecutor:
         self._wake = asyncio.Event()
         self.tasks = TaskSet()
         self.co.hold_out(self.out_of_proxy, self.fence)
-        self.port.attach(self)
         with contextlib.suppress(Exception):  # never fatal: the record, once read, stages what it wants
             restored = self.member.restore()
             if restored:
