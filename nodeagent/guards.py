@@ -1,6 +1,6 @@
 """What holds a start besides the supervisor's own gate: a failed preflight, and broken NPU hardware.
 
-Both answer the node's start gate (the guards attach to the supervisor as a `stackport.NodeLayer`), so they hold
+Both answer the node's start gate (the agent attaches the guards as a `stackport.NodeLayer`), so they hold
 without counting failures or escalating. Preflight
 runs before the stack first starts and again every minute while it fails (an operator fixing the host sees
 the stack start without restarting the agent); an operator's start of a component passes it, `--force` or
@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.npu_monitor import NpuMonitor, our_pids
 from nodeagent.recovery import NodeRecovery
-from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, StackPort
 from nodeagent.worker_headroom import WorkerHeadroom
 
 if TYPE_CHECKING:
+    from nodeagent.config_model import Config
+    from nodeagent.events import EventBus
     from nodeagent.failure import Failure
     from nodeagent.preflight import PreflightReport
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.process import ProcessRecord
 
 PREFLIGHT_RECHECK_S = 60.0
 PER_COMPONENT_CHECKS = frozenset({"ports", "npu_processes", "npu_health"})
@@ -31,8 +34,27 @@ process holds that component's start (residue), a sick chip holds vLLM (NPU moni
 whole stack."""
 
 
+class GuardedNode(StackPort, Protocol):
+    """What the guards (and the ladder, the headroom they make) use of the node: the port, and beside it the
+    config, the event bus the NPU monitor reports on, where the monitor is given, the processes that are ours
+    (a foreign NPU process is one that is not), a change to tell of, and the node's redeploy times."""
+
+    config: Config
+    events: EventBus
+
+    def use_npu_monitor(self, npu: NpuMonitor) -> None: ...
+
+    def process_records(self) -> Mapping[str, ProcessRecord]: ...
+
+    def state_changed(self) -> None: ...
+
+    @property
+    def redeploys(self) -> Any:
+        """The node's redeploy policy (`redeploy_times`: when each node redeploy began)."""
+
+
 class StartGuards:
-    def __init__(self, supervisor: Supervisor, mode: str = "enforce") -> None:
+    def __init__(self, supervisor: GuardedNode, mode: str = "enforce") -> None:
         self.sup = supervisor
         self.mode = mode
         """enforce: a FAIL holds the stack; warn: reported only; off: not run."""

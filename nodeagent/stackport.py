@@ -202,8 +202,9 @@ class ProxyRouting(Protocol):
 class StackPort(Protocol):
     """What the cluster layer may read from, and ask of, the node."""
 
-    base_env: Mapping[str, str]
-    """The environment the node launches its components with (a rendered command's, e.g. `PYTHONHASHSEED`)."""
+    @property
+    def base_env(self) -> Mapping[str, str]:
+        """The environment the node launches its components with (a rendered command's, e.g. `PYTHONHASHSEED`)."""
 
     def snapshot(self) -> NodeView: ...
 

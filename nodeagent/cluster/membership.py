@@ -72,7 +72,8 @@ class MemberHost(Protocol):
     """What membership needs of the node (a part of `stackport.StackPort`): the record is built from the node's
     view and the layers' typed reports (`member_record`), never from /status."""
 
-    base_env: Mapping[str, str]
+    @property
+    def base_env(self) -> Mapping[str, str]: ...
 
     def snapshot(self) -> NodeView: ...
 
