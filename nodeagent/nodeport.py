@@ -1,11 +1,11 @@
 """The node's side of the seam: the supervisor as a `stackport.StackPort` for the layers above it, and the one
 ordered list of gates every start passes (the node's own, then the layers').
 
-The layers (the cluster coordinator, the start guards) attach once each (`attach`). They read frozen views
-(`snapshot`, `component`) and act only through the port's commands (`restart`, `clean`, `wait`, ...). The node
-asks every layer at one place each: its gate (`layer_hold`), its say on a failure (`layer_decision`), an
-operator's command (`layer_command`), its /status sections (`layer_status`), and tells it of every change
-(`tell_layers`).
+The layers (the cluster coordinator, the start guards) are attached once each (`attach`, by `agent.Agent.layers`).
+They read frozen views (`snapshot`, `component`) and act only through the port's commands (`restart`, `clean`,
+`wait`, ...). The node asks every layer at one place each: its gate (`layer_hold`), its say on a failure
+(`layer_decision`), an operator's command (`layer_command`), its /status sections (`layer_status`), what it adds
+to the member record (`member_report`), and tells it of every change (`tell_layers`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ The node (`Supervisor`) implements `StackPort`; the cluster layer (`nodeagent.cl
 through it: frozen snapshots of the components and of the node's intent, and the few commands the cluster may
 give. The cluster layer in turn is a `NodeLayer`: the node asks it, at one place each, whether a component may
 start (`gate`), what a failure means (`decide`), whether it carries out an operator command itself (`command`),
-and what to add to `/status` (`status_section`). The start guards (preflight, NPU health) attach the same way.
+and what to add to `/status` (`status_section`) and to the member record other nodes read (`member_report`,
+typed: never picked out of /status). The start guards (preflight, NPU health) are layers too; the composition
+root (`agent.Agent.layers`) attaches every layer, in the one order written there. Observers of the node's
+changes are layers that only listen (`ChangeObserver`): there is no second change channel.
 `nodeagent.nodeport` is the supervisor's side; `bench/cluster_sim.py` and the process-less cluster tests
 implement `StackPort` with fakes.
 
