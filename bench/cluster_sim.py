@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from nodeagent.config import parse_config  # noqa: E402
 from nodeagent.errors import UnknownComponentError  # noqa: E402
 from nodeagent.events import EventBus  # noqa: E402
 from nodeagent.failure import Failure  # noqa: E402
-from nodeagent.stackport import ComponentView, NodeLayer, NodeView  # noqa: E402
+from nodeagent.stackport import ComponentView, MemberReport, NodeLayer, NodeView  # noqa: E402
 
 TARGET_P99_MS = 500.0
 TARGET_RPS = 1.0
@@ -157,6 +157,9 @@ class SimHost:
         if self.on_emit is not None:
             self.on_emit(kind, data)
 
+    def recent_events(self, kinds: Collection[str]) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events.recent if e.event in kinds]
+
     def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
         pass  # the simulation runs no probes
 
@@ -178,16 +181,17 @@ class SimHost:
     def route_proxy(self, name: str, routing: Any) -> None:
         pass  # the simulation launches no proxy
 
+    def show_recovery(self, view: Callable[[], Mapping[str, Any] | None]) -> None:
+        pass  # the simulation runs no NPU ladder
+
+    def member_report(self) -> MemberReport:
+        report = MemberReport()
+        for layer in self.layers:
+            report = report.merged(layer.member_report())
+        return report
+
     def attach(self, layer: NodeLayer) -> None:
         self.layers.append(layer)
-
-    # ---- MemberHost
-    def status(self) -> dict[str, Any]:
-        sections: dict[str, Any] = {}
-        for layer in self.layers:
-            sections.update(layer.status_section())
-        return {"components": {n: {"state": "ready", "pid": 1, "ready": True} for n in self.components},
-                "paused": False, **sections}  # fmt: skip
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------------
@@ -254,6 +258,9 @@ async def make_agents(names: list[str], text: str, tmp: Path, name: str, rollout
         agent = SimAgent(node, host, membership, coordinator)
         if rollout:
             agent.rollout = RolloutExecutor(coordinator, host, inflight=inflight, canary=canary, scrape=scrape)
+        for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
+            if layer is not None:
+                host.attach(layer)
         agents.append(agent)
     for agent in agents:
         agent.membership.start()

@@ -26,12 +26,16 @@ from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
 from nodeagent.errors import AgentError, ConfigError
 from nodeagent.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale
 from nodeagent.instance_lock import AlreadyRunning, InstanceLock
+from nodeagent.stackport import ChangeObserver, NodeLayer
 
 if TYPE_CHECKING:
     from nodeagent.api import ApiServer
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.cluster.membership import Membership
+    from nodeagent.cluster.pd_watch import PdWatch
+    from nodeagent.cluster.recovery import RecoveryFollower
     from nodeagent.cluster.rollout import RolloutExecutor
+    from nodeagent.kvlog import KvTransferLog
     from nodeagent.mqtt import MqttPublisher
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
@@ -80,6 +84,9 @@ class Agent:
         self.coordinator: Coordinator | None = None
         """This node as a cluster member (etcd); only with cluster.nodes — without it nothing imports aetcd."""
         self.rollout: RolloutExecutor | None = None
+        self.recovery_follower: RecoveryFollower | None = None
+        self.kvlog: KvTransferLog | None = None
+        self.pd_watch: PdWatch | None = None
 
     @property
     def stopping(self) -> bool:
@@ -175,25 +182,62 @@ class Agent:
         self.notifier.watchdog()
         return True
 
-    def _start_membership(self) -> None:
-        """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
+    def _make_cluster(self) -> None:
+        """This node as a cluster member (only with `cluster.nodes`): made here, attached by `attach_layers`,
+        started by `_start_cluster`."""
         if not self.config.cluster.nodes:
             return
         from nodeagent.cluster.coordinator import Coordinator
         from nodeagent.cluster.membership import Membership
         from nodeagent.cluster.recovery import RecoveryFollower
-
-        self.membership = Membership(self.config, self.supervisor)
-        self.supervisor.on_state_change.append(self.membership.status_changed)
-        self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
-        RecoveryFollower(self.coordinator, self.supervisor)  # a reset or an isolation here drains the groups
-        self._start_pd_watches()
         from nodeagent.cluster.rollout import RolloutExecutor
 
+        self.membership = Membership(self.config, self.supervisor)
+        self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
+        self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor)
+        self._make_pd_watches()
         self.rollout = RolloutExecutor(self.coordinator, self)
+
+    def _start_cluster(self) -> None:
+        """Join the cluster without waiting for etcd: on the master the supervisor is only starting it."""
+        if self.membership is None or self.coordinator is None or self.rollout is None:
+            return
         self.membership.start()
         self.coordinator.start()
         self.rollout.start()
+        for work in (self.kvlog.run() if self.kvlog else None, self.pd_watch.run() if self.pd_watch else None):
+            if work is not None:
+                self.coordinator.spawn(work)
+
+    def layers(self) -> list[NodeLayer]:
+        """Every layer of this node, in the order the node asks them — written here only (no layer attaches
+        itself). A start gate's earliest hold kind wins whatever the order (`stackport.HOLD_ORDER`); a failure's
+        `decide` and an operator's `command` take the first layer that answers, so who decides first is this
+        list's order. Observers (`ChangeObserver`) answer nothing: they are only told of every change."""
+        co = self.coordinator
+        cluster: list[NodeLayer | None] = [] if co is None else [
+            co.ft,  # vLLM's FT retry: sees every rank failure first, takes none (escalates through co)
+            co,  # a rank's failure → the group's next generation; an operator's restart of a rank → the group's
+            self.recovery_follower,  # a chip reset or an isolation here drains the groups
+            self.kvlog, self.pd_watch,  # report only
+            self.rollout,  # holds a step's ranks (gate only)
+        ]  # fmt: skip
+        container = self.supervisor.container
+        return [layer for layer in (
+            self.guards,  # preflight, NPU health: gates only
+            self.guards.recovery,  # the NPU ladder: holds NPU users while resetting/isolated, notes their failures
+            self.guards.headroom,  # a dead datasystem worker waits for the ranks that map its memory
+            *cluster,
+            container,  # the node's container: its death decides for the components inside
+            ChangeObserver(self._publish_status),  # sd_notify's STATUS= line
+            ChangeObserver(self.membership.status_changed) if self.membership else None,  # the member record
+            ChangeObserver(self.mqtt.status_changed) if self.mqtt else None,  # MQTT's status
+        ) if layer is not None]  # fmt: skip
+
+    def attach_layers(self) -> None:
+        """Attach `layers()` to the node, once, before its components run."""
+        for layer in self.layers():
+            self.supervisor.attach(layer)
 
     # ---- the rollout's view of the config (cluster.rollout.ConfigHost) ------------------------------------------
     def running_config(self) -> Config:
@@ -218,7 +262,7 @@ class Agent:
         container = self.supervisor.container
         return container.reconfigure(self.supervisor.config) if container is not None else None
 
-    def _start_pd_watches(self) -> None:
+    def _make_pd_watches(self) -> None:
         """Issue 19 items 2, 3, 6: this node's KV transfer failures (from its ranks' logs) for the member record;
         on the PD proxy's node, the end-to-end probes, prefill's KV while decode is down, the pairs' failures."""
         from nodeagent.cluster.pd_watch import PdWatch
@@ -227,13 +271,11 @@ class Agent:
         assert self.coordinator is not None and self.membership is not None
         if not self.config.recovery.pd.enabled:
             return
-        kvlog = KvTransferLog(self.config, self.supervisor)
-        self.coordinator.spawn(kvlog.run())
+        self.kvlog = KvTransferLog(self.config, self.supervisor)
         if self.coordinator.proxies:
             members = self.membership.members
             records = lambda: {n: m.record for n, m in members.items()}  # noqa: E731
-            watch = PdWatch(self.coordinator, None, records)  # its settings and model: the config now, a reload's
-            self.coordinator.spawn(watch.run())
+            self.pd_watch = PdWatch(self.coordinator, None, records)  # its settings and model: the config now
 
     def start_mqtt(self, api: ApiServer | None = None) -> None:
         """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""
@@ -288,13 +330,14 @@ class Agent:
         announcement = self._announce()
         try:
             self.start_mqtt(api)
-            self.supervisor.on_state_change.append(self._publish_status)
             self.supervisor.events.emit("agent_start", f"dsv4-agent {__version__} on {self.config.node.name} "
                                         f"({self.config.node.role}), config {self.config_path}")
             # READY=1 once the API answers, not when vLLM is ready: loading the model takes 30-60 min.
             self.notifier.ready()
             await self.guards.start()
-            self._start_membership()  # before the stack: the cluster's start gates (barriers) must be in place
+            self._make_cluster()
+            self.attach_layers()  # before the stack: every gate (preflight, barriers, the container) in place
+            self._start_cluster()
             container = self.supervisor.container
             if container is not None:
                 await container.start()  # before the stack: its components adopt or wait for it

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,10 +36,11 @@ from nodeagent.policy import RestartDecision
 from nodeagent.probe_resolve import ResolvedProbe
 from nodeagent.render_container import container_spec, host_facts, shared_folders
 from nodeagent.residue_plan import RemoveShmSegments, ResiduePlan
-from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport
 
 if TYPE_CHECKING:
-    from nodeagent.component import Component
+    from nodeagent.component import Component, ComponentHost
+    from nodeagent.container_port import ContainerNode, NodeHost
     from nodeagent.failure import Failure
     from nodeagent.host import Process
     from nodeagent.launcher import Launched
@@ -54,9 +56,8 @@ LOG_NAME = "container"
 class ContainerMode:
     """The node's container: its lifecycle and watch, the gate of the components inside, their launches."""
 
-    def __init__(self, sup: Any) -> None:
+    def __init__(self, sup: ContainerNode) -> None:
         self.sup = sup
-        """The supervisor (which imports this module: typed loosely so there is no import circle)."""
         assert sup.config.container is not None
         self.section = sup.config.container
         try:
@@ -79,7 +80,7 @@ class ContainerMode:
         self._reconfigured = asyncio.Event()
 
     # ---- where the supervisor hooks it in -------------------------------------------------------------------
-    def host(self, cfg: Any) -> Any:
+    def host(self, cfg: Any) -> ComponentHost:
         """The host of a component: `InContainerHost` when it runs inside, else the supervisor."""
         return InContainerHost(self.sup, self) if cfg.container else self.sup
 
@@ -180,6 +181,9 @@ class ContainerMode:
     def status_section(self) -> dict[str, Any]:
         return {"container": self.status()}
 
+    def member_report(self) -> MemberReport | None:
+        return None
+
     def on_node_change(self) -> None:
         pass
 
@@ -243,8 +247,7 @@ class ContainerMode:
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Attach as a layer and keep the container (call before the supervisor starts its components)."""
-        self.sup.attach(self)
+        """Keep the container (call before the supervisor starts its components; the agent attaches it as a layer)."""
         self._wake = asyncio.Event()
         with contextlib.suppress(EngineError):  # the container of a previous agent: its components are adopted
             found = await self.engine.inspect()
@@ -371,13 +374,12 @@ class ContainerMode:
 
 class InContainerHost:
     """The supervisor as the host of a component inside the container: launches, adoption and stops go through
-    the container (`inside=`); everything else is the supervisor's own."""
+    the container (`inside=`); the rest of `component.ComponentHost` is the supervisor's own, forwarded by name
+    (no `__getattr__`: what a component may ask of its host stays the Protocol's list)."""
 
-    def __init__(self, sup: Any, mode: ContainerMode) -> None:
+    def __init__(self, sup: NodeHost, mode: ContainerMode) -> None:
         self._sup, self._mode = sup, mode
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sup, name)
+        self.events, self.clock = sup.events, sup.clock
 
     async def prepare(self, comp: Component) -> None:
         await self._sup.prepare(comp, inside=self._mode)
@@ -390,3 +392,46 @@ class InContainerHost:
 
     async def terminate(self, comp: Component, proc: Process, why: str) -> dict[str, Any]:
         return await self._sup.terminate(comp, proc, why, inside=self._mode)
+
+    def start_gate(self, comp: Component, operator: bool) -> Hold | None:
+        return self._sup.start_gate(comp, operator)
+
+    def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
+        return self._sup.gate_waiters(comp)
+
+    def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
+        return self._sup.output_tail(comp, proc)
+
+    def drain_timeout(self, comp: Component) -> float | None:
+        return self._sup.drain_timeout(comp)
+
+    async def inflight(self, comp: Component) -> tuple[int, int] | None:
+        return await self._sup.inflight(comp)
+
+    def decide(self, comp: Component, failure: Failure) -> RestartDecision | None:
+        return self._sup.decide(comp, failure)
+
+    def capture(self, comp: Component, failure: Failure) -> Any:
+        return self._sup.capture(comp, failure)
+
+    def archive(self, comp: Component, failure: Failure, evidence: Any, tree: Any,
+                decision: RestartDecision | None) -> None:  # fmt: skip
+        self._sup.archive(comp, failure, evidence, tree, decision)
+
+    def request_redeploy(self, reason: str, components: Sequence[str] | None = None) -> bool:
+        return self._sup.request_redeploy(reason, components)
+
+    def blast(self, blast: Blast, origin: str | None = None) -> tuple[str, ...]:
+        return self._sup.blast(blast, origin)
+
+    def on_process(self, comp: Component) -> None:
+        self._sup.on_process(comp)
+
+    def on_up(self, comp: Component) -> None:
+        self._sup.on_up(comp)
+
+    def on_going_down(self, comp: Component) -> None:
+        self._sup.on_going_down(comp)
+
+    def on_state(self, comp: Component) -> None:
+        self._sup.on_state(comp)

@@ -1,6 +1,6 @@
 """What holds a start besides the supervisor's own gate: a failed preflight, and broken NPU hardware.
 
-Both answer the node's start gate (the guards attach to the supervisor as a `stackport.NodeLayer`), so they hold
+Both answer the node's start gate (the agent attaches the guards as a `stackport.NodeLayer`), so they hold
 without counting failures or escalating. Preflight
 runs before the stack first starts and again every minute while it fails (an operator fixing the host sees
 the stack start without restarting the agent); an operator's start of a component passes it, `--force` or
@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.cluster.tasks import log_death
 from nodeagent.npu_monitor import NpuMonitor, our_pids
 from nodeagent.proctable import TABLES
 from nodeagent.recovery import NodeRecovery
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, StackPort
 from nodeagent.worker_headroom import WorkerHeadroom
 
 if TYPE_CHECKING:
+    from nodeagent.config_model import Config
+    from nodeagent.events import EventBus
     from nodeagent.failure import Failure
     from nodeagent.preflight import PreflightReport
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.process import ProcessRecord
 
 PREFLIGHT_RECHECK_S = 60.0
 PER_COMPONENT_CHECKS = frozenset({"ports", "npu_processes", "npu_health"})
@@ -33,8 +36,27 @@ process holds that component's start (residue), a sick chip holds vLLM (NPU moni
 whole stack."""
 
 
+class GuardedNode(StackPort, Protocol):
+    """What the guards (and the ladder, the headroom they make) use of the node: the port, and beside it the
+    config, the event bus the NPU monitor reports on, where the monitor is given, the processes that are ours
+    (a foreign NPU process is one that is not), a change to tell of, and the node's redeploy times."""
+
+    config: Config
+    events: EventBus
+
+    def use_npu_monitor(self, npu: NpuMonitor) -> None: ...
+
+    def process_records(self) -> Mapping[str, ProcessRecord]: ...
+
+    def state_changed(self) -> None: ...
+
+    @property
+    def redeploys(self) -> Any:
+        """The node's redeploy policy (`redeploy_times`: when each node redeploy began)."""
+
+
 class StartGuards:
-    def __init__(self, supervisor: Supervisor, mode: str = "enforce") -> None:
+    def __init__(self, supervisor: GuardedNode, mode: str = "enforce") -> None:
         self.sup = supervisor
         self.mode = mode
         """enforce: a FAIL holds the stack; warn: reported only; off: not run."""
@@ -43,11 +65,11 @@ class StartGuards:
         self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
         self.npu.on_change.append(supervisor.wake)
         supervisor.use_npu_monitor(self.npu)
-        supervisor.attach(self)
         self.recovery = NodeRecovery(supervisor.config, supervisor, self.npu, changed=supervisor.state_changed,
                                      redeploy_times=lambda: list(supervisor.redeploys.redeploy_times))
         """The ladder past node redeploy (chip reset, isolation): a layer of its own, after this one."""
-        WorkerHeadroom(supervisor.config, supervisor)  # a SIGKILLed worker's shared memory (openYuanrong FAQ §3)
+        self.headroom = WorkerHeadroom(supervisor.config, supervisor)
+        """A SIGKILLed worker's shared memory (openYuanrong FAQ §3): a layer of its own, after the ladder."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._announced: tuple[str, ...] = ()
 
@@ -77,6 +99,9 @@ class StartGuards:
 
     def status_section(self) -> dict[str, Any]:
         return {}  # the API adds `status()` itself (the preflight report is not for status.json)
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         pass

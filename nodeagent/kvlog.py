@@ -20,7 +20,7 @@ from nodeagent.host import Clock
 from nodeagent.kvtimeouts import TransferTimeouts, layout_resolver
 from nodeagent.layout import cluster_layout
 from nodeagent.render import component_dir
-from nodeagent.stackport import ReportLayer
+from nodeagent.stackport import MemberReport, ReportLayer
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -45,7 +45,6 @@ class KvTransferLog(ReportLayer):
                         if c in config.active_components()}  # fmt: skip
         self.offsets: dict[str, int] = {}
         self.port = port
-        port.attach(self)
 
     @property
     def config(self) -> Config:
@@ -86,6 +85,13 @@ class KvTransferLog(ReportLayer):
             await self.clock.sleep(PERIOD_S)
 
     def status_section(self) -> dict[str, Any]:
+        return {"kv_transfers": self.recent()}
+
+    def member_report(self) -> MemberReport:
+        return MemberReport(kv_transfers=self.recent())
+
+    def recent(self) -> list[list[Any]]:
+        """The last `PUBLISHED` failures in the window, `[time, engine, peer]` each."""
         self.counter.pair_counts(self.clock.time())  # trims the window
-        return {"kv_transfers": [[round(t, 3), e, p] for t, e, p in list(self.counter.events)[-PUBLISHED:]]}
+        return [[round(t, 3), e, p] for t, e, p in list(self.counter.events)[-PUBLISHED:]]
 

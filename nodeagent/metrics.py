@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
@@ -46,7 +46,6 @@ class Stack(Protocol):
     config: Config
     on_probe_result: list[Any]
     on_load: list[Any]
-    recovery_view: Callable[[], Mapping[str, Any] | None]
 
     @property
     def components(self) -> Mapping[str, Any]: ...
@@ -58,6 +57,8 @@ class Stack(Protocol):
     def paused(self) -> bool: ...
 
     def desired(self, name: str) -> str: ...
+
+    def snapshot(self) -> Any: ...
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,7 +114,7 @@ class _StackCollector:
                                 value=float(sup.paused))  # fmt: skip
         yield GaugeMetricFamily("dsv4_node_failed", "1 while the node is in the failed state (alert).",
                                 value=float(sup.redeploys.failed))  # fmt: skip
-        ladder = sup.recovery_view() or {}
+        ladder = sup.snapshot().recovery or {}
         yield GaugeMetricFamily("dsv4_node_isolated", "1 while the node is isolated: chip resets did not help or an "
                                 "NPU must be separated; until nodeagentctl uncordon (alert).",
                                 value=float(ladder.get("state") == "isolated"))  # fmt: skip

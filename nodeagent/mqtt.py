@@ -100,7 +100,6 @@ class MqttPublisher:
     def start(self) -> None:
         """Subscribe before the agent's first event, so the broker gets every one."""
         self._queue = self.sup.events.subscribe()
-        self.sup.on_state_change.append(self.status_changed)
         self._tasks = [asyncio.create_task(coro, name=f"mqtt-{name}") for name, coro in
                        (("pump", self._pump()), ("link", self._link()), ("cache", self._scrape_loop()))]  # fmt: skip
         for task in self._tasks:
@@ -108,7 +107,7 @@ class MqttPublisher:
         logger.info(f"MQTT: publishing to {self.broker} under {self.topics.status.rsplit('/', 1)[0]}/")
 
     def status_changed(self) -> None:
-        """Supervisor.on_state_change: cheap; the publish is coalesced."""
+        """Every change of the node (a `ChangeObserver`): cheap; the publish is coalesced."""
         self._status_dirty = True
         self._wake.set()
 
@@ -139,8 +138,6 @@ class MqttPublisher:
                     await task
             if self._queue is not None:
                 self.sup.events.unsubscribe(self._queue)
-            with contextlib.suppress(ValueError):
-                self.sup.on_state_change.remove(self.status_changed)
             await self.scraper.close()
         if len(self.outbox) or not self.connects:
             logger.warning(f"MQTT: exiting with {len(self.outbox)} events undelivered to {self.broker}"

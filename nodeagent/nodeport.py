@@ -1,33 +1,36 @@
 """The node's side of the seam: the supervisor as a `stackport.StackPort` for the layers above it, and the one
 ordered list of gates every start passes (the node's own, then the layers').
 
-The layers (the cluster coordinator, the start guards) attach once each (`attach`). They read frozen views
-(`snapshot`, `component`) and act only through the port's commands (`restart`, `clean`, `wait`, ...). The node
-asks every layer at one place each: its gate (`layer_hold`), its say on a failure (`layer_decision`), an
-operator's command (`layer_command`), its /status sections (`layer_status`), and tells it of every change
-(`tell_layers`).
+The layers (the cluster coordinator, the start guards) are attached once each (`attach`, by `agent.Agent.layers`).
+They read frozen views (`snapshot`, `component`) and act only through the port's commands (`restart`, `clean`,
+`wait`, ...). The node asks every layer at one place each: its gate (`layer_hold`), its say on a failure
+(`layer_decision`), an operator's command (`layer_command`), its /status sections (`layer_status`), what it adds
+to the member record (`member_report`), and tells it of every change (`tell_layers`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.blast_radius import Blast, Member, redeploy_scope
 from nodeagent.cluster.tasks import guarded
+from nodeagent.component_status import loading_for
 from nodeagent.failure import Failure
 from nodeagent.intent import stack_identity
 from nodeagent.liveness_hold import LivenessHolds
+from nodeagent.loadtime import load_status
 from nodeagent.policy import RestartDecision, hold_for_dependency, restarts_with
 from nodeagent.stackport import (
     ComponentView,
     Delegated,
     Hold,
     HoldKind,
+    MemberReport,
     NodeLayer,
     NodeView,
     ProxyBackends,
@@ -84,8 +87,8 @@ class NodePort:
         self._cluster_pause: dict[str, Any] | None = None
         """The cluster-wide maintenance pause as last read from etcd (kept while etcd is unreachable)."""
         self._recorded = frozenset(n for n in recorded if n in self.components)
-        self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
-        """The ladder's state for `NodeView.recovery` (`recovery.NodeRecovery` sets it when it attaches)."""
+        self._recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
+        """The ladder's state for `NodeView.recovery` (`recovery.NodeRecovery` gives it: `show_recovery`)."""
         self.node_gates: tuple[Callable[[Component, bool], Hold | None], ...] = (
             self._desired_hold, self._pause_hold, self.dependency_hold, self._redeploy_hold, self._dependency_hold)
         """The node's own gates, in `stackport.HOLD_ORDER`; the layers' gates follow them."""
@@ -124,12 +127,14 @@ class NodePort:
 
     def view(self, comp: Component) -> ComponentView:
         record = comp.record
+        load = load_status(comp.loads, loading_for(comp, self.clock.time())) or {}
         return ComponentView(
             name=comp.name, kind=comp.kind, state=comp.state, running=comp.running, up=comp.up.is_set(),
             ready=comp.ready, desired=Desired(self.desired(comp.name)), deps=tuple(self.deps(comp)),
             deps_up=not self.deps_waiting(comp), restart=comp.cfg.restart, pid=record.pid if record else None,
             hold=comp.hold, clean=comp.stopped_cleanly,
             ft_unsupported=comp.proc.extra.get("ft_unsupported") if comp.proc is not None else None,
+            last_load_s=load.get("last_s"), loading=load.get("loading_s") is not None, load_left_s=load.get("left_s"),
         )  # fmt: skip
 
     def snapshot(self) -> NodeView:
@@ -137,7 +142,7 @@ class NodePort:
                         redeploying=self.redeploying is not None and not self.redeploying.done(),
                         components={n: self.view(c) for n, c in self.components.items()},
                         adoptable=frozenset(n for n in self._recorded if not self.components[n].adoption_tried),
-                        recovery=self.recovery_view())  # fmt: skip
+                        recovery=self._recovery_view())  # fmt: skip
 
     def component(self, name: str) -> ComponentView:
         return self.view(self.get(name))
@@ -197,6 +202,9 @@ class NodePort:
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
 
+    def recent_events(self, kinds: Collection[str]) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events.recent if e.event in kinds]
+
     def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
         self.get(name)
         self.liveness_holds.set(name, reason, for_s)
@@ -232,6 +240,15 @@ class NodePort:
         except Exception:  # a bug of the layer must not keep the proxy from starting: as without it
             logger.exception("asking the cluster layer what {} is launched with failed", name)
             return None
+
+    def show_recovery(self, view: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._recovery_view = view
+
+    def member_report(self) -> MemberReport:
+        report = MemberReport()
+        for layer in self.layers:
+            report = report.merged(layer.member_report())
+        return report
 
     def attach(self, layer: NodeLayer) -> None:
         if any(existing is layer for existing in self.layers):

@@ -37,7 +37,7 @@ from nodeagent.ladder import (
 from nodeagent.layout import cluster_layout
 from nodeagent.npu import NpuToolError
 from nodeagent.npu_health import Fault, Level
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def policy_of(config: Config) -> LadderPolicy:
 
 
 class NodeRecovery:
-    """The ladder's executor for one node (attaches to the port as a `NodeLayer` when made)."""
+    """The ladder's executor for one node (a `NodeLayer`: the composition root attaches it, `agent.layers`)."""
 
     def __init__(self, config: Config, port: StackPort, npu: NpuMonitor, *, changed: Callable[[], None],
                  redeploy_times: Callable[[], list[float]], clock: Clock | None = None,
@@ -118,8 +118,7 @@ class NodeRecovery:
         self._wake = asyncio.Event()
         self._pending_writes: set[asyncio.Future[Any]] = set()
         npu.on_change.append(self.wake)
-        port.recovery_view = self.view  # type: ignore[attr-defined]  # the supervisor's hook (nodeport), not StackPort's
-        port.attach(self)
+        port.show_recovery(self.view)
 
     @property
     def config(self) -> Config:
@@ -174,6 +173,9 @@ class NodeRecovery:
 
     def status_section(self) -> dict[str, Any]:
         return {"recovery": self.status(), "isolated": self.state.isolated}
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         pass
@@ -367,8 +369,7 @@ class NodeRecovery:
     def _write_bundle(self, rung: str, reason: str, outcome: str) -> None:
         from nodeagent.postmortem import Evidence
 
-        events = [e.to_dict() for e in getattr(getattr(self.port, "events", None), "recent", [])
-                  if e.event in LADDER_EVENTS][-60:]  # fmt: skip
+        events = self.port.recent_events(LADDER_EVENTS)[-60:]
         evidence = Evidence(component="node", kind=rung, at=self.clock.time(),
                             failure={"rung": rung, "reason": reason, "steps": list(self.steps)}, decision=outcome,
                             events=events, npu={"monitor": self.npu.status(), "ladder": self.status()})  # fmt: skip

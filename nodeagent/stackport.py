@@ -4,7 +4,10 @@ The node (`Supervisor`) implements `StackPort`; the cluster layer (`nodeagent.cl
 through it: frozen snapshots of the components and of the node's intent, and the few commands the cluster may
 give. The cluster layer in turn is a `NodeLayer`: the node asks it, at one place each, whether a component may
 start (`gate`), what a failure means (`decide`), whether it carries out an operator command itself (`command`),
-and what to add to `/status` (`status_section`). The start guards (preflight, NPU health) attach the same way.
+and what to add to `/status` (`status_section`) and to the member record other nodes read (`member_report`,
+typed: never picked out of /status). The start guards (preflight, NPU health) are layers too; the composition
+root (`agent.Agent.layers`) attaches every layer, in the one order written there. Observers of the node's
+changes are layers that only listen (`ChangeObserver`): there is no second change channel.
 `nodeagent.nodeport` is the supervisor's side; `bench/cluster_sim.py` and the process-less cluster tests
 implement `StackPort` with fakes.
 
@@ -14,7 +17,7 @@ asks one ordered list of gates (`HOLD_ORDER`: its own, then every layer's); the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -129,6 +132,12 @@ class ComponentView:
     ft_unsupported: str | None = None
     """Its config asks for vLLM's fault tolerance but the vLLM it was launched with cannot take it (why): the
     flags were left out of its command line."""
+    last_load_s: float | None = None
+    """Its last load's seconds (start → up); None: never loaded here."""
+    loading: bool = False
+    """Its launch is loading now (not an adopted process: its start is not ours to time)."""
+    load_left_s: float | None = None
+    """While loading: about how long is left (0: longer than usual); None: no estimate (a first load)."""
 
     @property
     def stopped(self) -> bool:
@@ -161,6 +170,24 @@ class NodeView:
 
 
 @dataclass(frozen=True)
+class MemberReport:
+    """What the layers add to the member record other nodes read (`cluster/member_record.py`): typed, so that a
+    /status key renamed changes nothing between nodes. Each field comes from the first layer that gives it."""
+
+    gangs: Mapping[str, Any] | None = None
+    """The coordinator's: the generation each group's ranks here were started for (`Coordinator.acks`)."""
+    kv_transfers: Sequence[Sequence[Any]] | None = None
+    """`kvlog`'s: recent KV transfer failures, `[time, engine, peer]` each (the PD watch sums them per pair)."""
+
+    def merged(self, other: MemberReport | None) -> MemberReport:
+        """This report's fields, and `other`'s where this one has none."""
+        if other is None:
+            return self
+        return MemberReport(gangs=self.gangs if self.gangs is not None else other.gangs,
+                            kv_transfers=self.kv_transfers if self.kv_transfers is not None else other.kv_transfers)
+
+
+@dataclass(frozen=True)
 class ProxyBackends:
     """The endpoints (HOST:PORT) a PD proxy starting now is launched with, per kind: the ones the cluster layer
     routes to. `full`: the kinds launched with every endpoint of the config after all (nothing of that kind is
@@ -186,6 +213,10 @@ class StackPort(Protocol):
         """The node's config now: a reload or a rollout's staging replaces it. A layer reads its settings here
         each time and keeps no copy of its own (issue 29: five layers kept the config they were made with)."""
 
+    @property
+    def base_env(self) -> Mapping[str, str]:
+        """The environment the node launches its components with (a rendered command's, e.g. `PYTHONHASHSEED`)."""
+
     def snapshot(self) -> NodeView: ...
 
     def component(self, name: str) -> ComponentView:
@@ -210,6 +241,9 @@ class StackPort(Protocol):
     def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
              **data: Any) -> None: ...  # fmt: skip
 
+    def recent_events(self, kinds: Collection[str]) -> list[dict[str, Any]]:
+        """The node's recent events of these kinds, oldest first (a post-mortem bundle's history)."""
+
     def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
         """Do not act on this component's liveness failures for `for_s` (reason: why, for the operator); None
         releases. A failure held is judged again by the first liveness result after the hold (`liveness_hold`)."""
@@ -233,9 +267,17 @@ class StackPort(Protocol):
         """Launch the proxy component `name` with the backends `routing` answers (once; again: ValueError). Its
         launch fingerprint stays the config's command line: a reload compares the config, not the routing."""
 
+    def show_recovery(self, view: Callable[[], Mapping[str, Any] | None]) -> None:
+        """Where `NodeView.recovery` is read from (the node's ladder, `nodeagent.recovery`, once)."""
+
+    def member_report(self) -> MemberReport:
+        """What the attached layers add to this node's member record (each field from the first that gives it)."""
+
     def attach(self, layer: NodeLayer) -> None:
         """A layer attaches once (again: ValueError); the node asks it at its gate, its decisions, operator
-        commands and its status, and tells it of every change."""
+        commands and its status, and tells it of every change — the node's one change channel (an observer that
+        only listens is a `ChangeObserver`). The layers are asked in the order they attached: the composition
+        root (`agent.py`) attaches them, in one place."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +309,9 @@ class NodeLayer(Protocol):
     def on_node_change(self) -> None:
         """A component's state or the node's intent changed (cheap: wake the layer's loop)."""
 
+    def member_report(self) -> MemberReport | None:
+        """What it adds to the member record other nodes read; None: nothing."""
+
 
 class ReportLayer:
     """A layer that only reports (its /status section): it holds no start, decides no failure, takes no command."""
@@ -285,3 +330,17 @@ class ReportLayer:
 
     def on_node_change(self) -> None:
         pass
+
+    def member_report(self) -> MemberReport | None:
+        return None
+
+
+class ChangeObserver(ReportLayer):
+    """A layer that only listens: told of every change of the node (sd_notify's status line, MQTT, the member
+    record). The node has one change channel, `attach`; this is it for an observer."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self.changed = changed
+
+    def on_node_change(self) -> None:
+        self.changed()

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import launcher, logsink, residue, residue_plan, vllm_install
@@ -59,8 +59,6 @@ class Supervisor(NodePort, NodeLoops):
         self.clock = clock or Clock()
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
-        self.on_state_change: list[Callable[[], None]] = []
-        """Observers of every change outside the layers (sd_notify, MQTT, the member record); keep them cheap."""
         self.on_probe_result: list[Any] = []
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.on_load: list[Any] = []
@@ -253,9 +251,7 @@ class Supervisor(NodePort, NodeLoops):
         if self._flush_handle is None:
             with contextlib.suppress(RuntimeError):
                 self._flush_handle = asyncio.get_running_loop().call_later(STATE_FLUSH_S, self.flush_state)
-        for callback in self.on_state_change:  # each on its own: a raising observer stops neither us nor the others
-            guarded(f"state observer {getattr(callback, '__qualname__', callback)}", callback)
-        self.tell_layers()
+        self.tell_layers()  # the one change channel: the layers, and observers attached as `ChangeObserver`
 
     def flush_state(self) -> None:
         self._flush_handle = None

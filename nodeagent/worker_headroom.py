@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
@@ -67,7 +67,6 @@ class WorkerHeadroom:
         self._read = read
         self.waiting: dict[str, tuple[str, ...]] = {}
         """worker → the vLLM ranks it waits for (they still map the dead worker's segments)."""
-        port.attach(self)
 
     @property
     def config(self) -> Config:
@@ -117,6 +116,9 @@ class WorkerHeadroom:
 
     def status_section(self) -> dict[str, Any]:
         return {}
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         if self.waiting:

@@ -124,6 +124,7 @@ async def start_in_process(home: Path, data: dict[str, Any] | None = None) -> In
                       socket_dir)  # fmt: skip
     try:
         agent.start_mqtt(server)  # as Agent.run does: before the first event
+        agent.attach_layers()  # as Agent.run does: before the stack starts
         await agent.supervisor.start()
         await stack.wait_states({name: {"running", "ready"} for name in config.active_components()})
     except BaseException:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from nodeagent.stackport import (
     Delegated,
     Hold,
     HoldKind,
+    MemberReport,
     NodeLayer,
     NodeView,
     ProxyBackends,
@@ -307,7 +308,7 @@ class FakeStack:
         self.on_wipe_etcd: Callable[[], None] | None = None
         self.adoptable: frozenset[str] = frozenset()
         self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
-        """The node's ladder (`nodeagent.recovery.NodeRecovery` sets it when attached)."""
+        """The node's ladder (`nodeagent.recovery.NodeRecovery` gives it: `show_recovery`)."""
         self.agent_alive = True
         """False between an agent's death and its successor: nothing starts a process then."""
         self._poked = asyncio.Event()
@@ -501,7 +502,8 @@ class FakeStack:
                              ready=comp.ready, desired=comp.desired, deps=comp.deps,
                              deps_up=all(self.components[d].up for d in comp.deps), restart=comp.restart_spec,
                              pid=comp.pid, hold=comp.hold, clean=comp.clean,
-                             ft_unsupported=comp.ft_unsupported if comp.running else None)  # fmt: skip
+                             ft_unsupported=comp.ft_unsupported if comp.running else None,
+                             last_load_s=comp.loads[-1] if comp.loads else None)  # fmt: skip
 
     @property
     def paused(self) -> bool:
@@ -576,6 +578,9 @@ class FakeStack:
              **data: Any) -> None:  # fmt: skip
         self.events.emit(kind, message, component, level, **data)
 
+    def recent_events(self, kinds: Collection[str]) -> list[dict[str, Any]]:
+        return [e.to_dict() for e in self.events.recent if e.event in kinds]
+
     def hold_liveness(self, name: str, reason: str | None, for_s: float = 0.0) -> None:
         self.component(name)
         self.liveness_hold_log.append((name, reason))
@@ -615,6 +620,15 @@ class FakeStack:
         if name in self.routing:
             raise ValueError(f"{name} is routed already")
         self.routing[name] = routing
+
+    def show_recovery(self, view: Callable[[], Mapping[str, Any] | None]) -> None:
+        self.recovery_view = view
+
+    def member_report(self) -> MemberReport:
+        report = MemberReport()
+        for layer in self.layers:
+            report = report.merged(layer.member_report())
+        return report
 
     def attach(self, layer: NodeLayer) -> None:
         self.layers.append(layer)
@@ -805,6 +819,9 @@ class World:
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
                                             clock=self.clock, inflight=inflight, canary=canary,
                                             scrape=scrape)  # fmt: skip
+        for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
+            if layer is not None:
+                stack.attach(layer)
         self._start_container(stack)
         membership.start()
         coordinator.start()

@@ -481,6 +481,9 @@ class FakeLayer:
     def status_section(self) -> dict[str, Any]:
         return {"fake_layer": {"asked": len(self.asked)}}
 
+    def member_report(self) -> None:
+        return None
+
     def on_node_change(self) -> None:
         self.changes += 1
 

@@ -28,6 +28,7 @@ async def test_a_failed_preflight_holds_the_stack_until_it_passes(tmp_path: Path
     sup = agent.supervisor
     try:
         await agent.guards.start()
+        agent.attach_layers()  # as Agent.run does: the composition root attaches every layer, in its order
         await sup.start()
         a = sup.components["a"]
         await wait_until("held", lambda: a.held and a.held.startswith("preflight failed: memory: MemAvailable"))
@@ -55,6 +56,7 @@ async def test_force_turns_failures_into_warnings(tmp_path: Path, monkeypatch: p
     agent = Agent(load_checked(path), path, force=True)
     try:
         await agent.guards.start()
+        agent.attach_layers()
         await agent.supervisor.start()
         await wait_until("up despite the FAIL", lambda: agent.supervisor.components["b"].up.is_set())
         assert any(e.event == "preflight_warning" for e in agent.supervisor.events.recent)
@@ -62,3 +64,19 @@ async def test_force_turns_failures_into_warnings(tmp_path: Path, monkeypatch: p
         await agent.guards.close()
         await agent.supervisor.shutdown()
         await asyncio.sleep(0)
+
+
+def test_the_composition_root_writes_the_order_of_layers_once(tmp_path: Path) -> None:
+    """Who decides first is `Agent.layers()`' order, and nothing else attaches: the guards (gates), the NPU ladder,
+    the worker's headroom, then the observers; a layer made is not attached until the root attaches it."""
+    from nodeagent.recovery import NodeRecovery
+    from nodeagent.stackport import ChangeObserver
+    from nodeagent.worker_headroom import WorkerHeadroom
+
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
+    agent = Agent(load_checked(path), path)
+    assert agent.supervisor.layers == [], "made, not attached"
+    agent.attach_layers()
+    kinds = [type(layer) for layer in agent.supervisor.layers]
+    assert kinds == [type(agent.guards), NodeRecovery, WorkerHeadroom, ChangeObserver], kinds
+

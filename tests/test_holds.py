@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from cluster_fakes import FakeStack
+
 from nodeagent.stackport import HOLD_ORDER, NODE_KINDS, PAUSES, STOPS_AUTOMATIC, Hold, HoldKind, StackPort, first_hold
 from nodeagent.supervisor import Supervisor
 
@@ -70,8 +72,9 @@ def test_the_supervisor_and_the_simulation_implement_the_whole_port() -> None:
     wanted = port_methods()
     assert {"snapshot", "component", "restart", "command", "clean", "wait", "emit", "set_cluster_pause",
             "cluster_pause", "wake", "attach", "block_ready", "postmortem", "hold_liveness",
-            "route_proxy"} == set(wanted)  # fmt: skip
-    for host in (Supervisor, load_cluster_sim().SimHost):
+            "route_proxy", "show_recovery", "member_report", "recent_events"} == set(wanted)  # fmt: skip
+    assert isinstance(vars(StackPort)["base_env"], property), "a declared member, never a getattr"
+    for host in (Supervisor, load_cluster_sim().SimHost, FakeStack):
         for name, sig in wanted.items():
             method = getattr(host, name, None)
             assert method is not None, f"{host.__name__} lacks {name}"

@@ -105,8 +105,10 @@ async def test_a_raising_observer_neither_stops_the_component_nor_the_other_obse
         def on_node_change(self) -> None:
             raise RuntimeError("layer bug")
 
-    r.sup.on_state_change.insert(0, raising)
-    r.sup.on_state_change.append(lambda: seen.append(str(b.state)))
+    from nodeagent.stackport import ChangeObserver
+
+    r.sup.attach(ChangeObserver(raising))  # the one change channel: observers are layers that only listen
+    r.sup.attach(ChangeObserver(lambda: seen.append(str(b.state))))
     counting = FakeLayer()
     r.sup.attach(RaisingLayer())
     r.sup.attach(counting)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from conftest import free_port
 
@@ -81,13 +82,23 @@ async def test_a_real_agent_times_each_vllm_load_shows_the_time_left_and_keeps_t
 
 
 def test_the_others_see_a_short_line_in_the_member_key_and_the_cluster_table() -> None:
-    from nodeagent.cluster.membership import member_record
+    from nodeagent.cluster.member_record import member_record
     from nodeagent.clustercmd import _components
+    from nodeagent.config_model import RestartSpec
+    from nodeagent.stackport import ComponentView, MemberReport, NodeView
 
-    loading = {"state": "starting", "pid": 7, "ready": False, "load": load_status([1800.0], 600)}
-    done = {"state": "ready", "pid": 8, "ready": True, "load": load_status([1800.0, 1900.0], None)}
-    record = member_record({}, {"components": {"vllm": loading, "vllm-dp1": done, "etcd": {"state": "running"}}},
-                           type("Identity", (), {"to_dict": lambda self: {}})(), 0.0)  # fmt: skip
+    def view(name: str, state: str, load: dict[str, Any] | None) -> ComponentView:
+        load = load or {}
+        return ComponentView(name=name, kind="vllm", state=state, running=True, up=False, ready=False,
+                             desired="running", deps=(), deps_up=True, restart=RestartSpec(), pid=7,
+                             last_load_s=load.get("last_s"), loading=load.get("loading_s") is not None,
+                             load_left_s=load.get("left_s"))  # fmt: skip
+
+    views = {"vllm": view("vllm", "starting", load_status([1800.0], 600)),
+             "vllm-dp1": view("vllm-dp1", "ready", load_status([1800.0, 1900.0], None)),
+             "etcd": view("etcd", "running", None)}  # fmt: skip
+    node = NodeView(node="n0", paused=False, pause=None, redeploying=False, components=views)
+    record = member_record({}, node, MemberReport(), {}, 0.0).to_wire()
     comps = record["components"]
     assert comps["vllm"]["load"] == "~20 min left" and comps["vllm"]["last_load_s"] == 1800.0
     assert "load" not in comps["vllm-dp1"] and comps["vllm-dp1"]["last_load_s"] == 1900.0

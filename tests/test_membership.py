@@ -15,12 +15,15 @@ from fakestore import FakeStore
 
 from nodeagent.cluster.membership import Identity, Membership, member_key
 from nodeagent.config import load_config
+from nodeagent.config_model import RestartSpec
 from nodeagent.events import EventBus
 from nodeagent.host import Clock
+from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView
 
 
 class Host:
-    """The two things membership reads from the agent: its status and its event bus."""
+    """What membership reads of the node (`membership.MemberHost`): its view, the layers' report, its events.
+    `components` as a test writes them: state, pid, ready, hold (a `Hold.to_dict()`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -28,8 +31,23 @@ class Host:
         self.base_env: dict[str, str] = {}
         self.components = {"datasystem": {"state": "ready", "pid": 11}, "vllm": {"state": "starting", "pid": 12}}
 
-    def status(self) -> dict[str, Any]:
-        return {"node": {"name": self.name}, "paused": False, "components": self.components}
+    def snapshot(self) -> NodeView:
+        def view(name: str, c: dict[str, Any]) -> ComponentView:
+            h = c.get("hold")
+            hold = Hold(HoldKind(h["kind"]), h["reason"], resolves_itself=h["resolves_itself"]) if h else None
+            return ComponentView(name=name, kind="vllm", state=c["state"], running=c["pid"] is not None, up=False,
+                                 ready=bool(c.get("ready")), desired="running", deps=(), deps_up=True,
+                                 restart=RestartSpec(), pid=c["pid"], hold=hold)  # fmt: skip
+
+        return NodeView(node=self.name, paused=False, pause=None, redeploying=False,
+                        components={n: view(n, c) for n, c in self.components.items()})  # fmt: skip
+
+    def member_report(self) -> MemberReport:
+        return MemberReport()
+
+    def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
+             **data: Any) -> None:  # fmt: skip
+        self.events.emit(kind, message, component, level, **data)
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         return [e.to_dict() for e in self.events.recent if e.event == kind]
@@ -106,7 +124,7 @@ async def test_members_see_each_other_with_their_records(cluster: Any) -> None:
                           "ranks": {"start": 0, "count": 1}, "present": False, "listed": True}  # fmt: skip
     record = rows["n1"]
     assert record["role"] == "worker" and record["group"] == "g-n1" and record["pythonhashseed"] == {"vllm": "0"}
-    assert record["components"]["vllm"] == {"state": "starting", "pid": 12, "ready": None}
+    assert record["components"]["vllm"] == {"state": "starting", "pid": 12, "ready": False}
     assert record["api_url"] == f"http://127.0.0.1:{c.harness.api_ports['n1']}"
     assert record["cluster_hash"] == rows["n0"]["cluster_hash"] and len(record["cluster_hash"]) == 64
     assert view["missing"] == ["n2"] and view["warnings"] == [], "no 'missing' during the first TTL"
@@ -189,9 +207,10 @@ async def test_a_burst_of_member_events_costs_one_consistency_check(cluster: Any
 
 
 def n1_record(m: Membership) -> dict[str, Any]:
-    from nodeagent.cluster.membership import member_record
+    from nodeagent.cluster.member_record import member_record
 
-    return member_record(m.static, m.host.status(), m.identity, m.clock.time())
+    return member_record(m.static, m.host.snapshot(), m.host.member_report(), m.identity.to_dict(),
+                         m.clock.time()).to_wire()
 
 
 async def test_a_duplicate_name_is_not_overwritten_and_takes_over_once_free(cluster: Any) -> None:

@@ -179,6 +179,7 @@ async def test_a_decoder_answering_without_tokens_is_restarted(world: World, emp
     co = world.agents["n0"].coordinator
     watch = PdWatch(co, PdWatchConfig(probe_period_s=10), lambda: {}, model="dsv4", clock=world.clock,
                     http=backends)  # fmt: skip
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     await world.advance(35)
     (d0,) = co.layout.group("d0").endpoints
@@ -224,6 +225,7 @@ async def test_every_decode_rank_is_probed_and_a_bad_one_restarts_its_group(worl
             200, json.dumps({"choices": [{"text": " a"}], "usage": {"completion_tokens": 1}}))
     watch = PdWatch(co, PdWatchConfig(probe_period_s=12), lambda: {}, model="dsv4", clock=world_dp.clock,
                     http=backends)  # fmt: skip
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     await world_dp.advance(30)
     if bad == "none":
@@ -264,6 +266,7 @@ async def test_a_bad_prefill_rank_is_not_blamed_on_the_decoders(world_dp: World,
         backends.dead.add(int(p1.rsplit(":", 1)[1]))
         settings = PdWatchConfig(probe_period_s=10, empty_after=1)
     watch = PdWatch(co, settings, lambda: {}, model="dsv4", clock=world_dp.clock, http=backends)
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     await world_dp.advance(65)
     assert d0_starts(world_dp) == [1, 1] and not watch.acted
@@ -292,6 +295,7 @@ async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault_and_
         backends.on_proxy = lambda: backends.decode_answers.update({int(second.rsplit(":", 1)[1]): (200, "")})
     settings = PdWatchConfig(probe_period_s=10, empty_after=5, proxy_fault_after=0 if case == "restart off" else 2)
     watch = PdWatch(co, settings, lambda: {}, model="dsv4", clock=world_dp.clock, http=backends)
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     await world_dp.advance(15)
     proxy = watch.status_section()["pd_watch"]["proxy"]
@@ -345,6 +349,7 @@ async def test_prefill_full_of_a_dead_decoders_kv_restarts_while_decode_is_down(
         backends.usage = {port_of(world, "p0"): 0.93, port_of(world, "p1"): 0.97}
     watch = PdWatch(co, PdWatchConfig(probe_period_s=10), lambda: {}, model="dsv4", clock=world.clock,
                     http=backends)  # fmt: skip
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     sync = co.proxies[0]
     world.stacks["n1"].components["vllm"].start_s = 60.0  # a restarted prefill is out of the proxy a while
@@ -379,6 +384,7 @@ async def test_transfer_failures_with_every_prefill_restart_the_decoder_only(wor
     record = {"kv_transfers": [[now - 10 + i, "d0", peer] for peer in ("p0", "p1") for i in range(failures)]}
     settings = PdWatchConfig(probe_period_s=10, transfer_window_s=3600)  # still in the window after the cooldown
     watch = PdWatch(co, settings, lambda: {"n2": record}, model="dsv4", clock=world.clock, http=Backends())
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     co.spawn(watch.run())
     await world.advance(30)
     if failures >= 5:
@@ -396,6 +402,7 @@ async def test_one_restart_of_a_group_per_cooldown_whatever_the_reason(world: Wo
     co = world.agents["n0"].coordinator
     watch = PdWatch(co, PdWatchConfig(probe_period_s=10), lambda: {}, model="dsv4", clock=world.clock,
                     http=Backends())  # fmt: skip
+    watch.co.port.attach(watch)  # as the agent attaches its layers
     assert await watch._restart("empty", "d0", "answers without tokens")
     assert not await watch._restart("transfer", "d0", "transfer failures with every prefill peer")
     assert await watch._restart("kv", "p0", "KV usage past the threshold"), "another group has its own cooldown"
@@ -411,6 +418,7 @@ async def test_a_node_publishes_its_ranks_transfer_failures(world: World) -> Non
 
     stack = world.stacks["n2"]
     kvlog = KvTransferLog(stack.config, stack, clock=world.clock)  # type: ignore[arg-type]
+    stack.attach(kvlog)
     p0 = world.agents["n0"].coordinator.layout.group("p0")
     kvlog.feed("vllm", [f"E20260101 transfer failed and disconnect to:127.0.0.1:{p0.kv_port}",
                         "Mooncake transfer failed for request. remote_request_id=abc, ret=-1.",
@@ -477,6 +485,7 @@ async def test_under_journald_the_relay_keeps_the_failure_lines_kvlog_counts(wor
     p0 = world.agents["n0"].coordinator.layout.group("p0")
     monkeypatch.setattr(logsink, "use_journal", lambda: True)
     kvlog = KvTransferLog(stack.config, stack, clock=world.clock)  # type: ignore[arg-type]
+    stack.attach(kvlog)
     folder = component_dir(stack.config, "vllm")
     folder.mkdir(parents=True, exist_ok=True)
     kv_file = folder / logsink.KV_FAILURES

@@ -74,7 +74,8 @@ class Ladder:
         self.rec = NodeRecovery(self.stack.config, self.stack, self.npu, changed=self.stack.notify,  # type: ignore[arg-type]
                                 redeploy_times=lambda: self.redeploys, clock=world.clock,
                                 resetter=lambda: resetter)  # fmt: skip
-        RecoveryFollower(agent.coordinator, self.stack)  # type: ignore[arg-type]
+        self.stack.attach(self.rec)
+        self.stack.attach(RecoveryFollower(agent.coordinator, self.stack))  # type: ignore[arg-type]
         world.agents[node].coordinator.spawn(self.rec.run())
 
     async def chips(self, **health: str) -> None:
@@ -284,7 +285,8 @@ async def test_a_killed_worker_restarts_with_its_vllm_ranks_only_when_memory_is_
 
     stack = world.stacks["n2"]
     available = 1_000_000 if short else 600_000_000
-    WorkerHeadroom(stack.config, stack, read=lambda: MEMINFO.format(available=available, huge_free=0))  # type: ignore[arg-type]
+    stack.attach(WorkerHeadroom(stack.config, stack,
+                                read=lambda: MEMINFO.format(available=available, huge_free=0)))  # type: ignore[arg-type]
     stack.components["vllm"].stop_s = 20.0  # the ranks take their time to let go
     verdict = stack.crash("datasystem", "killed by SIGKILL")
     if short:

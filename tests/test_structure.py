@@ -9,6 +9,7 @@ checker.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +146,42 @@ def test_no_module_over_600_lines() -> None:
     assert not stale, f"these modules are short now: delete them from KNOWN_LONG: {stale}"
     long = {name: n for name, n in sizes.items() if n > MAX_LINES and name not in KNOWN_LONG}
     assert not long, f"product modules over {MAX_LINES} lines: {long}"
+
+
+NODE_LAYERS = ("guards", "recovery", "kvlog", "worker_headroom", "container_mode", "mqtt", "metrics", "agent")
+"""Node-side modules that see the node through a port (or, for the composition root, attach to it)."""
+SIDE_DOOR = re.compile(r"getattr\((self\.)?(port|sup|_sup|host|co|coordinator)\b|\.recovery_view\s*=|"
+                       r"on_state_change\.(append|remove)\((self\.)?(_publish|status_changed|membership)")
+"""A port read by `getattr`, an attribute assigned onto the port, a second change channel beside `attach`."""
+
+
+def seam_modules() -> dict[str, Path]:
+    return {name: path for name, path in modules().items()
+            if name.startswith("nodeagent.cluster.") or name.removeprefix("nodeagent.") in
+            (*NODE_LAYERS, "stackport", "nodeport")}  # fmt: skip
+
+
+def test_the_seams_have_one_door_each() -> None:
+    """Issue 28 item 2: the layers see the node only through `StackPort` and the coordinator only through
+    `coordinator_port.CoordinatorPort`; nothing reads the port by `getattr`, assigns onto it, silences the type
+    checker about it, or listens beside `attach`; only the composition root (`agent`) knows the `Coordinator`."""
+    importers = {m for m, targets in import_graph().items() if "nodeagent.cluster.coordinator" in targets}
+    assert importers <= {"nodeagent.agent"}, f"only the composition root imports the Coordinator: {importers}"
+    found = []
+    for path in seam_modules().values():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if SIDE_DOOR.search(line) or ("type: ignore" in line and re.search(r"\bport\b", line)):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "side doors around the seam:\n" + "\n".join(found)
+    attaching = [name for name, path in seam_modules().items() if name != "nodeagent.agent"
+                 and re.search(r"\.attach\(", path.read_text())]  # fmt: skip
+    assert not attaching, f"a layer attaches itself (the order of layers is agent.Agent.layers'): {attaching}"
+    assert "on_state_change" not in (PACKAGE / "supervisor.py").read_text(), "one change channel: `attach`"
+
+
+def test_the_side_door_pattern_finds_what_it_is_for() -> None:
+    for line in ('base_env=getattr(self.port, "base_env", {})', "port.recovery_view = self.view",
+                 "self.supervisor.on_state_change.append(self.membership.status_changed)",
+                 "getattr(self._sup, name)"):  # fmt: skip
+        assert SIDE_DOOR.search(line), line
+    assert not SIDE_DOOR.search("self.store.on_state_change.append(lambda _s: self.wake())")

@@ -33,10 +33,11 @@ from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
 from nodeagent.host import Clock
 from nodeagent.layout import cluster_layout
-from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, NodeView, StackPort
+from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport, NodeView, StackPort
 from nodeagent.statefile import read_json, write_json_atomic
 
 if TYPE_CHECKING:
+    from nodeagent.cluster.coordinator_port import ProxyFence, ProxyHold
     from nodeagent.cluster.membership import Membership
     from nodeagent.config_model import Config
     from nodeagent.failure import Failure
@@ -52,7 +53,7 @@ settling): an idle agent costs next to nothing and sends no etcd request."""
 
 
 class Coordinator:
-    """The cluster layer of one node (`stackport.NodeLayer`): it attaches to the node's port when made."""
+    """The cluster layer of one node (`stackport.NodeLayer`; the composition root attaches it, `agent.layers`)."""
 
     def __init__(self, config: Config, port: StackPort, membership: Membership, *, clock: Clock | None = None,
                  operations: bool = True, proxy_post: ProxyPost | None = None,
@@ -100,8 +101,8 @@ class Coordinator:
         self.barrier = StartBarrier(self.cluster, self.node, port, membership, self.clock)
         self._wake = asyncio.Event()
         self.ops = ClusterOps(self, self.clock) if operations else None
-        self.ft = FtRung(self, self.clock, ft_client)  # attaches first: it sees every rank failure, takes none
-        port.attach(self)
+        self.ft = FtRung(self, self.clock, ft_client)
+        """vLLM's FT retry before the gang: a layer of its own, attached before this one (`agent.layers`)."""
 
     @property
     def config(self) -> Config:
@@ -120,6 +121,12 @@ class Coordinator:
     @property
     def reachable(self) -> bool:
         return bool(self.store.state.reachable)
+
+    def hold_out(self, hold: ProxyHold, fence: ProxyFence) -> None:
+        """`coordinator_port.CoordinatorPort.hold_out`: every proxy of this node asks `hold` and `fence`."""
+        for proxy in self.proxies:
+            proxy.holds.append(hold)
+            proxy.fences.append(fence)
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -558,6 +565,9 @@ class Coordinator:
     # ---- views --------------------------------------------------------------------------------------------------
     def status_section(self) -> dict[str, Any]:
         return {"cluster": self.status(), "gangs": self.acks()}
+
+    def member_report(self) -> MemberReport:
+        return MemberReport(gangs=self.acks())
 
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from nodeagent.failure import Failure
     from nodeagent.ft_config import FaultToleranceSpec
     from nodeagent.layout import Group
-    from nodeagent.stackport import ComponentView, Hold, StackPort
+    from nodeagent.stackport import ComponentView, Hold, MemberReport, StackPort
 
 LADDER_KEPT = 20
 """Ladder steps kept per group for /status and post-mortems (older ones are in the event log)."""
@@ -187,7 +187,6 @@ class FtRung:
         self.client: FtClient = client or HttpFtClient()
         self.groups = ft_groups(coordinator)
         self.by_component = {r.component: g for g in self.groups.values() for r in g.ranks}
-        self.port.attach(self)
 
     # ---- the watch ------------------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -405,6 +404,9 @@ class FtRung:
         return None
 
     def command(self, comp: ComponentView, action: str, drain: bool, by: str) -> None:
+        return None
+
+    def member_report(self) -> MemberReport | None:
         return None
 
     def on_node_change(self) -> None:

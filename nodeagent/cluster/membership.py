@@ -34,13 +34,14 @@ from loguru import logger
 from nodeagent import __version__
 from nodeagent.bindaddr import is_wildcard, url_host
 from nodeagent.cluster.consistency import ClockSamples, Expected, Finding, check_all
+from nodeagent.cluster.member_record import member_record
 from nodeagent.cluster.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.host import Clock
 
 if TYPE_CHECKING:
     from nodeagent.config_model import Config
-    from nodeagent.events import EventBus
+    from nodeagent.stackport import MemberReport, NodeView
 
 MIN_WRITE_INTERVAL_S = 1.0
 RETRY_S = 2.0
@@ -68,14 +69,18 @@ def member_key(cluster: str, name: str) -> str:
 
 
 class MemberHost(Protocol):
-    """What membership needs from the agent: the supervisor satisfies it."""
-
-    events: EventBus
+    """What membership needs of the node (a part of `stackport.StackPort`): the record is built from the node's
+    view and the layers' typed reports (`member_record`), never from /status."""
 
     @property
     def base_env(self) -> Mapping[str, str]: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def snapshot(self) -> NodeView: ...
+
+    def member_report(self) -> MemberReport: ...
+
+    def emit(self, kind: str, message: str, component: str | None = None, level: str = "info",
+             **data: Any) -> None: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -140,39 +145,6 @@ def static_facts(config: Config, base_env: Mapping[str, str]) -> dict[str, Any]:
         "version": __version__, "cluster_hash": cluster_file_hash(config), "pythonhashseed": seeds,
         "api_url": api_url(config),
     }  # fmt: skip
-
-
-def _load_brief(comp: Mapping[str, Any]) -> dict[str, Any]:
-    """What the others see of a component's load time: a short line, and its last load (whole minutes change
-    the record at most once a minute, so a loading rank does not rewrite its key every second)."""
-    load = comp.get("load") or {}
-    if not load:
-        return {}
-    out: dict[str, Any] = {"last_load_s": load.get("last_s")}
-    left = load.get("left_s")
-    if load.get("loading_s") is not None:
-        out["load"] = f"~{max(1, round(left / 60))} min left" if left else (
-            "longer than usual" if left == 0 else "loading, first time")
-    return out
-
-
-def _hold_brief(comp: Mapping[str, Any]) -> dict[str, Any]:
-    """Why a component without a process waits to start, as a peer's `--wait` needs it: whether it ends by itself
-    (a `restart --wait` elsewhere ends early on one that does not), and what it is."""
-    hold = comp.get("hold")
-    if not hold:
-        return {}
-    return {"hold": {"kind": hold.get("kind"), "reason": hold.get("reason"),
-                     "resolves_itself": bool(hold.get("resolves_itself", True))}}  # fmt: skip
-
-
-def member_record(static: Mapping[str, Any], status: Mapping[str, Any], identity: Identity,
-                  wall_clock: float) -> dict[str, Any]:  # fmt: skip
-    comps = {n: {"state": c.get("state"), "pid": c.get("pid"), "ready": c.get("ready"), **_load_brief(c),
-                 **_hold_brief(c)} for n, c in status.get("components", {}).items()}  # fmt: skip
-    return {**static, "wall_clock": wall_clock, "paused": bool(status.get("paused")), "components": comps,
-            "gangs": status.get("gangs") or {}, "agent": identity.to_dict(),
-            "isolated": status.get("isolated"), "kv_transfers": status.get("kv_transfers") or []}  # fmt: skip
 
 
 def steady(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,6 +262,11 @@ class Membership:
         self.changed()
 
     # ---- writing our record ---------------------------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """Our record as the key holds it: from the node's view and the layers' reports, never /status."""
+        return member_record(self.static, self.host.snapshot(), self.host.member_report(), self.identity.to_dict(),
+                             self.clock.time()).to_wire()  # fmt: skip
+
     async def _publish(self) -> None:
         while True:
             await self.clock.wait(self._dirty, self._beat_due - self.clock.monotonic())
@@ -297,7 +274,7 @@ class Membership:
             if wait > 0:
                 await self.clock.sleep(wait)
             self._dirty.clear()
-            record = member_record(self.static, self.host.status(), self.identity, self.clock.time())
+            record = self.record()
             now = self.clock.monotonic()
             if (not self._force and now < self._beat_due and self._published is not None
                     and steady(self._published) == steady(record)):  # fmt: skip
@@ -354,7 +331,7 @@ class Membership:
         self._owned_rev = None
         if self.conflict is None:
             agent = holder.get("agent") or {}
-            self.host.events.emit("cluster_duplicate_name", f"node name {self.name!r} is held by another agent "
+            self.host.emit("cluster_duplicate_name", f"node name {self.name!r} is held by another agent "
                                   f"({agent.get('host')}, {holder.get('ip')}, state {agent.get('state_dir')}); "
                                   "not overwriting it; check node.name in both configs", None, "error")  # fmt: skip
         self.conflict = holder
@@ -369,7 +346,7 @@ class Membership:
             self._dup_key = None
         if self.conflict is not None:
             self.conflict = None
-            self.host.events.emit("cluster_duplicate_name_cleared", f"node name {self.name!r} claimed")
+            self.host.emit("cluster_duplicate_name_cleared", f"node name {self.name!r} claimed")
         self._recheck()
 
     def _on_lost(self, key: str, current: KV | None) -> None:
@@ -382,7 +359,7 @@ class Membership:
         if isinstance(item, Resync):
             self.resyncs[item.reason] = self.resyncs.get(item.reason, 0) + 1
             if item.reason != "initial":
-                self.host.events.emit("cluster_view_reread", f"cluster view re-read from etcd ({item.reason})")
+                self.host.emit("cluster_view_reread", f"cluster view re-read from etcd ({item.reason})")
             for key in list(self._known(prefix)):
                 apply(key, None, False)
             for key, kv in item.snapshot.items.items():
@@ -471,11 +448,11 @@ class Membership:
         old, new = {(f.code, f.node): f for f in self.findings}, {(f.code, f.node): f for f in found}
         for key in new.keys() - old.keys():
             f = new[key]
-            self.host.events.emit("cluster_warning", f"{f.node}: {f.message}", None, "warning", code=f.code,
+            self.host.emit("cluster_warning", f"{f.node}: {f.message}", None, "warning", code=f.code,
                                   node=f.node)  # fmt: skip
         for key in old.keys() - new.keys():
             f = old[key]
-            self.host.events.emit("cluster_warning_cleared", f"{f.node}: {f.code} cleared", None, "info",
+            self.host.emit("cluster_warning_cleared", f"{f.node}: {f.code} cleared", None, "info",
                                   code=f.code, node=f.node)  # fmt: skip
         self.findings = found
 

@@ -50,7 +50,7 @@ from nodeagent.stackport import ReportLayer
 from nodeagent.states import SERVING_STATES, Desired, State
 
 if TYPE_CHECKING:
-    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.cluster.coordinator_port import CoordinatorPort
     from nodeagent.config_recovery import PdWatchConfig
     from nodeagent.layout import Group
     from nodeagent.stackport import ComponentView
@@ -195,7 +195,7 @@ async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout:
 class PdWatch(ReportLayer):
     """Runs beside the coordinator's ProxySync on the proxy's node; its last probes are /status's `pd_watch`."""
 
-    def __init__(self, coordinator: Coordinator, settings: PdWatchConfig | None,
+    def __init__(self, coordinator: CoordinatorPort, settings: PdWatchConfig | None,
                  members: Callable[[], Mapping[str, Any]], *, model: str | None = None, clock: Clock | None = None,
                  http: Http | None = None) -> None:  # fmt: skip
         """settings, model: fixed ones (tests); None: the node's config now, read at each use (a reload's)."""
@@ -219,7 +219,6 @@ class PdWatch(ReportLayer):
         self.refused: dict[str, str] = {}
         """group → why its last restart was not granted (etcd away, busy): said once, asked again each round."""
         self.rounds = 0
-        coordinator.port.attach(self)
 
     @property
     def settings(self) -> PdWatchConfig:

@@ -13,21 +13,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.stackport import ComponentView, Hold, StackPort
+from nodeagent.stackport import ComponentView, Hold, MemberReport, StackPort
 
 if TYPE_CHECKING:
-    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.cluster.coordinator_port import CoordinatorPort
     from nodeagent.failure import Failure
 
 
 class RecoveryFollower:
     """A `NodeLayer` (it only listens): drains the node's groups once per reset or isolation."""
 
-    def __init__(self, coordinator: Coordinator, port: StackPort) -> None:
+    def __init__(self, coordinator: CoordinatorPort, port: StackPort) -> None:
         self.coordinator = coordinator
         self.port = port
         self.drained: set[str] = set()
-        port.attach(self)
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         view = self.port.snapshot().recovery

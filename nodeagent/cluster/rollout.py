@@ -43,9 +43,9 @@ from nodeagent.host import Clock
 from nodeagent.stackport import Hold, HoldKind
 
 if TYPE_CHECKING:
-    from nodeagent.cluster.coordinator import Coordinator
+    from nodeagent.cluster.coordinator_port import CoordinatorPort, ProxyView
     from nodeagent.failure import Failure
-    from nodeagent.stackport import ComponentView
+    from nodeagent.stackport import ComponentView, MemberReport
 
 ACTIVE_TICK_S = 1.0
 IDLE_TICK_S = 5.0
@@ -63,9 +63,9 @@ class RolloutRefused(ValueError):
 
 
 class RolloutExecutor:
-    """One agent's part in rollouts (`stackport.NodeLayer`): it attaches to the node's port when made."""
+    """One agent's part in rollouts (`stackport.NodeLayer`; the composition root attaches it, `agent.layers`)."""
 
-    def __init__(self, coordinator: Coordinator, host: ConfigHost, *, clock: Clock | None = None,
+    def __init__(self, coordinator: CoordinatorPort, host: ConfigHost, *, clock: Clock | None = None,
                  inflight: Inflight | None = None, canary: Canary | None = None,
                  scrape: Scrape | None = None) -> None:  # fmt: skip
         self.co = coordinator
@@ -96,10 +96,7 @@ class RolloutExecutor:
         self._hash = self.member.hash
         self._wake = asyncio.Event()
         self.tasks = TaskSet()
-        for proxy in self.co.proxies:
-            proxy.holds.append(self.out_of_proxy)
-            proxy.fences.append(self.fence)
-        self.port.attach(self)
+        self.co.hold_out(self.out_of_proxy, self.fence)
         with contextlib.suppress(Exception):  # never fatal: the record, once read, stages what it wants
             restored = self.member.restore()
             if restored:
@@ -270,14 +267,14 @@ class RolloutExecutor:
         if new is not None:
             await self._cas(new)
 
-    def _proxy_out(self, proxy: Any, step: Step) -> bool:
+    def _proxy_out(self, proxy: ProxyView, step: Step) -> bool:
         """The proxy was told to stop routing to the step's groups (it deletes them once idle: not waited for)."""
         if proxy.applied is None:
             return True  # no proxy process: nothing routes to them
         return all(not set(self.layout.group(g).endpoints) & proxy.applied.get(self.layout.group(g).kind, set())
                    for g in step.groups)  # fmt: skip
 
-    def _proxy_unlisted(self, proxy: Any, step: Step) -> bool:
+    def _proxy_unlisted(self, proxy: ProxyView, step: Step) -> bool:
         """The proxy lists none of the step's groups, as its last answer said (None: no proxy process)."""
         if proxy.active is None:
             return True
@@ -437,7 +434,7 @@ class RolloutExecutor:
         differ |= {n: str(r.get("running"))[:12] for n, r in self.reports.items()
                    if r.get("running") not in (None, old_hash)}  # fmt: skip
         plan = make_plan(old, new, opts, old_hash=old_hash, new_hash=new_hash, load_s=self._load_s(),
-                         base_env=getattr(self.port, "base_env", {}))  # fmt: skip
+                         base_env=self.port.base_env)  # fmt: skip
         out = plan.to_dict()
         if differ:
             out["refused"] = [*out["refused"], "the members do not run one file: " + ", ".join(
@@ -535,6 +532,9 @@ class RolloutExecutor:
         return {"rollout": {"id": record.id, "status": record.status, "message": record.message,
                             "step": i + 1 if i is not None else None, "steps": len(record.steps),
                             "phase": step.phase if step else None, "groups": list(step.groups) if step else []}}
+
+    def member_report(self) -> MemberReport | None:
+        return None
 
     def on_node_change(self) -> None:
         self.wake()
