@@ -92,6 +92,7 @@ class A2:
         self.model = make_model(self.root / self.model_path.lstrip("/"))
         self.config_data = yaml.safe_load((ROOT / "config" / "dsv4-flash-a2.yaml").read_text())
         self.config_data["node"] |= {"name": "a2-0", "ip": NODE_IP}
+        self.config_data.pop("container")  # the host's checks; tests/test_preflight_container.py has the container's
         self.config_data["cluster"]["etcd_endpoints"] = [f"{NODE_IP}:2379"]
         self.config_data["agent"] = {"state_dir": str(tmp / "state"), "log_dir": str(tmp / "logs"),
                                      "api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp / "tok")},
