@@ -210,3 +210,15 @@ def test_cli_ports_json_and_apply(tmp_path: Path, sysctl_root: Path) -> None:
     assert "wrote ip_local_reserved_ports = 60000-60015" in out.stdout
     assert "net.ipv4.ip_local_reserved_ports = 60000-60015" in out.stdout.splitlines()[-1]
     assert (sysctl_root / "proc/sys/net/ipv4/ip_local_reserved_ports").read_text() == "60000-60015\n"
+
+
+@pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
+def test_cli_ports_of_any_member_from_one_host(tmp_path: Path, sysctl_root: Path) -> None:
+    """`ports --node NAME` (its own error used to say "pass --node" and then refuse it)."""
+    for args in (["ports", "--node", "a2-5"], ["--node", "a2-5", "ports"]):
+        out = _cli("--config", str(EIGHT), *args, "--json", "--root", str(sysctl_root), home=tmp_path)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert {f"vllm-dp{r}" for r in range(8, 16)} == {u["component"] for u in data["uses"]} - {"datasystem",
+                                                                                                   "agent"}
+        assert data["ok"] and data["to_reserve"] == ""
