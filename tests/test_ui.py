@@ -261,6 +261,82 @@ async def test_the_rollout_box_reads_the_same_from_the_server_and_the_script(sta
     assert_only_the_agent(page, stack.url)
 
 
+def cluster_view() -> dict[str, Any]:
+    """A /cluster view as membership, coordinator and rollout write it: three members, one missing, one hostile."""
+    return {
+        "cluster": "c1", "self": "n0", "view_complete": True,
+        "etcd": {"state": "reachable", "endpoint": "http://10.0.0.1:2379"},
+        "warnings": [{"code": "pythonhashseed", "node": "n1", "message": "differs <b>"}],
+        "members": [
+            {"name": "n0", "role": "master", "ip": "10.0.0.1", "group": "p0", "ranks": {"start": 0, "count": 2},
+             "present": True, "age_s": 3.2, "clock_offset_s": 0.0, "api_url": "http://10.0.0.1:18700",
+             "components": {"vllm-dp0": {"state": "running", "ready": True, "last_load_s": 75}}},
+            {"name": "n1<script>", "role": "worker", "ip": "10.0.0.2", "group": "d0", "ranks": {"start": 2, "count": 1},
+             "present": True, "age_s": 61, "clock_offset_s": -0.0125, "api_url": "http://10.0.0.2:18700",
+             "components": {"vllm-dp2": {"state": "starting", "ready": False, "load": "loading 2m"}}},
+            {"name": "n2", "role": "worker", "ip": "10.0.0.3", "present": False, "listed": False},
+        ],
+        "coordination": {"etcd": "reachable", "gangs": {"d0": {
+            "kind": "decode", "nodes": ["n1", "n2"], "generation": 3, "reason": "operator restart", "by": "n0",
+            "barrier": {"arrived": ["n1"]}, "pending": True}}, "pause": {"by": "ops", "reason": "maint"}},
+    }  # fmt: skip
+
+
+def test_the_first_paint_has_the_cluster_table() -> None:
+    """issue 31: a screenshot at load showed no member table (it came with the first poll)."""
+    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.ui.routes import read_static
+
+    page = read_static("index.html").decode()
+    html = cluster_section(page, {"cluster": {"etcd": "reachable"}}, cluster_view())
+    rows = dict(re.findall(r'<tr[^>]* data-member="([^"]+)">(.*?)</tr>', html))
+    assert list(rows) == ["n0", "n1&lt;script&gt;", "n2"] and "<script>" not in html.split("<body")[1].split(
+        '<script src="')[0], "every value escaped"
+    assert '<table id="members">' in html and '<table id="gangs">' in html, "shown, not hidden until the poll"
+    assert '<td data-field="ranks">0–1</td>' in rows["n0"] and "vllm-dp0 running ✓ (load 1m 15s)" in rows["n0"]
+    assert '<span class="badge s-missing">missing</span>' in rows["n2"] and "(not in the cluster file)" in rows["n2"]
+    assert 'id="cluster-meta">c1 · seen from n0 · etcd reachable (http://10.0.0.1:2379)</span>' in html
+    assert "waiting for n2 · arrived: n1" in html and "cluster paused by ops: maint" in html
+    single = cluster_section(page, {}, None)
+    assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in single
+    assert cluster_section(page, {"cluster": {}}, None) == page, "no view: the first poll fills it"
+
+
+async def test_the_cluster_table_reads_the_same_from_the_server_and_the_script(stack: InProcess,
+                                                                               browser: Chromium) -> None:  # fmt: skip
+    """ui.js's renderCluster and the server's first paint write the same rows for the same view."""
+    import html as markup
+
+    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.ui.routes import read_static
+
+    async with stack.session.get(stack.url + "/ui") as r:  # the route writes it in: here a single node's note
+        assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in await r.text()
+    view = cluster_view()
+    server = cluster_section(read_static("index.html").decode(), {"cluster": {}}, view)
+
+    def texts(table: str, key: str) -> dict[str, dict[str, str]]:
+        body = server.split(f'<table id="{table}">')[1].split("</table>")[0]
+        rows = re.findall(rf'<tr[^>]* data-{key}="([^"]+)">(.*?)</tr>', body, re.S)
+        return {markup.unescape(n): {f: markup.unescape(re.sub(r"<[^>]+>", "", v)).strip()
+                                     for f, v in re.findall(r'data-field="(\w+)"[^>]*>(.*?)</td>', row)}
+                for n, row in rows}  # fmt: skip
+
+    page = await browser.new_page()
+    await page.goto(stack.url + "/ui")
+    drawn = await page.js(f"""(() => {{
+        ui.status = {{...(ui.status || {{}}), cluster: {{}}}}; ui.cluster = {json.dumps(view)}; renderCluster();
+        return {{members: {rows_js('members', 'member')}, gangs: {rows_js('gangs', 'gang')},
+                 meta: $('cluster-meta').textContent, extra: $('coordination-extra').textContent}};
+    }})()""")
+    assert drawn["members"] == texts("members", "member")
+    assert drawn["gangs"] == texts("gangs", "gang")
+    assert drawn["meta"] == markup.unescape(re.search(r'id="cluster-meta">(.*?)</span>', server).group(1))
+    assert drawn["extra"] == markup.unescape(re.search(r'id="coordination-extra" class="muted">(.*?)</div>',
+                                                       server).group(1))  # fmt: skip
+    assert_only_the_agent(page, stack.url)
+
+
 async def test_the_page_can_be_switched_off(tmp_path: Path) -> None:
     data = tiny_config(tmp_path / "home")
     data["agent"]["ui"] = {"enabled": False}
