@@ -312,6 +312,7 @@ async def test_the_cluster_table_reads_the_same_from_the_server_and_the_script(s
 
     async with stack.session.get(stack.url + "/ui") as r:  # the route writes it in: here a single node's note
         assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in await r.text()
+    assert (await stack.get("/cluster"))[0] == 404, "a single node has no /cluster"
     view = cluster_view()
     server = cluster_section(read_static("index.html").decode(), {"cluster": {}}, view)
 
