@@ -322,3 +322,26 @@ def test_preflight_takes_node_for_any_member() -> None:
 
     args = build_parser("preflight").parse_args(["preflight", "--node", "a2-5", "--json"])
     assert args.node == "a2-5" and "preflight" in NODE_COMMANDS and "ports" in NODE_COMMANDS
+
+
+@pytest.mark.parametrize("member", ["a2-0", "a2-4"])  # the master with a prefill group, a decode member
+def test_the_shipped_cluster_file_warns_nothing_it_could_fix(a2: A2, member: str) -> None:
+    """issue 31: on a healthy host, each member of config/dsv4-flash-a2-8node.yaml passes its own checks (it
+    WARNed the prefill abort timeout; the host-port and huge-page rules: tests/test_portlint.py, above)."""
+    data = yaml.safe_load((ROOT / "config" / "dsv4-flash-a2-8node.yaml").read_text())
+    data.pop("container")  # the host's checks (the fixture has no engine)
+    for entry in data["cluster"]["nodes"]:
+        if entry["name"] == member:
+            entry |= {"ip": NODE_IP, "nic_name": "enp61s0f2"}
+    data["cluster"].pop("etcd_endpoints")  # the master's, derived
+    data["agent"] = a2.config_data["agent"]
+    comps = data["components"]
+    comps["vllm"] |= {"model": a2.model_path, "port": free_port()}
+    comps["datasystem"] |= {"workdir": str(a2.tmp / "yr"), "worker_port": free_port(),
+                            "liveness_check_path": str(a2.tmp / "liveness")}  # fmt: skip
+    comps["etcd"] |= {"client_port": free_port(), "peer_port": free_port(), "data_dir": str(a2.tmp / "etcd")}
+    comps["proxy"] |= {"port": free_port()}
+    path = a2.tmp / "eight.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = run_preflight(load_config(path, node=member), a2.host())
+    assert not report.warnings, report.format()
