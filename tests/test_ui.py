@@ -158,7 +158,11 @@ def rollout_view(hostile: str = "") -> dict[str, Any]:
     """A rollout as `GET /cluster` gives it (`RolloutExecutor.view`), in its first step."""
     steps = [{"groups": ["p0", "d0"], "phase": "rejoining", "since": 0, "failed": "", "rollback": False,
               "note": f"first pair{hostile}"},
-             {"groups": ["p1", "d1"], "phase": "pending", "since": 0, "failed": "", "rollback": False, "note": ""}]
+             {"groups": ["p1", "d1"], "phase": "pending", "since": 0, "failed": "", "rollback": False, "note": ""},
+             # a step done: what it measured out of the proxy beside what the plan expected (issue 31)
+             {"groups": ["p2"], "phase": "done", "since": 0, "failed": "", "rollback": False, "outage": ["prefill"],
+              "note": "prefill outage expected ~3 s (its last load)", "expected_outage_s": 3.0,
+              "out_of_proxy_s": 7.5}]
     return {"id": "ab12cd34", "status": "running", "message": f"step 1 (p0, d0): gate passed{hostile}",
             "steps": steps, "current": 0, "time_left_s": 1925.0,
             "floor": f"serving: prefill p1 (until the switch); decode d1 (until the switch){hostile}",
@@ -192,13 +196,15 @@ def test_the_first_paint_shows_the_rollout_box() -> None:
     html = first_paint(page, {"node": {"name": "n0"}}, now=1125.0, rollout=view)
     assert '<div id="rollout">' in html and hostile not in html
     box = rollout_box_texts(html)
-    assert box["meta"] == "ab12cd34 · running · step 1/2 p0, d0 rejoining"
+    assert box["meta"] == "ab12cd34 · running · step 1/3 p0, d0 rejoining"
     assert box["floor"] == (f"floor: serving: prefill p1 (until the switch); decode d1 (until the switch){hostile} "
                             "· time left 32m 5s · out of the proxy: p1, d1")  # fmt: skip
     assert box["message"] == f"step 1 (p0, d0): gate passed{hostile}"
     assert box["rows"]["1"] == {"groups": "p0, d0", "phase": '<span class="badge s-starting">rejoining</span>',
                                 "since": "2m 5s ago", "note": f"first pair{escape(hostile)}"}  # fmt: skip
     assert box["rows"]["2"]["since"] == "—"
+    assert box["rows"]["3"]["note"] == ("prefill outage expected ~3 s (its last load) · out of the proxy 7.5 s "
+                                        "(expected ~3.0 s)")  # fmt: skip
     done = first_paint(page, {}, now=0, rollout={**view, "status": "done", "current": None})
     assert rollout_box_texts(done)["floor"] == "" and rollout_box_texts(done)["meta"] == "ab12cd34 · done"
 
