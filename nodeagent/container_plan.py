@@ -157,7 +157,9 @@ def plan_container(state: ContainerState | None, record: ContainerRecord | None,
                              redeploy=record is not None)
     if state.status in ("restarting", "removing"):
         return ContainerPlan((), f"container is {state.status}", wait=True)
-    stopped_by_us = ours and record is not None and record.stopped_by_agent is not None and state.status in DEAD
+    # the run the agent stopped (same StartedAt): one started again by hand since and died is a death
+    stopped_by_us = ours and record is not None and record.stopped_by_agent is not None and state.status in DEAD \
+        and state.started_at == record.started_at
     if state.status in DEAD and not stopped_by_us:
         return ContainerPlan((Step.REMOVE, Step.CREATE, *with_setup), f"container {state.describe()}",
                              redeploy=ours)

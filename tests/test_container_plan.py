@@ -121,6 +121,9 @@ def test_stopped_by_the_agent_is_started_again_not_a_death() -> None:
     changed = plan(stopped, record(running(), stopped_by_agent="t"), image="other:2")
     assert changed.steps == (Step.REMOVE, Step.CREATE, Step.SETUP) and not changed.redeploy
     assert ContainerRecord.from_json(record(stopped_by_agent="t").to_json()).stopped_by_agent == "t"
+    # started by hand after the agent stopped it, then dead: that run is no stop of ours
+    rerun = dataclasses.replace(stopped, started_at="2026-12-07T00:00:00Z")
+    assert plan(rerun, record(running(), stopped_by_agent="t")).redeploy
 
 
 def test_changed_image_run_line_or_setup_is_a_planned_recreate() -> None:
