@@ -104,9 +104,9 @@ def test_a_steps_outage_is_measured_and_the_next_estimate_adds_its_drain_stop_an
                     allow_outage="decode")  # fmt: skip
     assert plan.steps[2].expected_outage_s == 7.5
     assert plan.steps[2].note == ("decode outage expected ~8 s (its last load + drain, stop and proxy re-add as its "
-                                  "last rollout step measured them)")  # fmt: skip
+                                  "last rollout step measured them): requests through the proxy fail meanwhile")
     unmeasured = plan_for(tmp_path / "b", edit, load_s={"d0": 3.0}, allow_outage="decode")
-    assert unmeasured.steps[2].note == "decode outage expected ~3 s (its last load)"
+    assert unmeasured.steps[2].note.startswith("decode outage expected ~3 s (its last load): ")
 
 
 def test_order_canary_and_max_unavailable(tmp_path: Path) -> None:

@@ -366,7 +366,9 @@ def order_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], 
                 refused.append(f"{first.kind} has {'one group' if kind_counts[first.kind] == 1 else 'no other group'} "
                                f"({', '.join(names)}): its step takes {first.kind} down for {_fmt_s(expected)} "
                                f"({_basis(names, measured)}); pass --allow-outage {first.kind}")  # fmt: skip
-            note = f"{first.kind} outage expected {_fmt_s(expected)} ({_basis(names, measured)})"
+            # what it costs: that long with no group of the kind, each request through the proxy failing meanwhile
+            note = (f"{first.kind} outage expected {_fmt_s(expected)} ({_basis(names, measured)}): requests through "
+                    "the proxy fail meanwhile")  # fmt: skip
         steps.append(PlannedStep(names, (first.kind,), outage, expected, note))
     return steps, refused
 
