@@ -226,9 +226,10 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
             raise ApiError(409, str(exc)) from None
         return json_response({"ok": True, "action": "uncordon", "was_isolated": was})
 
-    async def cluster(self, request: web.Request) -> web.Response:
+    def cluster_data(self) -> dict[str, Any] | None:
+        """/cluster's view (the status page's first paint writes it in too); None without cluster.nodes."""
         if self.ctl.membership is None:
-            raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
+            return None
         view = self.ctl.membership.view()
         coordinator = getattr(self.ctl, "coordinator", None)
         if coordinator is not None:
@@ -236,6 +237,12 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
         rollout = getattr(self.ctl, "rollout", None)
         if rollout is not None:
             view.update(rollout.view())
+        return view
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        view = self.cluster_data()
+        if view is None:
+            raise ApiError(404, "this node is not part of a cluster (its config has no cluster.nodes)")
         return json_response(view)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -189,6 +189,16 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def outage_text(step: dict[str, Any]) -> str:
+    """What a step measured out of the proxy beside what its plan expected (the CLI's and the status page's:
+    ui.js `outageText`); "" until the step is back in the proxy."""
+    actual, expected = step.get("out_of_proxy_s"), step.get("expected_outage_s")
+    if not isinstance(actual, int | float):
+        return ""
+    return f"out of the proxy {actual:.1f} s" + (f" (expected ~{expected:.1f} s)"
+                                                 if isinstance(expected, int | float) else "")
+
+
 def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> list[str]:
     """The rollout in progress (or the last one): status, the step and its phase, the floor, the time left."""
     if not rollout:
@@ -212,5 +222,7 @@ def rollout_lines(rollout: dict[str, Any] | None, now: float | None = None) -> l
         extra = f" — {step['failed']}" if step.get("failed") else ""
         kind = "rollback " if step.get("rollback") else ""
         note = f" ({step['note']})" if step.get("note") and step.get("note") != "rollback" else ""
-        lines.append(f"  {i}. {kind}{', '.join(step['groups'])}: {step['phase']}{extra}{note}")
+        outage = outage_text(step)  # measured vs expected, once the step is back in the proxy
+        lines.append(f"  {i}. {kind}{', '.join(step['groups'])}: {step['phase']}{extra}{note}"
+                     + (f" — {outage}" if outage else ""))
     return lines

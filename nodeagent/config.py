@@ -19,7 +19,7 @@ from nodeagent.cluster_file import (
 )
 from nodeagent.config_base import Invalid, replace
 from nodeagent.config_cluster import SharedSections
-from nodeagent.config_model import Config, ProxyComponent, VllmComponent, validate_config
+from nodeagent.config_model import Config, EtcdComponent, ProxyComponent, VllmComponent, validate_config
 from nodeagent.config_raw import RawTree, dotted, read_config_text
 from nodeagent.errors import ConfigError
 from nodeagent.layout import build_layout
@@ -55,7 +55,14 @@ def _single_node(config: Config, data: dict[str, Any]) -> Config:
             comps[name] = replace(comp, group=name)
     if problems:
         raise ClusterFileError(problems)
-    return replace(config, components=comps)
+    config = replace(config, components=comps)
+    etcd = [c for c in config.active_components().values() if isinstance(c, EtcdComponent)]
+    if etcd and "etcd_endpoints" not in (data.get("cluster") or {}):
+        # The etcd this node runs listens on the node's address (the guide's ETCD_IP = `hostname -I`), not on
+        # loopback: the agent's own etcd client goes where the worker's --etcd_address goes.
+        address = f"{etcd[0].listen_ip or config.node.ip}:{etcd[0].client_port}"
+        config = replace(config, cluster=replace(config.cluster, etcd_endpoints=[address]))
+    return config
 
 
 def resolve_member(config: Config, data: dict[str, Any], node: str | None = None) -> Config:

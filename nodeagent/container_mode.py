@@ -22,6 +22,7 @@ import contextlib
 import os
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -282,10 +283,22 @@ class ContainerMode:
                 await self.engine.remove()
             else:
                 await self.engine.stop(self.section.stop_timeout_s)
-            self._log(f"container {self.spec.name}: {self.section.on_stop} on agent stop")
+                self._mark_stopped()
+            self._log(f"container {self.spec.name}: {self.section.on_stop} on agent stop"
+                      + (" (it shows `Exited (137)`: its bash entrypoint ignores SIGTERM, so the engine kills it "
+                         "after stop_timeout_s; no crash, the next agent starts it again)"
+                         if self.section.on_stop == "stop" else ""))  # fmt: skip
         except EngineError as exc:
             self.sup.events.emit("container_failed", f"cannot {self.section.on_stop} the container: {exc}",
                                  None, "error")  # fmt: skip
+
+    def _mark_stopped(self) -> None:
+        """Recorded, so that the next agent reads the stopped container as stopped by us, not as a death."""
+        record = self.records.load()
+        if record is not None:
+            when = datetime.now(UTC).isoformat(timespec="seconds")
+            with contextlib.suppress(OSError):
+                self.records.save(replace(record, stopped_by_agent=when))
 
     async def _run(self) -> None:
         delay, redeployed = RETRY_MIN_S, False

@@ -106,6 +106,10 @@ class ContainerRecord:
     setup_stamp: str | None = None
     setup_done: int = 0
     """Setup steps that succeeded under setup_stamp."""
+    stopped_by_agent: str | None = None
+    """When the agent itself stopped it (`on_stop: stop`). Its exit status then reads like a crash — `Exited
+    (137)`: bash, the guide's entrypoint, ignores SIGTERM, so the engine SIGKILLs it after stop_timeout_s — but
+    it is none: the next agent starts it again (set up already), no death, no redeploy counted."""
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -153,7 +157,10 @@ def plan_container(state: ContainerState | None, record: ContainerRecord | None,
                              redeploy=record is not None)
     if state.status in ("restarting", "removing"):
         return ContainerPlan((), f"container is {state.status}", wait=True)
-    if state.status in DEAD:
+    # the run the agent stopped (same StartedAt): one started again by hand since and died is a death
+    stopped_by_us = ours and record is not None and record.stopped_by_agent is not None and state.status in DEAD \
+        and state.started_at == record.started_at
+    if state.status in DEAD and not stopped_by_us:
         return ContainerPlan((Step.REMOVE, Step.CREATE, *with_setup), f"container {state.describe()}",
                              redeploy=ours)
     replaced = record is not None and not ours
@@ -179,6 +186,9 @@ def plan_container(state: ContainerState | None, record: ContainerRecord | None,
         reason = "adopted (not created by this agent: its run line is not checked)"
     elif restarted:
         reason = f"restarted under us (started {state.started_at}, was {record.started_at})"
+    elif stopped_by_us:
+        reason = (f"stopped by the agent at {record.stopped_by_agent} ({state.describe()}: its bash entrypoint "
+                  "ignores SIGTERM, so the engine kills it; no crash)")
     else:
         reason = "up" if not first and not todo else f"container {state.status}"
     return ContainerPlan((*first, *todo), reason, redeploy=replaced or restarted)

@@ -91,7 +91,7 @@ def cmd_ports(args: argparse.Namespace) -> int:
     from nodeagent.cli.common import EXIT_FAILED, CliError
     from nodeagent.hostfacts import Host
 
-    config = full_config(args)
+    config = full_config(args, getattr(args, "node", None))
     host = Host(root=Path(args.root))
     report = lint_node(config, host, host.our_pids(config.agent.state_dir))  # the running stack's own ports pass
     applied = None

@@ -55,6 +55,8 @@ class Check:
 @dataclass
 class PreflightReport:
     checks: list[Check] = field(default_factory=list)
+    about: str = ""
+    """The member the checks are about (`node a2-5 (worker): vllm-dp8..vllm-dp15`): one host checks them all."""
 
     @property
     def failed(self) -> list[Check]:
@@ -75,11 +77,12 @@ class PreflightReport:
         return "preflight: " + ", ".join(f"{n} {s}" for s, n in self.counts().items())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "counts": self.counts(), "checks": [c.to_dict() for c in self.checks]}
+        return {"ok": self.ok, "counts": self.counts(), "about": self.about,
+                "checks": [c.to_dict() for c in self.checks]}
 
     def format(self) -> str:
         width = max((len(c.name) for c in self.checks), default=4)
-        lines = []
+        lines = [f"preflight of {self.about}"] if self.about else []
         for c in self.checks:
             lines.append(f"{c.status}  {c.name:<{width}}  {c.value}")
             if c.hint and c.status in (WARN, FAIL):
@@ -304,9 +307,12 @@ def check_models(ctx: _Ctx) -> Iterable[Check]:
     vllms = ctx.components(VllmComponent)
     if not vllms:
         yield Check("model", SKIP, "no vLLM on this node")
-    for name, comp in vllms.items():
-        label = "model" if len(vllms) == 1 else f"model:{name}"
-        model = comp.model
+    ranks: dict[str, list[str]] = {}
+    for name, comp in vllms.items():  # the ranks of a group load one model: checked once, its ranks named
+        ranks.setdefault(comp.model, []).append(name)
+    for model, names in ranks.items():
+        label = "model" if len(ranks) == 1 else f"model:{names[0]}"
+        who = "" if len(names) == 1 else f" (read by {names[0]} .. {names[-1]})"
         if ctx.config.node.npus == 0:
             yield Check(label, SKIP, "node.npus: 0 (no NPUs): no vLLM here loads weights")
             continue
@@ -315,9 +321,10 @@ def check_models(ctx: _Ctx) -> Iterable[Check]:
             continue
         report = check_weights(ctx.host.file(os.path.expanduser(model)))
         if report.ok:
-            yield Check(label, PASS, f"{model}: {report.shards} shards, {report.total_bytes / 1e9:.1f} GB, complete")
+            yield Check(label, PASS, f"{model}: {report.shards} shards, {report.total_bytes / 1e9:.1f} GB, "
+                                     f"complete{who}")
         else:
-            yield Check(label, FAIL, f"{model}: " + "; ".join(report.problems[:4]),
+            yield Check(label, FAIL, f"{model}{who}: " + "; ".join(report.problems[:4]),
                         "download the missing or truncated files again (ModelScope), then re-run preflight")
 
 
@@ -328,42 +335,48 @@ def _program_check(ctx: _Ctx, label: str, program: str, hint: str, status: str =
 
 def check_programs(ctx: _Ctx) -> Iterable[Check]:
     """The programs of the components on the host; those inside the container are the image's."""
-    ctx = replace(ctx, host_only=True)
+    everywhere, ctx = ctx, replace(ctx, host_only=True)
+    inside = " here: it runs inside the container (the image's; the container checks)"
     etcds = ctx.components(EtcdComponent)
     if etcds:
         for comp in etcds.values():
             yield _program_check(ctx, "etcd", comp.command[0], "install etcd v3.5 (the guide's step 4)")
         yield _program_check(ctx, "etcdctl", "etcdctl", "install etcdctl with etcd: the guide's checks use it", WARN)
-    else:
+    elif not everywhere.components(EtcdComponent):
         yield Check("etcd", SKIP, "this node runs no etcd" + (" (not the master)" if ctx.config.node.role != "master"
                                                               else ""))  # fmt: skip
+    else:
+        yield Check("etcd", SKIP, "no etcd" + inside)
     workers = ctx.components(DatasystemComponent)
     for comp in workers.values():
         yield _program_check(ctx, "dscli", comp.command[0], "pip install openyuanrong-datasystem (the guide's step 3)")
     if not workers:
-        yield Check("dscli", SKIP, "no datasystem worker on this node")
+        yield Check("dscli", SKIP, "no datasystem worker" + (inside if everywhere.components(DatasystemComponent)
+                                                             else " on this node"))  # fmt: skip
     vllms = ctx.components(VllmComponent)
     if not vllms:
-        yield Check("vllm", SKIP, "no vLLM on this node")
-    for comp in vllms.values():
-        yield _program_check(ctx, "vllm", comp.command[0], "run inside the vllm-ascend image, or install vllm-ascend")
+        yield Check("vllm", SKIP, "no vLLM" + (inside if everywhere.components(VllmComponent) else " on this node"))
+    for name, comp in vllms.items():
+        # one row per rank, named: eight identical "vllm not found" rows say nothing about which
+        label, yr_label = ("vllm", "yr_import") if len(vllms) == 1 else (f"vllm:{name}", f"yr_import:{name}")
+        yield _program_check(ctx, label, comp.command[0], "run inside the vllm-ascend image, or install vllm-ascend")
         backend = ((comp.kv_transfer_config or {}).get("kv_connector_extra_config") or {}).get("backend")
         if backend != "yuanrong":
-            yield Check("yr_import", SKIP, "vLLM's KV connector does not use the yuanrong backend")
+            yield Check(yr_label, SKIP, "vLLM's KV connector does not use the yuanrong backend")
             continue
         python = ctx.host.interpreter_of(comp.command[0])
         if ctx.host.which(comp.command[0]) is None:
-            yield Check("yr_import", SKIP, f"{comp.command[0]} not found: no Python to ask")
+            yield Check(yr_label, SKIP, f"{comp.command[0]} not found: no Python to ask")
             continue
         if python is None:
-            yield Check("yr_import", WARN, f"cannot tell which Python runs {comp.command[0]}",
+            yield Check(yr_label, WARN, f"cannot tell which Python runs {comp.command[0]}",
                         "check by hand: <vllm's python> -c 'import yr.datasystem'")  # fmt: skip
             continue
         ok, error = ctx.host.can_import(python, "yr.datasystem")
         if ok:
-            yield Check("yr_import", PASS, f"import yr.datasystem in {python}")
+            yield Check(yr_label, PASS, f"import yr.datasystem in {python}")
         else:
-            yield Check("yr_import", FAIL, f"{python}: {error or 'import yr.datasystem failed'}",
+            yield Check(yr_label, FAIL, f"{python}: {error or 'import yr.datasystem failed'}",
                         f"{python} -m pip install openyuanrong-datasystem (the wheel for this arch and page size)")
 
 
@@ -542,7 +555,7 @@ def run_preflight(config: Config, host: Host | None = None,
 
         host = Host(path=base_environment()["PATH"])
     ctx = _Ctx(config, host, list(peers) if peers else None, expected_npus(config))
-    report = PreflightReport()
+    report = PreflightReport(about=member_text(config))
     for check in CHECKS:
         try:
             report.checks.extend(check(ctx))
@@ -550,3 +563,12 @@ def run_preflight(config: Config, host: Host | None = None,
             report.checks.append(Check(check.__name__.removeprefix("check_"), FAIL,
                                        f"the check crashed: {type(exc).__name__}: {exc}", "report this as a bug"))
     return report
+
+
+def member_text(config: Config) -> str:
+    """Which member, role and vLLM ranks a report is about: `node a2-5 (worker; vllm-dp8 .. vllm-dp15)`."""
+    vllms = [n for n, c in config.active_components().items() if isinstance(c, VllmComponent)]
+    ranks = "" if not vllms else f"; {vllms[0]}" if len(vllms) == 1 else f"; {vllms[0]} .. {vllms[-1]}"
+    cluster = f" of cluster {config.cluster.name}" if config.cluster.nodes else ""
+    return f"node {config.node.name}{cluster} ({config.node.role}{ranks})"
+

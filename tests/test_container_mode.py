@@ -251,3 +251,28 @@ def _state(cid: str) -> object:
     from nodeagent.container_plan import ContainerState
 
     return ContainerState(id=cid, name="dsv4", status="running", running=True, image="i", pid=1)
+
+
+def test_the_agent_stopping_its_container_records_that_it_did(tmp_path: Path) -> None:
+    """`on_stop: stop`: the record says the agent stopped it, so the next agent does not read its `Exited (137)`
+    as a death (tests/test_container_plan.py has the plan); the container log says why it reads 137."""
+    from types import SimpleNamespace
+
+    from nodeagent.container_mode import ContainerMode
+    from nodeagent.container_plan import ContainerRecord
+
+    (tmp_path / "state").mkdir()
+    config = parse_config(f"node: {{name: n1, ip: 127.0.0.1}}\ncontainer: {{engine: docker}}\n"
+                          f"agent: {{state_dir: {tmp_path / 'state'}, log_dir: {tmp_path / 'logs'}}}\n")  # fmt: skip
+    mode = ContainerMode(SimpleNamespace(config=config))
+    mode.records.save(ContainerRecord("c" * 64, "f" * 64, "h"))
+    stops: list[float] = []
+
+    async def stop(grace_s: float) -> None:
+        stops.append(grace_s)
+
+    mode.engine.stop = stop  # type: ignore[method-assign]
+    asyncio.run(mode.finish(detach=False))
+    record = mode.records.load()
+    assert stops == [5.0] and record is not None and record.stopped_by_agent is not None
+    assert "Exited (137)" in (tmp_path / "logs" / "container.log").read_text()

@@ -111,6 +111,21 @@ def test_exited_and_oom_killed_are_recreated_and_redeployed() -> None:
     assert "OOM-killed" in plan(running(status="exited", running=False, oom_killed=True), None).reason
 
 
+def test_stopped_by_the_agent_is_started_again_not_a_death() -> None:
+    """`on_stop: stop` leaves it `Exited (137)` (bash as PID 1 ignores SIGTERM, the engine SIGKILLs it): the
+    record says the agent did it, so the next agent starts it (set up already) instead of counting a death."""
+    stopped = running(status="exited", running=False, exit_code=137, pid=None)
+    p = plan(stopped, record(running(), stopped_by_agent="2026-12-06T23:40:00+00:00"))
+    assert p.steps == (Step.START,) and not p.redeploy and not p.drain
+    assert p.reason.startswith("stopped by the agent at 2026-12-06T23:40:00+00:00 (exited with code 137")
+    changed = plan(stopped, record(running(), stopped_by_agent="t"), image="other:2")
+    assert changed.steps == (Step.REMOVE, Step.CREATE, Step.SETUP) and not changed.redeploy
+    assert ContainerRecord.from_json(record(stopped_by_agent="t").to_json()).stopped_by_agent == "t"
+    # started by hand after the agent stopped it, then dead: that run is no stop of ours
+    rerun = dataclasses.replace(stopped, started_at="2026-12-07T00:00:00Z")
+    assert plan(rerun, record(running(), stopped_by_agent="t")).redeploy
+
+
 def test_changed_image_run_line_or_setup_is_a_planned_recreate() -> None:
     rec = record()
     for p, why in ((plan(running(), rec, image="other:2"), "image changed"),

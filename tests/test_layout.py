@@ -144,6 +144,20 @@ def test_members_on_one_ip_differ_only_in_node_and_agent() -> None:
     assert all(c.components["datasystem"].etcd_address == "127.0.0.1:12379" for c in configs.values())
 
 
+def test_a_single_node_file_talks_to_its_own_etcd_where_it_listens() -> None:
+    """The guide's etcd listens on the node's address (`hostname -I`), not on loopback: without etcd_endpoints
+    the agent's etcd client goes there too, as the worker's --etcd_address does."""
+    text = "node: {name: a2, ip: 192.0.2.17}\ncomponents:\n  etcd: {kind: etcd, client_port: 2479}\n"
+    assert parse_config(text).cluster.etcd_endpoints == ["192.0.2.17:2479"]
+    listen = text.replace("client_port: 2479", "client_port: 2479, listen_ip: 127.0.0.1")
+    assert parse_config(listen).cluster.etcd_endpoints == ["127.0.0.1:2479"]
+    given = "cluster: {etcd_endpoints: ['10.0.0.9:2379']}\n" + text
+    assert parse_config(given).cluster.etcd_endpoints == ["10.0.0.9:2379"]  # a remote etcd stays as written
+    assert parse_config("node: {name: a2, ip: 192.0.2.17}\n").cluster.etcd_endpoints == ["127.0.0.1:2379"]
+    shipped = load_config(ROOT / "config" / "dsv4-flash-a2.yaml")
+    assert shipped.cluster.etcd_endpoints == [f"{shipped.node.ip}:2379"]
+
+
 def test_default_group_is_every_node_mixed_internal() -> None:
     text = LOOPBACK.split("  vllm_groups:")[0] + LOOPBACK.split("       data_parallel_rpc_port: 13400}\n")[1]
     text = text.replace("  proxy: {kind: proxy, port: 18100}\n", "")

@@ -19,7 +19,6 @@ from nodeagent.config import load_config
 from nodeagent.hostfacts import Host
 from nodeagent.portlint import (
     COLLISION,
-    EPHEMERAL,
     TAKEN,
     PortUse,
     collisions,
@@ -39,7 +38,7 @@ SYSCTL_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "doc-sysc
 DEFAULT = (32768, 60999)
 
 
-def uses_of(path: Path, node: str) -> list[PortUse]:
+def uses_of(path: Path, node: str | None) -> list[PortUse]:
     return node_uses(load_config(path, node=node), {})
 
 
@@ -58,7 +57,8 @@ def cluster_file(tmp: Path, change: Any = None) -> Path:
 
 def test_eight_node_example_every_member() -> None:
     """Prefill ranks take kv_port + rank·TP .. +TP-1 (TP 4), decode ranks one port each (TP 1); no two of our
-    listeners collide on any member; only HCCL's default host ports sit in the default ephemeral range."""
+    listeners collide on any member, and none sits in the default ephemeral range (the file moves HCCL's host
+    ports from 60000 to 61000: `ports` and preflight print no WARN on a stock kernel)."""
     p0 = uses_of(EIGHT, "a2-0")
     assert by_purpose(p0, "vllm-dp0", "MooncakeHybridConnector handshake") == [(30000, 30003)]
     assert by_purpose(p0, "vllm-dp1", "MooncakeHybridConnector handshake") == [(30004, 30007)]
@@ -75,8 +75,10 @@ def test_eight_node_example_every_member() -> None:
     for node in (f"a2-{i}" for i in range(8)):
         report = lint_ports(uses_of(EIGHT, node), DEFAULT, [])
         assert not report.collisions, (node, [f.message for f in report.collisions])
-        assert report.to_reserve == [(60000, 60015)], node
-        assert {f.kind for f in report.findings} == {EPHEMERAL}
+        assert report.to_reserve == [] and report.findings == [], (node, [f.message for f in report.findings])
+        assert {(u.low, u.high) for u in report.uses if u.purpose.startswith("HCCL")} == {(61000, 61015)}, node
+    single = lint_ports(uses_of(ROOT / "config" / "dsv4-flash-a2.yaml", None), DEFAULT, [])
+    assert single.findings == [] and single.to_reserve == []
 
 
 def test_kv_port_inside_the_adxl_range_collides_as_in_8938(tmp_path: Path) -> None:
@@ -164,7 +166,9 @@ def test_a_stranger_listening_inside_a_kv_range_is_reported_live(tmp_path: Path,
 
 @pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
 def test_preflight_check_warns_then_passes_once_reserved(tmp_path: Path, sysctl_root: Path) -> None:
-    config = load_config(EIGHT, node="a2-6")
+    # HCCL's default host ports (the shipped file moves them out of the range)
+    config = load_config(cluster_file(tmp_path, lambda d: d["components"]["vllm"]["env"].pop("HCCL_IF_BASE_PORT")),
+                         node="a2-6")  # fmt: skip
     ctx = SimpleNamespace(config=config, host=Host(root=sysctl_root), ours=set())
     (check,) = check_ports_lint(ctx)
     assert check.status == WARN and "60000-60015" in check.value and "ports --apply" in check.hint
@@ -194,6 +198,7 @@ def test_cli_ports_json_and_apply(tmp_path: Path, sysctl_root: Path) -> None:
     node_file = tmp_path / "node.yaml"  # one member's view: the cluster file with node.name set
     data = yaml.safe_load(EIGHT.read_text())
     data["node"] = {"name": "a2-7"}
+    del data["components"]["vllm"]["env"]["HCCL_IF_BASE_PORT"]  # HCCL's default host ports, to reserve
     node_file.write_text(yaml.safe_dump(data, sort_keys=False))
     out = _cli("--config", str(node_file), "ports", "--json", "--root", str(sysctl_root), home=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -205,3 +210,15 @@ def test_cli_ports_json_and_apply(tmp_path: Path, sysctl_root: Path) -> None:
     assert "wrote ip_local_reserved_ports = 60000-60015" in out.stdout
     assert "net.ipv4.ip_local_reserved_ports = 60000-60015" in out.stdout.splitlines()[-1]
     assert (sysctl_root / "proc/sys/net/ipv4/ip_local_reserved_ports").read_text() == "60000-60015\n"
+
+
+@pytest.mark.usefixtures("fixed_ports")  # live checks of the 8-node file's ports
+def test_cli_ports_of_any_member_from_one_host(tmp_path: Path, sysctl_root: Path) -> None:
+    """`ports --node NAME` (its own error used to say "pass --node" and then refuse it)."""
+    for args in (["ports", "--node", "a2-5"], ["--node", "a2-5", "ports"]):
+        out = _cli("--config", str(EIGHT), *args, "--json", "--root", str(sysctl_root), home=tmp_path)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert {f"vllm-dp{r}" for r in range(8, 16)} == {u["component"] for u in data["uses"]} - {"datasystem",
+                                                                                                   "agent"}
+        assert data["ok"] and data["to_reserve"] == ""

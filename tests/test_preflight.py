@@ -92,6 +92,7 @@ class A2:
         self.model = make_model(self.root / self.model_path.lstrip("/"))
         self.config_data = yaml.safe_load((ROOT / "config" / "dsv4-flash-a2.yaml").read_text())
         self.config_data["node"] |= {"name": "a2-0", "ip": NODE_IP}
+        self.config_data.pop("container")  # the host's checks; tests/test_preflight_container.py has the container's
         self.config_data["cluster"]["etcd_endpoints"] = [f"{NODE_IP}:2379"]
         self.config_data["agent"] = {"state_dir": str(tmp / "state"), "log_dir": str(tmp / "logs"),
                                      "api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp / "tok")},
@@ -288,3 +289,59 @@ def test_cli_on_this_machine(tmp_path: Path) -> None:
     assert "does not exist" in failed["model"]["value"]
     bad = _cli("--config", str(tmp_path / "nope.yaml"), home=tmp_path)
     assert bad.returncode == 78 and "nope.yaml" in bad.stderr
+
+
+def test_a_members_rows_name_it_and_its_ranks(a2: A2) -> None:
+    """One host checks every member of a cluster file (`preflight --node`): the report says which member and
+    ranks it is about, and each rank's row is named, not eight identical `vllm` rows."""
+    data = yaml.safe_load((ROOT / "config" / "dsv4-flash-a2-8node.yaml").read_text())
+    data["components"]["vllm"]["model"] = a2.model_path
+    path = a2.tmp / "eight.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = run_preflight(load_config(path, node="a2-5"), a2.host())
+    assert report.about == "node a2-5 of cluster dsv4-flash-8node (worker; vllm-dp8 .. vllm-dp15)"
+    assert report.format().splitlines()[0] == f"preflight of {report.about}" and report.to_dict()["about"]
+    checks = by_name(report)
+    # in the container: the programs are the image's (the container rows), said so
+    assert checks["vllm"].status == SKIP and "inside the container" in checks["vllm"].value
+    assert checks["etcd"].value == "this node runs no etcd (not the master)"
+    # one model, read by eight ranks: one row naming them
+    assert [c.name for c in report.checks if c.name.startswith("model")] == ["model"]
+    assert checks["model"].status == PASS and checks["model"].value.endswith("(read by vllm-dp8 .. vllm-dp15)")
+    del data["container"]  # on the host: a row per rank, each named
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = run_preflight(load_config(path, node="a2-5"), a2.host())
+    rows = [c.name for c in report.checks if c.name.startswith("vllm")]
+    assert rows == [f"vllm:vllm-dp{rank}" for rank in range(8, 16)]
+    assert len({c.name for c in report.checks}) == len(report.checks), "no two rows share a name"
+
+
+def test_preflight_takes_node_for_any_member() -> None:
+    from nodeagent.cli.common import NODE_COMMANDS
+    from nodeagent.cli.parser import build_parser
+
+    args = build_parser("preflight").parse_args(["preflight", "--node", "a2-5", "--json"])
+    assert args.node == "a2-5" and "preflight" in NODE_COMMANDS and "ports" in NODE_COMMANDS
+
+
+@pytest.mark.parametrize("member", ["a2-0", "a2-4"])  # the master with a prefill group, a decode member
+def test_the_shipped_cluster_file_warns_nothing_it_could_fix(a2: A2, member: str) -> None:
+    """issue 31: on a healthy host, each member of config/dsv4-flash-a2-8node.yaml passes its own checks (it
+    WARNed the prefill abort timeout; the host-port and huge-page rules: tests/test_portlint.py, above)."""
+    data = yaml.safe_load((ROOT / "config" / "dsv4-flash-a2-8node.yaml").read_text())
+    data.pop("container")  # the host's checks (the fixture has no engine)
+    for entry in data["cluster"]["nodes"]:
+        if entry["name"] == member:
+            entry |= {"ip": NODE_IP, "nic_name": "enp61s0f2"}
+    data["cluster"].pop("etcd_endpoints")  # the master's, derived
+    data["agent"] = a2.config_data["agent"]
+    comps = data["components"]
+    comps["vllm"] |= {"model": a2.model_path, "port": free_port()}
+    comps["datasystem"] |= {"workdir": str(a2.tmp / "yr"), "worker_port": free_port(),
+                            "liveness_check_path": str(a2.tmp / "liveness")}  # fmt: skip
+    comps["etcd"] |= {"client_port": free_port(), "peer_port": free_port(), "data_dir": str(a2.tmp / "etcd")}
+    comps["proxy"] |= {"port": free_port()}
+    path = a2.tmp / "eight.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = run_preflight(load_config(path, node=member), a2.host())
+    assert not report.warnings, report.format()

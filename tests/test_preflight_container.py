@@ -181,3 +181,15 @@ def test_programs_inside_are_the_images_and_host_mode_skips(tree: Tree) -> None:
     assert report["dscli"].status == SKIP, "dscli runs inside: the image has it, not the host"
     host_mode = parse_config("node: {name: n1, ip: 127.0.0.1}\n")
     assert [c[1] for c in check_container(host_mode, tree.host())] == [SKIP]
+
+
+@pytest.mark.parametrize(("file", "node"), [("dsv4-flash-a2.yaml", None), ("dsv4-flash-a2-8node.yaml", "a2-5")])
+def test_the_shipped_configs_container_passes_on_a_ready_host(tree: Tree, file: str, node: str | None) -> None:
+    """issue 31: the shipped files run the guide's container; on a host as the guide expects it (its devices and
+    mount sources, the image pulled) their container rows warn nothing the file could fix."""
+    from nodeagent.config import load_config
+
+    (tree.root / "pulled").touch()
+    cfg = load_config(Path(__file__).resolve().parents[1] / "config" / file, node=node)
+    found = checks(cfg, tree.host())
+    assert {k: v[1] for k, v in found.items() if v[1] != PASS} == {}, found

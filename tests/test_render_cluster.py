@@ -32,9 +32,12 @@ BASE_ENV = {"PATH": "/usr/bin:/bin", "LD_PRELOAD": "/opt/site/libfoo.so", "GOOGL
             "ftp_proxy": "http://proxy:3128"}  # fmt: skip
 NOISE = {"PWD", "SHLVL", "_", "OLDPWD", "GOLDEN_OUT", "LC_CTYPE", "HOME"}
 AGENT_EXTRAS = {"PYTHONHASHSEED", "VLLM_ENGINE_READY_TIMEOUT_S", "YR_CONFIG_PATH", "DS_WORKER_ADDR",
-                "DS_ENABLE_REMOTE_H2D", *AGENT_ENV}  # fmt: skip
+                "DS_ENABLE_REMOTE_H2D", "HCCL_IF_BASE_PORT", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT",
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", *AGENT_ENV}  # fmt: skip
 """What the agent adds to the guide's run_dp_template.sh: the yuanrong pool's address (the guide's RH2D appendix
-adds DS_WORKER_ADDR to the same template), the FAQ's PYTHONHASHSEED, and its own markers."""
+adds DS_WORKER_ADDR to the same template), the FAQ's PYTHONHASHSEED, its own markers, and the shipped file's
+HCCL_IF_BASE_PORT (HCCL's host ports moved out of the ephemeral range, tests/test_portlint.py) and the prefill
+abort timeouts at vLLM's default, said explicitly (preflight's abort_timeout)."""
 CAPTURE = ("import json,os,sys; env=dict(os.environ); out=env.pop('GOLDEN_OUT'); "
            "open(os.path.join(out, str(os.getpid()) + '.json'),'w')"
            ".write(json.dumps({'argv': sys.argv[1:], 'env': env}))")

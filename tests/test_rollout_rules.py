@@ -39,7 +39,7 @@ def harness(tmp: Path, decode_groups: int = 1) -> ClusterHarness:
 
 
 def plan_for(tmp: Path, edit: Any, decode_groups: int = 1, load_s: dict[str, float] | None = None,
-             **options: Any) -> Any:  # fmt: skip
+             overhead_s: dict[str, float] | None = None, **options: Any) -> Any:  # fmt: skip
     h = harness(tmp / "old", decode_groups)
     old = load_config(h.write("n0"))
     new_h = harness(tmp / "new", decode_groups)
@@ -48,7 +48,7 @@ def plan_for(tmp: Path, edit: Any, decode_groups: int = 1, load_s: dict[str, flo
     edit(new_h.data)
     new = load_config(new_h.write("n0"))
     return make_plan(old, new, Options.from_dict(options), old_hash=cluster_file_hash(old),
-                     new_hash=cluster_file_hash(new), load_s=load_s)  # fmt: skip
+                     new_hash=cluster_file_hash(new), load_s=load_s, overhead_s=overhead_s)  # fmt: skip
 
 
 def group_env(*groups: str, **env: str) -> Any:
@@ -73,6 +73,42 @@ def test_a_change_of_every_group_steps_prefill_then_decode_and_the_single_decode
                             "pass --allow-outage decode",)  # fmt: skip
     allowed = plan_for(tmp_path / "b", edit, load_s={"d0": 1800.0}, allow_outage="decode")
     assert allowed.ok and allowed.steps[2].outage == ("decode",) and allowed.steps[2].expected_outage_s == 1800.0
+
+
+def test_a_steps_outage_is_measured_and_the_next_estimate_adds_its_drain_stop_and_readd(tmp_path: Path) -> None:
+    """issue 31: the dry run promised 'prefill outage expected ~3 s' (the last load) and the step was out of the
+    proxy 7.5 s. A step now records when the proxy let its groups go and took them back, and the time in each
+    phase; the next plan expects the last load plus what the last step cost beyond it."""
+    from nodeagent.cluster.rollout_view import measured_overhead_s
+    from nodeagent.clustercmd import outage_text, rollout_lines
+
+    step = Step(("d0",), ("decode",), "a", "b", outage=("decode",), expected_outage_s=3.0)
+    record = Record("r1", "n0: op", 0.0, "a", "b", Options(), (step,))
+    t = 100.0
+    record = record.with_step(0, rr._enter(step, "draining", t))
+    record = rr.mark(record, 0, "proxy_out", "n0", now=t + 0.5)
+    for phase, at in (("staging", 2.0), ("restarting", 3.0), ("gating", 6.0), ("rejoining", 6.5)):
+        record = record.with_step(0, rr._enter(record.steps[0], phase, t + at))
+    record = rr.mark(record, 0, "proxy_in", "n0", now=t + 8.0)
+    record = record.with_step(0, rr._enter(record.steps[0], "done", t + 9.0))
+    done = record.steps[0]
+    assert done.out_of_proxy_s == 7.5 and done.phase_s == {"draining": 2.0, "staging": 1.0, "restarting": 3.0,
+                                                            "gating": 0.5, "rejoining": 2.5}  # fmt: skip
+    assert Step.from_dict(done.to_dict()) == done
+    assert measured_overhead_s(record) == {"d0": 4.5}  # 7.5 s out of the proxy, 3 s of it loading
+    assert outage_text(done.to_dict()) == "out of the proxy 7.5 s (expected ~3.0 s)"
+    assert rollout_lines(record.to_dict())[-1].endswith("— out of the proxy 7.5 s (expected ~3.0 s)")
+
+    def edit(data: dict[str, Any]) -> None:
+        data["components"]["vllm"]["max_model_len"] = 8192
+
+    plan = plan_for(tmp_path, edit, load_s={"d0": 3.0}, overhead_s=measured_overhead_s(record),
+                    allow_outage="decode")  # fmt: skip
+    assert plan.steps[2].expected_outage_s == 7.5
+    assert plan.steps[2].note == ("decode outage expected ~8 s (its last load + drain, stop and proxy re-add as its "
+                                  "last rollout step measured them): requests through the proxy fail meanwhile")
+    unmeasured = plan_for(tmp_path / "b", edit, load_s={"d0": 3.0}, allow_outage="decode")
+    assert unmeasured.steps[2].note.startswith("decode outage expected ~3 s (its last load): ")
 
 
 def test_order_canary_and_max_unavailable(tmp_path: Path) -> None:

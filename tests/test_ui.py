@@ -175,7 +175,11 @@ def rollout_view(hostile: str = "") -> dict[str, Any]:
     """A rollout as `GET /cluster` gives it (`RolloutExecutor.view`), in its first step."""
     steps = [{"groups": ["p0", "d0"], "phase": "rejoining", "since": 0, "failed": "", "rollback": False,
               "note": f"first pair{hostile}"},
-             {"groups": ["p1", "d1"], "phase": "pending", "since": 0, "failed": "", "rollback": False, "note": ""}]
+             {"groups": ["p1", "d1"], "phase": "pending", "since": 0, "failed": "", "rollback": False, "note": ""},
+             # a step done: what it measured out of the proxy beside what the plan expected (issue 31)
+             {"groups": ["p2"], "phase": "done", "since": 0, "failed": "", "rollback": False, "outage": ["prefill"],
+              "note": "prefill outage expected ~3 s (its last load)", "expected_outage_s": 3.0,
+              "out_of_proxy_s": 7.5}]
     return {"id": "ab12cd34", "status": "running", "message": f"step 1 (p0, d0): gate passed{hostile}",
             "steps": steps, "current": 0, "time_left_s": 1925.0,
             "floor": f"serving: prefill p1 (until the switch); decode d1 (until the switch){hostile}",
@@ -209,13 +213,15 @@ def test_the_first_paint_shows_the_rollout_box() -> None:
     html = first_paint(page, {"node": {"name": "n0"}}, now=1125.0, rollout=view)
     assert '<div id="rollout">' in html and hostile not in html
     box = rollout_box_texts(html)
-    assert box["meta"] == "ab12cd34 · running · step 1/2 p0, d0 rejoining"
+    assert box["meta"] == "ab12cd34 · running · step 1/3 p0, d0 rejoining"
     assert box["floor"] == (f"floor: serving: prefill p1 (until the switch); decode d1 (until the switch){hostile} "
                             "· time left 32m 5s · out of the proxy: p1, d1")  # fmt: skip
     assert box["message"] == f"step 1 (p0, d0): gate passed{hostile}"
     assert box["rows"]["1"] == {"groups": "p0, d0", "phase": '<span class="badge s-starting">rejoining</span>',
                                 "since": "2m 5s ago", "note": f"first pair{escape(hostile)}"}  # fmt: skip
     assert box["rows"]["2"]["since"] == "—"
+    assert box["rows"]["3"]["note"] == ("prefill outage expected ~3 s (its last load) · out of the proxy 7.5 s "
+                                        "(expected ~3.0 s)")  # fmt: skip
     done = first_paint(page, {}, now=0, rollout={**view, "status": "done", "current": None})
     assert rollout_box_texts(done)["floor"] == "" and rollout_box_texts(done)["meta"] == "ab12cd34 · done"
 
@@ -275,6 +281,83 @@ async def test_the_rollout_box_reads_the_same_from_the_server_and_the_script(sta
     assert {n: {k: v for k, v in r.items()} for n, r in rows.items()} == {
         n: {k: re.sub(r"<[^>]+>", "", v) for k, v in r.items()} for n, r in server["rows"].items()}
     assert drawn["floor"].endswith("· time left 32m 5s · out of the proxy: p1, d1")
+    assert_only_the_agent(page, stack.url)
+
+
+def cluster_view() -> dict[str, Any]:
+    """A /cluster view as membership, coordinator and rollout write it: three members, one missing, one hostile."""
+    return {
+        "cluster": "c1", "self": "n0", "view_complete": True,
+        "etcd": {"state": "reachable", "endpoint": "http://10.0.0.1:2379"},
+        "warnings": [{"code": "pythonhashseed", "node": "n1", "message": "differs <b>"}],
+        "members": [
+            {"name": "n0", "role": "master", "ip": "10.0.0.1", "group": "p0", "ranks": {"start": 0, "count": 2},
+             "present": True, "age_s": 3.2, "clock_offset_s": 0.0, "api_url": "http://10.0.0.1:18700",
+             "components": {"vllm-dp0": {"state": "running", "ready": True, "last_load_s": 75}}},
+            {"name": "n1<script>", "role": "worker", "ip": "10.0.0.2", "group": "d0", "ranks": {"start": 2, "count": 1},
+             "present": True, "age_s": 61, "clock_offset_s": -0.0125, "api_url": "http://10.0.0.2:18700",
+             "components": {"vllm-dp2": {"state": "starting", "ready": False, "load": "loading 2m"}}},
+            {"name": "n2", "role": "worker", "ip": "10.0.0.3", "present": False, "listed": False},
+        ],
+        "coordination": {"etcd": "reachable", "gangs": {"d0": {
+            "kind": "decode", "nodes": ["n1", "n2"], "generation": 3, "reason": "operator restart", "by": "n0",
+            "barrier": {"arrived": ["n1"]}, "pending": True}}, "pause": {"by": "ops", "reason": "maint"}},
+    }  # fmt: skip
+
+
+def test_the_first_paint_has_the_cluster_table() -> None:
+    """issue 31: a screenshot at load showed no member table (it came with the first poll)."""
+    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.ui.routes import read_static
+
+    page = read_static("index.html").decode()
+    html = cluster_section(page, {"cluster": {"etcd": "reachable"}}, cluster_view())
+    rows = dict(re.findall(r'<tr[^>]* data-member="([^"]+)">(.*?)</tr>', html))
+    assert list(rows) == ["n0", "n1&lt;script&gt;", "n2"] and "<script>" not in html.split("<body")[1].split(
+        '<script src="')[0], "every value escaped"
+    assert '<table id="members">' in html and '<table id="gangs">' in html, "shown, not hidden until the poll"
+    assert '<td data-field="ranks">0–1</td>' in rows["n0"] and "vllm-dp0 running ✓ (load 1m 15s)" in rows["n0"]
+    assert '<span class="badge s-missing">missing</span>' in rows["n2"] and "(not in the cluster file)" in rows["n2"]
+    assert 'id="cluster-meta">c1 · seen from n0 · etcd reachable (http://10.0.0.1:2379)</span>' in html
+    assert "waiting for n2 · arrived: n1" in html and "cluster paused by ops: maint" in html
+    single = cluster_section(page, {}, None)
+    assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in single
+    assert cluster_section(page, {"cluster": {}}, None) == page, "no view: the first poll fills it"
+
+
+async def test_the_cluster_table_reads_the_same_from_the_server_and_the_script(stack: InProcess,
+                                                                               browser: Chromium) -> None:  # fmt: skip
+    """ui.js's renderCluster and the server's first paint write the same rows for the same view."""
+    import html as markup
+
+    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.ui.routes import read_static
+
+    async with stack.session.get(stack.url + "/ui") as r:  # the route writes it in: here a single node's note
+        assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in await r.text()
+    assert (await stack.get("/cluster"))[0] == 404, "a single node has no /cluster"
+    view = cluster_view()
+    server = cluster_section(read_static("index.html").decode(), {"cluster": {}}, view)
+
+    def texts(table: str, key: str) -> dict[str, dict[str, str]]:
+        body = server.split(f'<table id="{table}">')[1].split("</table>")[0]
+        rows = re.findall(rf'<tr[^>]* data-{key}="([^"]+)">(.*?)</tr>', body, re.S)
+        return {markup.unescape(n): {f: markup.unescape(re.sub(r"<[^>]+>", "", v)).strip()
+                                     for f, v in re.findall(r'data-field="(\w+)"[^>]*>(.*?)</td>', row)}
+                for n, row in rows}  # fmt: skip
+
+    page = await browser.new_page()
+    await page.goto(stack.url + "/ui")
+    drawn = await page.js(f"""(() => {{
+        ui.status = {{...(ui.status || {{}}), cluster: {{}}}}; ui.cluster = {json.dumps(view)}; renderCluster();
+        return {{members: {rows_js('members', 'member')}, gangs: {rows_js('gangs', 'gang')},
+                 meta: $('cluster-meta').textContent, extra: $('coordination-extra').textContent}};
+    }})()""")
+    assert drawn["members"] == texts("members", "member")
+    assert drawn["gangs"] == texts("gangs", "gang")
+    assert drawn["meta"] == markup.unescape(re.search(r'id="cluster-meta">(.*?)</span>', server).group(1))
+    assert drawn["extra"] == markup.unescape(re.search(r'id="coordination-extra" class="muted">(.*?)</div>',
+                                                       server).group(1))  # fmt: skip
     assert_only_the_agent(page, stack.url)
 
 

@@ -21,6 +21,9 @@ PROCESS_FIXTURES = frozenset({"local_agent", "stack", "etcd", "own_etcd", "liste
 """The shared fixtures that start processes (an agent, etcd, a listener) or wait on the machine's fixed ports."""
 
 NOT_FAST: frozenset[str] = frozenset({
+    "tests/test_render_shipped_container.py",
+    "tests/test_preflight.py::test_a_members_rows_name_it_and_its_ranks",
+    "tests/test_preflight.py::test_the_shipped_cluster_file_warns_nothing_it_could_fix",
     "tests/test_api.py",
     "tests/test_bench.py::test_bad_arguments_and_unreachable_metrics",
     "tests/test_bench.py::test_bench_against_the_standin",

@@ -111,7 +111,8 @@ def _component_waiter(name: str, action: str, before: dict[str, Any]) -> Any:
             first = up_since.setdefault(pid, time.monotonic())
             if time.monotonic() - first < SETTLE_S:
                 return None
-            was = f", was {old_pid}" if action == "restart" else ""
+            # a restart of a stopped component had no pid before: no "was None"
+            was = f", was {old_pid}" if action == "restart" and old_pid is not None else ""
             return f"{name} {state} (pid {pid}{was})"
         return None
 

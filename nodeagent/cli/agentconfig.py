@@ -132,6 +132,24 @@ def light_config(args: argparse.Namespace) -> LightConfig:
                        Path(agent.state_dir))  # fmt: skip
 
 
+UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
+
+
+def systemd_runs_agent(root: Path = Path("/"), unit: str = "dsv4-agent") -> bool:
+    """systemd is PID 1 here and the agent's unit is installed (scripts/install.sh): only then is `systemctl`
+    the way to look at it."""
+    if not (root / "run/systemd/system").is_dir():
+        return False
+    return any((root / d.lstrip("/") / f"{unit}.service").exists() for d in UNIT_DIRS)
+
+
+def agent_down_hint(config: Path, systemd: bool, unit: str = "dsv4-agent") -> str:
+    """Where to look, or how to start it, for the agent this host actually runs."""
+    if systemd:
+        return f"systemctl status {unit}; journalctl -u {unit} -n 50"
+    return f"no {unit} unit here: start it with `dsv4-agent --config {config}`"
+
+
 class Client:
     """HTTP/1.1 to the agent: the unix socket if configured and present (no token needed as root), else TCP."""
 
@@ -166,7 +184,8 @@ class Client:
         except (OSError, http.BadResponse) as exc:
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise CliError(f"agent unreachable at {self.address}: {reason} (is dsv4-agent running? "
-                           "systemctl status dsv4-agent)", EXIT_UNREACHABLE) from None  # fmt: skip
+                           f"{agent_down_hint(self.light.path, systemd_runs_agent())})",
+                           EXIT_UNREACHABLE) from None  # fmt: skip
         try:
             data = json.loads(raw) if raw else None
         except ValueError:

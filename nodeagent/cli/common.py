@@ -10,7 +10,7 @@ EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_UNKNOWN, EXIT_UNAUTHORISED, EXIT
 DEFAULT_UNIT = "dsv4-agent"
 DEFAULT_WAIT_S = 1800.0
 """`--wait` default: DeepSeek-V4 takes up to half an hour to load."""
-NODE_COMMANDS = ("status", "render", "config", "start", "stop", "restart", "cluster")
+NODE_COMMANDS = ("status", "render", "config", "start", "stop", "restart", "cluster", "preflight", "ports")
 """Commands that take --node NAME (another member of the cluster, or which of this host's agents)."""
 
 

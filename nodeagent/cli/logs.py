@@ -69,7 +69,8 @@ def _log_source(args: argparse.Namespace, light: LightConfig) -> tuple[str, Path
     except CliError as exc:
         if exc.code != EXIT_UNREACHABLE:
             raise
-        names = list(full_config(args).active_components())  # the agent is down: what its config runs
+        config = full_config(args)  # the agent is down: what its config runs
+        names = list(config.active_components()) + (["container"] if config.container is not None else [])
         if args.component not in names:
             raise CliError(f"unknown component {args.component!r} (config has: {', '.join(names)})",
                            EXIT_UNKNOWN) from None  # fmt: skip
@@ -77,10 +78,12 @@ def _log_source(args: argparse.Namespace, light: LightConfig) -> tuple[str, Path
         if path.exists() or not _which("journalctl"):
             return "file", light.log_dir
         return "journal", light.log_dir
-    if args.component not in status["components"]:
-        raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(status['components'])})",
+    # the node's container is no component, but its lines (setup steps, lifecycle) are logged as `container`
+    names = list(status["components"]) + (["container"] if status.get("container") else [])
+    if args.component not in names:
+        raise CliError(f"unknown component {args.component!r} (this node runs: {', '.join(names)})",
                        EXIT_UNKNOWN)  # fmt: skip
-    own = [Path(p) for p in status["components"][args.component].get("log_files") or []]
+    own = [Path(p) for p in (status["components"].get(args.component) or {}).get("log_files") or []]
     if args.source in ("auto", "own") and own and own[0].exists():
         return "own", own[0]
     if args.source == "own":

@@ -14,7 +14,7 @@ from nodeagent.cli.common import EXIT_FAILED, EXIT_UNKNOWN, EXIT_USAGE, CliError
 def cmd_preflight(args: argparse.Namespace) -> int:
     from nodeagent.preflight import run_preflight
 
-    config = full_config(args)
+    config = full_config(args, getattr(args, "node", None))
     peers = None
     if config.cluster.nodes:  # peers as the running agent sees them through etcd (none when it is not running)
         from nodeagent.cluster.consistency import preflight_peers

@@ -192,11 +192,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     preflight = add("preflight", "check this host against the guide's requirements (exit 1 on any FAIL)",
                     "node:cmd_preflight")
     preflight.add_argument("--json", action="store_true", help="every check as JSON")
+    preflight.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
+                           help="check this host as that member of a cluster file (default: node.name)")
     ports = add("ports", "every port this node binds: collisions, ephemeral-range exposure, the reserved-ports fix",
                 "ports:cmd_ports")  # fmt: skip
     ports.add_argument("--apply", action="store_true", help="write net.ipv4.ip_local_reserved_ports (root), merged "
                        "with what is reserved, and print the sysctl.d line to keep it")  # fmt: skip
     ports.add_argument("--json", action="store_true")
+    ports.add_argument("--node", default=argparse.SUPPRESS, metavar="NAME",
+                       help="the ports of that member of a cluster file (default: node.name)")
     ports.add_argument("--root", default="/", help=argparse.SUPPRESS)  # tests: a private sysctl tree
     shell = add("shell", "an interactive shell in the node's container (the guide's docker exec -it NAME bash)",
                 "containercmd:cmd_shell")

@@ -35,7 +35,7 @@ from nodeagent.cluster.rollout_http import http_canary, http_inflight, http_scra
 from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
 from nodeagent.cluster.rollout_record import Record, Step, new_record, report_prefix, rollout_key
 from nodeagent.cluster.rollout_states import RESTARTS, Phase, Status
-from nodeagent.cluster.rollout_view import floor_text, group_load_s, serving_now, time_left
+from nodeagent.cluster.rollout_view import floor_text, group_load_s, measured_overhead_s, serving_now, time_left
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
 from nodeagent.errors import CoordinationUnavailable
@@ -263,7 +263,7 @@ class RolloutExecutor:
 
     async def _mark(self, index: int, what: str, node: str | None = None, value: str = "") -> None:
         assert self.record is not None
-        new = rr.mark(self.record, index, what, node or self.node, value)
+        new = rr.mark(self.record, index, what, node or self.node, value, now=self.clock.time())
         if new is not None:
             await self._cas(new)
 
@@ -434,7 +434,8 @@ class RolloutExecutor:
         differ |= {n: str(r.get("running"))[:12] for n, r in self.reports.items()
                    if r.get("running") not in (None, old_hash)}  # fmt: skip
         plan = make_plan(old, new, opts, old_hash=old_hash, new_hash=new_hash, load_s=self._load_s(),
-                         base_env=self.port.base_env)  # fmt: skip
+                         base_env=self.port.base_env,
+                         overhead_s=measured_overhead_s(self.record))  # fmt: skip
         out = plan.to_dict()
         if differ:
             out["refused"] = [*out["refused"], "the members do not run one file: " + ", ".join(

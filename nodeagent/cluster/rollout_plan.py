@@ -333,8 +333,16 @@ def _fmt_s(seconds: float | None) -> str:
     return f"~{seconds / 60:.0f} min" if seconds >= 120 else f"~{seconds:.0f} s"
 
 
+def _basis(groups: Sequence[str], measured: frozenset[str]) -> str:
+    """What an expected outage is made of: the load alone, until a rollout measured the rest."""
+    if measured and all(g in measured for g in groups):
+        return "its last load + drain, stop and proxy re-add as its last rollout step measured them"
+    return "its last load"
+
+
 def order_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], options: Options,
-                load_s: Mapping[str, float]) -> tuple[list[PlannedStep], list[str]]:  # fmt: skip
+                load_s: Mapping[str, float], measured: frozenset[str] = frozenset(),
+                ) -> tuple[list[PlannedStep], list[str]]:  # fmt: skip
     """Steps of compatible changes: the canary alone first, then kind by kind (`order`), each step at most
     max_unavailable groups and never every group of a kind unless that kind's outage is allowed."""
     rank = {k: i for i, k in enumerate([*options.order, *(k for k in KINDS if k not in options.order)])}
@@ -357,8 +365,10 @@ def order_steps(changes: Sequence[GroupChange], kind_counts: Mapping[str, int], 
             if first.kind not in options.allow_outage:
                 refused.append(f"{first.kind} has {'one group' if kind_counts[first.kind] == 1 else 'no other group'} "
                                f"({', '.join(names)}): its step takes {first.kind} down for {_fmt_s(expected)} "
-                               f"(its last load); pass --allow-outage {first.kind}")  # fmt: skip
-            note = f"{first.kind} outage expected {_fmt_s(expected)}"
+                               f"({_basis(names, measured)}); pass --allow-outage {first.kind}")  # fmt: skip
+            # what it costs: that long with no group of the kind, each request through the proxy failing meanwhile
+            note = (f"{first.kind} outage expected {_fmt_s(expected)} ({_basis(names, measured)}): requests through "
+                    "the proxy fail meanwhile")  # fmt: skip
         steps.append(PlannedStep(names, (first.kind,), outage, expected, note))
     return steps, refused
 
@@ -430,10 +440,12 @@ def switch_gap(config: Config) -> float | None:
 
 
 def make_plan(old: Config, new: Config, options: Options, *, old_hash: str, new_hash: str,
-              load_s: Mapping[str, float] | None = None,
-              base_env: Mapping[str, str] | None = None) -> Plan:  # fmt: skip
-    """The plan from the running file to the new one. `load_s`: each group's last load time (start to ready)."""
-    load_s = load_s or {}
+              load_s: Mapping[str, float] | None = None, base_env: Mapping[str, str] | None = None,
+              overhead_s: Mapping[str, float] | None = None) -> Plan:  # fmt: skip
+    """The plan from the running file to the new one. `load_s`: each group's last load time (start to ready);
+    `overhead_s`: what its last measured step out of the proxy cost beyond that (drain, stop, proxy re-add:
+    `rollout_view.measured_overhead_s`). A step's expected outage is their sum."""
+    load_s = {g: s + (overhead_s or {}).get(g, 0.0) for g, s in (load_s or {}).items()}
     # Render both with the running file's agent section: only the shared sections are rolled out.
     new = struct_replace(new, agent=old.agent)
     changes, unchanged, problems = diff(old, new, base_env or {})
@@ -455,7 +467,8 @@ def make_plan(old: Config, new: Config, options: Options, *, old_hash: str, new_
             gap = switch_gap(old)
             steps, refused = pair_steps(changes, kind_counts, options, load_s, gap)
         else:
-            steps, refused = order_steps(changes, kind_counts, options, load_s)
+            steps, refused = order_steps(changes, kind_counts, options, load_s,
+                                         frozenset(g for g in overhead_s or {} if g in load_s))
         problems += refused
     if not problems and not changes:
         notes.append("no vLLM group renders differently: nothing to roll out")

@@ -52,6 +52,18 @@ class Step:
     unlisted: bool = False
     """An exclusive rollout's step: the proxy lists none of its groups any more (deleted, not only told to):
     their ranks may start on the other file (`proxy_wait`)."""
+    out_at: float | None = None
+    """When the proxy stopped routing to the step's groups (its `proxy_out` mark)."""
+    in_at: float | None = None
+    """When it routed to them again (`proxy_in`): `in_at - out_at` is what the step really cost the proxy."""
+    phase_s: Mapping[str, float] = field(default_factory=dict)
+    """Seconds spent in each phase it left: drain and stop (draining, staging), load (restarting), canary
+    (gating), proxy re-add (rejoining) — what the next rollout's estimate is made of (`rollout_view`)."""
+
+    @property
+    def out_of_proxy_s(self) -> float | None:
+        """The step's measured time out of the proxy (None until it is back in)."""
+        return None if self.out_at is None or self.in_at is None else round(self.in_at - self.out_at, 3)
 
     @property
     def in_progress(self) -> bool:
@@ -65,7 +77,8 @@ class Step:
                 "canary": dict(self.canary), "bake": dict(self.bake), "proxy_out": self.proxy_out,
                 "proxy_in": self.proxy_in, "base": dict(self.base),
                 "outage": list(self.outage), "expected_outage_s": self.expected_outage_s,
-                "note": self.note, "unlisted": self.unlisted}  # fmt: skip
+                "note": self.note, "unlisted": self.unlisted, "out_at": self.out_at, "in_at": self.in_at,
+                "phase_s": dict(self.phase_s), "out_of_proxy_s": self.out_of_proxy_s}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Step:
@@ -75,7 +88,9 @@ class Step:
                    tuple(d.get("staged", ())), dict(d.get("stage_errors") or {}), dict(d.get("canary") or {}),
                    dict(d.get("bake") or {}), bool(d.get("proxy_out")), bool(d.get("proxy_in")),
                    {k: int(v) for k, v in (d.get("base") or {}).items()}, tuple(d.get("outage", ())),
-                   d.get("expected_outage_s"), str(d.get("note", "")), bool(d.get("unlisted")))  # fmt: skip
+                   d.get("expected_outage_s"), str(d.get("note", "")), bool(d.get("unlisted")),
+                   d.get("out_at"), d.get("in_at"),
+                   {k: float(v) for k, v in (d.get("phase_s") or {}).items()})  # fmt: skip
 
     def nodes(self, group_nodes: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
         return tuple(n for g in self.groups for n in group_nodes.get(g, ()))

@@ -103,7 +103,11 @@ def files_problem(step: Step, obs: Observed) -> str | None:
 
 
 def _enter(step: Step, phase: Phase, now: float, **changes: Any) -> Step:
-    return replace(step, phase=phase, since=now, **changes)
+    """The step in `phase` from now; the time spent in the phase it leaves is kept (`Step.phase_s`)."""
+    spent = dict(step.phase_s)
+    if step.phase != Phase.PENDING and step.since:
+        spent[step.phase] = round(spent.get(step.phase, 0.0) + max(0.0, now - step.since), 3)
+    return replace(step, phase=phase, since=now, phase_s=spent, **changes)
 
 
 def _fail(record: Record, i: int, step: Step, why: str, now: float) -> Record:
@@ -325,8 +329,10 @@ def ready_again(step: Step, obs: Observed, group: str) -> bool:
 # ---- marks: what one agent saw, merged into the step it belongs to ------------------------------------------------
 
 
-def mark(record: Record, index: int, what: str, node: str, value: str = "") -> Record | None:
-    """The record with this agent's observation added (None: already there, or the step moved on)."""
+def mark(record: Record, index: int, what: str, node: str, value: str = "",
+         now: float | None = None) -> Record | None:  # fmt: skip
+    """The record with this agent's observation added (None: already there, or the step moved on). `now`: when
+    the proxy let the step's groups go or took them back (`proxy_out`, `proxy_in`): the step's measured outage."""
     step = record.steps[index]
     phase_of = {"drained": (Phase.DRAINING,), "proxy_out": (Phase.DRAINING,), "staged": (Phase.STAGING,),
                 "stage_error": (Phase.STAGING,), "canary": (Phase.GATING,), "proxy_in": (Phase.REJOINING,),
@@ -345,11 +351,11 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "") -> R
     elif what == "bake":
         new = replace(step, bake={**step.bake, node: value}) if node not in step.bake else None
     elif what == "proxy_out":
-        new = replace(step, proxy_out=True) if not step.proxy_out else None
+        new = replace(step, proxy_out=True, out_at=now) if not step.proxy_out else None
     elif what == "unlisted":
         new = replace(step, unlisted=True) if not step.unlisted else None
     else:
-        new = replace(step, proxy_in=True) if not step.proxy_in else None
+        new = replace(step, proxy_in=True, in_at=now) if not step.proxy_in else None
     return record.with_step(index, new) if new is not None else None
 
 

@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from nodeagent.cluster.rollout_states import under_way
+from nodeagent.clustercmd import outage_text
 from nodeagent.node_alerts import container_line, node_alerts
 
 TBODY = '<table id="components">'
@@ -104,7 +105,7 @@ def rollout_rows(r: dict[str, Any], now: float) -> str:
         cls = "ok" if s.get("phase") == "done" else "failed" if s.get("failed") else "starting"
         since = f"{js_dur(now - s['since'])} ago" if isinstance(s.get("since"), int | float) and s["since"] else "—"
         note = " · ".join(x for x in ("rollback" if s.get("rollback") else "", s.get("failed") or "",
-                                      s.get("note") or "") if x)  # fmt: skip
+                                      s.get("note") or "", outage_text(s)) if x)  # fmt: skip
         rows.append(f'<tr data-step="{i}"><td class="num">{i}</td>'
                     f'<td data-field="groups">{escape(", ".join(s.get("groups") or []))}</td>'
                     f'<td data-field="phase"><span class="badge s-{cls}">{escape(str(s.get("phase")))}</span></td>'

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from nodeagent.httpbase import ApiError, json_response
 from nodeagent.ui.firstpaint import first_paint
+from nodeagent.ui.firstpaint_cluster import cluster_section
 
 UI_ROUTES = (
     ("GET", "/ui", "ui_page"),
@@ -54,6 +55,7 @@ class UiRoutes:
 
     cache_sampler: Any
     status_data: Callable[[], dict[str, Any]]
+    cluster_data: Callable[[], dict[str, Any] | None]
     ctl: Any
 
     def _ui_enabled(self) -> None:
@@ -67,7 +69,9 @@ class UiRoutes:
         with contextlib.suppress(Exception):  # the live page never depends on the first paint
             executor = getattr(self.ctl, "rollout", None)
             rollout = executor.view().get("rollout") if executor is not None else None
-            page = first_paint(page, self.status_data(), rollout=rollout)
+            status = self.status_data()
+            page = first_paint(page, status, rollout=rollout)
+            page = cluster_section(page, status, self.cluster_data())  # the member table too, as GET /cluster
         return _response(PAGE, page.encode())
 
     async def ui_asset(self, request: web.Request) -> web.Response:

@@ -389,8 +389,15 @@ function renderRollout(r) {
     el("td", { "data-field": "groups" }, (s.groups || []).join(", ")),
     el("td", { "data-field": "phase" }, badge(s.phase, s.phase === "done" ? "ok" : s.failed ? "failed" : "starting")),
     el("td", { "data-field": "since" }, s.since ? ago(s.since) : "—"),
-    el("td", { "data-field": "note", class: "note" }, [s.rollback ? "rollback" : "", s.failed || "", s.note || ""]
-      .filter(Boolean).join(" · ")))));
+    el("td", { "data-field": "note", class: "note" }, [s.rollback ? "rollback" : "", s.failed || "", s.note || "",
+      outageText(s)].filter(Boolean).join(" · ")))));
+}
+
+function outageText(s) {
+  // What the step measured out of the proxy beside what its plan expected (clustercmd.outage_text).
+  const actual = s.out_of_proxy_s, expected = s.expected_outage_s;
+  if (typeof actual !== "number") return "";
+  return `out of the proxy ${actual.toFixed(1)} s` + (typeof expected === "number" ? ` (expected ~${expected.toFixed(1)} s)` : "");
 }
 
 async function pollCluster() {
