@@ -21,6 +21,20 @@ PROCESS_FIXTURES = frozenset({"local_agent", "stack", "etcd", "own_etcd", "liste
 """The shared fixtures that start processes (an agent, etcd, a listener) or wait on the machine's fixed ports."""
 
 NOT_FAST: frozenset[str] = frozenset({
+    "tests/test_cancellation.py::test_a_cancelled_engine_command_is_killed_with_its_children",
+    "tests/test_cancellation.py::test_a_timed_out_engine_command_leaves_no_child_behind",
+    "tests/test_cancellation.py::test_cancelling_the_container_task_ends_its_watch_and_the_events_child",
+    "tests/test_config_checks.py::test_config_validate_exits_78_on_the_handshake_overlap",
+    "tests/test_npu_monitor.py::test_durations_are_monotonic_and_a_faults_since_is_wall_time",
+    "tests/test_preflight_container.py::test_the_shipped_configs_container_passes_on_a_ready_host",
+    "tests/test_prober.py::test_a_wall_clock_step_does_not_stretch_the_initial_delay",
+    "tests/test_proctable.py::test_a_scrape_reads_the_trees_usage_off_the_loop",
+    "tests/test_proctable.py::test_a_stop_keeps_the_loop_responsive_on_a_slow_proc_and_ends_the_whole_tree",
+    "tests/test_proctable.py::test_the_pass_reads_what_psutil_reads",
+    "tests/test_proctable.py::test_the_table_finds_the_same_tree_as_before",
+    "tests/test_proxy_pd.py::test_real_proxy_routes_through_prefill_then_decode",
+    "tests/test_render_cluster.py::test_every_rank_matches_the_guide_launch",
+    "tests/test_render_cluster.py::test_the_ranks_of_a_node_get_their_own_ports_and_npus",
     "tests/test_render_shipped_container.py",
     "tests/test_preflight.py::test_a_members_rows_name_it_and_its_ranks",
     "tests/test_preflight.py::test_the_shipped_cluster_file_warns_nothing_it_could_fix",
@@ -120,7 +134,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_residue.py::test_kill_processes_finds_exactly_the_components_leftovers",
     "tests/test_residue.py::test_shm_segments_nobody_maps_are_removed",
     "tests/test_residue.py::test_the_configured_npu_smi_is_the_one_the_clean_slate_and_the_post_mortem_use",
-    "tests/test_simulation.py::test_a_ci_budget_of_random_schedules_finds_no_violation",
+    "tests/test_simulation.py",  # batches of simulated runs: seconds to minutes, not a pre-commit check
     "tests/test_residue.py::test_wait_devices_free_reads_npu_smi",
     "tests/test_run_local.py",
     "tests/test_standin.py",
