@@ -53,12 +53,12 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent.cluster.coordinator import Coordinator  # noqa: E402
 from nodeagent.cluster.membership import Membership  # noqa: E402
-from nodeagent.cluster.rollout import RolloutExecutor  # noqa: E402
-from nodeagent.config import parse_config  # noqa: E402
-from nodeagent.errors import UnknownComponentError  # noqa: E402
-from nodeagent.events import EventBus  # noqa: E402
-from nodeagent.failure import Failure  # noqa: E402
-from nodeagent.stackport import ComponentView, MemberReport, NodeLayer, NodeView  # noqa: E402
+from nodeagent.cluster.rollout.executor import RolloutExecutor  # noqa: E402
+from nodeagent.config.load import parse_config  # noqa: E402
+from nodeagent.core.errors import UnknownComponentError  # noqa: E402
+from nodeagent.core.events import EventBus  # noqa: E402
+from nodeagent.core.failure import Failure  # noqa: E402
+from nodeagent.seam.stackport import ComponentView, MemberReport, NodeLayer, NodeView  # noqa: E402
 
 TARGET_P99_MS = 500.0
 TARGET_RPS = 1.0

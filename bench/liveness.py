@@ -3,7 +3,7 @@
 
 Each trial runs the real `dsv4-agent` on a fresh config with one `kind: vllm` component (the stand-in,
 `--max-num-seqs 2`, one token per 0.1 s engine step) and no probe keys, so the defaults of
-`nodeagent/probe_defaults.py` apply. Measured, against the targets of issue 10:
+`nodeagent/config/probe_defaults.py` apply. Measured, against the targets of issue 10:
 
 - **hang under load**: two long completions in flight (the engine saturated, so the readiness chat waits),
   then the stand-in's `hang` fault (engine stops stepping, counters frozen, `/health` 200) → the agent acts

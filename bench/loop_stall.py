@@ -13,7 +13,7 @@ p99 <= 20 ms. The host's process count is printed (a pass over /proc grows with 
 
 Usage: `.venv/bin/python bench/loop_stall.py [--seconds 30] [--scrape 0.5] [--npu 1] [--stops 3] [--json FILE]`.
 Before/after: run it with `PYTHONPATH` pointing at another checkout (`git archive REV | tar -x -C DIR`): the
-bench adapts to the code it finds (before `nodeagent.proctable`, the scrape has no `refresh` and our PIDs are
+bench adapts to the code it finds (before `nodeagent.core.proctable`, the scrape has no `refresh` and our PIDs are
 listed synchronously).
 """
 
@@ -42,20 +42,20 @@ from ascend_fake import FakeAscend  # noqa: E402
 from loguru import logger  # noqa: E402
 
 import nodeagent  # noqa: E402
-from nodeagent.config import parse_config  # noqa: E402
-from nodeagent.events import EventBus  # noqa: E402
-from nodeagent.host import Clock  # noqa: E402
-from nodeagent.metrics import AgentMetrics  # noqa: E402
-from nodeagent.npu_health import HealthPolicy  # noqa: E402
-from nodeagent.npu_monitor import NpuMonitor, our_pids  # noqa: E402
-from nodeagent.supervisor import Supervisor  # noqa: E402
+from nodeagent.api.metrics import AgentMetrics  # noqa: E402
+from nodeagent.config.load import parse_config  # noqa: E402
+from nodeagent.core.events import EventBus  # noqa: E402
+from nodeagent.node.supervisor import Supervisor  # noqa: E402
+from nodeagent.npu.health import HealthPolicy  # noqa: E402
+from nodeagent.npu.monitor import NpuMonitor, our_pids  # noqa: E402
+from nodeagent.seam.host import Clock  # noqa: E402
 
 TARGET_P99_MS = 20.0
 STALL_MS = 20.0
 """A stall is one wake-up this late or later. A stall of 500 ms is one late sample among thousands: p99 hides it,
 the count and the time lost in stalls show it."""
 NAMES = ("c1", "c2", "c3", "c4")
-HAS_TABLE = importlib.util.find_spec("nodeagent.proctable") is not None
+HAS_TABLE = importlib.util.find_spec("nodeagent.core.proctable") is not None
 
 
 def config_text(state: Path) -> str:
@@ -81,7 +81,7 @@ def proc_pass_ms() -> float:
                 proc.status()
 
     if HAS_TABLE:
-        from nodeagent.proctable import scan
+        from nodeagent.core.proctable import scan
 
         one: Any = scan
     else:
@@ -145,7 +145,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         return [c.record for c in sup.components.values() if c.record is not None]
 
     if HAS_TABLE:
-        from nodeagent.proctable import TABLES
+        from nodeagent.core.proctable import TABLES
 
         async def ours() -> set[int]:
             return our_pids(records(), await TABLES.get(0))  # type: ignore[call-arg]  # as guards.py

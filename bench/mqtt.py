@@ -34,9 +34,9 @@ from loguru import logger
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nodeagent.config import parse_config  # noqa: E402
-from nodeagent.events import EventBus  # noqa: E402
-from nodeagent.supervisor import Supervisor  # noqa: E402
+from nodeagent.config.load import parse_config  # noqa: E402
+from nodeagent.core.events import EventBus  # noqa: E402
+from nodeagent.node.supervisor import Supervisor  # noqa: E402
 
 
 def free_port() -> int:
@@ -139,7 +139,7 @@ class Monitor:
 
 
 async def run_publisher(home: Path, n: int, rounds: int) -> dict[str, float]:
-    from nodeagent.mqtt import MqttPublisher
+    from nodeagent.api.mqtt import MqttPublisher
 
     broker = Broker(home)
     broker.start()

@@ -437,7 +437,7 @@ def agent_config(tmp: Path, program: Program, grace: float) -> tuple[dict[str, A
         "api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp / "token")},
     }
     with contextlib.suppress(Exception):
-        from nodeagent.config_model import AgentSettings
+        from nodeagent.config.model import AgentSettings
 
         if "systemd_scopes" in AgentSettings.__struct_fields__:
             agent["systemd_scopes"] = "never"  # same launch path as supervisord on any host
@@ -676,36 +676,36 @@ def bench_supervisord(program: Program, runs: int, keep: bool = False) -> tuple[
 # (module, attribute) → label. Functions are wrapped in the profiled agent process; module globals are patched
 # where the callers look them up, so `from x import f` users get the wrapper too.
 PROFILE_TARGETS: tuple[tuple[str, str, str], ...] = (
-    ("nodeagent.process", "ExitWatch._finish", "ExitWatch._finish (pidfd readable → reap)"),
-    ("nodeagent.component", "Component.stop_process", "Component.stop_process"),
-    ("nodeagent.supervisor", "stop_tree", "stop_tree"),
-    ("nodeagent.process", "tree_of", "  tree_of"),
-    ("nodeagent.process", "session_members", "    session_members (process_iter + getsid)"),
-    ("nodeagent.process", "_wait_gone", "  _wait_gone (20 ms polls)"),
-    ("nodeagent.supervisor", "Supervisor.capture", "Supervisor.capture (post-mortem evidence)"),
-    ("nodeagent.component", "Component._after_failure", "Component._after_failure"),
-    ("nodeagent.supervisor", "Supervisor.decide", "  Supervisor.decide"),
-    ("nodeagent.supervisor", "Supervisor.archive", "  Supervisor.archive (schedules the bundle)"),
-    ("nodeagent.component", "Component._start", "Component._start"),
-    ("nodeagent.supervisor", "Supervisor.prepare", "  Supervisor.prepare (precheck + residue)"),
-    ("nodeagent.supervisor", "missing_prerequisite", "    precheck"),
-    ("nodeagent.residue", "plan_start_cleanup", "    residue.plan_start_cleanup"),
-    ("nodeagent.residue", "_kill_processes", "    residue KillProcesses"),
-    ("nodeagent.residue", "find_leftovers", "      find_leftovers (process_iter cmdline+environ)"),
-    ("nodeagent.residue", "_wait_ports_free", "    residue WaitPortsFree"),
-    ("nodeagent.residue", "_wait_devices_free", "    residue WaitDevicesFree (clean slate)"),
-    ("nodeagent.residue", "_remove_shm_segments", "    residue RemoveShmSegments"),
-    ("nodeagent.residue", "_remove_tree", "    residue RemoveTree"),
-    ("nodeagent.supervisor", "Supervisor.launch", "  Supervisor.launch"),
-    ("nodeagent.supervisor", "render_component", "    render_component"),
-    ("nodeagent.launcher", "_prepare", "    launcher._prepare"),
-    ("nodeagent.logsink", "open_output", "    logsink.open_output"),
-    ("nodeagent.launcher", "spawn", "    spawn (Popen: fork+exec)"),
-    ("nodeagent.launcher", "record_of", "    record_of"),
-    ("nodeagent.supervisor", "Supervisor.start_probes", "  Supervisor.start_probes"),
-    ("nodeagent.statefile", "write_json_atomic", "write_json_atomic (fsync ×2)"),
-    ("nodeagent.supervisor", "write_json_atomic", "write_json_atomic (fsync ×2)"),
-    ("nodeagent.events", "EventBus.emit", "EventBus.emit (log line)"),
+    ("nodeagent.core.process", "ExitWatch._finish", "ExitWatch._finish (pidfd readable → reap)"),
+    ("nodeagent.node.component", "Component.stop_process", "Component.stop_process"),
+    ("nodeagent.node.supervisor", "stop_tree", "stop_tree"),
+    ("nodeagent.core.process", "tree_of", "  tree_of"),
+    ("nodeagent.core.process", "session_members", "    session_members (process_iter + getsid)"),
+    ("nodeagent.core.process", "_wait_gone", "  _wait_gone (20 ms polls)"),
+    ("nodeagent.node.supervisor", "Supervisor.capture", "Supervisor.capture (post-mortem evidence)"),
+    ("nodeagent.node.component", "Component._after_failure", "Component._after_failure"),
+    ("nodeagent.node.supervisor", "Supervisor.decide", "  Supervisor.decide"),
+    ("nodeagent.node.supervisor", "Supervisor.archive", "  Supervisor.archive (schedules the bundle)"),
+    ("nodeagent.node.component", "Component._start", "Component._start"),
+    ("nodeagent.node.supervisor", "Supervisor.prepare", "  Supervisor.prepare (precheck + residue)"),
+    ("nodeagent.node.supervisor", "missing_prerequisite", "    precheck"),
+    ("nodeagent.node.residue", "plan_start_cleanup", "    residue.plan_start_cleanup"),
+    ("nodeagent.node.residue", "_kill_processes", "    residue KillProcesses"),
+    ("nodeagent.node.residue", "find_leftovers", "      find_leftovers (process_iter cmdline+environ)"),
+    ("nodeagent.node.residue", "_wait_ports_free", "    residue WaitPortsFree"),
+    ("nodeagent.node.residue", "_wait_devices_free", "    residue WaitDevicesFree (clean slate)"),
+    ("nodeagent.node.residue", "_remove_shm_segments", "    residue RemoveShmSegments"),
+    ("nodeagent.node.residue", "_remove_tree", "    residue RemoveTree"),
+    ("nodeagent.node.supervisor", "Supervisor.launch", "  Supervisor.launch"),
+    ("nodeagent.node.supervisor", "render_component", "    render_component"),
+    ("nodeagent.node.launcher", "_prepare", "    launcher._prepare"),
+    ("nodeagent.core.logsink", "open_output", "    logsink.open_output"),
+    ("nodeagent.node.launcher", "spawn", "    spawn (Popen: fork+exec)"),
+    ("nodeagent.node.launcher", "record_of", "    record_of"),
+    ("nodeagent.node.supervisor", "Supervisor.start_probes", "  Supervisor.start_probes"),
+    ("nodeagent.core.statefile", "write_json_atomic", "write_json_atomic (fsync ×2)"),
+    ("nodeagent.node.supervisor", "write_json_atomic", "write_json_atomic (fsync ×2)"),
+    ("nodeagent.core.events", "EventBus.emit", "EventBus.emit (log line)"),
 )
 
 
@@ -844,7 +844,8 @@ def _first_marks(rows: list[tuple[str, float, float, str]], result: FaultResult)
 
 def micro_benchmarks(reps: int = 30) -> dict[str, float]:
     """Median cost of the scans and writes the agent does per restart, on this machine right now."""
-    from nodeagent import process, residue, statefile
+    from nodeagent.core import process, statefile
+    from nodeagent.node import residue
 
     out: dict[str, float] = {}
 
@@ -948,7 +949,7 @@ def synthetic_log_chunk(size: int = 1 << 20) -> bytes:
 
 def archive_costs(sizes_mb: tuple[int, ...] = (1, 20, 100)) -> dict[str, float]:
     """What archiving the failed run's log (in the crash path, before the restart) costs by log size."""
-    from nodeagent import residue
+    from nodeagent.node import residue
 
     archive = getattr(residue, "_archive_evidence", None)
     action_type = getattr(residue, "ArchiveEvidence", None)

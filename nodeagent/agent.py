@@ -14,29 +14,30 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from loguru import logger
 
 from nodeagent import __version__
-from nodeagent.cluster.tasks import guarded, log_death
-from nodeagent.config import load_config
-from nodeagent.config_model import Config
-from nodeagent.discovery import announce, runtime_dir, this_agent, withdraw
-from nodeagent.errors import AgentError, ConfigError
-from nodeagent.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale
-from nodeagent.instance_lock import AlreadyRunning, InstanceLock
-from nodeagent.stackport import ChangeObserver, NodeLayer
+from nodeagent.config.model import Config
+from nodeagent.core.discovery import announce, runtime_dir, this_agent, withdraw
+from nodeagent.core.errors import AgentError, ConfigError
+from nodeagent.core.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale
+from nodeagent.core.instance_lock import AlreadyRunning, InstanceLock
+from nodeagent.core.task_owner import guarded, log_death
+from nodeagent.layers.config_checks import load_checked
+from nodeagent.seam.stackport import ChangeObserver, NodeLayer
 
 if TYPE_CHECKING:
-    from nodeagent.api import ApiServer
+    from nodeagent.api.mqtt import MqttPublisher
+    from nodeagent.api.server import ApiServer
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.cluster.membership import Membership
     from nodeagent.cluster.pd_watch import PdWatch
-    from nodeagent.cluster.recovery import RecoveryFollower
-    from nodeagent.cluster.rollout import RolloutExecutor
-    from nodeagent.kvlog import KvTransferLog
-    from nodeagent.mqtt import MqttPublisher
+    from nodeagent.cluster.reset_drain import RecoveryFollower
+    from nodeagent.cluster.rollout.executor import RolloutExecutor
+    from nodeagent.container.mode import ContainerMode
+    from nodeagent.layers.kvlog import KvTransferLog
 
 DEFAULT_CONFIG = "/etc/dsv4-agent/config.yaml"
 LOCK_HANDOVER_S = 30.0
@@ -57,15 +58,21 @@ def status_line(status: dict) -> str:
 
 class Agent:
     def __init__(self, config: Config, config_path: Path, force: bool = False) -> None:
-        from nodeagent.events import EventBus
-        from nodeagent.guards import StartGuards
-        from nodeagent.sdnotify import Notifier
-        from nodeagent.supervisor import Supervisor
+        from nodeagent.core.events import EventBus
+        from nodeagent.core.sdnotify import Notifier
+        from nodeagent.layers.guards import StartGuards
+        from nodeagent.node.supervisor import Supervisor
 
         self.config = config
         self.config_path = config_path
         # The event number carries on across agent restarts: a subscriber that sees a gap missed events.
-        self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"))
+        container: type[ContainerMode] | None = None
+        if config.container is not None:  # imported only in container mode: the idle host agent stays small
+            from nodeagent.container.mode import ContainerMode as container
+        self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"),
+                                     container=container)  # fmt: skip
+        self.container: ContainerMode | None = cast("ContainerMode | None", self.supervisor.container)
+        """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
         self.guards = StartGuards(self.supervisor, mode)
         self.mqtt: MqttPublisher | None = None
@@ -104,7 +111,7 @@ class Agent:
         Every component is rendered with the new config first, so a config that would fail half-way through
         the supervisor's reload is refused whole.
         """
-        from nodeagent.render import render_component
+        from nodeagent.render.launch import render_component
 
         async with self._reload_lock:
             self.notifier.reloading()
@@ -189,8 +196,8 @@ class Agent:
             return
         from nodeagent.cluster.coordinator import Coordinator
         from nodeagent.cluster.membership import Membership
-        from nodeagent.cluster.recovery import RecoveryFollower
-        from nodeagent.cluster.rollout import RolloutExecutor
+        from nodeagent.cluster.reset_drain import RecoveryFollower
+        from nodeagent.cluster.rollout.executor import RolloutExecutor
 
         self.membership = Membership(self.config, self.supervisor)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
@@ -222,7 +229,7 @@ class Agent:
             self.kvlog, self.pd_watch,  # report only
             self.rollout,  # holds a step's ranks (gate only)
         ]  # fmt: skip
-        container = self.supervisor.container
+        container = self.container
         return [layer for layer in (
             self.guards,  # preflight, NPU health: gates only
             self.guards.recovery,  # the NPU ladder: holds NPU users while resetting/isolated, notes their failures
@@ -255,18 +262,18 @@ class Agent:
             self.membership.update_config(config)
 
     def container_pending(self) -> str | None:
-        container = self.supervisor.container
+        container = self.container
         return container.pending(self.supervisor.config) if container is not None else None
 
     def recreate_container(self) -> str | None:
-        container = self.supervisor.container
+        container = self.container
         return container.reconfigure(self.supervisor.config) if container is not None else None
 
     def _make_pd_watches(self) -> None:
         """Issue 19 items 2, 3, 6: this node's KV transfer failures (from its ranks' logs) for the member record;
         on the PD proxy's node, the end-to-end probes, prefill's KV while decode is down, the pairs' failures."""
         from nodeagent.cluster.pd_watch import PdWatch
-        from nodeagent.kvlog import KvTransferLog
+        from nodeagent.layers.kvlog import KvTransferLog
 
         assert self.coordinator is not None and self.membership is not None
         if not self.config.recovery.pd.enabled:
@@ -281,7 +288,7 @@ class Agent:
         """With `agent.mqtt` only: without it not even the module is imported. Call before the first event."""
         if self.config.agent.mqtt is None or self.mqtt is not None:
             return
-        from nodeagent.mqtt import MqttPublisher
+        from nodeagent.api.mqtt import MqttPublisher
 
         self.mqtt = MqttPublisher(self.config, self.supervisor, started_at=self.started_at)
         self.mqtt.start()
@@ -308,7 +315,7 @@ class Agent:
             self.lock.release()
 
     async def _run_locked(self) -> int:
-        from nodeagent.api import ApiServer
+        from nodeagent.api.server import ApiServer
 
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
@@ -338,7 +345,7 @@ class Agent:
             self._make_cluster()
             self.attach_layers()  # before the stack: every gate (preflight, barriers, the container) in place
             self._start_cluster()
-            container = self.supervisor.container
+            container = self.container
             if container is not None:
                 await container.start()  # before the stack: its components adopt or wait for it
             await self.supervisor.start()
@@ -373,7 +380,7 @@ class Agent:
         return 0
 
     def _announce(self) -> Path | None:
-        """Tell `nodeagentctl` on this host where this agent is (`nodeagent.discovery`); never fatal."""
+        """Tell `nodeagentctl` on this host where this agent is (`nodeagent.core.discovery`); never fatal."""
         settings, folder = self.config.agent, runtime_dir()
         me = this_agent(str(self.config_path), settings.api.listen, _str(settings.api.unix_socket),
                         str(settings.api.token_file), str(settings.state_dir), str(settings.log_dir),
@@ -401,22 +408,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_checked(path: str, node: str | None = None) -> Config:
-    """The config, with residue paths vetted too: a path unsafe to delete is a config error; and the config-level
-    checks (`config_checks`: two of our listeners on one port, ...) — every door a config comes in through calls
-    this (validate, start, reload, a rollout's staging), so a file that cannot run is refused before anything
-    changes."""
-    from nodeagent.config_checks import config_problems
-    from nodeagent.launcher import base_environment
-    from nodeagent.pathsafety import validate_residue_paths
-
-    config = load_config(path, node=node)
-    problems = validate_residue_paths(config) + config_problems(config, base_environment())
-    if problems:
-        raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -427,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"{args.config}: OK ({len(config.active_components())} components on this node)")
         return 0
-    from nodeagent.logsetup import setup_logging
+    from nodeagent.core.logsetup import setup_logging
 
     setup_logging(config.node.name, args.log_format, args.log_level)
     try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch Debian's crun (and the libyajl it links) into a cache folder, unpacked, not installed: podman's default
 # runtime stays runc for the rest of the suite, and one test makes crun the default through its own containers.conf
-# to show the agent's runc adaptation against the real crun refusal (nodeagent/container_host.py). Idempotent.
+# to show the agent's runc adaptation against the real crun refusal (nodeagent/container/host.py). Idempotent.
 # Usage: fetch-crun.sh [DEST] (default .cache/crun); prints the wrapper's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."

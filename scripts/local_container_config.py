@@ -1,7 +1,7 @@
 """Write config/local.yaml's stack in container mode for this machine and print the file's path.
 
 The run line is the guide's as the agent adapts it to this host (no NPU devices or Ascend driver paths here with
-`node.npus: 0`, runc and explicit ulimits where podman needs them: `nodeagent.container_host`), plus only what
+`node.npus: 0`, runc and explicit ulimits where podman needs them: `nodeagent.container.host`), plus only what
 the test image needs to find the stack, which it does not contain (scripts/build-test-image.sh): the repository
 with its venv and the venv's interpreter read-only at their own paths, the venv first on PATH, and the agent's
 home read-write (it may lie inside the read-only repository). etcd stays on the host (`container: false`), as

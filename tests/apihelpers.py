@@ -17,7 +17,7 @@ import yaml
 from conftest import free_port
 
 from nodeagent.agent import Agent, load_checked
-from nodeagent.api import ApiServer
+from nodeagent.api.server import ApiServer
 
 SLEEPER = ["python3", "-c", "import time; print('a up', flush=True); time.sleep(3600)"]
 TALKER = ["python3", "-c", "import time\nfor i in range(1, 6): print(f'b line {i}', flush=True)\ntime.sleep(3600)"]

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from nodeagent.npu import NpuTools
+from nodeagent.npu.tools import NpuTools
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "ascend"
 FAKE_BIN = FIXTURES / "bin"

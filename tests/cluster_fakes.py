@@ -31,15 +31,15 @@ from ft_fakes import FakeFtApi
 
 from nodeagent.cluster.coordinator import Coordinator
 from nodeagent.cluster.membership import Membership
-from nodeagent.component import HOLD_RECHECK_S
-from nodeagent.config import load_config
-from nodeagent.config_model import Config
-from nodeagent.errors import UnknownComponentError
-from nodeagent.events import EventBus
-from nodeagent.failure import Failure
-from nodeagent.host import Clock, StartHeld
-from nodeagent.loadtime import load_status, remember
-from nodeagent.stackport import (
+from nodeagent.config.load import load_config
+from nodeagent.config.model import Config
+from nodeagent.core.errors import UnknownComponentError
+from nodeagent.core.events import EventBus
+from nodeagent.core.failure import Failure
+from nodeagent.core.loadtime import load_status, remember
+from nodeagent.node.component import HOLD_RECHECK_S
+from nodeagent.seam.host import Clock, StartHeld
+from nodeagent.seam.stackport import (
     STOPS_AUTOMATIC,
     ComponentView,
     Delegated,
@@ -308,7 +308,7 @@ class FakeStack:
         self.on_wipe_etcd: Callable[[], None] | None = None
         self.adoptable: frozenset[str] = frozenset()
         self.recovery_view: Callable[[], Mapping[str, Any] | None] = lambda: None
-        """The node's ladder (`nodeagent.recovery.NodeRecovery` gives it: `show_recovery`)."""
+        """The node's ladder (`nodeagent.layers.chip_reset.NodeRecovery` gives it: `show_recovery`)."""
         self.agent_alive = True
         """False between an agent's death and its successor: nothing starts a process then."""
         self._poked = asyncio.Event()
@@ -381,7 +381,7 @@ class FakeStack:
 
     def endpoints(self) -> set[str]:
         """host:port of every vLLM API server of this node."""
-        from nodeagent.layout import cluster_layout
+        from nodeagent.config.layout import cluster_layout
 
         layout = cluster_layout(self.config)
         return {p.endpoint for g in layout.groups for p in g.processes if p.node == self.node and p.endpoint}
@@ -456,7 +456,7 @@ class FakeStack:
         comp.running, comp.up, comp.pid, comp.state = True, False, next(_PIDS), "starting"
         comp.operator_start, comp.hold = False, None
         comp.starts.append(self.clock.monotonic())
-        from nodeagent.config_cluster import cluster_file_hash
+        from nodeagent.config.cluster import cluster_file_hash
 
         self.launched[comp.name].append(cluster_file_hash(self.config))
         self.images[comp.name].append(self.container_image)
@@ -790,7 +790,7 @@ class World:
         membership = Membership(config, stack, self.store, clock=self.clock)  # type: ignore[arg-type]
         stack.listeners.append(membership.status_changed)
         if self.proxy is None and "proxy" in stack.components:
-            from nodeagent.layout import cluster_layout
+            from nodeagent.config.layout import cluster_layout
 
             plan = cluster_layout(config).proxies[0]
             self.proxy = FakeProxy(plan.prefillers, plan.decoders)
@@ -802,7 +802,7 @@ class World:
         coordinator = Coordinator(config, stack, membership, clock=self.clock, proxy_post=post, ft_client=self.ft)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)
         if self.rollouts:
-            from nodeagent.cluster.rollout import RolloutExecutor
+            from nodeagent.cluster.rollout.executor import RolloutExecutor
 
             async def inflight(component: str, cfg: Any) -> tuple[int, int] | None:
                 return stack.inflight.get(component, (0, 0))

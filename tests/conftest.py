@@ -38,7 +38,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 @pytest.fixture(scope="session", autouse=True)
 def private_announcements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Agents started by tests announce themselves in a folder of this run, not in /run/dsv4-agent (where the
-    operator's `nodeagentctl` on this shared machine would find them; see nodeagent.discovery)."""
+    operator's `nodeagentctl` on this shared machine would find them; see nodeagent.core.discovery)."""
     os.environ.setdefault("DSV4_AGENT_RUNTIME_DIR", str(tmp_path_factory.mktemp("agents")))
     yield
 

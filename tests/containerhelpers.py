@@ -22,8 +22,8 @@ INTERPRETER_HOME = Path(os.path.realpath(sys.executable)).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from local_container_config import local_container_config, stack_run_args  # noqa: E402
 
-from nodeagent.config_container import ContainerConfig  # noqa: E402
-from nodeagent.render_container import ContainerSpec, host_facts, render_container  # noqa: E402
+from nodeagent.config.container import ContainerConfig  # noqa: E402
+from nodeagent.container.render import ContainerSpec, host_facts, render_container  # noqa: E402
 
 __all__ = ["INTERPRETER_HOME", "ROOT", "SKIP_REASON", "VENV_PYTHON", "built_image", "local_container_config",
            "podman_docker_api", "spec_here", "stack_run_args"]

@@ -17,10 +17,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nodeagent.bindaddr import connect_host, url_host
-from nodeagent.config_model import VllmComponent
-from nodeagent.ft_rules import RankStatus
-from nodeagent.vllm_ft import FtNotServed, FtUnreachable
+from nodeagent.config.model import VllmComponent
+from nodeagent.core.bindaddr import connect_host, url_host
+from nodeagent.vllm.ft_client import FtNotServed, FtUnreachable
+from nodeagent.vllm.ft_rules import RankStatus
 
 if TYPE_CHECKING:
     from cluster_fakes import FakeStack, World

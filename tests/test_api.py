@@ -33,8 +33,8 @@ import yaml
 from apihelpers import InProcess, tiny_config, write_config
 from conftest import BIN, LocalAgent, derived_config, wait_for
 
-from nodeagent.api import MAX_BODY, ROUTES, component_liveness, ensure_token
-from nodeagent.states import State
+from nodeagent.api.server import MAX_BODY, ROUTES, component_liveness, ensure_token
+from nodeagent.core.states import State
 
 # ---- in-process -----------------------------------------------------------------------------------------------
 

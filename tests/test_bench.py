@@ -22,9 +22,9 @@ import pytest
 from apihelpers import tiny_config, write_config
 from conftest import BIN, ROOT, free_port, session_pids, wait_for
 
-from nodeagent import benchcmd
-from nodeagent.benchcmd import Target, Workload, bench_command, config_target, override_target
-from nodeagent.config import load_config
+from nodeagent.cli import bench as benchcmd
+from nodeagent.cli.bench import Target, Workload, bench_command, config_target, override_target
+from nodeagent.config.load import load_config
 
 GOLDEN = ROOT / "tests" / "golden" / "run_vllm_bench.py"
 FAKE = ROOT / "tests" / "vllm_bench_fake.py"
@@ -130,7 +130,7 @@ def standin(tmp_path: Path) -> Iterator[int]:
 
 
 def counters(port: int) -> dict[str, float] | None:
-    """The four prefix-cache counters, summed, read independently of nodeagent.cachehit."""
+    """The four prefix-cache counters, summed, read independently of nodeagent.vllm.cachehit."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()

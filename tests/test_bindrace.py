@@ -6,8 +6,8 @@ import socket
 import subprocess
 import sys
 
-from nodeagent.bindrace import MAX_IN_ROW, BindRaceRetries, bind_race_port, is_bind_race
-from nodeagent.failure import Failure
+from nodeagent.core.failure import Failure
+from nodeagent.node.bindrace import MAX_IN_ROW, BindRaceRetries, bind_race_port, is_bind_race
 
 # The lines as the issues quote them (vllm-ascend #6455/#8938, vllm #7514, vllm #11617, vllm-ascend #405).
 ZMQ = ("zmq.error.ZMQError: Address already in use (addr='tcp://10.0.0.1:30012')",

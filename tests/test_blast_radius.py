@@ -1,4 +1,4 @@
-"""The smallest blast radius (`nodeagent.blast_radius`), per failure class, without a process; and container mode
+"""The smallest blast radius (`nodeagent.node.blast_radius`), per failure class, without a process; and container mode
 asking the node for a redeploy of what ran inside instead of writing the node's counters."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from nodeagent.blast_radius import RULES, Blast, Member, redeploy_scope
-from nodeagent.config import parse_config
+from nodeagent.config.load import parse_config
+from nodeagent.container.mode import ContainerMode
+from nodeagent.node.blast_radius import RULES, Blast, Member, redeploy_scope
 
 # The guide's stack in container mode: etcd on the host, the worker and vLLM inside; the PD proxy on the host
 # follows vLLM (an edge with restart_with: true), vLLM does not follow its worker, nothing follows etcd.
@@ -46,7 +47,7 @@ def test_container_mode_asks_the_node_for_a_redeploy_of_what_ran_inside(tmp_path
     """`podman kill` of the container made a node redeploy that stopped host etcd (on the master: etcd of every
     member). The container's recovery now asks the node (`NodePort.redeploy`) for its own components only; the
     node counts it as a node redeploy in its own policy."""
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.node.supervisor import Supervisor
 
     cfg = parse_config(
         f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/state, log_dir: {tmp_path}/logs}}\n"
@@ -54,7 +55,7 @@ def test_container_mode_asks_the_node_for_a_redeploy_of_what_ran_inside(tmp_path
         "  etcd: {kind: etcd, container: false, data_dir: /srv/etcd}\n"
         "  datasystem: {kind: datasystem, workdir: /srv/yr, liveness_check_path: /srv/yr/liveness,\n"
         "               depends_on: [etcd]}\n", "c.yaml")  # fmt: skip
-    sup = Supervisor(cfg)
+    sup = Supervisor(cfg, container=ContainerMode)
     assert sup.container is not None
     stopped: list[tuple[str, ...]] = []
 

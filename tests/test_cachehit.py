@@ -7,7 +7,7 @@ from datetime import datetime
 
 import pytest
 
-from nodeagent.cachehit import (
+from nodeagent.vllm.cachehit import (
     CacheCounters,
     CacheMetricsError,
     compute_rates,

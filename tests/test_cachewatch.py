@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from nodeagent.cachehit import format_header
-from nodeagent.cachewatch import (
+from nodeagent.cli.cachewatch import (
     EXIT_BAD_METRICS,
     EXIT_OUTPUT,
     EXIT_UNREACHABLE,
     add_cache_arguments,
     run_cache,
 )
+from nodeagent.vllm.cachehit import format_header
 
 CaptureStr = pytest.CaptureFixture[str]
 ROW = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (\S+)")
@@ -213,7 +213,7 @@ def test_unwritable_output_fails_clearly(server: MetricsServer, tmp_path: Path, 
 def test_ctrl_c_stops_cleanly(server: MetricsServer) -> None:
     server.serve(metrics({"0": (10, 5, 0, 0)}))
     code = (
-        "import sys; from nodeagent.cachewatch import run_cache; "
+        "import sys; from nodeagent.cli.cachewatch import run_cache; "
         f"sys.exit(run_cache({server.url!r}, watch=True, interval=0.05, output=None, as_json=False))"
     )
     pipe = subprocess.PIPE

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from nodeagent import container_mode
-from nodeagent.container import ContainerEngine, EngineError, run_engine
-from nodeagent.container_mode import ContainerMode
-from nodeagent.container_plan import ContainerPlan, ContainerState
+from nodeagent.container import mode as container_mode
+from nodeagent.container.engine import ContainerEngine, EngineError, run_engine
+from nodeagent.container.mode import ContainerMode
+from nodeagent.container.plan import ContainerPlan, ContainerState
 
 
 def alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ from apihelpers import tiny_config, write_config
 from conftest import BIN, ROOT, free_port, wait_for
 
 from nodeagent import cli
-from nodeagent.logsink import rotate_if_large
+from nodeagent.core.logsink import rotate_if_large
 
 
 def ctl(config: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -112,9 +112,9 @@ def test_status_stays_light() -> None:
 
 def test_the_cli_reads_the_agent_section_through_the_agents_own_loader(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One reader: the raw layer of `nodeagent.config` (no model) for the agent section, the validated loader
+    """One reader: the raw layer of `nodeagent.config.load` (no model) for the agent section, the validated loader
     when the raw layer cannot tell — with the same defaults and path rules, so both give the same answers."""
-    from nodeagent.config import load_config
+    from nodeagent.config.load import load_config
 
     monkeypatch.setenv("DSV4_API_PORT", "18999")
     monkeypatch.setenv("DSV4_AGENT_HOME", "rel/home")
@@ -363,7 +363,7 @@ def test_status_table_says_what_the_restarts_were_for() -> None:
     """issue 17: in a gang restart the crashed rank showed RESTARTS 0 and its peer 1; the count by cause is in the
     table (the same with --wide), in the agent's order of causes."""
     from nodeagent.cli.status import format_status
-    from nodeagent.component_status import by_cause
+    from nodeagent.node.component_status import by_cause
 
     assert list(by_cause({"gang": 2, "later": 1, "crash": 1})) == ["crash", "gang", "later"]
     gang = by_cause({"gang": 2, "crash": 1})
@@ -419,7 +419,7 @@ def test_remote_status_json_has_the_local_shape(agent: RunningAgent, capsys: pyt
 
 
 def test_the_cluster_table_shows_a_cluster_pause() -> None:
-    from nodeagent.clustercmd import format_cluster
+    from nodeagent.cli.remote import format_cluster
 
     view = {"cluster": "c", "self": "n0", "view_complete": True, "members": [], "etcd": {"state": "reachable"},
             "coordination": {"pause": {"by": "n1: operator", "at": 1000.0, "reason": "switch maintenance"}}}
@@ -430,7 +430,7 @@ def test_the_cluster_table_shows_a_cluster_pause() -> None:
 
 
 def test_the_cluster_table_shows_each_members_generation_and_when_its_record_was_written() -> None:
-    from nodeagent.clustercmd import format_cluster
+    from nodeagent.cli.remote import format_cluster
 
     def member(name: str, group: str, **gang: object) -> dict[str, object]:
         return {"name": name, "ip": "127.0.0.1", "role": "worker", "group": group, "ranks": {"start": 0, "count": 1},

@@ -53,7 +53,7 @@ def view(**changes: object) -> dict[str, object]:
 
 
 def test_the_rollout_lines_say_the_step_the_floor_per_kind_and_the_time_left() -> None:
-    from nodeagent.clustercmd import format_cluster, rollout_lines
+    from nodeagent.cli.remote import format_cluster, rollout_lines
 
     lines = rollout_lines(view(), now=1090.0)
     assert lines == [
@@ -78,7 +78,7 @@ def test_the_rollout_lines_say_the_step_the_floor_per_kind_and_the_time_left() -
 
 
 def test_the_plan_says_an_incompatible_change_is_kept_apart() -> None:
-    from nodeagent.clustercmd import format_plan
+    from nodeagent.cli.remote import format_plan
 
     text = format_plan({"old_hash": "a" * 64, "new_hash": "b" * 64, "exclusive": True, "switch_gap_s": 1.25,
                         "incompatible": ["p0: KV connector A → B"], "steps": [{"groups": ["p0", "d0"], "note": "x"}],

@@ -55,7 +55,7 @@ async def test_cold_start_goes_through_the_barriers(make_world: Callable[..., Wo
 
 
 def p1_endpoints(world: World) -> set[str]:
-    from nodeagent.layout import cluster_layout
+    from nodeagent.config.layout import cluster_layout
 
     layout = cluster_layout(world.agents["n0"].coordinator.config)
     return set(layout.group("p1").endpoints)
@@ -338,7 +338,7 @@ async def test_a_generation_asked_while_paused_is_acted_on_at_resume(make_world:
 
 
 async def test_restarting_a_remote_rank_restarts_its_group(make_world: Callable[..., World]) -> None:
-    from nodeagent.errors import UnknownComponentError
+    from nodeagent.core.errors import UnknownComponentError
 
     world = await cold(make_world)
     ops = world.agents["n4"].coordinator.ops

@@ -9,7 +9,7 @@ import sys
 
 def test_the_cluster_layer_imports_no_etcd_client_until_the_etcd_store() -> None:
     code = ("import sys, nodeagent.cluster, nodeagent.cluster.rules, nodeagent.cluster.coordinator, "
-            "nodeagent.cluster.membership, nodeagent.cluster.store, nodeagent.agent, nodeagent.api_cluster; "
+            "nodeagent.cluster.membership, nodeagent.cluster.store, nodeagent.agent, nodeagent.api.cluster; "
             "print(sorted(m for m in ('aetcd', 'grpc', 'google.protobuf') if m in sys.modules)); "
             "import nodeagent.cluster.etcdstore; print('aetcd' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

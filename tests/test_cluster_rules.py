@@ -18,7 +18,7 @@ from nodeagent.cluster.rules import (
     redeploy_duty,
     settle,
 )
-from nodeagent.config_model import RestartSpec
+from nodeagent.config.model import RestartSpec
 
 SPEC = RestartSpec(backoff_initial_s=10, backoff_max_s=300, redeploy_after_failures=5, stable_after_s=600)
 NOW = 1_800_000_000.0

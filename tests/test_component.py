@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 from apihelpers import wait_until
 
-from nodeagent.blast_radius import Blast
-from nodeagent.config import parse_config
-from nodeagent.errors import AdoptError, MissingPrerequisite
-from nodeagent.events import EventBus
-from nodeagent.host import Clock, Process
-from nodeagent.probes import ProbeResult
-from nodeagent.process import ProcessRecord
-from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
-from nodeagent.states import COMMANDS, Desired, SignalKind, SignalName
-from nodeagent.supervisor import Supervisor
+from nodeagent.config.load import parse_config
+from nodeagent.core.errors import AdoptError, MissingPrerequisite
+from nodeagent.core.events import EventBus
+from nodeagent.core.process import ProcessRecord
+from nodeagent.core.states import COMMANDS, Desired, SignalKind, SignalName
+from nodeagent.node.blast_radius import Blast
+from nodeagent.node.supervisor import Supervisor
+from nodeagent.probes.kinds import ProbeResult
+from nodeagent.seam.host import Clock, Process
+from nodeagent.seam.stackport import ComponentView, Delegated, Hold, HoldKind, ReportLayer
 
 _PIDS = itertools.count(4_000_000)
 
@@ -301,7 +301,7 @@ async def test_history_survives_a_new_supervisor(tmp_path: Path) -> None:
                                              (137, "exited with code 137 (killed by SIGKILL)"),
                                              (None, "exited (status unknown: not our child)")])  # fmt: skip
 def test_exit_text(code: int | None, text: str) -> None:
-    from nodeagent.failure import exit_text
+    from nodeagent.core.failure import exit_text
 
     assert exit_text(code) == text
 
@@ -382,8 +382,8 @@ async def test_restarts_are_counted_by_cause(tmp_path: Path) -> None:
 def test_the_desired_state_is_read_as_a_desired(tmp_path: Path) -> None:
     """`ComponentView.desired` is a `Desired`, made from intent.json: a value the file should not hold reads as
     running (as the checks that compared with "stopped" read it) instead of breaking every layer's view."""
-    from nodeagent.intent import NodeIntent
-    from nodeagent.statefile import StateStore
+    from nodeagent.core.statefile import StateStore
+    from nodeagent.node.intent import NodeIntent
 
     (tmp_path / "intent.json").write_text('{"desired": {"a": "stopped", "b": "sideways"}}')
     intent = NodeIntent(StateStore(tmp_path), {})
@@ -465,7 +465,7 @@ class FakeLayer:
         self.changes = 0
 
     def gate(self, comp: Any, operator: bool) -> Any:
-        from nodeagent.stackport import first_hold
+        from nodeagent.seam.stackport import first_hold
 
         self.asked.append(("gate", comp.name))
         return first_hold(self.holds) if comp.name == "b" else None
@@ -491,7 +491,7 @@ class FakeLayer:
 async def test_every_gate_is_asked_and_the_earliest_hold_wins(tmp_path: Path) -> None:
     """One ordered list: the node's gates (desired stop, pauses, ...) then the layers'; whatever holds at once,
     the earliest kind of HOLD_ORDER is what the component waits on, and removing it shows the next."""
-    from nodeagent.stackport import Hold, HoldKind
+    from nodeagent.seam.stackport import Hold, HoldKind
 
     r = await rig(tmp_path)
     try:
@@ -580,7 +580,7 @@ async def test_the_process_stays_ours_until_its_whole_tree_is_stopped(tmp_path: 
     try:
         release, order = slow_stops(r)
         layer = FakeLayer()
-        from nodeagent.stackport import Hold, HoldKind
+        from nodeagent.seam.stackport import Hold, HoldKind
 
         layer.holds = [Hold(HoldKind.BARRIER, "group g1: barrier")]  # b stays down once stopped
         r.sup.attach(layer)

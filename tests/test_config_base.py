@@ -1,4 +1,4 @@
-"""The config models' machinery (`nodeagent.config_base`), on small structs of its own: no files, no processes."""
+"""The config models' machinery (`nodeagent.config.base`), on small structs of its own: no files, no processes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated
 import pytest
 from msgspec import Meta, field
 
-from nodeagent.config_base import Check, Invalid, Problem, RuleProblem, Strict, Tagged, replace, validate
-from nodeagent.config_paths import Command, ConfigPath
+from nodeagent.config.base import Check, Invalid, Problem, RuleProblem, Strict, Tagged, replace, validate
+from nodeagent.config.paths import Command, ConfigPath
 
 
 def _no_slash(value: str) -> str:

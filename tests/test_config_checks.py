@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from nodeagent.agent import load_checked, main
-from nodeagent.config import load_config
-from nodeagent.config_checks import config_problems, port_problems, rh2d_problems
-from nodeagent.errors import ConfigError
+from nodeagent.config.load import load_config
+from nodeagent.core.errors import ConfigError
+from nodeagent.layers.config_checks import config_problems, port_problems, rh2d_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "config" / "local.yaml"

@@ -14,10 +14,10 @@ import pytest
 from cluster_fakes import World
 
 from nodeagent.cluster.pd_watch import PdWatch
-from nodeagent.cluster.rollout_plan import PlanError
-from nodeagent.errors import ConfigError
-from nodeagent.kvlog import KvTransferLog
-from nodeagent.worker_headroom import WorkerHeadroom
+from nodeagent.cluster.rollout.plan import PlanError
+from nodeagent.core.errors import ConfigError
+from nodeagent.layers.kvlog import KvTransferLog
+from nodeagent.layers.worker_headroom import WorkerHeadroom
 
 NODES = ["n0", "n1"]
 GROUPS = [{"name": "g", "kind": "mixed", "nodes": NODES, "dp_launch": "external", "data_parallel_rpc_port": 43000}]

@@ -3,7 +3,7 @@
 The image is the cached test rootfs imported offline (scripts/build-test-image.sh); the worktree with its venv and
 the venv's interpreter are bind-mounted read-only at their own paths. The run line is the guide's as the agent
 adapts it to this machine (no NPU devices or Ascend paths, runc and explicit ulimits where podman needs them:
-DESIGN §10, nodeagent/container_host.py). Measurements print with `pytest -s`.
+DESIGN §10, nodeagent/container/host.py). Measurements print with `pytest -s`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from containerhelpers import (
     stack_run_args,
 )
 
-from nodeagent.config_base import replace
-from nodeagent.config_container import ContainerConfig
-from nodeagent.container import (
+from nodeagent.config.base import replace
+from nodeagent.config.container import ContainerConfig
+from nodeagent.container.engine import (
     ContainerEngine,
     EngineError,
     RecordStore,
@@ -43,8 +43,8 @@ from nodeagent.container import (
     inner_pid,
     run_engine,
 )
-from nodeagent.container_plan import SetupStepFailed, Step
-from nodeagent.render_container import host_facts
+from nodeagent.container.plan import SetupStepFailed, Step
+from nodeagent.container.render import host_facts
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
 
@@ -73,7 +73,7 @@ def started(section: ContainerConfig, tmp_path: Path, setup: list[list[str]] | N
 
 def test_an_exec_probe_inside_runs_in_the_container(section: ContainerConfig, tmp_path: Path) -> None:
     """podman writes /run/.containerenv into every container it runs: the probe sees it, the host does not."""
-    from nodeagent.probes import check_exec
+    from nodeagent.probes.kinds import check_exec
 
     engine, _store, _cid = started(section, tmp_path)
     argv = ["sh", "-c", "test -e /run/.containerenv && pwd"]

@@ -1,4 +1,4 @@
-"""The guide's run line adapted to the host (nodeagent/container_host.py), without processes: facts are values,
+"""The guide's run line adapted to the host (nodeagent/container/host.py), without processes: facts are values,
 and the shell that reads them runs on fixture trees and a fake podman."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import parse_config
-from nodeagent.config_container import ContainerConfig
-from nodeagent.container_host import HostFacts, cgroup_mode, hard_limits, has_capability, read_host_facts
-from nodeagent.container_options import DRIVER_MOUNTS, GUIDE_DEVICES, ZONEINFO, guide_paths
-from nodeagent.hostfacts import Host
-from nodeagent.render_container import render_container
+from nodeagent.config.container import ContainerConfig
+from nodeagent.config.container_options import DRIVER_MOUNTS, GUIDE_DEVICES, ZONEINFO, guide_paths
+from nodeagent.config.load import parse_config
+from nodeagent.container.host import HostFacts, cgroup_mode, hard_limits, has_capability, read_host_facts
+from nodeagent.container.render import render_container
+from nodeagent.node.hostfacts import Host
 
 IMAGE = "quay.io/ascend/vllm-ascend:v0.20.2rc1"
 # Measured on this machine (DESIGN §10): hybrid cgroups whose unified hierarchy has a controller, no

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import parse_config
-from nodeagent.container import PF_EXITING, host_pid, in_container, init_alive
-from nodeagent.container_exec import LAUNCH_VAR, exec_spec, find_launched
-from nodeagent.render import render_component
-from nodeagent.render_container import agent_mounts, container_spec, render_container, shared_folders
-from nodeagent.residue import _remove_shm_segments
-from nodeagent.residue_plan import RemoveShmSegments
+from nodeagent.config.load import parse_config
+from nodeagent.container.engine import PF_EXITING, host_pid, in_container, init_alive
+from nodeagent.container.exec import LAUNCH_VAR, exec_spec, find_launched
+from nodeagent.container.mode import ContainerMode
+from nodeagent.container.render import agent_mounts, container_spec, render_container, shared_folders
+from nodeagent.node.residue import _remove_shm_segments
+from nodeagent.node.residue_plan import RemoveShmSegments
+from nodeagent.render.launch import render_component
 
 CID = "86326aca2515" + "0" * 52
 
@@ -123,9 +124,9 @@ def test_a_containers_shm_is_swept_by_the_paths_its_processes_see(tmp_path: Path
 
 @pytest.mark.parametrize("scope", ["start", "redeploy"])
 def test_the_vllm_plan_inside_sweeps_the_containers_shm_or_nothing_while_it_is_down(scope: str) -> None:
-    from nodeagent.container_mode import ContainerMode
-    from nodeagent.container_plan import ContainerState
-    from nodeagent.residue_plan import plan_start_cleanup
+    from nodeagent.container.mode import ContainerMode
+    from nodeagent.container.plan import ContainerState
+    from nodeagent.node.residue_plan import plan_start_cleanup
 
     cfg = parse_config("node: {name: n1, ip: 127.0.0.1, npus: 0}\nagent: {state_dir: /tmp/x/state}\n"
                        "container: {engine: docker}\n"
@@ -145,8 +146,8 @@ def test_the_vllm_plan_inside_sweeps_the_containers_shm_or_nothing_while_it_is_d
 def test_exec_and_kv_probes_of_a_component_inside_run_inside(tmp_path: Path) -> None:
     """The guide's probe scripts and the datasystem wheel live in the image: the commands of exec and
     datasystem_kv probes run through the engine's exec for a component inside, on the host for one outside."""
-    from nodeagent.probe_resolve import resolve_probe_set
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.node.supervisor import Supervisor
+    from nodeagent.probes.resolve import resolve_probe_set
 
     cfg = parse_config(
         f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/state, log_dir: {tmp_path}/logs}}\n"
@@ -157,7 +158,7 @@ def test_exec_and_kv_probes_of_a_component_inside_run_inside(tmp_path: Path) -> 
         "               depends_on: [etcd],\n"
         "               probes: {readiness: [{kind: exec, command: [sh, -c, 'test -e /.dockerenv']},\n"
         "                                    {kind: datasystem_kv}]}}\n", "c.yaml")  # fmt: skip
-    sup = Supervisor(cfg)
+    sup = Supervisor(cfg, container=ContainerMode)
     assert sup.container is not None
     inside = sup.container.adapt_probes("datasystem", resolve_probe_set(cfg.components["datasystem"], cfg))
     script, kv = inside["readiness"]
@@ -173,7 +174,7 @@ def test_exec_and_kv_probes_of_a_component_inside_run_inside(tmp_path: Path) -> 
 def test_a_reload_refuses_what_only_an_agent_restart_can_do(tmp_path: Path) -> None:
     """Switching container mode, or moving a component into or out of the container, is refused with the reason
     and nothing of the running config changes."""
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.node.supervisor import Supervisor
 
     def text(container: str, etcd_inside: bool = False) -> str:
         etcd = "" if etcd_inside else "container: false, "
@@ -181,7 +182,7 @@ def test_a_reload_refuses_what_only_an_agent_restart_can_do(tmp_path: Path) -> N
                 f"{container}components:\n  etcd: {{kind: etcd, {etcd}data_dir: /srv/etcd}}\n")
 
     cfg = parse_config(text("container: {engine: docker, name: dsv4}\n"), "c.yaml")
-    sup = Supervisor(cfg)
+    sup = Supervisor(cfg, container=ContainerMode)
     with pytest.raises(ValueError, match="cannot switch container mode on or off"):
         sup.reload(parse_config(text(""), "c.yaml"))
     with pytest.raises(ValueError, match="cannot move etcd into or out of the container"):
@@ -206,7 +207,7 @@ def test_a_crash_loop_belongs_to_one_stack_run(tmp_path: Path) -> None:
     """The host stack's `crash loop` showed on a brand-new container stack (one state folder for both). It is kept
     across an agent restart of the same stack, and starts afresh when the stack changes: host ↔ container, another
     config section (a reload), a new container."""
-    from nodeagent.supervisor import Supervisor
+    from nodeagent.node.supervisor import Supervisor
 
     def text(container: bool, etcd_dir: str = "/srv/etcd") -> str:
         where = "container: {engine: docker, name: dsv4}\n" if container else ""
@@ -219,7 +220,7 @@ def test_a_crash_loop_belongs_to_one_stack_run(tmp_path: Path) -> None:
         return bool(sup.trackers[name].crash_loop)
 
     def agent(container: bool) -> Supervisor:
-        sup = Supervisor(parse_config(text(container), "c.yaml"))
+        sup = Supervisor(parse_config(text(container), "c.yaml"), container=ContainerMode)
         sup.begin_stack_run()  # as its start does (tests/test_component.py: the rig's start records the runs)
         return sup
 
@@ -248,7 +249,7 @@ def test_a_crash_loop_belongs_to_one_stack_run(tmp_path: Path) -> None:
 
 
 def _state(cid: str) -> object:
-    from nodeagent.container_plan import ContainerState
+    from nodeagent.container.plan import ContainerState
 
     return ContainerState(id=cid, name="dsv4", status="running", running=True, image="i", pid=1)
 
@@ -258,8 +259,8 @@ def test_the_agent_stopping_its_container_records_that_it_did(tmp_path: Path) ->
     as a death (tests/test_container_plan.py has the plan); the container log says why it reads 137."""
     from types import SimpleNamespace
 
-    from nodeagent.container_mode import ContainerMode
-    from nodeagent.container_plan import ContainerRecord
+    from nodeagent.container.mode import ContainerMode
+    from nodeagent.container.plan import ContainerRecord
 
     (tmp_path / "state").mkdir()
     config = parse_config(f"node: {{name: n1, ip: 127.0.0.1}}\ncontainer: {{engine: docker}}\n"

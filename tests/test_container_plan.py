@@ -1,4 +1,4 @@
-"""The container's lifecycle decisions (nodeagent.container_plan), without an engine: inspect states in, steps out.
+"""The container's lifecycle decisions (nodeagent.container.plan), without an engine: inspect states in, steps out.
 
 tests/fixtures/captured-podman_inspect_{running,exited}.json are real `podman inspect` output captured on the build
 machine (podman 4.3.1, runc) of a container made by the guide's run line, before and after `podman kill`;
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.container_plan import (
+from nodeagent.container.plan import (
     ContainerInspectError,
     ContainerRecord,
     ContainerState,

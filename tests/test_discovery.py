@@ -17,8 +17,9 @@ import yaml
 from apihelpers import tiny_config, write_config
 from conftest import BIN, free_port, wait_for
 
-from nodeagent import cli, discovery
-from nodeagent.discovery import Announcement, LookupFailed, SeveralAgents, locate_config
+from nodeagent import cli
+from nodeagent.core import discovery
+from nodeagent.core.discovery import Announcement, LookupFailed, SeveralAgents, locate_config
 
 
 def test_runtime_folders() -> None:
@@ -132,8 +133,8 @@ def test_node_never_picks_an_agent_of_another_cluster(tmp_path: Path) -> None:
 
 
 def discovery_cluster(path: Path) -> str | None:
-    from nodeagent.config_cluster import ClusterConfig
-    from nodeagent.config_raw import DEFAULT_CLUSTER_NAME, read_cluster_name
+    from nodeagent.config.cluster import ClusterConfig
+    from nodeagent.config.raw import DEFAULT_CLUSTER_NAME, read_cluster_name
 
     assert ClusterConfig().name == DEFAULT_CLUSTER_NAME
     return read_cluster_name(path)

@@ -1,6 +1,6 @@
-"""When a drain ends (`nodeagent.drain.drain_end`), without processes."""
+"""When a drain ends (`nodeagent.node.drain.drain_end`), without processes."""
 
-from nodeagent.drain import drain_end
+from nodeagent.node.drain import drain_end
 
 
 def test_a_drain_ends_when_nothing_runs_or_waits() -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import free_port, wait_for
 
-from nodeagent.config import parse_config
-from nodeagent.errors import ConfigError
-from nodeagent.launcher import base_environment
-from nodeagent.render import render_component
+from nodeagent.config.load import parse_config
+from nodeagent.core.errors import ConfigError
+from nodeagent.node.launcher import base_environment
+from nodeagent.render.launch import render_component
 
 BIN = Path(sys.executable).parent
 

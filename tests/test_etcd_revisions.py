@@ -10,7 +10,7 @@ from typing import Any
 
 from nodeagent.cluster.etcdclient import EtcdSettings
 from nodeagent.cluster.etcdstore import EtcdStore
-from nodeagent.cluster.store import parse_endpoint
+from nodeagent.core.bindaddr import parse_endpoint
 
 
 def header(revision: int, term: int = 2) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nodeagent.failure import Failure, classify, error_signature, exit_text
+from nodeagent.core.failure import Failure, classify, error_signature, exit_text
 
 TAIL = ("2026-12-03 14:22:31 ERROR model path /models/dsv4 does not exist (pid 4242)",)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from nodeagent.ft_rules import (
+from nodeagent.vllm.ft_rules import (
     AllHealthy,
     Attempt,
     Escalate,

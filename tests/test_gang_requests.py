@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from cluster_fakes import World
 
-from nodeagent.failure import Failure
-from nodeagent.stackport import ComponentView, Hold, HoldKind
+from nodeagent.core.failure import Failure
+from nodeagent.seam.stackport import ComponentView, Hold, HoldKind
 
 NODES = ["n0", "n1", "n2", "n3", "n4"]
 GROUPS = [
@@ -145,7 +145,7 @@ def test_requests_decided_together_make_one_generation_and_a_later_one_is_answer
 
 def test_a_rank_that_ran_already_asks_only_once_its_groups_hold_wins() -> None:
     from nodeagent.cluster.rules import rank_to_rejoin
-    from nodeagent.config_model import RestartSpec
+    from nodeagent.config.model import RestartSpec
 
     def view(hold: Hold | None, running: bool = False, desired: str = "running") -> ComponentView:
         return ComponentView(name="vllm", kind="vllm", state="stopped", running=running, up=False, ready=False,
@@ -187,7 +187,7 @@ async def test_a_canary_crash_then_its_rollback_launch_each_rank_once_on_the_rol
     rollback's file."""
     from test_rollout_layer import disk_hash, launched, record, set_group_env, start, status, up_world
 
-    from nodeagent.config_cluster import cluster_file_hash
+    from nodeagent.config.cluster import cluster_file_hash
 
     world = await up_world(tmp_path)
     try:
@@ -215,7 +215,7 @@ async def test_a_rank_waits_for_the_rollbacks_generation_while_the_way_back_is_s
     the previous file on the member that staged it, not the crashing file again on the one that did not."""
     from test_rollout_layer import disk_hash, launched, set_group_env, start, status, up_world
 
-    from nodeagent.config_cluster import cluster_file_hash
+    from nodeagent.config.cluster import cluster_file_hash
 
     world = await up_world(tmp_path)
     try:
@@ -245,7 +245,7 @@ def test_the_rollouts_next_known_decision_holds_a_start_it_would_replace() -> No
     """Pure: `rollout_rules.next_restart` through a step's phases, the way back's too."""
     from test_rollout_rules import marked, move, observed, record, to_gating
 
-    from nodeagent.cluster import rollout_rules as rr
+    from nodeagent.cluster.rollout import rules as rr
 
     def why(rec: Any, acted: int, gens: dict[str, int] | None = None, group: str = "p0") -> str | None:
         return rr.next_restart(rec, group, acted, lambda: observed(0, gens or {}))

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from apihelpers import tiny_config, wait_until, write_config
 
-from nodeagent import preflight
 from nodeagent.agent import Agent, load_checked
-from nodeagent.preflight import Check, PreflightReport
+from nodeagent.layers import preflight
+from nodeagent.layers.preflight import Check, PreflightReport
 
 
 def report(*checks: Check) -> PreflightReport:
@@ -69,9 +69,9 @@ async def test_force_turns_failures_into_warnings(tmp_path: Path, monkeypatch: p
 def test_the_composition_root_writes_the_order_of_layers_once(tmp_path: Path) -> None:
     """Who decides first is `Agent.layers()`' order, and nothing else attaches: the guards (gates), the NPU ladder,
     the worker's headroom, then the observers; a layer made is not attached until the root attaches it."""
-    from nodeagent.recovery import NodeRecovery
-    from nodeagent.stackport import ChangeObserver
-    from nodeagent.worker_headroom import WorkerHeadroom
+    from nodeagent.layers.chip_reset import NodeRecovery
+    from nodeagent.layers.worker_headroom import WorkerHeadroom
+    from nodeagent.seam.stackport import ChangeObserver
 
     path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path))
     agent = Agent(load_checked(path), path)

@@ -12,8 +12,17 @@ from types import ModuleType
 
 from cluster_fakes import FakeStack
 
-from nodeagent.stackport import HOLD_ORDER, NODE_KINDS, PAUSES, STOPS_AUTOMATIC, Hold, HoldKind, StackPort, first_hold
-from nodeagent.supervisor import Supervisor
+from nodeagent.node.supervisor import Supervisor
+from nodeagent.seam.stackport import (
+    HOLD_ORDER,
+    NODE_KINDS,
+    PAUSES,
+    STOPS_AUTOMATIC,
+    Hold,
+    HoldKind,
+    StackPort,
+    first_hold,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

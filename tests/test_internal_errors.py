@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from test_component import FakeLayer, rig, stop, until
 
-from nodeagent import logsink
-from nodeagent.host import Process
-from nodeagent.states import State
+from nodeagent.core import logsink
+from nodeagent.core.states import State
+from nodeagent.seam.host import Process
 
 
 class FullLogDir:
@@ -105,7 +105,7 @@ async def test_a_raising_observer_neither_stops_the_component_nor_the_other_obse
         def on_node_change(self) -> None:
             raise RuntimeError("layer bug")
 
-    from nodeagent.stackport import ChangeObserver
+    from nodeagent.seam.stackport import ChangeObserver
 
     r.sup.attach(ChangeObserver(raising))  # the one change channel: observers are layers that only listen
     r.sup.attach(ChangeObserver(lambda: seen.append(str(b.state))))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from journald_fake import fake_journald_socket, parse_entry
 
-from nodeagent import journal
-from nodeagent.journal import (
+from nodeagent.core import journal
+from nodeagent.core.journal import (
     JournalSender,
     encode_entry,
     journald_available,

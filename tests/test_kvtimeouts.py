@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeagent.config import load_config
-from nodeagent.kvtimeouts import (
+from nodeagent.config.layout import cluster_layout, layout_resolver
+from nodeagent.config.load import load_config
+from nodeagent.vllm.kv_transfer import (
     RestartEngine,
     TransferTimeouts,
     TransportSuspect,
-    layout_resolver,
     parse_transfer_failure,
 )
-from nodeagent.layout import cluster_layout
 
 EIGHT = Path(__file__).resolve().parents[1] / "config" / "dsv4-flash-a2-8node.yaml"
 # As vllm-ascend #7401, #4866, #7846 quote them (addresses changed to the 8-node example's).

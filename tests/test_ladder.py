@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ascend_fake import FAKE_BIN, FakeAscend
 
-from nodeagent.ladder import (
+from nodeagent.layers.reset_ladder import (
     ChipReset,
     Isolate,
     LadderPolicy,
@@ -18,8 +18,8 @@ from nodeagent.ladder import (
     reset_plan,
     verify_after_reset,
 )
-from nodeagent.npu import parse_npu_smi_info
-from nodeagent.npu_health import Fault, Level
+from nodeagent.npu.health import Fault, Level
+from nodeagent.npu.tools import parse_npu_smi_info
 
 T0 = 1_000_000.0
 ACL = "RuntimeError: ACL stream synchronize failed, error code:507035"

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from nodeagent.config import load_config, parse_config
-from nodeagent.config_cluster import cluster_file_hash
-from nodeagent.errors import ConfigError
-from nodeagent.layout import cluster_layout
-from nodeagent.render import render_component
-from nodeagent.residue_plan import component_ports
+from nodeagent.config.cluster import cluster_file_hash
+from nodeagent.config.layout import cluster_layout
+from nodeagent.config.load import load_config, parse_config
+from nodeagent.core.errors import ConfigError
+from nodeagent.node.residue_plan import component_ports
+from nodeagent.render.launch import render_component
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT_NODE = ROOT / "config" / "dsv4-flash-a2-8node.yaml"
@@ -341,7 +341,7 @@ def test_config_validate_and_render_errors_for_a_member() -> None:
 
 def test_cluster_file_error_names_each_problem_once() -> None:
     """`config validate` printed one group error four times: a problem reached along several paths is one."""
-    from nodeagent.cluster_file import ClusterFileError
+    from nodeagent.config.cluster_file import ClusterFileError
 
     where = ("cluster", "vllm_groups", 0, "nodes", 1)
     err = ClusterFileError([(where, "unknown node 'zz'")] * 4 + [(("cluster", "nodes"), "no master")])

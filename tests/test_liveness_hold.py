@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nodeagent.host import Clock
-from nodeagent.liveness_hold import LivenessHolds
+from nodeagent.node.liveness_hold import LivenessHolds
+from nodeagent.seam.host import Clock
 
 
 class StillClock(Clock):

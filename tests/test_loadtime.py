@@ -7,7 +7,7 @@ from typing import Any
 
 from conftest import free_port
 
-from nodeagent.loadtime import LOADS_KEPT, load_status, remember
+from nodeagent.core.loadtime import LOADS_KEPT, load_status, remember
 
 
 def test_the_last_loads_are_kept_and_the_median_is_the_estimate() -> None:
@@ -82,10 +82,10 @@ async def test_a_real_agent_times_each_vllm_load_shows_the_time_left_and_keeps_t
 
 
 def test_the_others_see_a_short_line_in_the_member_key_and_the_cluster_table() -> None:
+    from nodeagent.cli.remote import _components
     from nodeagent.cluster.member_record import member_record
-    from nodeagent.clustercmd import _components
-    from nodeagent.config_model import RestartSpec
-    from nodeagent.stackport import ComponentView, MemberReport, NodeView
+    from nodeagent.config.model import RestartSpec
+    from nodeagent.seam.stackport import ComponentView, MemberReport, NodeView
 
     def view(name: str, state: str, load: dict[str, Any] | None) -> ComponentView:
         load = load or {}

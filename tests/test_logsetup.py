@@ -17,7 +17,7 @@ from journald_fake import fake_journald_socket
 from journald_fake import parse_entry as parse_bytes
 from loguru import logger
 
-from nodeagent.logsetup import journal_priority, setup_logging
+from nodeagent.core.logsetup import journal_priority, setup_logging
 
 TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ")
 
@@ -61,7 +61,7 @@ def test_text_format() -> None:
 
 def test_event_line_has_one_component_tag() -> None:
     """An event's log line carries its component once (it read "[etcd] [etcd] stopped → starting")."""
-    from nodeagent.events import EventBus
+    from nodeagent.core.events import EventBus
 
     out = io.StringIO()
     setup_logging("node-1", "text", stream=out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nodeagent.logsink import log_path, open_output, rotate_if_large
+from nodeagent.core.logsink import log_path, open_output, rotate_if_large
 
 
 def test_copytruncate_rotation_keeps_the_writer_working(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -36,8 +36,9 @@ async def test_under_journald_a_component_runs_through_the_relay_with_or_without
     the relay's sends to its stderr (that file)."""
     import sys
 
-    from nodeagent import launcher, logsink
-    from nodeagent.render import LaunchSpec
+    from nodeagent.core import logsink
+    from nodeagent.node import launcher
+    from nodeagent.render.launch import LaunchSpec
 
     monkeypatch.setattr(logsink, "use_journal", lambda: True)
     failure = "E20260101 transfer failed and disconnect to:10.0.0.2:20002"
@@ -47,7 +48,7 @@ async def test_under_journald_a_component_runs_through_the_relay_with_or_without
     launched = await launcher.launch(spec, tmp_path / "logs", dict(os.environ), folder, 30, None, folder / "tail")
     assert launched.popen is not None
     assert launched.popen.wait(30) == 0
-    assert "nodeagent.logrelay" in launched.popen.args
+    assert "nodeagent.node.logrelay" in launched.popen.args
     assert (folder / logsink.KV_FAILURES).read_text() == failure + "\n"
     assert (folder / "tail").read_text().splitlines() == ["up", failure]
     assert failure in log_path(tmp_path / "logs", "vllm").read_text(), "journald gone: the relay's stderr has it"

@@ -12,12 +12,12 @@ from fakestore import FakeStore
 
 from nodeagent.cluster.member_record import member_record
 from nodeagent.cluster.membership import Membership
-from nodeagent.config import parse_config
-from nodeagent.config_model import RestartSpec
-from nodeagent.events import EventBus
-from nodeagent.host import Clock
-from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView, ReportLayer
-from nodeagent.supervisor import Supervisor
+from nodeagent.config.load import parse_config
+from nodeagent.config.model import RestartSpec
+from nodeagent.core.events import EventBus
+from nodeagent.node.supervisor import Supervisor
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView, ReportLayer
 
 
 def view(name: str, **kw: Any) -> ComponentView:

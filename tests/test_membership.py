@@ -14,11 +14,11 @@ from cluster_harness import ClusterHarness
 from fakestore import FakeStore
 
 from nodeagent.cluster.membership import Identity, Membership, member_key
-from nodeagent.config import load_config
-from nodeagent.config_model import RestartSpec
-from nodeagent.events import EventBus
-from nodeagent.host import Clock
-from nodeagent.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView
+from nodeagent.config.load import load_config
+from nodeagent.config.model import RestartSpec
+from nodeagent.core.events import EventBus
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ComponentView, Hold, HoldKind, MemberReport, NodeView
 
 
 class Host:
@@ -279,8 +279,8 @@ async def test_clock_skew_is_measured_on_live_writes(cluster: Any) -> None:
 
 
 def test_etcd_keys_are_validated_with_file_line_and_key(tmp_path: Path) -> None:
-    from nodeagent.config import parse_config
-    from nodeagent.errors import ConfigError
+    from nodeagent.config.load import parse_config
+    from nodeagent.core.errors import ConfigError
 
     text = ("cluster:\n  name: c\n  etcd_endpoints: ['127.0.0.1:2379', 'no-port']\n"
             "  etcd_tls: {ca_file: missing.pem, cert_file: " + str(tmp_path) + "}\n"

@@ -25,9 +25,9 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_standin.vllm import Metrics as VllmMetrics
 
-from nodeagent.metrics import AgentMetrics, tree_usage
-from nodeagent.process import tree_of
-from nodeagent.states import RESTART_CAUSES, State
+from nodeagent.api.metrics import AgentMetrics, tree_usage
+from nodeagent.core.process import tree_of
+from nodeagent.core.states import RESTART_CAUSES, State
 
 BURN = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
         "print('burnt', flush=True)\ntime.sleep(3600)")  # fmt: skip

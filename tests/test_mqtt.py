@@ -21,8 +21,8 @@ from apihelpers import InProcess, start_in_process, tiny_config
 from conftest import ROOT
 from mqtthelpers import Mosquitto, Subscriber, first_occurrences, make_tls_files, mqtt_config, same_components
 
+from nodeagent.api.mqtt import MqttPublisher
 from nodeagent.cli import format_status
-from nodeagent.mqtt import MqttPublisher
 
 
 @pytest.fixture
@@ -267,7 +267,7 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
 
 
 def test_without_agent_mqtt_no_mqtt_code_is_imported(tmp_path: Path) -> None:
-    """A fresh interpreter runs the agent (API + supervisor) without agent.mqtt: nodeagent.mqtt, aiomqtt and paho
+    """A fresh interpreter runs the agent (API + supervisor) without agent.mqtt: nodeagent.api.mqtt, aiomqtt and paho
     never load, and /status has no mqtt section."""
     script = textwrap.dedent(f"""
         import asyncio, json, sys

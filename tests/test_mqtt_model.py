@@ -9,12 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.cachehit import CacheCounters, compute_table
-from nodeagent.cli import format_mqtt, format_status
-from nodeagent.config import parse_config
-from nodeagent.errors import ConfigError
-from nodeagent.events import SEQ_JUMP_AFTER_CRASH, Event, EventBus, SavedSeq, SeqFile, resume_seq
-from nodeagent.mqttmodel import (
+from nodeagent.api.mqtt_model import (
     Outbox,
     cache_payload,
     cache_summary,
@@ -27,6 +22,11 @@ from nodeagent.mqttmodel import (
     status_payload,
     topics_for,
 )
+from nodeagent.cli import format_mqtt, format_status
+from nodeagent.config.load import parse_config
+from nodeagent.core.errors import ConfigError
+from nodeagent.core.events import SEQ_JUMP_AFTER_CRASH, Event, EventBus, SavedSeq, SeqFile, resume_seq
+from nodeagent.vllm.cachehit import CacheCounters, compute_table
 
 
 def config_error(text: str) -> str:

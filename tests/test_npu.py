@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ascend_fake import FAKE_BIN, FakeAscend
 
-from nodeagent.npu import (
+from nodeagent.npu.tools import (
     NpuToolError,
     NpuTools,
     locate_tool,

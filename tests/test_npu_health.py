@@ -6,8 +6,8 @@ from pathlib import Path
 
 from ascend_fake import FakeAscend
 
-from nodeagent.npu import HealthDetail, NpuChip, NpuInfo, NpuProcess, NpuSnapshot
-from nodeagent.npu_health import HealthEvaluator, HealthPolicy, Level
+from nodeagent.npu.health import HealthEvaluator, HealthPolicy, Level
+from nodeagent.npu.tools import HealthDetail, NpuChip, NpuInfo, NpuProcess, NpuSnapshot
 
 T0 = 1_700_000_000.0
 

@@ -13,15 +13,15 @@ import yaml
 from ascend_fake import FAKE_BIN, FakeAscend
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nodeagent.config import load_config
-from nodeagent.config_base import replace
-from nodeagent.errors import ConfigError
-from nodeagent.events import EventBus
-from nodeagent.metrics import _NpuCollector
-from nodeagent.npu import NpuTools
-from nodeagent.npu_health import HealthPolicy
-from nodeagent.npu_monitor import NpuMonitor, expected_npus, our_pids
-from nodeagent.probes import ProbeContext, resolve_probe
+from nodeagent.api.metrics import _NpuCollector
+from nodeagent.config.base import replace
+from nodeagent.config.load import load_config
+from nodeagent.core.errors import ConfigError
+from nodeagent.core.events import EventBus
+from nodeagent.npu.health import HealthPolicy
+from nodeagent.npu.monitor import NpuMonitor, expected_npus, our_pids
+from nodeagent.npu.tools import NpuTools
+from nodeagent.probes.kinds import ProbeContext, resolve_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ async def test_override_lets_the_start_through_and_says_so(tmp_path: Path) -> No
 
 async def test_foreign_process_against_our_real_process_tree(tmp_path: Path) -> None:
     """Ours = the PIDs of a component's process tree (here: a real child); anything else on an NPU holds."""
-    from nodeagent.process import record_of
+    from nodeagent.core.process import record_of
 
     ours_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)

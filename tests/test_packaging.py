@@ -43,7 +43,7 @@ def test_product_wheel_has_no_standin(tmp_path: Path) -> None:
     top = {name.split("/")[0] for name in names}
     assert {n for n in top if not n.endswith(".dist-info")} == {"nodeagent"}, top
     assert not [n for n in names if "standin" in n], "the stand-in is in the product wheel"
-    assert "nodeagent/ui/static/index.html" in names  # package data still comes along
+    assert "nodeagent/api/ui/static/index.html" in names  # package data still comes along
     scripts = {line.split("=")[0].strip() for line in entry_points.splitlines() if "=" in line}
     assert scripts == {"dsv4-agent", "nodeagentctl"}
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]

@@ -25,9 +25,9 @@ from nodeagent.cluster.pd_watch import (
     proxy_restart,
     tokens_of,
 )
-from nodeagent.config_model import RestartSpec
-from nodeagent.config_recovery import PdWatchConfig
-from nodeagent.stackport import ComponentView
+from nodeagent.config.model import RestartSpec
+from nodeagent.config.recovery import PdWatchConfig
+from nodeagent.seam.stackport import ComponentView
 
 GROUPS = [{"name": "p0", "kind": "prefill", "nodes": ["n0"]}, {"name": "p1", "kind": "prefill", "nodes": ["n1"]},
           {"name": "d0", "kind": "decode", "nodes": ["n2"]}]  # fmt: skip
@@ -414,7 +414,7 @@ async def test_one_restart_of_a_group_per_cooldown_whatever_the_reason(world: Wo
 
 async def test_a_node_publishes_its_ranks_transfer_failures(world: World) -> None:
     """kvlog: the decode rank's log names the prefill peer by its Mooncake handshake port (kv_port range)."""
-    from nodeagent.kvlog import KvTransferLog
+    from nodeagent.layers.kvlog import KvTransferLog
 
     stack = world.stacks["n2"]
     kvlog = KvTransferLog(stack.config, stack, clock=world.clock)  # type: ignore[arg-type]
@@ -477,9 +477,10 @@ async def test_under_journald_the_relay_keeps_the_failure_lines_kvlog_counts(wor
 
     from journald_fake import fake_journald_socket, parse_entry
 
-    from nodeagent import journal, logrelay, logsink
-    from nodeagent.kvlog import KvTransferLog
-    from nodeagent.render import component_dir
+    from nodeagent.core import journal, logsink
+    from nodeagent.layers.kvlog import KvTransferLog
+    from nodeagent.node import logrelay
+    from nodeagent.render.launch import component_dir
 
     stack = world.stacks["n2"]
     p0 = world.agents["n0"].coordinator.layout.group("p0")

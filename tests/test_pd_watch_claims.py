@@ -14,7 +14,7 @@ from cluster_fakes import World
 from test_pd_watch import GROUPS, Backends, pd_world
 
 from nodeagent.cluster.pd_watch import RESTART_COOLDOWN_S, PdWatch
-from nodeagent.config_recovery import PdWatchConfig
+from nodeagent.config.recovery import PdWatchConfig
 
 pytestmark = pytest.mark.usefixtures("no_processes")
 

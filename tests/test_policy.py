@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from nodeagent.config_model import DependencyEdge, RestartSpec
-from nodeagent.policy import (
+from nodeagent.config.model import DependencyEdge, RestartSpec
+from nodeagent.seam.policy import (
     Intent,
     RedeployTracker,
     RestartDecision,
@@ -245,7 +245,7 @@ def test_restarts_with_edge_override_wins() -> None:
 
 def test_the_hold_order_is_the_documented_one() -> None:
     """The node's own holds come first, then the layers' gates; the gate answers with the earliest of them."""
-    from nodeagent.stackport import HOLD_ORDER, Hold, HoldKind
+    from nodeagent.seam.stackport import HOLD_ORDER, Hold, HoldKind
 
     assert [str(k) for k in HOLD_ORDER] == [
         "desired_stopped", "node_pause", "cluster_pause", "etcd_unreachable", "node_redeploy", "dependency",

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from nodeagent.config import load_config
-from nodeagent.hostfacts import Host
-from nodeagent.portlint import (
+from nodeagent.config.load import load_config
+from nodeagent.layers.port_check import PortsApplyError, apply_reserved, lint_node, read_sysctls
+from nodeagent.layers.portlint import (
     COLLISION,
     TAKEN,
     PortUse,
@@ -29,8 +29,8 @@ from nodeagent.portlint import (
     parse_ranges,
     subtract,
 )
-from nodeagent.portscmd import PortsApplyError, apply_reserved, lint_node, read_sysctls
-from nodeagent.preflight import PASS, WARN, check_ports_lint
+from nodeagent.layers.preflight import PASS, WARN, check_ports_lint
+from nodeagent.node.hostfacts import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT = ROOT / "config" / "dsv4-flash-a2-8node.yaml"

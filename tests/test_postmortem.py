@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import BIN
 
-from nodeagent.postmortem import Evidence, list_bundles, read_bundle, wait_cores_settled, write_bundle
+from nodeagent.core.postmortem import Evidence, list_bundles, read_bundle, wait_cores_settled, write_bundle
 
 
 def evidence(tmp_path: Path, at: float, log: Path) -> Evidence:

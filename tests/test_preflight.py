@@ -16,12 +16,12 @@ import yaml
 from ascend_fake import FAKE_BIN, FakeAscend
 from conftest import free_port
 
-from nodeagent.config import load_config
-from nodeagent.hostfacts import Host, parse_version, version_at_least
-from nodeagent.preflight import FAIL, PASS, SKIP, WARN, PreflightReport, run_preflight
-from nodeagent.process import record_of
-from nodeagent.statefile import StateStore
-from nodeagent.weights import check_weights
+from nodeagent.config.load import load_config
+from nodeagent.core.process import record_of
+from nodeagent.core.statefile import StateStore
+from nodeagent.layers.preflight import FAIL, PASS, SKIP, WARN, PreflightReport, run_preflight
+from nodeagent.node.hostfacts import Host, parse_version, version_at_least
+from nodeagent.vllm.weights import check_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 A2_TREE = Path(__file__).resolve().parent / "fixtures" / "hosts" / "doc-a2"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import parse_config
-from nodeagent.hostfacts import Host
-from nodeagent.preflight import FAIL, PASS, SKIP, WARN, run_preflight
-from nodeagent.preflight_container import check_container
+from nodeagent.config.load import parse_config
+from nodeagent.layers.preflight import FAIL, PASS, SKIP, WARN, run_preflight
+from nodeagent.layers.preflight_container import check_container
+from nodeagent.node.hostfacts import Host
 
 GUIDE_FILES = ("usr/local/Ascend/driver/", "usr/local/dcmi/", "usr/local/bin/npu-smi", "etc/ascend_install.info",
                "usr/local/sbin/", "etc/hccn.conf", "home/", "mnt/", "tmp/", "data/", "usr/share/zoneinfo/Asia/Shanghai",
@@ -187,7 +187,7 @@ def test_programs_inside_are_the_images_and_host_mode_skips(tree: Tree) -> None:
 def test_the_shipped_configs_container_passes_on_a_ready_host(tree: Tree, file: str, node: str | None) -> None:
     """issue 31: the shipped files run the guide's container; on a host as the guide expects it (its devices and
     mount sources, the image pulled) their container rows warn nothing the file could fix."""
-    from nodeagent.config import load_config
+    from nodeagent.config.load import load_config
 
     (tree.root / "pulled").touch()
     cfg = load_config(Path(__file__).resolve().parents[1] / "config" / file, node=node)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.probecmd import run_probe
+from nodeagent.cli.probe import run_probe
 
 
 class Fake(BaseHTTPRequestHandler):

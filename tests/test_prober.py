@@ -11,9 +11,9 @@ from typing import Any
 import psutil
 import pytest
 
-from nodeagent.config_model import ExecProbe, LivenessFileProbe, ProbeBase
-from nodeagent.prober import ComponentProber, ProbeTracker, aggregate
-from nodeagent.probes import LIVENESS_OK, ProbeContext, ProbeResult, ResolvedProbe
+from nodeagent.config.model import ExecProbe, LivenessFileProbe, ProbeBase
+from nodeagent.probes.kinds import LIVENESS_OK, ProbeContext, ProbeResult, ResolvedProbe
+from nodeagent.probes.prober import ComponentProber, ProbeTracker, aggregate
 
 
 def result(ok: bool) -> ProbeResult:

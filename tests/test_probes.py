@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 from conftest import free_port
 
-from nodeagent.config_model import (
+from nodeagent.config.model import (
     Config,
     DatasystemKvProbe,
     EtcdProbe,
@@ -31,8 +31,8 @@ from nodeagent.config_model import (
     TcpProbe,
     validate_config,
 )
-from nodeagent.errors import ConfigError
-from nodeagent.probes import (
+from nodeagent.core.errors import ConfigError
+from nodeagent.probes.kinds import (
     LIVENESS_OK,
     ProbeContext,
     ResolvedProbe,
@@ -84,8 +84,8 @@ STACK = {
 def test_worker_liveness_allows_the_guides_30_s_and_still_catches_a_stop_within_90_s() -> None:
     """A 10.7 s SIGSTOP restarted the worker (and lost its KV pool) under the old 5 s: the default is the guide's
     yr_liveness_check.sh, in the model and in the kind's defaults; a stopped worker still fails well within 90 s."""
-    from nodeagent.probe_defaults import default_probes
-    from nodeagent.probecmd import GUIDE_LIVENESS_TIMEOUT_S
+    from nodeagent.cli.probe import GUIDE_LIVENESS_TIMEOUT_S
+    from nodeagent.config.probe_defaults import default_probes
 
     assert LivenessFileProbe().max_age_s == GUIDE_LIVENESS_TIMEOUT_S == 30
     live = default_probes("datasystem")["liveness"][0]

@@ -14,10 +14,10 @@ from typing import Any
 import psutil
 import pytest
 
-from nodeagent import proctable
-from nodeagent.npu_monitor import our_pids
-from nodeagent.process import record_of, spawn, stop_tree, tree_of
-from nodeagent.proctable import ProcessTable, ProcessTables, scan
+from nodeagent.core import proctable
+from nodeagent.core.process import record_of, spawn, stop_tree, tree_of
+from nodeagent.core.proctable import ProcessTable, ProcessTables, scan
+from nodeagent.npu.monitor import our_pids
 
 SLOW_PASS_S = 1.0
 
@@ -61,7 +61,7 @@ def slow_proc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(psutil, "process_iter", slow)  # the pass before the table (psutil's objects, on the loop)
     monkeypatch.setattr(proctable, "scan", slow_scan)  # the table's pass
     monkeypatch.setattr(proctable, "TABLES", ProcessTables())
-    monkeypatch.setattr("nodeagent.process.TABLES", proctable.TABLES, raising=False)  # (absent before the table)
+    monkeypatch.setattr("nodeagent.core.process.TABLES", proctable.TABLES, raising=False)  # (absent before the table)
 
 
 def a_tree(tmp_path: Path) -> tuple[int, list[int]]:
@@ -145,7 +145,7 @@ def test_the_pass_reads_what_psutil_reads(tmp_path: Path) -> None:
 async def test_a_scrape_reads_the_trees_usage_off_the_loop(tmp_path: Path, slow_proc: None) -> None:
     from types import SimpleNamespace
 
-    from nodeagent.metrics import AgentMetrics
+    from nodeagent.api.metrics import AgentMetrics
 
     main, children = a_tree(tmp_path)
     try:

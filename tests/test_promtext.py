@@ -1,10 +1,10 @@
-"""The one reader of vLLM's /metrics text (`nodeagent.promtext`): what its four readers rely on."""
+"""The one reader of vLLM's /metrics text (`nodeagent.vllm.promtext`): what its four readers rely on."""
 
 from __future__ import annotations
 
 import pytest
 
-from nodeagent.promtext import MetricsTextError, Sample, samples
+from nodeagent.vllm.promtext import MetricsTextError, Sample, samples
 
 PAGE = r"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

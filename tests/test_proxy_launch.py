@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.cluster.proxy_sync import ProxySync, launch_choice
-from nodeagent.config import parse_config
-from nodeagent.layout import ProxyPlan
-from nodeagent.render import launch_fingerprint, render_component, routed_proxy
-from nodeagent.stackport import ProxyBackends
+from nodeagent.config.layout import ProxyPlan
+from nodeagent.config.load import parse_config
+from nodeagent.render.launch import launch_fingerprint, render_component, routed_proxy
+from nodeagent.seam.stackport import ProxyBackends
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import psutil
 import pytest
 from conftest import free_port, wait_for
 
-from nodeagent.config import parse_config
-from nodeagent.probes import ProbeContext, resolve_probe_set
-from nodeagent.render import LaunchSpec, render_component
+from nodeagent.config.load import parse_config
+from nodeagent.probes.kinds import ProbeContext, resolve_probe_set
+from nodeagent.render.launch import LaunchSpec, render_component
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

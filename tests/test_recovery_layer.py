@@ -1,4 +1,4 @@
-"""The ladder past node redeploy carried out (`nodeagent.recovery`) with the cluster layer around it, without
+"""The ladder past node redeploy carried out (`nodeagent.layers.chip_reset`) with the cluster layer around it, without
 processes: the real NpuMonitor and HealthEvaluator over in-memory NPU tools (a table of chips, a reset that heals
 them or not), the real Coordinator, Membership, ProxySync and RecoveryFollower on the FakeStore and fake stacks
 (tests/cluster_fakes.py), one virtual clock — so the 20 s settle and the 30 s pauses cost nothing. Every rung is
@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from cluster_fakes import World
 
-from nodeagent.cluster.recovery import RecoveryFollower
-from nodeagent.failure import Failure
-from nodeagent.hbm_baseline import baseline_path, read_baseline, write_baseline
-from nodeagent.npu import NpuChip, NpuInfo, NpuProcess, NpuSnapshot
-from nodeagent.npu_health import HealthPolicy
-from nodeagent.npu_monitor import NpuMonitor
-from nodeagent.recovery import NodeRecovery, NotIsolated
-from nodeagent.stackport import HoldKind
+from nodeagent.cluster.reset_drain import RecoveryFollower
+from nodeagent.core.failure import Failure
+from nodeagent.layers.chip_reset import NodeRecovery, NotIsolated
+from nodeagent.npu.hbm_baseline import baseline_path, read_baseline, write_baseline
+from nodeagent.npu.health import HealthPolicy
+from nodeagent.npu.monitor import NpuMonitor
+from nodeagent.npu.tools import NpuChip, NpuInfo, NpuProcess, NpuSnapshot
+from nodeagent.seam.stackport import HoldKind
 
 NODES = ["n0", "n1", "n2"]
 GROUPS = [{"name": "p0", "kind": "prefill", "nodes": ["n0", "n1"], "data_parallel_rpc_port": 43000},
@@ -244,8 +244,8 @@ def test_the_fake_npu_smi_reset_answers_through_the_facade(tmp_path: Path) -> No
 
     from ascend_fake import FakeAscend
 
-    from nodeagent.ladder import reset_command
-    from nodeagent.npu import NpuToolError
+    from nodeagent.layers.reset_ladder import reset_command
+    from nodeagent.npu.tools import NpuToolError
 
     fake = FakeAscend(tmp_path, "doc-alarm-then-reset")
     tools = fake.tools()
@@ -267,7 +267,7 @@ Hugepagesize:       2048 kB
 
 
 def test_headroom_with_and_without_huge_pages() -> None:
-    from nodeagent.worker_headroom import headroom
+    from nodeagent.layers.worker_headroom import headroom
 
     dead_still_mapped = MEMINFO.format(available=600_000_000, huge_free=10_000)  # 20,000 MB of huge pages free
     assert headroom(dead_still_mapped, 500_000, huge_pages=True, margin_mb=4096).short
@@ -281,7 +281,7 @@ def test_headroom_with_and_without_huge_pages() -> None:
 @pytest.mark.parametrize("short", [True, False])
 async def test_a_killed_worker_restarts_with_its_vllm_ranks_only_when_memory_is_short(world: World,
                                                                                       short: bool) -> None:
-    from nodeagent.worker_headroom import WorkerHeadroom
+    from nodeagent.layers.worker_headroom import WorkerHeadroom
 
     stack = world.stacks["n2"]
     available = 1_000_000 if short else 600_000_000

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from nodeagent.config import load_config, parse_config
-from nodeagent.render import AGENT_ENV, LaunchSpec, render_component
+from nodeagent.config.load import load_config, parse_config
+from nodeagent.render.launch import AGENT_ENV, LaunchSpec, render_component
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "multinode"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import parse_config
-from nodeagent.config_container import ContainerConfig
-from nodeagent.container_host import HostFacts
-from nodeagent.container_options import ContainerRenderError, RunOption, guide_paths
-from nodeagent.errors import ConfigError
-from nodeagent.render_container import render_container
+from nodeagent.config.container import ContainerConfig
+from nodeagent.config.container_options import ContainerRenderError, RunOption, guide_paths
+from nodeagent.config.load import parse_config
+from nodeagent.container.host import HostFacts
+from nodeagent.container.render import render_container
+from nodeagent.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "golden" / "start-docker.sh"

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import realvllm
 
-from nodeagent.config_base import Invalid, replace, validate
-from nodeagent.config_model import VllmComponent
-from nodeagent.ft_config import FaultToleranceSpec, fault_tolerance_argv
-from nodeagent.render import render_vllm_argv
+from nodeagent.config.base import Invalid, replace, validate
+from nodeagent.config.ft import FaultToleranceSpec, fault_tolerance_argv
+from nodeagent.config.model import VllmComponent
+from nodeagent.render.launch import render_vllm_argv
 
 PARSE = """
 import json, sys

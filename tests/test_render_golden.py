@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import load_config
-from nodeagent.config_base import replace
-from nodeagent.config_model import Config
-from nodeagent.render import AGENT_ENV, render_component
+from nodeagent.config.base import replace
+from nodeagent.config.load import load_config
+from nodeagent.config.model import Config
+from nodeagent.render.launch import AGENT_ENV, render_component
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"

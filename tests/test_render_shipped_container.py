@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import load_config
-from nodeagent.config_model import Config
-from nodeagent.container_host import HostFacts
-from nodeagent.render_container import agent_mounts, render_container
+from nodeagent.config.load import load_config
+from nodeagent.config.model import Config
+from nodeagent.container.host import HostFacts
+from nodeagent.container.render import agent_mounts, render_container
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"

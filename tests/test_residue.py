@@ -21,23 +21,21 @@ from typing import Any
 import psutil
 import pytest
 
-from nodeagent import residue
-from nodeagent.config import parse_config
-from nodeagent.config_base import replace
-from nodeagent.config_model import Config, validate_config
-from nodeagent.npu import parse_npu_smi_info
-from nodeagent.pathsafety import (
+from nodeagent.config.base import replace
+from nodeagent.config.load import parse_config
+from nodeagent.config.model import Config, validate_config
+from nodeagent.node import residue
+from nodeagent.node.pathsafety import (
     check_deletable,
     validate_residue_paths,
 )
-from nodeagent.render import TMPDIR_MAX, component_dir, component_tmpdir, render_component
-from nodeagent.residue import (
+from nodeagent.node.residue import (
     archive_name,
     archives_to_prune,
     execute,
     find_leftovers,
 )
-from nodeagent.residue_plan import (
+from nodeagent.node.residue_plan import (
     ActionOutcome,
     ArchiveThenRemove,
     KillProcesses,
@@ -53,6 +51,8 @@ from nodeagent.residue_plan import (
     match_reason,
     plan_start_cleanup,
 )
+from nodeagent.npu.tools import parse_npu_smi_info
+from nodeagent.render.launch import TMPDIR_MAX, component_dir, component_tmpdir, render_component
 
 NODE_IP = "127.0.0.77"  # an address nothing else on a shared machine uses in a worker_address
 
@@ -708,7 +708,7 @@ def test_the_configured_npu_smi_is_the_one_the_clean_slate_and_the_post_mortem_u
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`node.npu_health.npu_smi` off PATH (a driver installed elsewhere): the start cleanup's wait for the NPUs and
     the post-mortem's `npu-smi info` page read that one, not "npu-smi not found"."""
-    from nodeagent.npu import npu_info_text
+    from nodeagent.npu.tools import npu_info_text
 
     tools = tmp_path / "driver" / "bin"
     tools.mkdir(parents=True)
@@ -870,7 +870,7 @@ def test_every_action_is_logged(tmp_path: Path) -> None:
 
 
 def test_only_small_flat_folders_are_removed_inline(tmp_path: Path) -> None:
-    from nodeagent.residue import _small_folder
+    from nodeagent.node.residue import _small_folder
 
     assert _small_folder(tmp_path / "absent")
     flat = tmp_path / "flat"

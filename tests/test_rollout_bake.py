@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nodeagent.cluster.rollout_bake import MIN_REQUESTS, ServingSample, judge_bake, parse_serving
+from nodeagent.cluster.rollout.bake import MIN_REQUESTS, ServingSample, judge_bake, parse_serving
 
 # The names and labels vLLM 0.32 exposes (`vllm/v1/metrics/loggers.py`; http_requests_total from
 # prometheus-fastapi-instrumentator, status grouped as "2xx"/"5xx", `entrypoints/serve/instrumentator/metrics.py`).
@@ -79,7 +79,7 @@ def ttft_page(count: int, total_s: float) -> str:
 async def test_without_the_old_processes_record_the_same_kind_peers_are_the_baseline() -> None:
     """A group that served nothing before its step (it was failing) leaves no TTFT: the other prefill groups'
     lifetime mean stands in, read as the bake begins."""
-    from nodeagent.cluster.rollout_bake import BakeWatch
+    from nodeagent.cluster.rollout.bake import BakeWatch
 
     pages = {"p1:8000": ttft_page(0, 0.0), "p0:8000": ttft_page(200, 20.0)}  # p0: 0.1 s per request
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from cluster_fakes import World
 
-from nodeagent.cluster.rollout_config import file_hash
-from nodeagent.config_cluster import cluster_file_hash
+from nodeagent.cluster.rollout.member_config import file_hash
+from nodeagent.config.cluster import cluster_file_hash
 
 NODES = ["n0", "n1", "n2", "n3", "n4"]
 GROUPS = [
@@ -290,7 +290,7 @@ async def test_a_busy_proxy_keeps_a_group_isolated_and_the_next_step_waits(world
 async def test_a_report_lost_with_its_lease_is_written_again(world: World) -> None:
     """Reports live on the member's lease; a long stall can lose it (found by the simulation at N = 256, where
     steps waited for reports that were gone)."""
-    from nodeagent.cluster.rollout_record import report_prefix
+    from nodeagent.cluster.rollout.record import report_prefix
 
     key = report_prefix(world.harness.cluster_name) + "n2"
     await world.until("n2's report", lambda: "n2" in world.agents["n0"].rollout.reports)
@@ -373,7 +373,7 @@ PD_GROUPS = [
 
 def routed_files(world: World) -> set[str]:
     """The files the processes of every group the proxy may route a request to run now."""
-    from nodeagent.layout import cluster_layout
+    from nodeagent.config.layout import cluster_layout
 
     assert world.proxy is not None
     layout = cluster_layout(world.stacks["n0"].config)
@@ -548,9 +548,9 @@ async def test_an_agent_restarted_before_its_step_keeps_its_container_until_then
 async def test_the_status_says_why_a_step_waits_and_what_serves_per_kind_during_it(world: World) -> None:
     """`nodeagentctl cluster` and the status page show the floor as it is: why the next step waits, and during a
     step the groups serving per kind (it read "holds" whenever a step was in progress)."""
-    from nodeagent.clustercmd import rollout_lines
-    from nodeagent.ui.firstpaint import first_paint
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import first_paint
+    from nodeagent.api.ui.routes import read_static
+    from nodeagent.cli.remote import rollout_lines
 
     world.install(set_group_env(["p0", "p1"], {"X": "1"}))
     world.stacks["n2"].components["vllm"].start_s = 60.0

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from cluster_harness import ClusterHarness
 
-from nodeagent.cluster import rollout_rules as rr
-from nodeagent.cluster.rollout_plan import Options, PlanError, make_plan
-from nodeagent.cluster.rollout_record import Record, Step, new_record
-from nodeagent.cluster.rollout_states import RESTARTS, Phase, Status
-from nodeagent.cluster.rollout_view import time_left
-from nodeagent.config import load_config
-from nodeagent.config_cluster import cluster_file_hash
+from nodeagent.cluster.rollout import rules as rr
+from nodeagent.cluster.rollout.plan import Options, PlanError, make_plan
+from nodeagent.cluster.rollout.record import Record, Step, new_record
+from nodeagent.cluster.rollout.states import RESTARTS, Phase, Status
+from nodeagent.cluster.rollout.view import time_left
+from nodeagent.config.cluster import cluster_file_hash
+from nodeagent.config.load import load_config
 
 NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
 
@@ -79,8 +79,8 @@ def test_a_steps_outage_is_measured_and_the_next_estimate_adds_its_drain_stop_an
     """issue 31: the dry run promised 'prefill outage expected ~3 s' (the last load) and the step was out of the
     proxy 7.5 s. A step now records when the proxy let its groups go and took them back, and the time in each
     phase; the next plan expects the last load plus what the last step cost beyond it."""
-    from nodeagent.cluster.rollout_view import measured_overhead_s
-    from nodeagent.clustercmd import outage_text, rollout_lines
+    from nodeagent.cli.remote import outage_text, rollout_lines
+    from nodeagent.cluster.rollout.view import measured_overhead_s
 
     step = Step(("d0",), ("decode",), "a", "b", outage=("decode",), expected_outage_s=3.0)
     record = Record("r1", "n0: op", 0.0, "a", "b", Options(), (step,))

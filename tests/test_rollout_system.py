@@ -21,8 +21,8 @@ import pytest
 from cluster_harness import ClusterHarness
 from conftest import free_port, wait_for
 
-from nodeagent.config import load_config
-from nodeagent.config_cluster import cluster_file_hash
+from nodeagent.config.cluster import cluster_file_hash
+from nodeagent.config.load import load_config
 
 pytestmark = pytest.mark.system
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from nodeagent.sdnotify import Notifier, watchdog_interval
+from nodeagent.core.sdnotify import Notifier, watchdog_interval
 
 
 @pytest.fixture

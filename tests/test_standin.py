@@ -698,7 +698,7 @@ async def test_fault_modes_switch_at_run_time(launcher: Launcher) -> None:
 async def test_served_and_failed_requests_show_in_the_metrics_a_rollouts_bake_reads(launcher: Launcher) -> None:
     """vLLM's http_requests_total (the instrumentator's, status grouped) and the TTFT histogram, as
     `cluster.rollout_bake.parse_serving` reads them."""
-    from nodeagent.cluster.rollout_bake import parse_serving
+    from nodeagent.cluster.rollout.bake import parse_serving
 
     standin = launcher.start()
     base = standin.url

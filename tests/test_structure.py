@@ -148,7 +148,8 @@ def test_no_module_over_600_lines() -> None:
     assert not long, f"product modules over {MAX_LINES} lines: {long}"
 
 
-NODE_LAYERS = ("guards", "recovery", "kvlog", "worker_headroom", "container_mode", "mqtt", "metrics", "agent")
+NODE_LAYERS = ("layers.guards", "layers.chip_reset", "layers.kvlog", "layers.worker_headroom", "container.mode",
+               "api.mqtt", "api.metrics", "agent")
 """Node-side modules that see the node through a port (or, for the composition root, attach to it)."""
 SIDE_DOOR = re.compile(r"getattr\((self\.)?(port|sup|_sup|host|co|coordinator)\b|\.recovery_view\s*=|"
                        r"on_state_change\.(append|remove)\((self\.)?(_publish|status_changed|membership)")
@@ -158,7 +159,7 @@ SIDE_DOOR = re.compile(r"getattr\((self\.)?(port|sup|_sup|host|co|coordinator)\b
 def seam_modules() -> dict[str, Path]:
     return {name: path for name, path in modules().items()
             if name.startswith("nodeagent.cluster.") or name.removeprefix("nodeagent.") in
-            (*NODE_LAYERS, "stackport", "nodeport")}  # fmt: skip
+            (*NODE_LAYERS, "seam.stackport", "node.nodeport")}  # fmt: skip
 
 
 def test_the_seams_have_one_door_each() -> None:
@@ -176,7 +177,7 @@ def test_the_seams_have_one_door_each() -> None:
     attaching = [name for name, path in seam_modules().items() if name != "nodeagent.agent"
                  and re.search(r"\.attach\(", path.read_text())]  # fmt: skip
     assert not attaching, f"a layer attaches itself (the order of layers is agent.Agent.layers'): {attaching}"
-    assert "on_state_change" not in (PACKAGE / "supervisor.py").read_text(), "one change channel: `attach`"
+    assert "on_state_change" not in (PACKAGE / "node" / "supervisor.py").read_text(), "one change channel: `attach`"
 
 
 def test_the_side_door_pattern_finds_what_it_is_for() -> None:
@@ -185,3 +186,71 @@ def test_the_side_door_pattern_finds_what_it_is_for() -> None:
                  "getattr(self._sup, name)"):  # fmt: skip
         assert SIDE_DOOR.search(line), line
     assert not SIDE_DOOR.search("self.store.on_state_change.append(lambda _s: self.wake())")
+
+
+# The packages, lowest first: a module imports only from its own package and from those before it. The reasons
+# for the order are in docs/architecture.md ("Packages"); the agent's composition root (`nodeagent.agent`, run by
+# `nodeagent.__main__`) stands above every package: nothing imports it (`cli` talks to a running agent).
+LAYERS: tuple[str, ...] = (
+    "core", "vllm", "config", "seam", "render", "npu", "probes", "node", "container", "layers", "cluster", "api", "cli",
+)  # fmt: skip
+ROOT_MODULES = {"nodeagent", "nodeagent.agent", "nodeagent.__main__"}
+SUBPACKAGE_RULES: dict[str, str] = {
+    # (package): the subpackage inside it that the rest of the package never imports
+    "nodeagent.cluster": "nodeagent.cluster.rollout",
+}
+
+
+def rank(module: str) -> int:
+    """A module's place in LAYERS; the composition root above them all."""
+    if module in ROOT_MODULES:
+        return len(LAYERS)
+    return LAYERS.index(module.split(".")[1])
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for importer, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target == "nodeagent":
+                continue
+            if rank(target) > rank(importer):
+                out.append(f"{importer} → {target}")
+            for package, sub in SUBPACKAGE_RULES.items():
+                inside = importer.startswith(package + ".") and not importer.startswith(sub)
+                if inside and (target == sub or target.startswith(sub + ".")):
+                    out.append(f"{importer} → {target} ({package} never imports its {sub})")
+    return out
+
+
+def test_every_module_is_in_a_declared_package() -> None:
+    stray = [name for name in modules() if name not in ROOT_MODULES and name.split(".")[1] not in LAYERS]
+    assert not stray, f"modules outside the declared packages {LAYERS}: {stray}"
+
+
+def test_imports_go_one_way() -> None:
+    found = wrong_way(import_graph())
+    assert not found, "imports against the declared direction (docs/architecture.md, Packages):\n" + "\n".join(found)
+
+
+def test_the_direction_check_sees_a_wrong_way_import() -> None:
+    graph = {
+        "nodeagent.core.errors": {"nodeagent.node.supervisor"},
+        "nodeagent.node.supervisor": {"nodeagent.core.errors"},
+        "nodeagent.cluster.coordinator": {"nodeagent.cluster.rollout.plan"},
+        "nodeagent.cli.status": {"nodeagent.agent"},
+        "nodeagent.agent": {"nodeagent.api.server"},
+    }
+    assert wrong_way(graph) == [
+        "nodeagent.cli.status → nodeagent.agent",
+        "nodeagent.cluster.coordinator → nodeagent.cluster.rollout.plan "
+        "(nodeagent.cluster never imports its nodeagent.cluster.rollout)",
+        "nodeagent.core.errors → nodeagent.node.supervisor",
+    ]
+
+
+def test_every_package_says_what_it_is() -> None:
+    for name, path in modules().items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc) > 40, f"{name} has no docstring saying what the package is"

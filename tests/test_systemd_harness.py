@@ -68,9 +68,9 @@ def unit_processes(c: SystemdContainer, marker: str) -> list[int]:
 NOTIFY_SCRIPT = """
 import os, signal, subprocess, sys, time
 from loguru import logger
-from nodeagent import journal
-from nodeagent.logsetup import setup_logging
-from nodeagent.sdnotify import Notifier
+from nodeagent.core import journal
+from nodeagent.core.logsetup import setup_logging
+from nodeagent.core.sdnotify import Notifier
 
 fmt = setup_logging("node-t", "auto")
 n = Notifier()
@@ -153,7 +153,7 @@ TimeoutStartSec=20
 
 WATCHDOG_SCRIPT = """
 import time
-from nodeagent.sdnotify import Notifier
+from nodeagent.core.sdnotify import Notifier
 
 n = Notifier()
 interval = n.watchdog_interval()

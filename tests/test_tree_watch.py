@@ -1,5 +1,5 @@
-"""A vLLM's own processes watched (`nodeagent.tree_watch`): the pure bookkeeping, the loop with a fake lister, and
-the lister on a real process tree whose children carry vLLM's titles (bash's `exec -a`)."""
+"""A vLLM's own processes watched (`nodeagent.probes.tree_watch`): the pure bookkeeping, the loop with a fake lister,
+and the lister on a real process tree whose children carry vLLM's titles (bash's `exec -a`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 from conftest import wait_for
 
-from nodeagent.process import record_of
-from nodeagent.tree_watch import STOPPED_AFTER_S, Seen, TreeMembers, problem_detail, vllm_processes, watch_tree
+from nodeagent.core.process import record_of
+from nodeagent.probes.tree_watch import STOPPED_AFTER_S, Seen, TreeMembers, problem_detail, vllm_processes, watch_tree
 
 
 def seen(**titles: str) -> dict[tuple[int, float], Seen]:

@@ -28,10 +28,10 @@ from cluster_harness import ClusterHarness
 from conftest import ROOT, free_port
 from mqtthelpers import Mosquitto, mqtt_config
 
-from nodeagent.api import ApiServer
-from nodeagent.cachehit import CacheCounters, compute_table, parse_cache_counters
-from nodeagent.ui.history import CacheHistory
-from nodeagent.ui.routes import static_files
+from nodeagent.api.server import ApiServer
+from nodeagent.api.ui.history import CacheHistory
+from nodeagent.api.ui.routes import static_files
+from nodeagent.vllm.cachehit import CacheCounters, compute_table, parse_cache_counters
 
 PERIOD_S = 0.5
 SHORT = " ".join(f"short{i}" for i in range(60))
@@ -69,8 +69,8 @@ def test_history_keeps_one_sample_per_scrape_for_the_window_only() -> None:
 
 
 def test_ui_config_is_checked(tmp_path: Path) -> None:
-    from nodeagent.config import load_config
-    from nodeagent.errors import ConfigError
+    from nodeagent.config.load import load_config
+    from nodeagent.core.errors import ConfigError
 
     data = tiny_config(tmp_path)
     data["agent"]["ui"] = {"cache_period_s": 0.1, "cache_history_s": 86400}
@@ -123,10 +123,10 @@ async def test_the_first_paint_is_rendered_on_the_server(stack: InProcess) -> No
 def test_a_rollout_is_under_way_by_one_definition() -> None:
     """The floor and the time left are shown while the rollout is under way (not final): the server's first paint
     and `nodeagentctl cluster` read `rollout_states.UNDER_WAY`; ui.js keeps a copy, compared here."""
-    from nodeagent.cluster.rollout_states import FINAL, UNDER_WAY, Status
-    from nodeagent.clustercmd import rollout_lines
-    from nodeagent.ui.firstpaint import rollout_texts
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import rollout_texts
+    from nodeagent.api.ui.routes import read_static
+    from nodeagent.cli.remote import rollout_lines
+    from nodeagent.cluster.rollout.states import FINAL, UNDER_WAY, Status
 
     assert set(UNDER_WAY) == set(Status) - set(FINAL) == {"running", "paused", "rolling_back", "aborting"}
     js = re.search(r"const moving = (\[.*?\])\.includes", read_static("ui.js").decode())
@@ -139,8 +139,8 @@ def test_a_rollout_is_under_way_by_one_definition() -> None:
 
 def test_the_first_paint_escapes_every_value() -> None:
     """Member records come from other nodes through etcd: nothing in them becomes markup."""
-    from nodeagent.ui.firstpaint import first_paint
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import first_paint
+    from nodeagent.api.ui.routes import read_static
 
     hostile = "<img src=x onerror=alert(1)>"
     status = {"node": {"name": hostile, "role": "master"}, "paused": True, "pause": {"by": hostile},
@@ -153,8 +153,8 @@ def test_the_first_paint_escapes_every_value() -> None:
 
 def test_the_first_paint_heads_with_an_isolation_or_a_chip_reset() -> None:
     """The ladder's node-wide states in the page's header, on the server's paint already (and escaped)."""
-    from nodeagent.ui.firstpaint import first_paint
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import first_paint
+    from nodeagent.api.ui.routes import read_static
 
     page = read_static("index.html").decode()
     quiet = first_paint(page, {"node": {"name": "a2"}}, now=0)
@@ -202,8 +202,8 @@ def rollout_box_texts(html: str) -> dict[str, Any]:
 
 def test_the_first_paint_shows_the_rollout_box() -> None:
     """The plan's steps, the step, the floor (what serves per kind) and the time left, escaped like the rest."""
-    from nodeagent.ui.firstpaint import first_paint
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import first_paint
+    from nodeagent.api.ui.routes import read_static
 
     page = read_static("index.html").decode()
     assert '<div id="rollout" hidden>' in first_paint(page, {"node": {"name": "n0"}}, now=0), "no rollout: hidden"
@@ -233,8 +233,8 @@ CONTAINER_UP = {"engine": "podman", "name": "ds_v4_flash_yr", "image": "quay.io/
 
 def test_the_first_paint_shows_the_container() -> None:
     """issue 18 item 5: the page, as `nodeagentctl status`, names the node's container (hidden without one)."""
-    from nodeagent.ui.firstpaint import first_paint
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint import first_paint
+    from nodeagent.api.ui.routes import read_static
 
     page = read_static("index.html").decode()
     assert '<div id="container-line" class="muted" hidden></div>' in first_paint(page, {"node": {"name": "a2"}}, now=0)
@@ -250,7 +250,7 @@ def test_the_first_paint_shows_the_container() -> None:
 async def test_the_container_line_reads_the_same_from_the_server_and_the_script(stack: InProcess,
                                                                                 browser: Chromium) -> None:  # fmt: skip
     """ui.js's containerLine writes what node_alerts.container_line (the CLI's and the first paint's) writes."""
-    from nodeagent.node_alerts import container_line
+    from nodeagent.api.node_alerts import container_line
 
     page = await browser.new_page()
     await page.goto(stack.url + "/ui")
@@ -307,8 +307,8 @@ def cluster_view() -> dict[str, Any]:
 
 def test_the_first_paint_has_the_cluster_table() -> None:
     """issue 31: a screenshot at load showed no member table (it came with the first poll)."""
-    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.api.ui.routes import read_static
 
     page = read_static("index.html").decode()
     html = cluster_section(page, {"cluster": {"etcd": "reachable"}}, cluster_view())
@@ -330,8 +330,8 @@ async def test_the_cluster_table_reads_the_same_from_the_server_and_the_script(s
     """ui.js's renderCluster and the server's first paint write the same rows for the same view."""
     import html as markup
 
-    from nodeagent.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
-    from nodeagent.ui.routes import read_static
+    from nodeagent.api.ui.firstpaint_cluster import SINGLE_NODE, cluster_section
+    from nodeagent.api.ui.routes import read_static
 
     async with stack.session.get(stack.url + "/ui") as r:  # the route writes it in: here a single node's note
         assert f'<div id="cluster-note" class="note plain">{SINGLE_NODE}</div>' in await r.text()

@@ -22,8 +22,7 @@ from test_standin import MODEL_PATH, Launcher, StandIn
 from vllm_standin.fault_tolerance import settings_from_argv
 from vllm_standin.vllm import main
 
-from nodeagent.ft_rules import Escalate, FtSituation, Instruct, RankStatus, Recovered, attempt_for, decide
-from nodeagent.vllm_ft import (
+from nodeagent.vllm.ft_client import (
     FtNotServed,
     FtRejected,
     FtUnreachable,
@@ -33,6 +32,7 @@ from nodeagent.vllm_ft import (
     parse_status,
     supports_fault_tolerance,
 )
+from nodeagent.vllm.ft_rules import Escalate, FtSituation, Instruct, RankStatus, Recovered, attempt_for, decide
 
 FT_FLAGS = ["--enable-fault-tolerance", "--fault-tolerance-config", '{"engine_recovery_timeout_sec": 30}',
             "--all2all-backend", "deepep_low_latency"]
@@ -175,7 +175,7 @@ async def test_a_transient_fault_is_seen_by_the_survivor_and_a_retry_recovers_th
 
 async def test_a_chat_sent_during_the_fault_waits_for_the_retry_as_in_vllm(launcher: Launcher) -> None:
     """vLLM parks the busy loop while a rank is unhealthy: a request neither fails nor runs until the retry
-    (this is what makes the agent's liveness canary fail during an episode: `nodeagent.liveness_hold`)."""
+    (this is what makes the agent's liveness canary fail during an episode: `nodeagent.node.liveness_hold`)."""
     ranks = start_group(launcher)
     body = {"model": MODEL_PATH, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with aiohttp.ClientSession() as session:

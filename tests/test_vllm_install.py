@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import realvllm
 
-from nodeagent.component import Component
-from nodeagent.config import parse_config
-from nodeagent.events import EventBus
-from nodeagent.ft_config import FaultToleranceSpec, fault_tolerance_argv
-from nodeagent.ft_rules import Support
-from nodeagent.supervisor import Supervisor
-from nodeagent.vllm_ft import supports_fault_tolerance
-from nodeagent.vllm_install import installed_vllm_version, interpreter, launch_spec, vllm_version_in
+from nodeagent.config.ft import FaultToleranceSpec, fault_tolerance_argv
+from nodeagent.config.load import parse_config
+from nodeagent.core.events import EventBus
+from nodeagent.node.component import Component
+from nodeagent.node.supervisor import Supervisor
+from nodeagent.node.vllm_install import installed_vllm_version, interpreter, launch_spec, vllm_version_in
+from nodeagent.vllm.ft_client import supports_fault_tolerance
+from nodeagent.vllm.ft_rules import Support
 
 FT_FLAGS = ("--enable-fault-tolerance", "--fault-tolerance-config")
 XY = f"{sys.version_info.major}.{sys.version_info.minor}"

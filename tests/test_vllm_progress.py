@@ -18,12 +18,12 @@ import aiohttp
 import pytest
 from conftest import free_port
 
-from nodeagent.config import load_config
-from nodeagent.config_model import ProbeBase, VllmProgressProbe
-from nodeagent.errors import ConfigError
-from nodeagent.prober import ProbeTracker
-from nodeagent.probes import ProbeContext, ProbeResult, ResolvedProbe, probe_state, vllm_probe_body
-from nodeagent.vllm_progress import EngineProgress, ProgressMetricsError, ProgressMonitor, parse_progress
+from nodeagent.config.load import load_config
+from nodeagent.config.model import ProbeBase, VllmProgressProbe
+from nodeagent.core.errors import ConfigError
+from nodeagent.probes.kinds import ProbeContext, ProbeResult, ResolvedProbe, probe_state, vllm_probe_body
+from nodeagent.probes.prober import ProbeTracker
+from nodeagent.vllm.progress import EngineProgress, ProgressMetricsError, ProgressMonitor, parse_progress
 
 STANDIN_MODEL = str(Path(__file__).resolve().parents[1] / "config" / "standin-model")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_component import rig, stop, until
 
-from nodeagent import component
 from nodeagent.agent import Agent
-from nodeagent.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale, watchdog_ok
-from nodeagent.sdnotify import Notifier
+from nodeagent.core.heartbeat import HEARTBEAT_MAX_AGE_S, Heartbeat, stale, watchdog_ok
+from nodeagent.core.sdnotify import Notifier
+from nodeagent.node import component
 
 
 def test_every_loop_must_have_ticked_within_max_age() -> None:

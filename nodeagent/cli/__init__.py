@@ -4,7 +4,7 @@ Each command family is a module here — `status`, `cluster`, `actions` (start/s
 resume, reset, reload, detach), `node` (preflight, npu, postmortem), `tools` (bench, cache, probe), `configcmd`
 (render, config validate), `logs` — and only the module of the command that runs is imported, so `status`
 answers in a few tens of ms: HTTP over one socket (`cli.http`), the `agent` section through the config's raw
-layer (`nodeagent.config_raw`), no config model. The commands that need the validated model load it, and so does any
+layer (`nodeagent.config.raw`), no config model. The commands that need the validated model load it, and so does any
 command whose `agent` section the raw layer cannot take, to report the exact config error.
 
 Exit codes: 0 ok, 1 action failed, 2 usage, 3 agent unreachable, 4 unknown component, 5 unauthorised,

@@ -20,7 +20,7 @@ from nodeagent.cli.common import (
 )
 from nodeagent.cli.groupwait import GroupWait, component_of, followed, group_of, group_progress
 from nodeagent.cli.status import cluster_view
-from nodeagent.states import UP_STATES
+from nodeagent.core.states import UP_STATES
 
 
 def _components(client: Client) -> dict[str, Any]:

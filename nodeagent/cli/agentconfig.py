@@ -25,8 +25,8 @@ from nodeagent.cli.common import (
 def load_full(path: str, node: str | None = None, env: dict[str, str] | None = None) -> Any:
     """The validated config (the msgspec models), CliError(78) with file, line and key on error; `env` for its
     `${VAR}`s (default: this shell's)."""
-    from nodeagent.config import load_config
-    from nodeagent.errors import ConfigError
+    from nodeagent.config.load import load_config
+    from nodeagent.core.errors import ConfigError
 
     try:
         return load_config(path, node=node, env=env)
@@ -56,8 +56,8 @@ class LightConfig:
 def read_light_config(path: str) -> LightConfig:
     """The `agent` section through the config's raw layer; when that cannot tell, the validated loader (which
     raises the exact error, or accepts the file and answers the same)."""
-    from nodeagent.config_raw import read_agent_section
-    from nodeagent.errors import ConfigError
+    from nodeagent.config.raw import read_agent_section
+    from nodeagent.core.errors import ConfigError
 
     try:
         agent = read_agent_section(path)
@@ -71,15 +71,15 @@ def read_light_config(path: str) -> LightConfig:
 
 def locate(args: argparse.Namespace) -> tuple[str, Any]:
     """(config path, the announced agent or None): --config, $DSV4_AGENT_CONFIG, the default file, or an agent
-    announced on this host (`nodeagent.discovery`: also the agent that runs the given file, if one does; with
+    announced on this host (`nodeagent.core.discovery`: also the agent that runs the given file, if one does; with
     --node NAME, the local agent of that node if one runs). Found once per command."""
     if getattr(args, "located", None) is None:
-        from nodeagent.discovery import ENV_CONFIG, LookupFailed, SeveralAgents, locate_config
+        from nodeagent.core.discovery import ENV_CONFIG, LookupFailed, SeveralAgents, locate_config
 
         node, cluster = getattr(args, "node", None), None
         given = args.config or os.environ.get(ENV_CONFIG)
         if node and given:  # --node never picks an agent of another cluster (read only when it is asked for)
-            from nodeagent.config_raw import read_cluster_name
+            from nodeagent.config.raw import read_cluster_name
 
             cluster = read_cluster_name(given)
         try:

@@ -14,7 +14,7 @@ from nodeagent.cli.status import cluster_view
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from nodeagent.clustercmd import format_cluster
+    from nodeagent.cli.remote import format_cluster
 
     client = connect(args)
     action = args.cluster_action
@@ -103,7 +103,7 @@ def rollout_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_rollout(args: argparse.Namespace, client: Any) -> int:
-    from nodeagent.clustercmd import format_plan, rollout_lines
+    from nodeagent.cli.remote import format_plan, rollout_lines
 
     what = args.target or "status"
     if what == "status":

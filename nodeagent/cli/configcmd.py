@@ -11,8 +11,8 @@ from nodeagent.cli.common import EXIT_CONFIG, EXIT_UNKNOWN, CliError
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from nodeagent.launcher import base_environment
-    from nodeagent.vllm_install import launch_spec
+    from nodeagent.node.launcher import base_environment
+    from nodeagent.node.vllm_install import launch_spec
 
     config = full_config(args, args.node)
     if args.component == "container" and "container" not in config.components:
@@ -42,8 +42,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from nodeagent.agent import load_checked
-    from nodeagent.errors import ConfigError
+    from nodeagent.core.errors import ConfigError
+    from nodeagent.layers.config_checks import load_checked
 
     try:
         config = load_checked(args.file, args.node)
@@ -52,8 +52,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     active = ", ".join(config.active_components())
     print(f"{args.file}: OK — node {config.node.name} ({config.node.role}) runs: {active}")
     if config.cluster.nodes:
-        from nodeagent.config_cluster import cluster_file_hash
-        from nodeagent.layout import cluster_layout
+        from nodeagent.config.cluster import cluster_file_hash
+        from nodeagent.config.layout import cluster_layout
 
         layout = cluster_layout(config)
         groups = "; ".join(f"{g.name} ({g.kind}, {g.dp_launch}, DP{g.dp_size} TP{g.tensor_parallel_size}: "

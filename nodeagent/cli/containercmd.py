@@ -18,9 +18,9 @@ def _spec(config: Any, root: str = "/") -> Any:
     adapts it), or a CLI error saying why there is none. `root`: a fixture tree standing for the host (tests)."""
     from pathlib import Path
 
-    from nodeagent.container_options import ContainerRenderError
-    from nodeagent.hostfacts import Host
-    from nodeagent.render_container import host_facts, render_container
+    from nodeagent.config.container_options import ContainerRenderError
+    from nodeagent.container.render import host_facts, render_container
+    from nodeagent.node.hostfacts import Host
 
     if config.container is None:
         raise CliError("this config has no container: section (its components run on the host)", EXIT_UNKNOWN)
@@ -31,7 +31,7 @@ def _spec(config: Any, root: str = "/") -> Any:
 
 
 def print_container(config: Any, as_json: bool, root: str = "/") -> int:
-    from nodeagent.render_container import agent_mounts
+    from nodeagent.container.render import agent_mounts
 
     spec = _spec(config, root)
     inside = [n for n, c in config.active_components().items() if c.container]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 
-from nodeagent.bindaddr import url_host
+from nodeagent.core.bindaddr import url_host
 
 
 class BadResponse(Exception):

@@ -12,7 +12,7 @@ from nodeagent.cli.common import EXIT_FAILED, EXIT_UNKNOWN, EXIT_USAGE, CliError
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from nodeagent.preflight import run_preflight
+    from nodeagent.layers.preflight import run_preflight
 
     config = full_config(args, getattr(args, "node", None))
     peers = None
@@ -62,7 +62,7 @@ def cmd_npu(args: argparse.Namespace) -> int:
 
 def cmd_postmortem(args: argparse.Namespace) -> int:
     """The failure bundles under state_dir/postmortem (read from disk: works while the agent is down)."""
-    from nodeagent.postmortem import list_bundles, read_bundle
+    from nodeagent.core.postmortem import list_bundles, read_bundle
 
     root = light_config(args).state_dir / "postmortem"
     if args.pm_command == "show":

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from nodeagent.cli.common import DEFAULT_CONFIG, DEFAULT_UNIT, DEFAULT_WAIT_S
-from nodeagent.parsing import fraction, positive_int, positive_number, positive_seconds
+from nodeagent.core.parsing import fraction, positive_int, positive_number, positive_seconds
 
 
 def _count(text: str) -> int:
@@ -180,7 +180,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     logs.add_argument("--unit", default=DEFAULT_UNIT, help=f"systemd unit for journalctl (default {DEFAULT_UNIT})")
     cache = add("cache", "vLLM prefix-cache hit rates, like watch_cache_hit_rate.sh", "tools:cmd_cache")
     if not isinstance(cache, _Unbuilt):
-        from nodeagent.cachewatch import add_cache_arguments
+        from nodeagent.cli.cachewatch import add_cache_arguments
 
         add_cache_arguments(cache)
     bench = add("bench", "the guide's run_vllm_bench.py, plus the prefix-cache hit rates of that run",

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Any
 
+from nodeagent.api.node_alerts import container_line, node_alerts
 from nodeagent.cli.agentconfig import Client, connect
 from nodeagent.cli.common import (
     EXIT_UNKNOWN,
@@ -18,7 +19,6 @@ from nodeagent.cli.common import (
     pause_line,
     table,
 )
-from nodeagent.node_alerts import container_line, node_alerts
 
 LAST_EXIT_WIDTH = 48
 OUTPUT_WIDTH = 100
@@ -140,7 +140,7 @@ def member_key_status(member: dict[str, Any]) -> dict[str, Any]:
 
 def _remote_status(api: Client, node: str, as_json: bool, wide: bool) -> int:
     """Another member's status: from its own API when it answers, else what its member key says (and why)."""
-    from nodeagent.clustercmd import format_member_status, remote_status
+    from nodeagent.cli.remote import format_member_status, remote_status
 
     try:
         source, data, reason = remote_status(cluster_view(api), node)

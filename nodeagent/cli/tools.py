@@ -9,11 +9,11 @@ from nodeagent.cli.common import EXIT_USAGE, CliError
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from nodeagent.cachewatch import run_cache
+    from nodeagent.cli.cachewatch import run_cache
 
     url = args.url
     if url is None:  # the config's first vLLM, as the agent scrapes it (the validated model: ~250 ms, once)
-        from nodeagent.metrics import vllm_metrics_urls
+        from nodeagent.api.metrics import vllm_metrics_urls
 
         urls = vllm_metrics_urls(full_config(args).active_components())
         if not urls:
@@ -23,7 +23,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from nodeagent.benchcmd import BenchError, run_from_args
+    from nodeagent.cli.bench import BenchError, run_from_args
 
     try:
         return run_from_args(args, lambda: full_config(args))
@@ -32,7 +32,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from nodeagent.probecmd import probe_targets, run_probe
+    from nodeagent.cli.probe import probe_targets, run_probe
 
     config = full_config(args)
     role = args.role or ("master" if config.node.role == "master" else "slave")

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 from nodeagent.cluster import rules
 from nodeagent.cluster.gang import GangState
 from nodeagent.cluster.store import KV, StoreError
-from nodeagent.errors import AgentError
-from nodeagent.host import Clock, StartHeld
-from nodeagent.stackport import Hold, HoldKind, NodeView, StackPort
-from nodeagent.states import Desired
+from nodeagent.core.errors import AgentError
+from nodeagent.core.states import Desired
+from nodeagent.seam.host import Clock, StartHeld
+from nodeagent.seam.stackport import Hold, HoldKind, NodeView, StackPort
 
 if TYPE_CHECKING:
     from nodeagent.cluster.membership import Membership

@@ -30,17 +30,17 @@ from nodeagent.cluster.ops import ClusterOps
 from nodeagent.cluster.proxy_sync import ProxyPost, ProxySync
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
-from nodeagent.errors import CoordinationUnavailable
-from nodeagent.host import Clock
-from nodeagent.layout import cluster_layout
-from nodeagent.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport, NodeView, StackPort
-from nodeagent.statefile import read_json, write_json_atomic
+from nodeagent.config.layout import cluster_layout
+from nodeagent.core.errors import CoordinationUnavailable
+from nodeagent.core.statefile import read_json, write_json_atomic
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport, NodeView, StackPort
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator_port import ProxyFence, ProxyHold
     from nodeagent.cluster.membership import Membership
-    from nodeagent.config_model import Config
-    from nodeagent.failure import Failure
+    from nodeagent.config.model import Config
+    from nodeagent.core.failure import Failure
 
 SETTLE_EVERY_S = 30.0
 RETRY_S = 1.0

@@ -11,10 +11,10 @@ if TYPE_CHECKING:
     from nodeagent.cluster.gang import GangState
     from nodeagent.cluster.rules import GangRecord
     from nodeagent.cluster.store import Store
-    from nodeagent.config_model import Config
-    from nodeagent.host import Clock
-    from nodeagent.layout import ClusterLayout, ProxyPlan
-    from nodeagent.stackport import StackPort
+    from nodeagent.config.layout import ClusterLayout, ProxyPlan
+    from nodeagent.config.model import Config
+    from nodeagent.seam.host import Clock
+    from nodeagent.seam.stackport import StackPort
 
 ProxyHold = Callable[[], Mapping[str, str] | None]
 """Groups a proxy must keep out however healthy (group → why); None: not known yet (nothing changes meanwhile)."""

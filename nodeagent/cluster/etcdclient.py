@@ -13,10 +13,11 @@ import grpc
 from aetcd import exceptions as aexc
 from aetcd import rpc, watcher
 
-from nodeagent.cluster.store import KV, Endpoint, parse_endpoint
+from nodeagent.cluster.store import KV
+from nodeagent.core.bindaddr import Endpoint, parse_endpoint
 
 if TYPE_CHECKING:
-    from nodeagent.config_cluster import ClusterConfig
+    from nodeagent.config.cluster import ClusterConfig
 
 UNREACHABLE = (aexc.ConnectionFailedError, aexc.ConnectionTimeoutError, aexc.WatchTimeoutError,
                aexc.InternalError, TimeoutError, grpc.aio.AioRpcError, OSError)  # fmt: skip

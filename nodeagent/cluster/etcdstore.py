@@ -31,7 +31,6 @@ from nodeagent.cluster.store import (
     CasResult,
     Change,
     ConnectionState,
-    Endpoint,
     Lease,
     Resync,
     Snapshot,
@@ -40,9 +39,10 @@ from nodeagent.cluster.store import (
     WatchItem,
     encode,
 )
+from nodeagent.core.bindaddr import Endpoint
 
 if TYPE_CHECKING:
-    from nodeagent.config_cluster import ClusterConfig
+    from nodeagent.config.cluster import ClusterConfig
 
 T = TypeVar("T")
 

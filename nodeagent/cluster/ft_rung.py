@@ -29,18 +29,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 from loguru import logger
 
-from nodeagent import ft_rules, vllm_ft
-from nodeagent.bindaddr import connect_host, url_host
-from nodeagent.config_model import VllmComponent
-from nodeagent.ft_rules import Attempt, RankStatus
-from nodeagent.host import Clock
+from nodeagent.config.model import VllmComponent
+from nodeagent.core.bindaddr import connect_host, url_host
+from nodeagent.seam.host import Clock
+from nodeagent.vllm import ft_client as vllm_ft
+from nodeagent.vllm import ft_rules
+from nodeagent.vllm.ft_rules import Attempt, RankStatus
 
 if TYPE_CHECKING:
-    from nodeagent.config_model import Config
-    from nodeagent.failure import Failure
-    from nodeagent.ft_config import FaultToleranceSpec
-    from nodeagent.layout import Group
-    from nodeagent.stackport import ComponentView, Hold, MemberReport, StackPort
+    from nodeagent.config.ft import FaultToleranceSpec
+    from nodeagent.config.layout import Group
+    from nodeagent.config.model import Config
+    from nodeagent.core.failure import Failure
+    from nodeagent.seam.stackport import ComponentView, Hold, MemberReport, StackPort
 
 LADDER_KEPT = 20
 """Ladder steps kept per group for /status and post-mortems (older ones are in the event log)."""

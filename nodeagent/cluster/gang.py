@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodeagent.cluster import rules
-from nodeagent.layout import Group
+from nodeagent.config.layout import Group
 
 
 @dataclass

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.stackport import ComponentView, MemberReport, NodeView
+from nodeagent.seam.stackport import ComponentView, MemberReport, NodeView
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from loguru import logger
 
 from nodeagent import __version__
-from nodeagent.bindaddr import is_wildcard, url_host
 from nodeagent.cluster.consistency import ClockSamples, Expected, Finding, check_all
 from nodeagent.cluster.member_record import member_record
 from nodeagent.cluster.store import KV, Change, Resync, Store, StoreError, StoreUnavailable, WatchItem
 from nodeagent.cluster.tasks import TaskSet, follow
-from nodeagent.host import Clock
+from nodeagent.core.bindaddr import is_wildcard, url_host
+from nodeagent.seam.host import Clock
 
 if TYPE_CHECKING:
-    from nodeagent.config_model import Config
-    from nodeagent.stackport import MemberReport, NodeView
+    from nodeagent.config.model import Config
+    from nodeagent.seam.stackport import MemberReport, NodeView
 
 MIN_WRITE_INTERVAL_S = 1.0
 RETRY_S = 2.0
@@ -105,7 +105,7 @@ class Identity:
 
 
 def expected_members(config: Config) -> list[Expected]:
-    from nodeagent.layout import cluster_layout
+    from nodeagent.config.layout import cluster_layout
 
     layout = cluster_layout(config)
     out = []
@@ -130,8 +130,8 @@ def api_url(config: Config) -> str | None:
 
 def static_facts(config: Config, base_env: Mapping[str, str]) -> dict[str, Any]:
     """The parts of the record that change only with the config."""
-    from nodeagent.config_cluster import cluster_file_hash
-    from nodeagent.render import render_component
+    from nodeagent.config.cluster import cluster_file_hash
+    from nodeagent.render.launch import render_component
 
     own = next((e for e in expected_members(config) if e.name == config.node.name), None)
     seeds = {}

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.cluster import rules
 from nodeagent.cluster.store import KV, Store, StoreError
-from nodeagent.errors import AgentError, CoordinationUnavailable, UnknownComponentError
-from nodeagent.host import Clock
-from nodeagent.stackport import ComponentView, Hold, HoldKind, StackPort
+from nodeagent.core.errors import AgentError, CoordinationUnavailable, UnknownComponentError
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ComponentView, Hold, HoldKind, StackPort
 
 if TYPE_CHECKING:
     from nodeagent.cluster.membership import Membership
-    from nodeagent.config_model import Config
+    from nodeagent.config.model import Config
 
 ACK_TIMEOUT_S = 180.0
 """How long the master waits for live members to ack before it wipes anyway (a dead one joins later)."""

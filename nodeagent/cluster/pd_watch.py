@@ -18,7 +18,7 @@
   `vllm:kv_cache_usage_perc` is read; past the threshold the prefill groups restart one at a time (the next
   only once the previous is back), before they wedge.
 - **KV transfer failures per prefill↔decode pair** (#10224, #7401, #10532): each node counts its ranks' failures
-  from their logs (`nodeagent.kvlog`) and publishes them in its member record; here they are summed per pair
+  from their logs (`nodeagent.layers.kvlog`) and publishes them in its member record; here they are summed per pair
   (`kvtimeouts.TransferTimeouts`) and the side that fails with every peer restarts — never both.
 
 Decisions are pure functions below; `PdWatch` is the thin loop (HTTP through a callable, restarts through the
@@ -39,21 +39,21 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent.bindaddr import connect_host, direct_opener
 from nodeagent.cluster.store import StoreError
-from nodeagent.config_model import VllmComponent
-from nodeagent.errors import CoordinationUnavailable, UnknownComponentError
-from nodeagent.host import Clock
-from nodeagent.kvtimeouts import RestartEngine, TransferTimeouts, TransportSuspect
-from nodeagent.promtext import samples
-from nodeagent.stackport import ReportLayer
-from nodeagent.states import SERVING_STATES, Desired, State
+from nodeagent.config.model import VllmComponent
+from nodeagent.core.bindaddr import connect_host, direct_opener
+from nodeagent.core.errors import CoordinationUnavailable, UnknownComponentError
+from nodeagent.core.states import SERVING_STATES, Desired, State
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ReportLayer
+from nodeagent.vllm.kv_transfer import RestartEngine, TransferTimeouts, TransportSuspect
+from nodeagent.vllm.promtext import samples
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator_port import CoordinatorPort
-    from nodeagent.config_recovery import PdWatchConfig
-    from nodeagent.layout import Group
-    from nodeagent.stackport import ComponentView
+    from nodeagent.config.layout import Group
+    from nodeagent.config.recovery import PdWatchConfig
+    from nodeagent.seam.stackport import ComponentView
 
 Http = Callable[[str, str, dict[str, Any] | None, float, Mapping[str, str]], Awaitable[tuple[int, str]]]
 """(method, url, JSON body or None, timeout, headers) → (status, body text); raises OSError when nobody answers."""

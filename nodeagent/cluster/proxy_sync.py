@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent.bindaddr import connect_host, direct_opener
-from nodeagent.host import Clock
-from nodeagent.layout import Group, ProxyPlan
-from nodeagent.stackport import ProxyBackends
-from nodeagent.states import SERVING_STATES
+from nodeagent.config.layout import Group, ProxyPlan
+from nodeagent.core.bindaddr import connect_host, direct_opener
+from nodeagent.core.states import SERVING_STATES
+from nodeagent.seam.host import Clock
+from nodeagent.seam.stackport import ProxyBackends
 
 if TYPE_CHECKING:
-    from nodeagent.stackport import ComponentView
+    from nodeagent.seam.stackport import ComponentView
 
 PERIOD_S = 1.0
 FENCE_POLL_S = 0.25

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from nodeagent.config_model import RestartSpec
-from nodeagent.policy import RestartDecision, RestartTracker
-from nodeagent.stackport import ComponentView, HoldKind
+from nodeagent.config.model import RestartSpec
+from nodeagent.seam.policy import RestartDecision, RestartTracker
+from nodeagent.seam.stackport import ComponentView, HoldKind
 
 # ---- keys ------------------------------------------------------------------------------------------------------
 

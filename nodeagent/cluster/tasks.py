@@ -13,7 +13,7 @@ from loguru import logger
 
 if TYPE_CHECKING:
     from nodeagent.cluster.store import Store, WatchItem
-    from nodeagent.host import Clock
+    from nodeagent.seam.host import Clock
 
 WatchHandler = Callable[["WatchItem"], Awaitable[None] | None]
 
@@ -66,23 +66,3 @@ async def follow(store: Store, prefix: str, handle: WatchHandler, *, clock: Cloc
             await clock.sleep(retry_s)
 
 
-def log_death(task: asyncio.Future[Any]) -> None:
-    """A done-callback: a background task that ended by an exception is logged with its traceback (without an
-    owner that looks, its death would be silent — `asyncio` only complains when the task is collected)."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
-        logger.opt(exception=exc).error(f"background task {name} died: {type(exc).__name__}: {exc}")
-
-
-def guarded(what: str, callback: Callable[..., Any], *args: Any) -> bool:
-    """Call an observer; its exception is logged, never raised — one raising observer must not stop the loop that
-    tells it, nor the observers after it. Whether it returned."""
-    try:
-        callback(*args)
-    except Exception:
-        logger.exception(f"{what} raised; ignored")
-        return False
-    return True
