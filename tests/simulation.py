@@ -433,12 +433,10 @@ class Simulation:
                     for peer_node, g in self.group_of.items():
                         if peer_node == target_node:
                             self.license_group(g, f"{target} crashed under {target_node}'s rank")
-                if tstack.agent_alive and target_node not in self.paused_agents:
-                    verdict = tstack.crash(target)
-                    self.log(f"crash {target_node}/{target} (tree {comp.stop_s:.1f}s): {verdict}")
-                else:
-                    tstack._gone(comp, "failed")
-                    self.log(f"crash {target_node}/{target} with no agent deciding")
+                verdict = tstack.crash(target)  # without an agent: the tree is gone, nobody decides
+                deciding = tstack.agent_alive and target_node not in self.paused_agents
+                self.log(f"crash {target_node}/{target} (tree {comp.stop_s:.1f}s): {verdict}" if deciding
+                         else f"crash {target_node}/{target} with no agent deciding")  # fmt: skip
             return None
         if kind == "agent_kill":
             if node not in self.world.agents or node in self.paused_agents:
@@ -584,6 +582,7 @@ class Simulation:
         if node in self.world.agents:
             return
         self.world.start_agent(node)
+        self.world.stacks[node].wake()  # a new agent looks at every component at once (the supervisor's start)
         self.log(f"agent {node} started (adopting)")
 
     # ---- liveness ----------------------------------------------------------------------------------------------
@@ -595,7 +594,7 @@ class Simulation:
             if stack.paused:
                 return f"{name} paused"
             for comp in stack.components.values():
-                if not comp.up:
+                if not comp.up or comp.stopping or comp.dying:
                     return f"{name}/{comp.name} {comp.state}" + (f" (held: {comp.hold})" if comp.hold else "")
         proxy = self.world.proxy
         if proxy is not None:
