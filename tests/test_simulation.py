@@ -24,6 +24,9 @@ KEPT: list[tuple[int, str, float, str]] = [
      "in the new epoch's first generation and started, without a barrier, while its peer's crashed tree still ran"),
     (208, "local-cluster", 300, "an agent back after a cluster redeploy it missed did its part (stopped vLLM and the "
      "worker) while the operator had paused the cluster since"),
+    (676, "local-cluster", 240, "an agent restarted while its rank was being stopped for a gang restart took the "
+     "dying rank as adopted, started it in that generation without arriving, and its peer waited at the barrier for "
+     "ever"),
 ]
 
 

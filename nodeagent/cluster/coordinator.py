@@ -311,8 +311,11 @@ class Coordinator:
             if any(c in here.adoptable for c in gs.components):
                 return  # whether the previous agent's ranks still run is known once their adoption was tried
             gs.fresh = False
-            if any(here.components[c].running for c in gs.components):
+            ranks = [here.components[c] for c in gs.components]
+            if any(r.running and not r.going_down for r in ranks):
                 gs.released = gs.acted  # adopted: they run on in the generation they started in
+            elif any(r.going_down for r in ranks):
+                pass  # still being stopped for the generation under way: it arrives at that barrier once stopped
             elif not gs.requests:
                 # Back without our ranks while the group ran on (they died unwatched, or never ran): a DP group
                 # cannot take a rank back; restart it.
