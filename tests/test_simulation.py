@@ -27,6 +27,10 @@ KEPT: list[tuple[int, str, float, str]] = [
     (676, "local-cluster", 240, "an agent restarted while its rank was being stopped for a gang restart took the "
      "dying rank as adopted, started it in that generation without arriving, and its peer waited at the barrier for "
      "ever"),
+    (1001, "small", 240, "that fix, first version, waited for any dying rank — also one that died by a failure whose "
+     "generation request was lost with its agent: no generation was ever asked and the peer waited for ever"),
+    (1143, "8node", 240, "a paused node arrived at its group's barrier (its rank would not start) and the peers "
+     "started without it; after etcd was wiped the pause's deferred generation of the old epoch held it after resume"),
 ]
 
 

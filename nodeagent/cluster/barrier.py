@@ -54,9 +54,11 @@ class StartBarrier:
     @staticmethod
     def _wants_start(gs: GangState, here: NodeView) -> bool:
         """Every local rank is stopped — its whole old tree gone, not merely being stopped — and wants to start,
-        its dependencies up (the worker is ready), no chip reset or isolation here."""
+        its dependencies up (the worker is ready), no chip reset or isolation here, and this node not paused: a
+        paused node's rank will not start, and its arrival would start the peers without it (a DP group that
+        cannot take the rank back later)."""
         ranks = [here.components[c] for c in gs.components]
-        return here.recovery is None and all(r.stopped and r.desired == Desired.RUNNING and r.deps_up for r in ranks)
+        return here.recovery is None and not here.paused and all(r.stopped and r.desired == Desired.RUNNING and r.deps_up for r in ranks)
 
     async def _clean_ranks(self, gs: GangState, here: NodeView) -> bool:
         """A rank whose old tree was not seen to die whole may have left an EngineCore holding the group's ports:

@@ -310,12 +310,12 @@ class Coordinator:
         if gs.fresh:
             if any(c in here.adoptable for c in gs.components):
                 return  # whether the previous agent's ranks still run is known once their adoption was tried
-            gs.fresh = False
             ranks = [here.components[c] for c in gs.components]
-            if any(r.running and not r.going_down for r in ranks):
+            if any(r.going_down for r in ranks):
+                return  # a tree still being stopped (a restart or a failure the previous agent saw): decided once gone
+            gs.fresh = False
+            if any(r.running for r in ranks):
                 gs.released = gs.acted  # adopted: they run on in the generation they started in
-            elif any(r.going_down for r in ranks):
-                pass  # still being stopped for the generation under way: it arrives at that barrier once stopped
             elif not gs.requests:
                 # Back without our ranks while the group ran on (they died unwatched, or never ran): a DP group
                 # cannot take a rank back; restart it.
@@ -350,7 +350,7 @@ class Coordinator:
                 return
             self._wrote(gs, first, result.revision)
         assert gs.record is not None
-        gs.acted, gs.acted_epoch, gs.fresh = gs.record.generation, epoch, False
+        gs.acted, gs.acted_epoch, gs.fresh, gs.deferred = gs.record.generation, epoch, False, None  # old epoch's
         gs.arrivals, gs.arrived_for = set(), 0
         here = self.port.snapshot().components
         # a rank running on is adopted in the new epoch's generation; one being stopped (a restart under way when
