@@ -10,7 +10,7 @@ from typing import Any
 
 from nodeagent.cluster.etcdclient import EtcdSettings
 from nodeagent.cluster.etcdstore import EtcdStore
-from nodeagent.core.bindaddr import parse_endpoint
+from nodeagent.core.etcd_endpoint import parse_endpoint
 
 
 def header(revision: int, term: int = 2) -> Any:

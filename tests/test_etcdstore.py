@@ -21,7 +21,7 @@ from tcpproxy import TcpProxy
 from nodeagent.cluster.etcdclient import EtcdSettings
 from nodeagent.cluster.etcdstore import EtcdStore
 from nodeagent.cluster.store import Resync, StoreUnavailable, WatchItem
-from nodeagent.core.bindaddr import parse_endpoint
+from nodeagent.core.etcd_endpoint import parse_endpoint
 
 pytestmark = pytest.mark.system
 

@@ -58,7 +58,8 @@ class StartBarrier:
         paused node's rank will not start, and its arrival would start the peers without it (a DP group that
         cannot take the rank back later)."""
         ranks = [here.components[c] for c in gs.components]
-        return here.recovery is None and not here.paused and all(r.stopped and r.desired == Desired.RUNNING and r.deps_up for r in ranks)
+        return here.recovery is None and not here.paused and all(
+            r.stopped and r.desired == Desired.RUNNING and r.deps_up for r in ranks)
 
     async def _clean_ranks(self, gs: GangState, here: NodeView) -> bool:
         """A rank whose old tree was not seen to die whole may have left an EngineCore holding the group's ports:

@@ -14,7 +14,7 @@ from aetcd import exceptions as aexc
 from aetcd import rpc, watcher
 
 from nodeagent.cluster.store import KV
-from nodeagent.core.bindaddr import Endpoint, parse_endpoint
+from nodeagent.core.etcd_endpoint import Endpoint, parse_endpoint
 
 if TYPE_CHECKING:
     from nodeagent.config.cluster import ClusterConfig

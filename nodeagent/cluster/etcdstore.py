@@ -39,7 +39,7 @@ from nodeagent.cluster.store import (
     WatchItem,
     encode,
 )
-from nodeagent.core.bindaddr import Endpoint
+from nodeagent.core.etcd_endpoint import Endpoint
 
 if TYPE_CHECKING:
     from nodeagent.config.cluster import ClusterConfig

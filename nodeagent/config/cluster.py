@@ -89,7 +89,7 @@ class PdConfig(Strict, frozen=True):
 
 
 def _check_endpoint(value: str) -> str:
-    from nodeagent.core.bindaddr import parse_endpoint
+    from nodeagent.core.etcd_endpoint import parse_endpoint
 
     parse_endpoint(value)
     return value

@@ -1,12 +1,10 @@
 """Where to connect for a bind address: a wildcard bind (`0.0.0.0`, `::`, empty or unset) listens on every
 address, so a client on this node dials loopback — or, where peers must reach it, the node's IP.
 
-Standard library only (the CLI uses it too). Also: an etcd endpoint parsed (`parse_endpoint`: the config checks
-it, the store dials it)."""
+Standard library only (the CLI uses it too)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,28 +36,3 @@ def direct_opener() -> urllib.request.OpenerDirector:
     import urllib.request
 
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-    tls: bool = False
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
-
-
-def parse_endpoint(text: str, tls: bool = False) -> Endpoint:
-    """`HOST:PORT`, `http://HOST:PORT` or `https://HOST:PORT` (IPv6 in brackets); ValueError otherwise."""
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        scheme, rest = ("https" if tls else "http"), text
-    if scheme not in ("http", "https"):
-        raise ValueError(f"etcd endpoint {text!r}: scheme must be http or https")
-    host, sep, port = rest.rstrip("/").rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"etcd endpoint {text!r} is not HOST:PORT")
-    return Endpoint(host, int(port), scheme == "https" or tls)
