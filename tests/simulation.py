@@ -231,6 +231,9 @@ class Simulation:
         self.generations: dict[str, set[tuple[int, int]]] = {}
         self.outage = False
         self.outage_hit: set[str] = set()
+        self.outage_since = 0.0
+        self.redeploys_seen: dict[str, float] = {}
+        """A cluster redeploy's first stop: one under way when etcd went away goes on (its stack stopped serving)."""
         """Groups a fault hit during the current etcd outage."""
         self.down_since: dict[str, float] = {}
         """endpoint → when its rank was last seen not up."""
@@ -318,7 +321,11 @@ class Simulation:
             if stack.paused and not planned:
                 self.violate("restart_while_paused", f"{stack.node}/{name} restarted while paused: {reason}")
             group = self.group_of.get(stack.node)
-            if self.outage and comp.up and group not in self.outage_hit and not planned:
+            redeploy = reason.split(":")[0] if reason.startswith("cluster redeploy") else None
+            if redeploy is not None:
+                self.redeploys_seen.setdefault(redeploy, self.clock.monotonic())
+            under_way = redeploy is not None and self.redeploys_seen[redeploy] < self.outage_since
+            if self.outage and comp.up and group not in self.outage_hit and not planned and not under_way:
                 self.violate("etcd_loss_stopped_serving", f"{stack.node}/{name} stopped during an etcd outage: "
                              f"{reason}")  # fmt: skip
 
@@ -467,7 +474,7 @@ class Simulation:
             if not self.world.store.reachable:
                 return self.log("skip etcd_down: down already")
             self.faults[kind] += 1
-            self.outage, self.outage_hit = True, set()
+            self.outage, self.outage_hit, self.outage_since = True, set(), self.clock.monotonic()
             self.world.store.set_reachable(False)
             self.log(f"etcd unreachable for {event.duration:.1f}s")
 

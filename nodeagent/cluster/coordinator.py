@@ -321,6 +321,10 @@ class Coordinator:
                 # cannot take a rank back; restart it.
                 self.ask(gs, gs.acted, f"{self.node} came back without its ranks of the group", False)
                 return
+        if gs.down_at_baseline and not any(here.components[c].going_down for c in gs.components):
+            gs.down_at_baseline = False  # (a rank lost while paused, etcd wiped: it waited for a peer adopted running)
+            if not gs.requests:
+                return self.ask(gs, gs.acted, f"{self.node}: its ranks were down at the new epoch's baseline", False)
         target = rules.must_restart_for(view, epoch)
         if target is not None:
             assert gs.record is not None
@@ -350,12 +354,13 @@ class Coordinator:
                 return
             self._wrote(gs, first, result.revision)
         assert gs.record is not None
+        wiped = gs.acted_epoch not in ("", epoch)  # we had acted in another epoch: etcd lost its data since
         gs.acted, gs.acted_epoch, gs.fresh, gs.deferred = gs.record.generation, epoch, False, None  # old epoch's
         gs.arrivals, gs.arrived_for = set(), 0
-        here = self.port.snapshot().components
-        # a rank running on is adopted in the new epoch's generation; one being stopped (a restart under way when
-        # etcd lost its data) starts again only through the new epoch's barrier, with its peers' old trees gone
-        gs.released = gs.acted if any(here[c].running and not here[c].going_down for c in gs.components) else 0
+        ranks = [self.port.snapshot().components[c] for c in gs.components]
+        # a rank running on is adopted; one being stopped (a restart under way) starts only through the barrier
+        gs.released = gs.acted if any(r.running and not r.going_down for r in ranks) else 0
+        gs.down_at_baseline = wiped and gs.multi and not gs.released  # asked once its ranks are stopped (_step)
         self.save()
         self.port.wake()
 

@@ -33,6 +33,9 @@ class GangState:
     last_late_event: float = 0.0
     up_since: float | None = None
     fresh: bool = True
+    down_at_baseline: bool = False
+    """Our ranks were not running on when a wiped etcd's new epoch was adopted: once they are stopped, the group's
+    next generation is asked (the peers may have been adopted running: a DP group cannot take a rank back)."""
     """Not yet compared with the store since this agent started."""
     ran: dict[str, int] = field(default_factory=dict)
     """The generation each local rank was last seen running in: a rank runs once per generation."""
