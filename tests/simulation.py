@@ -363,8 +363,10 @@ class Simulation:
         if proxy is None or proxy.busy:
             return
         ranks = self.endpoint_ranks()
-        for endpoint, (_node, comp) in ranks.items():
-            if comp.up:
+        for endpoint, (node, comp) in ranks.items():
+            if comp.up or self.world.stacks[node].paused:
+                # paused: no automatic action (the proxy sync follows the gangs, and a paused group makes no
+                # generation) — found by the simulation, left to the PD watch: docs/simulation.md
                 self.down_since.pop(endpoint, None)
             else:
                 self.down_since.setdefault(endpoint, now)
