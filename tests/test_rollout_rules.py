@@ -489,3 +489,34 @@ def test_a_late_view_neither_passes_the_gate_nor_fails_a_healthy_group() -> None
     assert rr.advance(rec, observed(8, {"p0": 2}, {"p0": False})) is None, "a late view of a healthy group"
     failed, _ = move(rec, observed(9, {"p0": 3}))
     assert failed.steps[0].failed == "while baking: group p0 restarted again (generation 3): a rank failed"
+
+
+def test_a_step_waiting_for_a_file_says_for_how_long_and_halts_after_the_bound() -> None:
+    """The new file on some members only: the step said "waiting for the file … on n1" with a frozen time left for
+    ever. It says how long it has waited, halts after FILES_WAIT_S, and a resume waits anew."""
+    rec = record(("p0",))
+    obs = observed(10, {})
+    obs.reports["n1"] = {"hash": "old", "previous": "older"}
+    rec, _ = move(rec, obs)
+    assert rec.status == "running" and rec.message.startswith("step 1 (p0) waits (0s): waiting for the file new")
+    assert "n1 (its file has old" in rec.message
+    obs = replace(obs, now=10 + rr.WAIT_SAY_S + 5)
+    rec, _ = move(rec, obs)
+    assert rec.message.startswith(f"step 1 (p0) waits ({rr.WAIT_SAY_S + 5:.0f}s):"), "since when, not frozen"
+    late = replace(obs, now=10 + rr.FILES_WAIT_S)
+    halted, _ = move(rec, late)
+    assert halted.status == "halted" and "halted after 15 min waiting for the file new" in halted.message
+    assert "cluster rollout resume" in halted.message
+    resumed = rr.control(halted, "resume", late.now + 1, "op")
+    again, _ = move(resumed, replace(late, now=late.now + 2))
+    assert again.status == "running" and again.message.startswith("step 1 (p0) waits (0s)"), "a resume waits anew"
+
+
+def test_the_cli_says_the_same_bound() -> None:
+    from nodeagent.cli.remote import FILES_WAIT_MIN, format_plan
+
+    assert FILES_WAIT_MIN * 60 == rr.FILES_WAIT_S
+    text = format_plan({"old_hash": "a" * 64, "new_hash": "b" * 64, "have_new_file": ["n0"],
+                        "missing_new_file": {"n1": "a" * 12, "n2": "no report"}, "ok": True})  # fmt: skip
+    assert "members with the new file: 1 of 3 (n0)" in text
+    assert "WITHOUT the new file" in text and "n1 (has aaaaaaaaaaaa), n2 (has no report)" in text

@@ -156,6 +156,10 @@ def _minutes(seconds: Any) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
+FILES_WAIT_MIN = 15
+"""`cluster.rollout.rules.FILES_WAIT_S` in minutes (the CLI imports no rollout rules)."""
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """`nodeagentctl cluster rollout FILE [--dry-run]`: what changes and why, the steps, and why it cannot run."""
     lines = [f"rollout {plan.get('old_hash', '')[:12]} → {plan.get('new_hash', '')[:12]}"]
@@ -177,9 +181,13 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"  step {i}: {', '.join(step['groups'])}{note}")
     for note in plan.get("notes") or []:
         lines.append(f"  note: {note}")
-    have = plan.get("have_new_file")
+    have, missing = plan.get("have_new_file"), plan.get("missing_new_file") or {}
     if have is not None:
-        lines.append(f"  members reporting the new file: {len(have)} ({', '.join(have) or 'none yet'})")
+        lines.append(f"  members with the new file: {len(have)} of {len(have) + len(missing)} "
+                     f"({', '.join(have) or 'none yet'})")
+    if missing:
+        lines.append("  WITHOUT the new file (install it there: a step waits for its members' file and halts after "
+                     f"{FILES_WAIT_MIN} min): " + ", ".join(f"{n} (has {h})" for n, h in sorted(missing.items())))
     for why in plan.get("refused") or []:
         lines.append(f"  REFUSED: {why}")
     if plan.get("started"):

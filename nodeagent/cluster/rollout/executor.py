@@ -447,6 +447,9 @@ class RolloutExecutor:
                               "abort or roll it back first"]  # fmt: skip
             out["ok"] = False
         out["have_new_file"] = sorted(n for n, r in self.reports.items() if r.get("hash") == new_hash)
+        members = sorted({m.name for m in self.port.config.cluster.nodes} | set(self.reports))
+        out["missing_new_file"] = {n: str((self.reports.get(n) or {}).get("hash") or "no report")[:12]
+                                   for n in members if n not in out["have_new_file"]}  # fmt: skip
         if dry_run or not out["ok"]:
             return {**out, "started": False}
         record = new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan,
@@ -489,7 +492,9 @@ class RolloutExecutor:
         obs = self._observe()
         return {"rollout": {**record.to_dict(), "current": record.current(), "floor": floor_text(record, obs),
                             "serving": serving_now(record, obs), "held_out": rr.held_out(record),
-                            "time_left_s": time_left(record, self._load_s(), self.clock.time()),
+                            # while a step waits (a file, the floor) nothing moves: no estimate, the wait says why
+                            "time_left_s": None if " waits (" in record.message else time_left(
+                                record, self._load_s(), self.clock.time()),
                             "have_new_file": sorted(n for n, r in self.reports.items()
                                                     if r.get("hash") == record.new_hash)}}  # fmt: skip
 

@@ -30,6 +30,9 @@ from nodeagent.cluster.rollout.states import MOVING, OUT_OF_PROXY, RESTARTS, Pha
 STAGE_TIMEOUT_S = 300.0
 REJOIN_TIMEOUT_S = 180.0
 WAIT_SAY_S = 30.0
+FILES_WAIT_S = 900.0
+"""How long a step waits for its members to have the new file before the rollout halts (an operator who copied it
+to some members only: the step said "waiting for the file" for ever, with a frozen time left)."""
 PUBLISH_TIMEOUT_S = 60.0
 """Every step done: how long the rollout waits for every member to publish the new file (a member no step touched
 stages it without a restart: seconds) before it is done anyway, naming who does not."""
@@ -100,6 +103,17 @@ def files_problem(step: Step, obs: Observed) -> str | None:
         elif step.to_hash not in (report.get("hash"), report.get("previous")):
             missing.append(f"{node} (its file has {str(report.get('hash'))[:12]}, {report.get('error') or 'differs'})")
     return f"waiting for the file {step.to_hash[:12]} on {', '.join(missing)}" if missing else None
+
+
+def waiting_since(record: Record, prefix: str, now: float) -> float:
+    """When the wait the record's latest messages say (`prefix`…) began: the oldest of them since anything else was
+    said (a resume, another step); `now` if it is not waiting."""
+    since = now
+    for at, message in reversed(record.history):
+        if not message.startswith(prefix):
+            break
+        since = at
+    return since
 
 
 def _enter(step: Step, phase: Phase, now: float, **changes: Any) -> Step:
@@ -179,13 +193,18 @@ def _pending(record: Record, i: int, step: Step, obs: Observed) -> Move:
     if record.status not in MOVING:
         ended = _ended(record, now) if record.status == Status.ABORTING else record
         return (ended, []) if ended is not record else None
-    why = files_problem(step, obs) or floor_problem(record, step, obs)
+    files = files_problem(step, obs)
+    why = files or floor_problem(record, step, obs)
     if why is not None:
-        text = f"step {i + 1} ({names}) waits: {why}"
+        waited = now - waiting_since(record, f"step {i + 1} ({names}) waits", now)
+        if files is not None and waited >= FILES_WAIT_S:
+            return record.say(now, f"step {i + 1} ({names}) halted after {waited / 60:.0f} min {files} (install "
+                              "it there, then `nodeagentctl cluster rollout resume`)", Status.HALTED), []
+        text = f"step {i + 1} ({names}) waits ({waited:.0f}s): {why}"
         said = record.history[-1][0] if record.history else 0.0
         # Said once, then at most every WAIT_SAY_S: each agent's view differs a little (a report, a member
         # record late), and every write of the record is read by every agent.
-        if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits:")
+        if record.message == text or (record.message.startswith(f"step {i + 1} ({names}) waits")
                                       and now - said < WAIT_SAY_S):  # fmt: skip
             return None
         return record.say(now, text), []
