@@ -31,6 +31,14 @@ COMPONENT_ACTIONS = ("start", "stop", "restart")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def drain_flag(data: dict[str, Any]) -> bool:
+    """A body's `drain` (default true): anything but a JSON boolean is a 400."""
+    drain = data.get("drain", True)
+    if not isinstance(drain, bool):
+        raise ApiError(400, f"drain must be true or false, got {drain!r}")
+    return drain
+
+
 class ApiError(Exception):
     """An error with its HTTP status; the middleware turns it into the JSON error body."""
 
@@ -157,6 +165,13 @@ class Handlers:
             raise ApiError(503, "the agent is stopping; no new actions")
         logger.info(f"API: {request.method} {request.path} by {who}")
         return who
+
+    async def component_command(self, request: web.Request, action: str) -> tuple[str, bool]:
+        """A start/stop/restart of a component, here or on a peer: who asks, and whether to drain first."""
+        who = self.mutation(request)
+        if action not in COMPONENT_ACTIONS:
+            raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
+        return who, drain_flag(await self.body(request, ("drain",)))
 
     @staticmethod
     async def body(request: web.Request, allowed: tuple[str, ...] = ()) -> dict[str, Any]:

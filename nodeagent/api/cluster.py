@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from nodeagent.api.base import COMPONENT_ACTIONS, ApiError, Handlers, json_response
+from nodeagent.api.base import ApiError, Handlers, drain_flag, json_response
 from nodeagent.cluster.store import StoreError
 from nodeagent.core.errors import AgentError, CoordinationUnavailable, UnknownComponentError
 
@@ -75,9 +75,7 @@ class ClusterRoutes(Handlers):
         unknown = [g for g in wanted if g not in groups]
         if unknown:
             raise ApiError(404, f"unknown group {unknown[0]!r} (groups: {', '.join(groups)})")
-        drain = data.get("drain", True)
-        if not isinstance(drain, bool):
-            raise ApiError(400, f"drain must be true or false, got {drain!r}")
+        drain = drain_flag(data)
         reason = data.get("reason")
         if reason is not None and (not isinstance(reason, str) or len(reason) > 200):
             raise ApiError(400, "reason must be a string of at most 200 characters")
@@ -129,13 +127,7 @@ class ClusterRoutes(Handlers):
 
     async def cluster_node_action(self, request: web.Request) -> web.Response:
         node, name, action = (request.match_info[k] for k in ("node", "name", "action"))
-        who = self.mutation(request)
-        if action not in COMPONENT_ACTIONS:
-            raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
-        data = await self.body(request, ("drain",))
-        drain = data.get("drain", True)
-        if not isinstance(drain, bool):
-            raise ApiError(400, f"drain must be true or false, got {drain!r}")
+        who, drain = await self.component_command(request, action)
         co = self._coordinator()
         if node == co.node:
             try:

@@ -24,7 +24,6 @@ from loguru import logger
 
 from nodeagent import __version__
 from nodeagent.api.base import (
-    COMPONENT_ACTIONS,
     MAX_BODY,
     ApiError,
     Handlers,
@@ -311,13 +310,7 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
     # ---- actions ---------------------------------------------------------------------------------------------
     async def component_action(self, request: web.Request) -> web.Response:
         action, name = request.match_info["action"], request.match_info["name"]
-        who = self.mutation(request)
-        if action not in COMPONENT_ACTIONS:
-            raise ApiError(400, f"unknown action {action!r} (expected one of: {', '.join(COMPONENT_ACTIONS)})")
-        data = await self.body(request, ("drain",))
-        drain = data.get("drain", True)
-        if not isinstance(drain, bool):
-            raise ApiError(400, f"drain must be true or false, got {drain!r}")
+        who, drain = await self.component_command(request, action)
         self.component(name)
         try:
             message = self.sup.command(name, action, drain=drain, by=f"operator ({who})")
