@@ -127,6 +127,14 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interva
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def proc_cmdline(p: psutil.Process) -> list[str]:
+    """A child that just exited (a zombie its parent reaps a moment later) or is gone has no command line."""
+    try:
+        return p.cmdline()
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return []
+
+
 def session_pids(sid: int) -> set[int]:
     pids = set()
     for proc in psutil.process_iter():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BIN, ROOT, LocalAgent, session_pids, wait_for
+from conftest import BIN, ROOT, LocalAgent, proc_cmdline, session_pids, wait_for
 
 pytestmark = pytest.mark.system
 
@@ -33,8 +33,11 @@ def test_stack_lifecycle(local_agent: LocalAgent) -> None:
     worker = psutil.Process(first["datasystem"]["pid"])
     assert Path(worker.exe()).name == "datasystem_worker" and worker.ppid() != local_agent.proc.pid
     vllm_sid = first["vllm"]["sid"]
-    engine = wait_for("EngineCore child", lambda: [p for p in psutil.Process(first["vllm"]["pid"]).children(True)
-                                                     if p.cmdline()[0].startswith("VLLM::EngineCore")])  # fmt: skip
+    tree = psutil.Process(first["vllm"]["pid"])
+    engine = wait_for(
+        "EngineCore child",
+        lambda: [p for p in tree.children(True) if "".join(proc_cmdline(p)[:1]).startswith("VLLM::EngineCore")],
+    )
     engine_pid = engine[0].pid
 
     # kill -9 of each child leads to a new one (vLLM's orphaned EngineCore is gone before the new start)

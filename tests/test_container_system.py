@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from conftest import BIN, LocalAgent, session_pids, wait_for
+from conftest import BIN, LocalAgent, proc_cmdline, session_pids, wait_for
 from containerhelpers import SKIP_REASON, built_image, local_container_config, podman_docker_api, stack_run_args
 
 pytestmark = [pytest.mark.system, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
@@ -54,7 +54,7 @@ def inspect(name: str) -> dict | None:
 
 
 def engine_cores(pid: int) -> list[int]:
-    return [p.pid for p in psutil.Process(pid).children(True) if p.cmdline()[:1] == ["VLLM::EngineCore"]]
+    return [p.pid for p in psutil.Process(pid).children(True) if proc_cmdline(p)[:1] == ["VLLM::EngineCore"]]
 
 
 @contextlib.contextmanager
@@ -122,8 +122,8 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
 
     # A killed exec client leaves its process running: the agent still supervises it by its host PID
     client = psutil.Process(new).parents()  # the exec'd process's parent is conmon, not the client
-    clients = [p for p in psutil.Process(local.proc.pid).children() if "exec" in p.cmdline()[1:4]
-               and any("vllm-standin" in a for a in p.cmdline())]  # fmt: skip
+    clients = [p for p in psutil.Process(local.proc.pid).children() if "exec" in proc_cmdline(p)[1:4]
+               and any("vllm-standin" in a for a in proc_cmdline(p))]  # fmt: skip
     assert len(clients) == 1 and clients[0].pid not in {c.pid for c in client}
     os.kill(clients[0].pid, signal.SIGKILL)
     wait_for("the lost client reported", lambda: "exec client" in local.log() and "still supervised" in local.log())
