@@ -108,7 +108,6 @@ FALLBACK: dict[str, str] = {
     "NpuProbe.ecc_window_s": "Window in which rises of the HBM double-bit ECC count are counted.",
     "NpuProbe.ecc_limit": "ECC rises within ecc_window_s that make the NPU ManuallySeparateNPU.",
     "NpuProbe.ecc_quiet_s": "A single ECC rise is a RestartBusiness fault for this long.",
-    "VllmProgressProbe.stall_after_s": "With requests in flight: no counter or gauge moved for this long = stalled.",
     "VllmProgressProbe.headers": "Extra headers of the canary request.",
     "VllmProgressProbe.expect_nonempty": "Dotted JSON path of the canary's answer that must be non-empty.",
     "ProbeSet.startup": "Run first; until they pass, the others wait; a failure restarts.",

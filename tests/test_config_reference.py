@@ -66,7 +66,7 @@ def test_rows_come_from_the_models(gen: ModuleType) -> None:
     # a host-dependent default is described, never this host's value
     assert "| `name` | name (no `/ + #`) | the host name |" in text
     # each kind's default probes, as probe_defaults.py has them
-    assert "- {kind: vllm_progress, period_s: 6, timeout_s: 10, failure_threshold: 3, stall_after_s: 60}" in text
+    assert "- {kind: vllm_progress, period_s: 2.5, timeout_s: 4, failure_threshold: 3}" in text
 
 
 def test_the_script_runs_standalone() -> None:

@@ -104,7 +104,7 @@ def test_resolve_defaults_of_the_guide_stack() -> None:
     vllm = resolve_probe_set(cfg.components["vllm"], cfg)
     assert vllm["startup"][0].url == "http://127.0.0.1:8080/health"
     live = vllm["liveness"][0]
-    assert live.kind == "vllm_progress" and live.url == "http://127.0.0.1:8080" and live.stall_after_s == 60
+    assert live.kind == "vllm_progress" and live.url == "http://127.0.0.1:8080" and live.stall_after_s == 20
     assert live.body == vllm_probe_body("dsv4x")
     assert live.body["max_tokens"] == 2 and live.body["chat_template_kwargs"] == {"enable_thinking": False}
     assert live.expect_nonempty == "choices.0.message.content"

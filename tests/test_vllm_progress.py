@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +24,14 @@ from nodeagent.config.model import ProbeBase, VllmProgressProbe
 from nodeagent.core.errors import ConfigError
 from nodeagent.probes.kinds import ProbeContext, ProbeResult, ResolvedProbe, probe_state, vllm_probe_body
 from nodeagent.probes.prober import ProbeTracker
-from nodeagent.vllm.progress import EngineProgress, ProgressMetricsError, ProgressMonitor, parse_progress
+from nodeagent.probes.resolve import resolve_probe_set
+from nodeagent.vllm.progress import (
+    EngineProgress,
+    ProgressMetricsError,
+    ProgressMonitor,
+    default_stall_after_s,
+    parse_progress,
+)
 
 STANDIN_MODEL = str(Path(__file__).resolve().parents[1] / "config" / "standin-model")
 
@@ -214,12 +222,51 @@ VLLM_ONLY = "components:\n  vllm:\n    kind: vllm\n    model: /m\n"
 
 def test_the_default_and_a_partial_override(tmp_path: Path) -> None:
     live = load_config(write(tmp_path, VLLM_ONLY)).components["vllm"].probes.liveness
-    assert live == [VllmProgressProbe(period_s=6, timeout_s=10, failure_threshold=3, stall_after_s=60)]
+    assert live == [VllmProgressProbe(period_s=2.5, timeout_s=4, failure_threshold=3, stall_after_s=None)]
     tuned = VLLM_ONLY + "    probes: {liveness: {period_s: 5, timeout_s: 5, failure_threshold: 2}}\n"
     live = load_config(write(tmp_path, tuned)).components["vllm"].probes.liveness
-    assert live == [VllmProgressProbe(period_s=5, timeout_s=5, failure_threshold=2, stall_after_s=60)]
+    assert live == [VllmProgressProbe(period_s=5, timeout_s=5, failure_threshold=2, stall_after_s=None)]
     old = VLLM_ONLY + "    probes: {liveness: {kind: http, timeout_s: 60}}\n"
     assert load_config(write(tmp_path, old)).components["vllm"].probes.liveness[0].kind == "http"
+
+
+def test_the_default_stall_window_scales_with_the_batched_tokens(tmp_path: Path) -> None:
+    # 5 x the longest healthy step (3.5 s per 4096-token chunk), never below 20 s
+    assert [default_stall_after_s(n) for n in (None, 512, 4096, 8192, 16384)] == [20, 20, 20, 35, 70]
+    config = load_config(write(tmp_path, VLLM_ONLY))
+    assert resolve_probe_set(config.components["vllm"], config)["liveness"][0].stall_after_s == 20
+    big = load_config(write(tmp_path, VLLM_ONLY + "    max_num_batched_tokens: 16384\n"))
+    assert resolve_probe_set(big.components["vllm"], big)["liveness"][0].stall_after_s == 70
+    fixed = load_config(write(tmp_path, VLLM_ONLY + "    max_num_batched_tokens: 16384\n"
+                              "    probes: {liveness: {stall_after_s: 45}}\n"))
+    assert resolve_probe_set(fixed.components["vllm"], fixed)["liveness"][0].stall_after_s == 45
+
+
+def _next_tick(next_at: float, now: float, period: float) -> float:
+    """The prober's grid (`ComponentProber._worker`): the next tick, skipping those a long run overran."""
+    next_at += period
+    return next_at + math.ceil((now - next_at) / period) * period if next_at < now else next_at
+
+
+def test_the_defaults_catch_a_hang_within_30_s_under_load_and_20_s_idle(tmp_path: Path) -> None:
+    """The detection budget of the default probe, over every phase of the hang against the probe's grid: under
+    load the monitor's stall window on the scrape grid; idle, failure_threshold canaries that each time out."""
+    config = load_config(write(tmp_path, VLLM_ONLY))
+    probe = resolve_probe_set(config.components["vllm"], config)["liveness"][0]
+    period, timeout = probe.spec.period_s, probe.spec.timeout_s
+    worst_load = worst_idle = 0.0
+    for phase in (i / 50 * period for i in range(1, 51)):  # the hang lands `phase` s before the next scrape
+        monitor, gen, t, hang = ProgressMonitor(probe.stall_after_s), 0.0, 0.0, 10 * period - phase
+        while monitor.observe(t, busy(gen=gen)).ok:
+            t += period
+            gen = min(t, hang)  # a token per second until the hang
+            assert t < 600
+        worst_load = max(worst_load, t - hang)
+        tracker, next_at, t = ProbeTracker(probe.spec), 10 * period, 10 * period
+        while tracker.observe(ProbeResult(False, "canary: no answer", 0.0, "vllm_progress", 0.0)) != "failure":
+            next_at = t = _next_tick(next_at, t + timeout + 0.05, period)  # scrape + a canary that times out
+        worst_idle = max(worst_idle, t + timeout + 0.05 - (10 * period - phase))
+    assert 20 <= worst_load <= 23 and worst_idle <= 17, (worst_load, worst_idle)
 
 
 def test_config_errors_name_the_problem(tmp_path: Path) -> None:

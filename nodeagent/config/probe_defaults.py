@@ -33,12 +33,12 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
         ],
         # /health does not see a hung engine, and a chat probe queues behind the work it checks: liveness
         # reads engine progress from /metrics under load and sends the guide's 2-token canary only when idle.
-        # A scrape every 6 s: a hang under load fails once 60 s pass without progress (<= 66 s after the
-        # hang); an idle hang after 3 canaries of 10 s, 12 s apart (a 10 s canary just misses the next 6 s
-        # tick), so <= 40 s. See docs/performance.md (bench/liveness.py).
-        "liveness": [
-            {"kind": "vllm_progress", "period_s": 6, "timeout_s": 10, "failure_threshold": 3, "stall_after_s": 60}
-        ],
+        # A scrape every 2.5 s: a hang under load fails once stall_after_s (20 s at 4096 batched tokens: 5 x
+        # the longest healthy step, vllm/progress.py) passes without progress, <= 22.5 s after the hang; an idle
+        # hang after 3 canaries of 4 s, 5 s apart (a 4 s canary ends before the next-but-one tick: one of 5 s
+        # would skip to the third, 7.5 s apart), so <= 2.5 + 2 x 5 + 4 = 16.5 s.
+        # See docs/configuration.md (the detection budget) and docs/performance.md (bench/liveness.py).
+        "liveness": [{"kind": "vllm_progress", "period_s": 2.5, "timeout_s": 4, "failure_threshold": 3}],
         "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
     },
     "process": {"startup": [], "liveness": [], "readiness": []},

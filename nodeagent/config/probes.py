@@ -118,7 +118,9 @@ class VllmProgressProbe(ProbeBase, tag="vllm_progress", frozen=True):
 
     url: str | None = None
     """Base URL (scheme, host, port); default: the component's own address."""
-    stall_after_s: Positive = 60.0
+    stall_after_s: Positive | None = None
+    """With requests in flight: no counter or gauge moved for this long = stalled. Null: 20 s up to the guide's
+    4096 `max_num_batched_tokens`, 5 x 3.5 s per 4096 above (a longer chunk is a longer healthy step)."""
     body: dict[str, Any] | None = None
     """The canary request; default for vllm: the guide's probe request with the served model name."""
     headers: dict[str, str] = field(default_factory=dict)

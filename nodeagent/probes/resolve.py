@@ -39,6 +39,7 @@ from nodeagent.config.probe_defaults import ROLES
 from nodeagent.core.bindaddr import connect_host, url_host
 from nodeagent.core.errors import ConfigError
 from nodeagent.render.launch import datasystem_etcd_address, datasystem_for
+from nodeagent.vllm.progress import default_stall_after_s
 
 AnyComponent = EtcdComponent | DatasystemComponent | VllmComponent | ProcessComponent | ProxyComponent
 
@@ -211,9 +212,13 @@ def resolve_probe(spec: ProbeBase, component: AnyComponent, config: Config) -> R
         if body is None:
             model = component.served_model_name if isinstance(component, VllmComponent) else None
             body = vllm_probe_body(model)
+        stall_after_s = spec.stall_after_s
+        if stall_after_s is None:
+            chunk = component.max_num_batched_tokens if isinstance(component, VllmComponent) else None
+            stall_after_s = default_stall_after_s(chunk)
         return ResolvedProbe(
             spec, spec.kind, base, url=base, method="POST", body=body, headers=dict(spec.headers),
-            expect_nonempty=spec.expect_nonempty, stall_after_s=spec.stall_after_s,
+            expect_nonempty=spec.expect_nonempty, stall_after_s=stall_after_s,
         )  # fmt: skip
     if isinstance(spec, HttpGetProbe):
         url = _http_url(spec.url, spec.path, component, config, what)

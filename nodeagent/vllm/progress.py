@@ -44,8 +44,25 @@ STALL_SLACK_MAX_S = 0.5
 """Scrapes run on the prober's period grid, a few milliseconds late or early: without slack, a stall_after_s
 that is a multiple of the period (the default 60 s = 10 x 6 s) would cost a whole extra period half the time.
 The slack is 2 % of stall_after_s, at most 0.5 s."""
+STALL_FLOOR_S = 20.0
+CHUNK_STEP_S = 3.5
+"""The longest healthy engine step seen for a chunk of 4096 batched tokens: ~3.4 s per 4096-token prefill chunk
+at 150k context (DeepSeek-V4-Flash, GB10, vllm #41834), against 0.02-0.11 s decode steps and ~3.7 s for a whole
+7k prompt on A2 (vllm-ascend #4295); the CPU vLLM's gaps are in docs/performance.md (bench/step_gaps.py)."""
+CHUNK_TOKENS = 4096
+STALL_MARGIN = 5.0
+"""How many longest steps the stall window spans: a slow step (a busy host, a long context) is not a hang."""
 UNLABELLED = "0"
 """The engine a sample without an `engine` label belongs to (a single-engine server)."""
+
+
+def default_stall_after_s(max_num_batched_tokens: int | None) -> float:
+    """The stall window when the probe sets none: it must outlast the longest healthy step, and a step's time
+    grows with the tokens it may batch (a prefill chunk), so the window scales with `--max-num-batched-tokens`
+    above the guide's 4096; never below STALL_FLOOR_S (at 4096: 20 s, so a hang under load is caught in < 30 s
+    at the default 2.5 s period)."""
+    tokens = max_num_batched_tokens or CHUNK_TOKENS
+    return max(STALL_FLOOR_S, STALL_MARGIN * CHUNK_STEP_S * tokens / CHUNK_TOKENS)
 
 
 class ProgressMetricsError(AgentError, ValueError):
