@@ -6,13 +6,10 @@ bench/liveness.py measures the same catch times as medians."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
-import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import ROOT, LocalAgent, wait_for
+from test_liveness_system import liveness, long_completion, post, vllm
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]
 
@@ -67,30 +65,8 @@ def agent_with(tmp_path: Path, step_s: float) -> Iterator[LocalAgent]:
         agent.cleanup()
 
 
-def vllm_url(agent: LocalAgent, path: str) -> str:
-    return f"http://127.0.0.1:{agent.env['DSV4_VLLM_PORT']}{path}"
-
-
-def post(url: str, body: dict[str, Any], timeout: float = 5) -> None:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        response.read()
-
-
-def long_completions(agent: LocalAgent, n: int = 2) -> None:
-    body = {"model": "dsv4", "messages": [{"role": "user", "content": "write a very long story"}],
-            "max_tokens": 150000, "ignore_eos": True}  # fmt: skip
-
-    def run() -> None:
-        with contextlib.suppress(OSError, urllib.error.URLError):
-            post(vllm_url(agent, "/v1/chat/completions"), body, timeout=3600)
-
-    for _ in range(n):
-        threading.Thread(target=run, daemon=True).start()
-
-
 def running(agent: LocalAgent) -> float:
-    with urllib.request.urlopen(vllm_url(agent, "/metrics"), timeout=5) as response:
+    with urllib.request.urlopen(vllm(agent, "/metrics"), timeout=5) as response:
         found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", response.read().decode(), re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -99,16 +75,9 @@ def vllm_status(agent: LocalAgent) -> dict[str, Any]:
     return dict(agent.status()["components"]["vllm"])
 
 
-def liveness_detail(agent: LocalAgent) -> str:
-    url = f"http://127.0.0.1:{agent.env['DSV4_API_PORT']}/status"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        vllm = json.loads(response.read())["components"]["vllm"]
-    return str(vllm["probes"]["roles"]["liveness"]["probes"][0]["last"]["detail"])
-
-
 def time_to_catch(agent: LocalAgent, pid: int, limit_s: float) -> float:
     """Hang the engine; seconds until the agent acts on it (the component leaves running/ready or is replaced)."""
-    post(vllm_url(agent, "/standin/fault"), {"mode": "hang"})
+    post(vllm(agent, "/standin/fault"), {"mode": "hang"})
     started = time.monotonic()
     while (waited := time.monotonic() - started) < limit_s + 30:
         with contextlib.suppress(OSError, ValueError):
@@ -122,7 +91,8 @@ def time_to_catch(agent: LocalAgent, pid: int, limit_s: float) -> float:
 def test_a_busy_engine_at_the_longest_healthy_step_is_kept_and_its_hang_caught_within_30_s(tmp_path: Path) -> None:
     with agent_with(tmp_path, LONGEST_HEALTHY_STEP_S) as agent:
         pid = vllm_status(agent)["pid"]
-        long_completions(agent)
+        for _ in range(2):
+            long_completion(vllm(agent, "/v1/chat/completions"))
         wait_for("two requests running", lambda: running(agent) == 2, 30)
         deadline = time.monotonic() + BUSY_S
         while time.monotonic() < deadline:
@@ -140,7 +110,7 @@ def test_a_busy_engine_at_the_longest_healthy_step_is_kept_and_its_hang_caught_w
 def test_an_idle_hang_is_caught_within_20_s(tmp_path: Path) -> None:
     with agent_with(tmp_path, 0.05) as agent:
         pid = vllm_status(agent)["pid"]
-        wait_for("a canary answered", lambda: "canary answered" in liveness_detail(agent), 30)
+        wait_for("a canary answered", lambda: "canary answered" in liveness(agent)["last"]["detail"], 30)
         time.sleep(random.uniform(0, 2.5))
         caught = time_to_catch(agent, pid, 20)
         print(f"idle hang caught after {caught:.1f} s")
