@@ -2,7 +2,7 @@
 
 During an engine fault vLLM 0.32 parks the busy loop for up to `engine_recovery_timeout_sec` (120 s by default)
 waiting for a `retry`; a chat waits the whole time and `/health` stays 200, so our liveness canary fails after a
-few periods (<= 40 s with the defaults). Acting on that failure would kill the rank — and with it the group a
+few periods (<= 16.5 s with the defaults). Acting on that failure would kill the rank — and with it the group a
 retry is about to recover (a DP group cannot take a restarted rank back). So the fault-tolerance rung holds the
 group's ranks' liveness for the episode (`StackPort.hold_liveness`): a failure seen meanwhile is noted, shown
 and not acted on.
