@@ -37,7 +37,7 @@ DEFAULT_PROBES: dict[str, dict[str, list[dict[str, Any]]]] = {
         # the longest healthy step, vllm/progress.py) passes without progress, <= 22.5 s after the hang; an idle
         # hang after 3 canaries of 4 s, 5 s apart (a 4 s canary ends before the next-but-one tick: one of 5 s
         # would skip to the third, 7.5 s apart), so <= 2.5 + 2 x 5 + 4 = 16.5 s.
-        # See docs/configuration.md (the detection budget) and docs/performance.md (bench/liveness.py).
+        # See docs/operations.md (the detection budget) and docs/performance.md (bench/liveness.py).
         "liveness": [{"kind": "vllm_progress", "period_s": 2.5, "timeout_s": 4, "failure_threshold": 3}],
         "readiness": [{"kind": "http", "period_s": 10, "timeout_s": 60, "failure_threshold": 1}],
     },

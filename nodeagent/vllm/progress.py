@@ -42,7 +42,7 @@ _WANTED = {**COUNTERS, **GAUGES}
 STALL_SLACK = 0.02
 STALL_SLACK_MAX_S = 0.5
 """Scrapes run on the prober's period grid, a few milliseconds late or early: without slack, a stall_after_s
-that is a multiple of the period (the default 60 s = 10 x 6 s) would cost a whole extra period half the time.
+that is a multiple of the period (the default 20 s = 8 x 2.5 s) would cost a whole extra period half the time.
 The slack is 2 % of stall_after_s, at most 0.5 s."""
 STALL_FLOOR_S = 20.0
 CHUNK_STEP_S = 3.5
