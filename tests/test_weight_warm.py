@@ -1,0 +1,212 @@
+"""Warm weights (issue 32 item 3): the pure plan (which shards, how much fits), and the thin shell — mincore's
+residency, the throttled reader, the layer's view of the node — on real small files, without processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from nodeagent.config.model import validate_config
+from nodeagent.core.states import Desired, State
+from nodeagent.layers.weight_warm import CHUNK, WeightWarmer, read_warm, resident_bytes
+from nodeagent.vllm.warm_plan import Shard, WarmAction, model_of, models_by_folder, plan_warm
+
+GB = 10**9
+MB = 1 << 20
+
+
+def shards(*sizes_resident: tuple[int, int]) -> list[Shard]:
+    return [Shard(Path(f"/m/model-{i:05d}.safetensors"), s, r) for i, (s, r) in enumerate(sizes_resident)]
+
+
+def test_the_plan_reads_everything_that_fits() -> None:
+    plan = plan_warm(shards((100 * GB, 0), (100 * GB, 50 * GB)), mem_available=900 * GB,
+                     shared_memory=64 * GB, margin=16 * GB)  # fmt: skip
+    assert plan.action == WarmAction.ALL
+    assert plan.budget == 150 * GB and plan.missing == 150 * GB
+    assert len(plan.files) == 2
+
+
+def test_the_plan_reads_a_prefix_when_only_part_fits() -> None:
+    # 300 GB free after shm and margin; 50 GB of the shards already cached (inside MemAvailable): 250 GB more.
+    plan = plan_warm(shards((200 * GB, 50 * GB), (200 * GB, 0)), mem_available=380 * GB,
+                     shared_memory=64 * GB, margin=16 * GB)  # fmt: skip
+    assert plan.action == WarmAction.PREFIX
+    assert plan.budget == 250 * GB
+    assert "reading 250 GB of the 350 GB missing" in plan.reason
+
+
+def test_the_plan_skips_with_the_numbers_when_nothing_fits() -> None:
+    plan = plan_warm(shards((310 * GB, 0)), mem_available=70 * GB, shared_memory=64 * GB, margin=16 * GB)
+    assert plan.action == WarmAction.SKIP and plan.budget == 0 and plan.files == ()
+    assert plan.reason == ("skipped: needs 310 GB of shards (0 MB resident), 0 MB free of 70 GB available after the "
+                           "worker's 64 GB shared memory and the 16 GB margin")  # fmt: skip
+
+
+def test_a_prefix_names_what_fits() -> None:
+    plan = plan_warm(shards((310 * GB, 0)), mem_available=200 * GB, shared_memory=64 * GB, margin=16 * GB)
+    assert plan.action == WarmAction.PREFIX and plan.budget == 120 * GB
+    assert plan.reason == ("reading 120 GB of the 310 GB missing: needs 310 GB of shards (0 MB resident), 120 GB "
+                           "free of 200 GB available after the worker's 64 GB shared memory and the 16 GB margin")
+
+
+def test_cached_shards_are_counted_once_so_passes_do_not_grow_the_cache() -> None:
+    """MemAvailable already holds the cached shards: a second pass after a prefix reads nothing more."""
+    first = plan_warm(shards((300 * GB, 0)), mem_available=200 * GB, shared_memory=0, margin=0)
+    assert first.budget == 200 * GB
+    again = plan_warm(shards((300 * GB, 200 * GB)), mem_available=200 * GB, shared_memory=0, margin=0)
+    assert again.action == WarmAction.SKIP
+
+
+def test_the_plan_says_when_all_is_resident() -> None:
+    plan = plan_warm(shards((GB, GB)), mem_available=0, shared_memory=0, margin=0)
+    assert plan.action == WarmAction.RESIDENT and plan.files == ()
+
+
+def test_the_model_comes_from_the_rendered_command() -> None:
+    assert model_of(["vllm", "serve", "/w/dsv4", "--port", "1"]) == "/w/dsv4"
+    assert model_of(["vllm", "serve", "/w/a", "--model", "/w/b"]) == "/w/b"
+    assert model_of(["python", "-m", "x", "--model=/w/c"]) == "/w/c"
+    assert model_of(["vllm", "serve", "--port", "1"]) is None
+    ranks = {"r0": ["vllm", "serve", "/w/m"], "r1": ["vllm", "serve", "/w/m"], "o": ["vllm", "serve", "/w/o"]}
+    assert models_by_folder(ranks) == {"/w/m": ["r0", "r1"], "/w/o": ["o"]}
+
+
+def write_shard(path: Path, size: int) -> None:
+    """A safetensors file of `size` bytes (one U8 tensor), written and then dropped from the page cache."""
+    body = size - 128
+    header = json.dumps({"w": {"dtype": "U8", "shape": [body], "data_offsets": [0, body]}}).encode().ljust(120)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.write(os.urandom(body))
+        f.flush()
+        os.fsync(f.fileno())
+    drop(path)
+
+
+def drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident_bytes(path)[1] > 0:
+        pytest.skip(f"{path.parent} keeps its pages cached (tmpfs?): residency cannot be dropped here")
+
+
+def test_mincore_sees_what_a_read_brings_in(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    write_shard(path, 4 * MB)
+    assert resident_bytes(path) == (4 * MB, 0)
+    with open(path, "rb") as f:
+        f.read(MB)
+    size, resident = resident_bytes(path)
+    assert size == 4 * MB and MB <= resident < 4 * MB  # readahead may take a little more than the MB read
+
+
+def test_the_reader_reads_the_budget_skips_what_is_resident_and_stops_on_memory(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    write_shard(a, 2 * CHUNK)
+    write_shard(b, 2 * CHUNK)
+    cancel = threading.Event()
+    out = read_warm([a, b], CHUNK, 1e12, lambda: None, cancel)
+    assert out.read == CHUNK and out.stopped is None
+    assert resident_bytes(b)[1] == 0
+    again = read_warm([a, b], 10 * CHUNK, 1e12, lambda: None, cancel)
+    assert again.read == 3 * CHUNK  # a's first chunk was resident: not counted, not read again
+    assert resident_bytes(a) == (2 * CHUNK, 2 * CHUNK) and resident_bytes(b) == (2 * CHUNK, 2 * CHUNK)
+    drop(a)
+    calls = iter([None, "MemAvailable fell"])
+    stopped = read_warm([a], 10 * CHUNK, 1e12, lambda: next(calls), cancel)
+    assert stopped.read == CHUNK and stopped.stopped == "MemAvailable fell"
+
+
+def test_the_reader_keeps_to_its_rate(tmp_path: Path) -> None:
+    path = tmp_path / "r.safetensors"
+    write_shard(path, 3 * CHUNK)
+    started = time.monotonic()
+    out = read_warm([path], 10 * CHUNK, 3 * CHUNK / 0.6, lambda: None, threading.Event())
+    assert out.read == 3 * CHUNK
+    assert time.monotonic() - started >= 0.55
+
+
+class Port:
+    """What the warmer reads of the node: the config, a snapshot of its components, events."""
+
+    def __init__(self, config: Any, states: dict[str, State]) -> None:
+        self.config = config
+        self.states = states
+        self.events: list[str] = []
+
+    def snapshot(self) -> Any:
+        return SimpleNamespace(components={n: SimpleNamespace(kind="vllm", desired=Desired.RUNNING, state=s)
+                                           for n, s in self.states.items()})  # fmt: skip
+
+    def emit(self, kind: str, message: str, *args: Any) -> None:
+        self.events.append(message)
+
+
+def node_config(model: Path, margin_mb: int = 0, shm_mb: int = 1) -> Any:
+    return validate_config({
+        "node": {"name": "n0", "ip": "127.0.0.1", "npus": 0},
+        "recovery": {"warm_weights": {"margin_mb": margin_mb, "rate_mb_s": 10000}},
+        "components": {
+            "ds": {"kind": "datasystem", "shared_memory_size_mb": shm_mb},
+            "r0": {"kind": "vllm", "model": str(model), "data_parallel_rank": 0, "depends_on": ["ds"]},
+            "r1": {"kind": "vllm", "model": str(model), "data_parallel_rank": 1, "port": 8081, "depends_on": ["ds"]},
+        }})  # fmt: skip
+
+
+def meminfo_kb(kb: int) -> str:
+    return f"MemTotal: 99999999 kB\nMemAvailable: {kb} kB\n"
+
+
+def test_the_warmer_reads_the_ranks_model_and_reports_it_per_component(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    write_shard(model / "model-00001-of-00002.safetensors", CHUNK)
+    write_shard(model / "model-00002-of-00002.safetensors", CHUNK)
+    write_shard(model / "not-in-the-index.safetensors", CHUNK)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    port = Port(node_config(model), {"r0": State.STOPPING, "r1": State.READY})
+    warmer = WeightWarmer(port, read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
+    assert warmer.wanted()
+    warmer.pass_once()
+    section = warmer.status_section()["weights"]
+    assert section["total_bytes"] == section["resident_bytes"] == 2 * CHUNK
+    assert section["components"] == {"r0": {"total_bytes": 2 * CHUNK, "resident_bytes": 2 * CHUNK},
+                                     "r1": {"total_bytes": 2 * CHUNK, "resident_bytes": 2 * CHUNK}}  # fmt: skip
+    assert section["read_bytes"] == 2 * CHUNK and section["plan"].startswith("reading 17 MB")
+    assert resident_bytes(model / "not-in-the-index.safetensors")[1] == 0
+    port.states["r0"] = State.READY
+    assert not warmer.wanted()
+
+
+def test_the_warmer_skips_when_the_worker_and_margin_leave_no_room(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    write_shard(model / "model.safetensors", CHUNK)
+    # 100 MB available, the worker's 64 MB and a 40 MB margin: nothing fits.
+    warmer = WeightWarmer(Port(node_config(model, margin_mb=40, shm_mb=64), {}),  # type: ignore[arg-type]
+                          read_mem=lambda: meminfo_kb(100 << 10))  # fmt: skip
+    warmer.pass_once()
+    section = warmer.status_section()["weights"]
+    assert section["resident_bytes"] == 0 and section["read_bytes"] == 0
+    assert section["plan"].startswith("skipped: needs 8 MB of shards (0 MB resident), 0 MB free of 105 MB")
+    assert warmer.memory_ok() is not None
+
+
+def test_a_model_that_is_not_a_folder_here_is_named(tmp_path: Path) -> None:
+    warmer = WeightWarmer(Port(node_config(tmp_path / "absent"), {}), read_mem=lambda: meminfo_kb(1))  # type: ignore[arg-type]
+    warmer.pass_once()
+    (entry,) = warmer.status_section()["weights"]["models"]
+    assert entry["components"] == ["r0", "r1"] and "not a folder on this host" in entry["problem"]
