@@ -210,3 +210,27 @@ def test_a_model_that_is_not_a_folder_here_is_named(tmp_path: Path) -> None:
     warmer.pass_once()
     (entry,) = warmer.status_section()["weights"]["models"]
     assert entry["components"] == ["r0", "r1"] and "not a folder on this host" in entry["problem"]
+
+
+def test_metrics_and_status_show_the_resident_bytes_per_component_and_for_the_node() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from nodeagent.api.metrics import _WeightsCollector
+    from nodeagent.cli.status import format_weights
+
+    warmer = SimpleNamespace(read_bytes=5 * GB, resident=lambda: ({"r0": (300 * GB, 120 * GB),
+                                                                    "r1": (300 * GB, 120 * GB)}, 300 * GB, 120 * GB))
+    registry = CollectorRegistry()
+    registry.register(_WeightsCollector(warmer))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert 'dsv4_agent_weights_resident_bytes{component="r1"} 1.2e+11' in text
+    assert "dsv4_agent_weights_node_resident_bytes 1.2e+11" in text
+    assert "dsv4_agent_weights_node_bytes 3e+11" in text
+    assert "dsv4_agent_weights_warmed_bytes_total 5e+09" in text
+    section = {"state": "reading", "total_bytes": 300 * GB, "resident_bytes": 120 * GB, "rate_mb_s": 500.0,
+               "plan": "reading 120 GB of the 300 GB missing: …",
+               "models": [{"model": "org/hub-id", "problem": "not a folder on this host"}]}
+    assert format_weights(section) == [
+        "weights: 120 GB of 300 GB resident · reading ≤ 500.0 MB/s · reading 120 GB of the 300 GB missing: …",
+        "weights org/hub-id: not a folder on this host"]
+    assert format_weights({}) == []
