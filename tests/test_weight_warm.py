@@ -234,3 +234,41 @@ def test_metrics_and_status_show_the_resident_bytes_per_component_and_for_the_no
         "weights: 120 GB of 300 GB resident · reading ≤ 500.0 MB/s · reading 120 GB of the 300 GB missing: …",
         "weights org/hub-id: not a folder on this host"]
     assert format_weights({}) == []
+
+
+async def test_the_loop_passes_at_start_then_only_while_a_rank_is_not_serving(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from nodeagent.layers import weight_warm
+
+    model = tmp_path / "m"
+    model.mkdir()
+    shard = model / "model.safetensors"
+    write_shard(shard, CHUNK)
+    monkeypatch.setattr(weight_warm, "MIN_PASS_GAP_S", 0.0)
+    port = Port(node_config(model), {"r0": State.READY, "r1": State.READY})
+    warmer = WeightWarmer(port, read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
+
+    async def until(check: Any) -> None:
+        for _ in range(500):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(warmer.status_section())
+
+    task = asyncio.create_task(warmer.run())
+    try:
+        await until(lambda: warmer.read_bytes == CHUNK and warmer.status_section()["weights"]["resident_bytes"])
+        drop(shard)
+        measured = warmer.measured_at
+        warmer.on_node_change()
+        await until(lambda: warmer.measured_at != measured)
+        assert warmer.read_bytes == CHUNK, "every rank serves: measured, not read"
+        assert warmer.status_section()["weights"]["resident_bytes"] == 0
+        port.states["r1"] = State.STOPPING
+        warmer.on_node_change()
+        await until(lambda: warmer.read_bytes == 2 * CHUNK)
+    finally:
+        warmer.close()
+        task.cancel()

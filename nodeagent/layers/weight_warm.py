@@ -236,7 +236,9 @@ class WeightWarmer(ReportLayer):
         self.last_pass = {"read_bytes": result.read, "seconds": round(took, 3), "stopped": result.stopped,
                           "mb_s": round(result.read / 1e6 / took, 1) if took > 0 else None}  # fmt: skip
         self.state = "idle"
-        if result.stopped and result.stopped != "cancelled":
+        if result.stopped == "cancelled":
+            return
+        if result.stopped:
             self.port.emit("weights_warm", f"warming weights stopped after {result.read >> 20} MB: {result.stopped}")
         self.measure()
 
@@ -252,9 +254,9 @@ class WeightWarmer(ReportLayer):
             self._wake.clear()
             if self.config.recovery.warm_weights.enabled:
                 gap_ok = self._last_pass_at is None or self._clock() - self._last_pass_at >= MIN_PASS_GAP_S
-                work = self.pass_once if first or (self.wanted() and gap_ok) else self.measure
-                first = False
                 try:
+                    work = self.pass_once if first or (self.wanted() and gap_ok) else self.measure
+                    first = False
                     await asyncio.get_running_loop().run_in_executor(self._thread, work)
                 except Exception as exc:  # a pass must never end the loop: the next one tries again
                     self.state = "idle"
