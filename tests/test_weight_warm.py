@@ -247,6 +247,7 @@ async def test_the_loop_passes_at_start_then_only_while_a_rank_is_not_serving(tm
     shard = model / "model.safetensors"
     write_shard(shard, CHUNK)
     monkeypatch.setattr(weight_warm, "MIN_PASS_GAP_S", 0.0)
+    monkeypatch.setattr(weight_warm, "REFRESH_S", 0.0)
     port = Port(node_config(model), {"r0": State.READY, "r1": State.READY})
     warmer = WeightWarmer(port, read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
 
@@ -272,3 +273,22 @@ async def test_the_loop_passes_at_start_then_only_while_a_rank_is_not_serving(tm
     finally:
         warmer.close()
         task.cancel()
+
+
+def test_measuring_takes_at_most_a_fiftieth_of_the_time(tmp_path: Path) -> None:
+    """mincore walks the page cache: 300 GB of shards take seconds, so a measurement is repeated no sooner than
+    50 times its own length (and REFRESH_S)."""
+    from nodeagent.layers.weight_warm import REFRESH_S
+
+    now = [1000.0]
+    warmer = WeightWarmer(Port(node_config(tmp_path / "absent"), {}), read_mem=lambda: meminfo_kb(1),  # type: ignore[arg-type]
+                          clock=lambda: now[0])  # fmt: skip
+    assert warmer._measure_due()
+    ticks = iter([1000.0, 1004.0])  # the measurement took 4 s
+    warmer._clock = lambda: next(ticks)
+    warmer.measure()
+    warmer._clock = lambda: now[0]
+    now[0] = 1004.0 + max(REFRESH_S, 200.0) - 1
+    assert not warmer._measure_due()
+    now[0] += 1
+    assert warmer._measure_due()

@@ -43,8 +43,11 @@ CHUNK = 8 << 20
 WINDOW = 1 << 30
 """mincore is asked per window of a shard: a 1 GiB window's vector is 256 KiB."""
 PAGE = mmap.PAGESIZE
-REFRESH_S = 30.0
+REFRESH_S = 60.0
 """How often the residency is measured again when nothing happens (the page cache changes under us)."""
+MEASURE_DUTY = 50
+"""…but no more often than every 50 times a measurement's own length: mincore walks the page cache, 55-90 ms per
+resident GB on this (loaded) host, so 300 GB of shards take seconds — at most 2 % of a core."""
 MIN_PASS_GAP_S = 5.0
 """Passes no closer than this while a rank is not serving (node changes come in bursts)."""
 IOPRIO_CLASS_IDLE = 3
@@ -172,6 +175,8 @@ class WeightWarmer(ReportLayer):
         """Bytes the warmer read into the page cache since the agent started (all passes)."""
         self.last_pass: dict[str, Any] = {}
         self.measured_at: float | None = None
+        self._measured_mono: float | None = None
+        self._measure_s = 0.0
         self._last_pass_at: float | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="warm-weights")
         """Its own thread: `lower_priority` stays with it, never with the loop's shared executor."""
@@ -198,6 +203,7 @@ class WeightWarmer(ReportLayer):
 
     def measure(self) -> None:
         """Each local model's shards and how much of them is resident (in a thread: reads the disk's metadata)."""
+        started = self._clock()
         argvs = {n: render_vllm_argv(c) for n, c in self.config.active_components().items() if c.kind == "vllm"}
         models = []
         for model, names in models_by_folder(argvs).items():
@@ -216,6 +222,12 @@ class WeightWarmer(ReportLayer):
             models.append(entry)
         self.models = models
         self.measured_at = time.time()
+        self._measured_mono = self._clock()
+        self._measure_s = self._measured_mono - started
+
+    def _measure_due(self) -> bool:
+        last = self._measured_mono
+        return last is None or self._clock() - last >= max(REFRESH_S, MEASURE_DUTY * self._measure_s)
 
     def pass_once(self) -> None:
         """Measure, plan, read, measure again: one warm pass (in a thread)."""
@@ -257,14 +269,15 @@ class WeightWarmer(ReportLayer):
                 try:
                     work = self.pass_once if first or (self.wanted() and gap_ok) else self.measure
                     first = False
-                    await asyncio.get_running_loop().run_in_executor(self._thread, work)
+                    if work == self.pass_once or self._measure_due():
+                        await asyncio.get_running_loop().run_in_executor(self._thread, work)
                 except Exception as exc:  # a pass must never end the loop: the next one tries again
                     self.state = "idle"
                     logger.warning(f"warm weights: {type(exc).__name__}: {exc}")
             else:
                 self.state = "off"
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), REFRESH_S)
+                await asyncio.wait_for(self._wake.wait(), max(REFRESH_S, MEASURE_DUTY * self._measure_s))
 
     def close(self) -> None:
         """Stop a pass under way at its next chunk, and the loop."""
