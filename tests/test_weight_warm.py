@@ -292,3 +292,34 @@ def test_measuring_takes_at_most_a_fiftieth_of_the_time(tmp_path: Path) -> None:
     assert not warmer._measure_due()
     now[0] += 1
     assert warmer._measure_due()
+
+
+def test_a_path_inside_the_container_is_read_where_the_host_mounts_it() -> None:
+    from nodeagent.vllm.warm_plan import host_path
+
+    volumes = ["/home:/home", "/nvme/weights:/weights:ro", "/nvme/weights/big:/weights/big", "cache:/root/.cache"]
+    assert host_path(volumes, "/home/u/dsv4") == Path("/home/u/dsv4")
+    assert host_path(volumes, "/weights/dsv4") == Path("/nvme/weights/dsv4")
+    assert host_path(volumes, "/weights/big/m") == Path("/nvme/weights/big/m"), "the longest mount wins"
+    assert host_path(volumes, "/root/.cache/m") is None, "a named volume is no host folder"
+    assert host_path(volumes, "/opt/m") is None
+
+
+def test_in_container_mode_the_ranks_model_is_warmed_from_the_mounts_source(tmp_path: Path) -> None:
+    host = tmp_path / "nvme"
+    (host / "m").mkdir(parents=True)
+    write_shard(host / "m" / "model.safetensors", CHUNK)
+    plain = node_config(Path("/weights/m"))
+    config = validate_config({
+        "node": {"name": "n0", "ip": "127.0.0.1", "npus": 0},
+        "container": {"engine": "podman", "run_args": [f"-v {host}:/weights"]},
+        "recovery": {"warm_weights": {"margin_mb": 0}},
+        "components": {"r0": {"kind": "vllm", "model": "/weights/m"}},
+    })  # fmt: skip
+    warmer = WeightWarmer(Port(config, {}), read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
+    warmer.pass_once()
+    (entry,) = warmer.status_section()["weights"]["models"]
+    assert entry["problem"] is None and entry["resident_bytes"] == CHUNK, entry
+    on_host = WeightWarmer(Port(plain, {}), read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
+    on_host.measure()
+    assert "not a folder on this host" in on_host.status_section()["weights"]["models"][0]["problem"]

@@ -32,7 +32,7 @@ from nodeagent.core.states import SERVING_STATES, Desired
 from nodeagent.layers.worker_headroom import meminfo, read_meminfo
 from nodeagent.render.launch import render_vllm_argv
 from nodeagent.seam.stackport import ReportLayer
-from nodeagent.vllm.warm_plan import Shard, WarmAction, WarmPlan, models_by_folder, plan_warm
+from nodeagent.vllm.warm_plan import Shard, WarmAction, WarmPlan, host_path, models_by_folder, plan_warm
 from nodeagent.vllm.weights import shard_names
 
 if TYPE_CHECKING:
@@ -206,11 +206,19 @@ class WeightWarmer(ReportLayer):
         started = self._clock()
         argvs = {n: render_vllm_argv(c) for n, c in self.config.active_components().items() if c.kind == "vllm"}
         models = []
+        volumes = self._container_volumes()
         for model, names in models_by_folder(argvs).items():
-            folder = Path(model).expanduser()
             entry = ModelShards(model, names, [])
+            inside = volumes is not None and any(self.config.active_components()[n].container for n in names)
+            mapped = host_path(volumes or (), model) if inside else Path(model).expanduser()
+            if mapped is None:
+                entry.problem = "no host folder is mounted there in the container's run line"
+                models.append(entry)
+                continue
+            folder = mapped
             if not folder.is_dir():
-                entry.problem = "not a folder on this host (a hub id, or not mounted here)"
+                entry.problem = (f"{folder} is not a folder on this host" if inside else
+                                 "not a folder on this host (a hub id, or not mounted here)")  # fmt: skip
                 models.append(entry)
                 continue
             try:
@@ -224,6 +232,16 @@ class WeightWarmer(ReportLayer):
         self.measured_at = time.time()
         self._measured_mono = self._clock()
         self._measure_s = self._measured_mono - started
+
+    def _container_volumes(self) -> list[str] | None:
+        """The `-v` values of the node's container's run line (container mode), None without a container: a rank
+        inside reads its model where the container sees it, the host where the mount's source is."""
+        if self.config.container is None:
+            return None
+        from nodeagent.container.render import render_container
+
+        options = render_container(self.config).options
+        return [o.value for o in options if o.canonical == "--volume" and o.value]
 
     def _measure_due(self) -> bool:
         last = self._measured_mono

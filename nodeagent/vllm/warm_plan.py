@@ -90,6 +90,21 @@ def models_by_folder(argvs: Mapping[str, Sequence[str]]) -> dict[str, list[str]]
     return out
 
 
+def host_path(volumes: Sequence[str], path: str) -> Path | None:
+    """Where the host sees `path` of a container whose run line has these `-v SRC:DST[:OPTS]` values: through the
+    mount with the longest DST holding it; None when no host folder is mounted there (a named volume neither)."""
+    target = Path(path)
+    best: tuple[int, Path] | None = None
+    for value in volumes:
+        parts = value.split(":")
+        if len(parts) < 2 or not parts[0].startswith("/"):
+            continue
+        src, dst = Path(parts[0]), Path(parts[1])
+        if (dst == target or dst in target.parents) and (best is None or len(dst.parts) > best[0]):
+            best = (len(dst.parts), src / target.relative_to(dst))
+    return None if best is None else best[1]
+
+
 def plan_warm(shards: Sequence[Shard], mem_available: int, shared_memory: int, margin: int) -> WarmPlan:
     """All, a prefix, or nothing of `shards`, against the memory left after the worker's shared memory and the
     margin (`mem_available` already holds what is cached of the shards: see the module's docstring)."""
