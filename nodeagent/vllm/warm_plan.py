@@ -10,15 +10,16 @@ page cache as available (measured: reading 1 GB into the cache lowered MemFree b
 the noise of the host) — so the shards may hold that much in total, and a pass reads at most that minus what is
 resident. Counting the cached part again would let every pass read more, until the cache filled the host.
 
-Pure: the caller measures (sizes, residency, /proc/meminfo) and carries the plan out.
+Pure: the caller measures (sizes, residency, /proc/meminfo) and carries the plan out. NamedTuples, not dataclasses:
+`nodeagentctl status` formats with `gb` and stays clear of `dataclasses` (tests/test_cli.py keeps it lean).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 
 class WarmAction(StrEnum):
@@ -32,16 +33,14 @@ class WarmAction(StrEnum):
     """Every byte is in the page cache already."""
 
 
-@dataclass(frozen=True)
-class Shard:
+class Shard(NamedTuple):
     path: Path
     size: int
     resident: int
     """Bytes of it in the page cache (mincore)."""
 
 
-@dataclass(frozen=True)
-class WarmPlan:
+class WarmPlan(NamedTuple):
     action: WarmAction
     files: tuple[Path, ...]
     """The shards to read, in order (those not wholly resident)."""
