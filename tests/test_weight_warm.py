@@ -146,9 +146,14 @@ class Port:
         self.states = states
         self.events: list[str] = []
 
+    workers: dict[str, int] = {}  # noqa: RUF012 - a test's fake: datasystem component → its pid
+
     def snapshot(self) -> Any:
-        return SimpleNamespace(components={n: SimpleNamespace(kind="vllm", desired=Desired.RUNNING, state=s)
-                                           for n, s in self.states.items()})  # fmt: skip
+        ranks = {n: SimpleNamespace(kind="vllm", desired=Desired.RUNNING, state=s, pid=None)
+                 for n, s in self.states.items()}  # fmt: skip
+        workers = {n: SimpleNamespace(kind="datasystem", desired=Desired.RUNNING, state=State.READY, pid=p)
+                   for n, p in self.workers.items()}  # fmt: skip
+        return SimpleNamespace(components={**ranks, **workers})
 
     def emit(self, kind: str, message: str, *args: Any) -> None:
         self.events.append(message)
@@ -323,3 +328,25 @@ def test_in_container_mode_the_ranks_model_is_warmed_from_the_mounts_source(tmp_
     on_host = WeightWarmer(Port(plain, {}), read_mem=lambda: meminfo_kb(64 << 20))  # type: ignore[arg-type]
     on_host.measure()
     assert "not a folder on this host" in on_host.status_section()["weights"]["models"][0]["problem"]
+
+
+def test_the_shared_memory_a_running_worker_already_uses_is_not_reserved_twice(tmp_path: Path) -> None:
+    """Its touched pool (RssShmem) is out of MemAvailable already: only the rest is held back for it."""
+    model = tmp_path / "m"
+    model.mkdir()
+    write_shard(model / "model.safetensors", CHUNK)
+    port = Port(node_config(model, margin_mb=40, shm_mb=64), {})
+    port.workers = {"ds": 4242}
+    statuses: list[int] = []
+
+    def status(pid: int) -> str:
+        statuses.append(pid)
+        return "Name:\tdatasystem_worker\nRssShmem:\t   49152 kB\n"  # 48 of its 64 MB touched
+
+    warmer = WeightWarmer(port, read_mem=lambda: meminfo_kb(100 << 10), read_proc_status=status)  # type: ignore[arg-type]
+    assert warmer.memory_room() == (100 << 20, 16 << 20, 40 << 20)
+    assert statuses == [4242]
+    warmer.pass_once()
+    assert warmer.status_section()["weights"]["resident_bytes"] == CHUNK
+    port.workers = {}
+    assert warmer.memory_room()[1] == 64 << 20, "a worker not running: its whole pool is still to come"

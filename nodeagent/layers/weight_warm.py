@@ -162,9 +162,11 @@ class WeightWarmer(ReportLayer):
     """The reporting `NodeLayer`: passes when the agent starts and while a local vLLM rank is not serving."""
 
     def __init__(self, port: StackPort, read_mem: Callable[[], str] = read_meminfo,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 read_proc_status: Callable[[int], str] = lambda pid: Path(f"/proc/{pid}/status").read_text()) -> None:
         self.port = port
         self._read_mem = read_mem
+        self._read_proc_status = read_proc_status
         self._clock = clock
         self._wake = asyncio.Event()
         self._cancel = threading.Event()
@@ -186,8 +188,21 @@ class WeightWarmer(ReportLayer):
         return self.port.config
 
     def _shared_memory(self) -> int:
-        return sum(c.shared_memory_size_mb << 20 for c in self.config.active_components().values()
-                   if c.kind == "datasystem")  # fmt: skip
+        """The workers' shared memory not yet in use: their pool fills as it is used, and what a running worker
+        touched (its RssShmem) is already out of MemAvailable — counted again, a full 500 GB pool would leave the
+        shards no room on a host that has it."""
+        view = self.port.snapshot().components
+        total = 0
+        for name, c in self.config.active_components().items():
+            if c.kind != "datasystem":
+                continue
+            pid = getattr(view.get(name), "pid", None)
+            used = 0
+            if pid is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    used = meminfo(self._read_proc_status(pid)).get("RssShmem", 0) * 1024
+            total += max(0, (c.shared_memory_size_mb << 20) - used)
+        return total
 
     def memory_room(self) -> tuple[int, int, int]:
         """(MemAvailable, the workers' shared memory, the margin) in bytes, now."""
