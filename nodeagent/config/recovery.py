@@ -46,7 +46,8 @@ class WarmWeightsConfig(Strict, frozen=True):
     """The warmer's read rate bound (MB/s); it also reads at the idle IO class and nice 19."""
     margin_mb: Annotated[int, Meta(ge=0)] = 16384
     """Memory left alone: the warmer reads only what fits in MemAvailable after the datasystem worker's shared
-    memory and this margin, and stops as soon as MemAvailable falls under them."""
+    memory still to be filled (configured − what it touched) and this margin, and stops as soon as MemAvailable
+    falls under them."""
 
 
 class RecoveryConfig(Strict, frozen=True):
