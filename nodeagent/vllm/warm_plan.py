@@ -5,10 +5,11 @@ experts; tensor-parallel ranks of one node read all shards between them), so the
 model its vLLM components serve — the model being the one their rendered command names.
 
 The budget: MemAvailable, minus the datasystem worker's shared memory it has not touched yet (its pool fills as it
-is used; the touched part is out of MemAvailable already) and a margin. What is already cached of the shards is *inside* MemAvailable — the kernel counts the
-page cache as available (measured: reading 1 GB into the cache lowered MemFree by 1.26 GB, MemAvailable by 0.25 GB,
-the noise of the host) — so the shards may hold that much in total, and a pass reads at most that minus what is
-resident. Counting the cached part again would let every pass read more, until the cache filled the host.
+is used; the touched part is out of MemAvailable already) and a margin. What is already cached of the shards is
+*inside* MemAvailable — the kernel counts the page cache as available (measured: reading 1 GB into the cache
+lowered MemFree by 1.26 GB, MemAvailable by 0.25 GB, the noise of the host) — so the shards may hold that much in
+total, and a pass reads at most that minus what is resident. Counting the cached part again would let every pass
+read more, until the cache filled the host.
 
 Pure: the caller measures (sizes, residency, /proc/meminfo) and carries the plan out. NamedTuples, not dataclasses:
 `nodeagentctl status` formats with `gb` and stays clear of `dataclasses` (tests/test_cli.py keeps it lean).
