@@ -350,3 +350,25 @@ def test_the_shared_memory_a_running_worker_already_uses_is_not_reserved_twice(t
     assert warmer.status_section()["weights"]["resident_bytes"] == CHUNK
     port.workers = {}
     assert warmer.memory_room()[1] == 64 << 20, "a worker not running: its whole pool is still to come"
+
+
+def test_while_a_rank_stays_down_passes_come_only_when_a_measurement_is_due(tmp_path: Path) -> None:
+    """A load takes 30-60 min: a pass as the rank goes down, then none until 50 measurement-lengths later."""
+    from nodeagent.layers.weight_warm import MIN_PASS_GAP_S
+
+    now = [1000.0]
+    port = Port(node_config(tmp_path / "absent"), {"r0": State.READY})
+    warmer = WeightWarmer(port, read_mem=lambda: meminfo_kb(1), clock=lambda: now[0])  # type: ignore[arg-type]
+    assert warmer.next_work() == warmer.pass_once, "the start's pass"
+    warmer._last_pass_at, warmer._measured_mono, warmer._measure_s = now[0], now[0], 4.0
+    now[0] += 1
+    assert warmer.next_work() is None, "all serve, a measurement not due"
+    port.states["r0"] = State.STOPPING
+    assert warmer.next_work() is None, "gone down, but within MIN_PASS_GAP_S of the last pass"
+    now[0] += MIN_PASS_GAP_S
+    assert warmer.next_work() == warmer.pass_once, "then at once"
+    warmer._last_pass_at = warmer._measured_mono = now[0]
+    now[0] += 100
+    assert warmer.next_work() is None, "still down: not before 50 × 4 s"
+    now[0] += 100
+    assert warmer.next_work() == warmer.pass_once

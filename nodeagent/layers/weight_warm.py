@@ -180,6 +180,9 @@ class WeightWarmer(ReportLayer):
         self._measured_mono: float | None = None
         self._measure_s = 0.0
         self._last_pass_at: float | None = None
+        self._was_wanted = False
+        self._pending = False
+        """A rank left serving since the last pass: pass as soon as MIN_PASS_GAP_S allows."""
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="warm-weights")
         """Its own thread: `lower_priority` stays with it, never with the loop's shared executor."""
 
@@ -293,24 +296,36 @@ class WeightWarmer(ReportLayer):
         return any(c.kind == "vllm" and c.desired == Desired.RUNNING and c.state not in SERVING_STATES
                    for c in view.values())  # fmt: skip
 
+    def next_work(self) -> Callable[[], None] | None:
+        """What the loop does now: a pass at the start and as soon as a rank leaves serving (`_pending`: no closer
+        than MIN_PASS_GAP_S to the last); while ranks stay down (a load is 30-60 min) a pass only when a measurement
+        is due — each pass measures, and mincore over 300 GB takes seconds; otherwise a measurement when due."""
+        wanted = self.wanted()
+        if wanted and not self._was_wanted:
+            self._pending = True
+        self._was_wanted = wanted
+        gap_ok = self._last_pass_at is None or self._clock() - self._last_pass_at >= MIN_PASS_GAP_S
+        if self._last_pass_at is None or (wanted and ((self._pending and gap_ok) or self._measure_due())):
+            self._pending = False
+            return self.pass_once
+        return self.measure if self._measure_due() else None
+
     async def run(self) -> None:
-        first = True
         while not self._cancel.is_set():
             self._wake.clear()
             if self.config.recovery.warm_weights.enabled:
-                gap_ok = self._last_pass_at is None or self._clock() - self._last_pass_at >= MIN_PASS_GAP_S
                 try:
-                    work = self.pass_once if first or (self.wanted() and gap_ok) else self.measure
-                    first = False
-                    if work == self.pass_once or self._measure_due():
+                    work = self.next_work()
+                    if work is not None:
                         await asyncio.get_running_loop().run_in_executor(self._thread, work)
                 except Exception as exc:  # a pass must never end the loop: the next one tries again
                     self.state = "idle"
                     logger.warning(f"warm weights: {type(exc).__name__}: {exc}")
             else:
                 self.state = "off"
+            wait = MIN_PASS_GAP_S if self._pending else max(REFRESH_S, MEASURE_DUTY * self._measure_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(REFRESH_S, MEASURE_DUTY * self._measure_s))
+                await asyncio.wait_for(self._wake.wait(), wait)
 
     def close(self) -> None:
         """Stop a pass under way at its next chunk, and the loop."""
