@@ -61,6 +61,7 @@ class Agent:
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
         from nodeagent.layers.guards import StartGuards
+        from nodeagent.layers.weight_warm import WeightWarmer
         from nodeagent.node.supervisor import Supervisor
 
         self.config = config
@@ -75,6 +76,8 @@ class Agent:
         """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
         self.guards = StartGuards(self.supervisor, mode)
+        self.weights = WeightWarmer(self.supervisor)
+        """Keeps this node's weight shards in the page cache (issue 32 item 3); its loop runs from the start."""
         self.mqtt: MqttPublisher | None = None
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
@@ -234,6 +237,7 @@ class Agent:
             self.guards,  # preflight, NPU health: gates only
             self.guards.recovery,  # the NPU ladder: holds NPU users while resetting/isolated, notes their failures
             self.guards.headroom,  # a dead datasystem worker waits for the ranks that map its memory
+            self.weights,  # warms the weight shards (report only)
             *cluster,
             container,  # the node's container: its death decides for the components inside
             ChangeObserver(self._publish_status),  # sd_notify's STATUS= line
@@ -332,6 +336,7 @@ class Agent:
             return 1
         assert api.api is not None
         api.api.agent_metrics.attach_npu(self.guards.npu)  # the NPU faults, HBM and RoCE series on /metrics
+        api.api.agent_metrics.attach_weights(self.weights)  # the shards resident in the page cache
         assert self.lock is not None
         self.lock.update({"phase": "running"})
         announcement = self._announce()
@@ -345,6 +350,8 @@ class Agent:
             self._make_cluster()
             self.attach_layers()  # before the stack: every gate (preflight, barriers, the container) in place
             self._start_cluster()
+            warm = asyncio.create_task(self.weights.run(), name="warm-weights")  # before the first rank's start
+            warm.add_done_callback(log_death)
             container = self.container
             if container is not None:
                 await container.start()  # before the stack: its components adopt or wait for it
@@ -356,6 +363,8 @@ class Agent:
             if self.mqtt is not None:
                 self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
+            self.weights.close()
+            warm.cancel()
             if self.rollout is not None:
                 await self.rollout.stop()
             if self.coordinator is not None:

@@ -179,6 +179,7 @@ SECTIONS: list[tuple[str, type[msgspec.Struct], str]] = [
     ("agent.ui", cm.UiConfig, "agent-ui"),
     ("recovery", cm.RecoveryConfig, "recovery"),
     ("recovery.pd", cm.PdWatchConfig, "recovery-pd"),
+    ("recovery.warm_weights", cm.WarmWeightsConfig, "recovery-warm_weights"),
     ("container", cm.ContainerConfig, "container"),
     ("components.NAME", cm.ComponentBase, "components"),
     ("components.NAME.depends_on.DEPENDENCY", cm.DependencyEdge, "depends_on"),

@@ -149,6 +149,8 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_vllm_progress.py::test_probe_fails_at_once_on_an_errored_engine_and_reports_refusals",
     "tests/test_vllm_progress.py::test_probe_on_an_idle_standin_sends_the_canary",
     "tests/test_vllm_progress.py::test_probe_under_load_judges_progress_and_catches_the_hang",
+    "tests/test_warm_weights_system.py",
+    "tests/test_weight_warm.py::test_the_reader_keeps_to_its_rate",
 })  # fmt: skip
 """Modules (`tests/test_x.py`) and single tests (`tests/test_x.py::test_y`, every parametrization) outside the
 fast tier: they start processes through their own helpers or fixtures, or wait on the wall clock (test_membership's

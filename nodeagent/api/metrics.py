@@ -226,6 +226,38 @@ class _NpuCollector:
         yield from npu_families(self.monitor)
 
 
+class WeightsReport(Protocol):
+    """What the metrics read of the weight warmer (`layers.weight_warm.WeightWarmer`)."""
+
+    read_bytes: int
+
+    def resident(self) -> tuple[dict[str, tuple[int, int]], int, int]: ...
+
+
+class _WeightsCollector:
+    """The shards of this node's models in the page cache, as the warmer last measured them (issue 32 item 3)."""
+
+    def __init__(self, warmer: WeightsReport) -> None:
+        self.warmer = warmer
+
+    def collect(self) -> Iterator[Metric]:
+        per, total, resident = self.warmer.resident()
+        size = GaugeMetricFamily("dsv4_agent_weights_bytes", "Bytes of the weight shards a vLLM component loads.",
+                                 labels=["component"])  # fmt: skip
+        cached = GaugeMetricFamily("dsv4_agent_weights_resident_bytes", "Of those, bytes in the page cache "
+                                   "(mincore): what its next load reads from RAM.", labels=["component"])  # fmt: skip
+        for name, (b, r) in per.items():
+            size.add_metric([name], b)
+            cached.add_metric([name], r)
+        yield from (size, cached)
+        yield GaugeMetricFamily("dsv4_agent_weights_node_bytes", "Bytes of the shards of every model this node loads "
+                                "(each file once).", value=total)  # fmt: skip
+        yield GaugeMetricFamily("dsv4_agent_weights_node_resident_bytes", "Of those, bytes in the page cache.",
+                                value=resident)  # fmt: skip
+        yield CounterMetricFamily("dsv4_agent_weights_warmed_bytes", "Bytes the warmer read into the page cache.",
+                                  value=self.warmer.read_bytes)  # fmt: skip
+
+
 class VllmCacheScraper:
     """Scrapes each up vLLM's /metrics and keeps its hit rates over the window since this scraper's last scrape.
 
@@ -382,6 +414,10 @@ class AgentMetrics:
     def attach_npu(self, monitor: NpuMonitor) -> None:
         """Export the node's NPU health (read at scrape time from the monitor's last poll)."""
         self.registry.register(_NpuCollector(monitor))
+
+    def attach_weights(self, warmer: WeightsReport) -> None:
+        """Export the weight shards' residency (read at scrape time from the warmer's last measurement)."""
+        self.registry.register(_WeightsCollector(warmer))
 
     def attach_mqtt(self, publisher: Any) -> None:
         """Export the MQTT link's counters (`nodeagent.api.mqtt.MqttPublisher.collect`, read at scrape time)."""

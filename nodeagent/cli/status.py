@@ -19,6 +19,7 @@ from nodeagent.cli.common import (
     pause_line,
     table,
 )
+from nodeagent.vllm.warm_plan import gb
 
 LAST_EXIT_WIDTH = 48
 OUTPUT_WIDTH = 100
@@ -88,6 +89,20 @@ def format_fault_tolerance(groups: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_weights(weights: dict[str, Any]) -> list[str]:
+    """`weights: 12 GB of 310 GB resident · reading ≤ 500 MB/s · <the plan's reason>` and a line per model that
+    cannot be warmed; nothing without shards."""
+    lines = [f"weights {m['model']}: {m['problem']}" for m in weights.get("models") or [] if m.get("problem")]
+    if weights.get("total_bytes"):
+        parts = [f"weights: {gb(weights.get('resident_bytes', 0))} of {gb(weights['total_bytes'])} resident"]
+        if weights.get("state") == "reading":
+            parts.append(f"reading ≤ {weights.get('rate_mb_s')} MB/s")
+        if weights.get("plan"):
+            parts.append(str(weights["plan"]))
+        lines.insert(0, " · ".join(parts))
+    return lines
+
+
 def format_status(data: dict[str, Any], now: float | None = None, wide: bool = False) -> str:
     """The table; `wide`: LAST EXIT and NOTE whole (the terminal wraps them) instead of cut with `…`."""
     now = time.time() if now is None else now
@@ -107,6 +122,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     if data.get("mqtt"):
         flags.append(format_mqtt(data["mqtt"], now))
     flags += format_fault_tolerance(data.get("fault_tolerance") or {})
+    flags += format_weights(data.get("weights") or {})
     if data.get("container"):
         flags.append(container_line(data["container"]))
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]

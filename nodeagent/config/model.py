@@ -43,6 +43,7 @@ from nodeagent.config.probes import TcpProbe as TcpProbe
 from nodeagent.config.probes import VllmProgressProbe as VllmProgressProbe
 from nodeagent.config.recovery import PdWatchConfig as PdWatchConfig
 from nodeagent.config.recovery import RecoveryConfig
+from nodeagent.config.recovery import WarmWeightsConfig as WarmWeightsConfig
 
 PositiveInt = Annotated[int, Meta(gt=0)]
 

@@ -36,6 +36,20 @@ class PdWatchConfig(Strict, frozen=True):
     """The sliding window of `transfer_threshold`."""
 
 
+class WarmWeightsConfig(Strict, frozen=True):
+    """Issue 32 item 3: the node's own weight shards read into the page cache, so a rank's next load reads RAM."""
+
+    enabled: bool = True
+    """Read the shards of this node's vLLM ranks into the page cache after the agent starts and while a rank is not
+    serving (its old tree stopping, the gang's barrier wait, its load)."""
+    rate_mb_s: Annotated[float, Meta(gt=0)] = 500.0
+    """The warmer's read rate bound (MB/s); it also reads at the idle IO class and nice 19."""
+    margin_mb: Annotated[int, Meta(ge=0)] = 16384
+    """Memory left alone: the warmer reads only what fits in MemAvailable after the datasystem worker's shared
+    memory still to be filled (configured − what it touched) and this margin, and stops as soon as MemAvailable
+    falls under them."""
+
+
 class RecoveryConfig(Strict, frozen=True):
     npu_reset: bool = True
     """Reset chips with `npu-smi set -t reset` when the ladder says so (false: isolate instead)."""
@@ -60,3 +74,5 @@ class RecoveryConfig(Strict, frozen=True):
     its shared memory by this much; otherwise the local vLLM ranks restart with it (openYuanrong FAQ §3)."""
     pd: PdWatchConfig = field(default_factory=PdWatchConfig)
     """The PD watches, run by the agent that runs the PD proxy."""
+    warm_weights: WarmWeightsConfig = field(default_factory=WarmWeightsConfig)
+    """Keep this node's weight shards in the page cache for the next start (issue 32)."""

@@ -60,6 +60,16 @@ def shard_problem(path: Path) -> tuple[str | None, int]:
     return None, size
 
 
+def shard_names(folder: Path) -> list[str]:
+    """The shard files a loader reads, sorted: the index's `weight_map` values, else every `*.safetensors`
+    (what vLLM's loader globs without an index). Raises OSError/ValueError on an unreadable index."""
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return sorted(set(weight_map.values()))
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
 def check_weights(folder: Path) -> WeightsReport:
     report = WeightsReport(folder)
     if not folder.is_dir():
@@ -69,20 +79,14 @@ def check_weights(folder: Path) -> WeightsReport:
         report.problems.append("config.json missing")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         report.problems.append(f"no tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map") or {}
-            shards = sorted(set(weight_map.values()))
-        except (ValueError, AttributeError, OSError) as exc:
-            report.problems.append(f"{INDEX} unreadable: {exc}")
-            return report
-        if not shards:
-            report.problems.append(f"{INDEX} names no shard")
-    else:
-        shards = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not shards:
-            report.problems.append(f"no {INDEX} and no *.safetensors")
+    try:
+        shards = shard_names(folder)
+    except (ValueError, AttributeError, OSError) as exc:
+        report.problems.append(f"{INDEX} unreadable: {exc}")
+        return report
+    if not shards:
+        report.problems.append(f"{INDEX} names no shard" if (folder / INDEX).is_file()
+                               else f"no {INDEX} and no *.safetensors")  # fmt: skip
     missing = []
     for name in shards:
         problem, size = shard_problem(folder / name)
