@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from loguru import logger
 
+from nodeagent.core.http import fetch, new_session
 from nodeagent.vllm.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.vllm.endpoints import vllm_metrics_urls
 
@@ -121,14 +122,12 @@ class VllmSampler:
         return parse_cache_counters(text)
 
     async def _http_get(self, url: str) -> str:
-        import aiohttp
-
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=VLLM_SCRAPE_TIMEOUT_S))
-        async with self._session.get(url) as response:
-            if response.status != 200:
-                raise CacheMetricsError(f"{url}: HTTP {response.status}")
-            return await response.text(errors="replace")
+            self._session = new_session()
+        answer = await fetch("GET", url, VLLM_SCRAPE_TIMEOUT_S, session=self._session)
+        if answer.status != 200:
+            raise CacheMetricsError(f"{url}: HTTP {answer.status}")
+        return answer.text
 
     async def close(self) -> None:
         if self._inflight is not None:

@@ -28,6 +28,7 @@ from loguru import logger
 
 from nodeagent.config.model import NpuProbe
 from nodeagent.core.bindaddr import url_host
+from nodeagent.core.http import new_session
 from nodeagent.core.run import run
 from nodeagent.npu.tools import NpuTools
 from nodeagent.probes.resolve import AnyComponent as AnyComponent
@@ -389,11 +390,7 @@ class ProbeContext:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None),
-                trust_env=False,  # never send loopback probes through an HTTP proxy from the environment
-            )
+            self._session = new_session(force_close=True)
         return self._session
 
     async def close(self) -> None:
