@@ -43,6 +43,7 @@ from loguru import logger  # noqa: E402
 
 import nodeagent  # noqa: E402
 from nodeagent.api.metrics import AgentMetrics  # noqa: E402
+from nodeagent.api.vllm_sampler import VllmSampler  # noqa: E402
 from nodeagent.config.load import parse_config  # noqa: E402
 from nodeagent.core.events import EventBus  # noqa: E402
 from nodeagent.node.supervisor import Supervisor  # noqa: E402
@@ -138,7 +139,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     logger.remove()  # the agent's own lines go to a file, as under the agent (not this terminal)
     logger.add(folder / "agent.log", level="INFO")
     sup = Supervisor(parse_config(config_text(folder / "state")), EventBus(), Clock())
-    metrics = AgentMetrics(sup)
+    metrics = AgentMetrics(sup, VllmSampler(sup))
     fake = FakeAscend(folder / "ascend", "doc-healthy-a2")
 
     def records() -> list[Any]:

@@ -140,6 +140,7 @@ class Monitor:
 
 async def run_publisher(home: Path, n: int, rounds: int) -> dict[str, float]:
     from nodeagent.api.mqtt import MqttPublisher
+    from nodeagent.api.vllm_sampler import VllmSampler
 
     broker = Broker(home)
     broker.start()
@@ -148,7 +149,7 @@ async def run_publisher(home: Path, n: int, rounds: int) -> dict[str, float]:
         for r in range(rounds):
             config = config_for(home / f"r{r}", broker.port, buffer=n + 10)
             sup = Supervisor(config, EventBus(seq_path=home / f"r{r}" / "events.seq", queue_size=n + 10))  # type: ignore[arg-type]
-            pub = MqttPublisher(config, sup)  # type: ignore[arg-type]
+            pub = MqttPublisher(config, sup, VllmSampler(sup))  # type: ignore[arg-type]
             monitor = Monitor(broker.port)
             await monitor.start(n)
             pub.start()

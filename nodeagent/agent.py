@@ -58,6 +58,7 @@ def status_line(status: dict) -> str:
 
 class Agent:
     def __init__(self, config: Config, config_path: Path, force: bool = False) -> None:
+        from nodeagent.api.vllm_sampler import VllmSampler
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
         from nodeagent.layers.guards import StartGuards
@@ -72,6 +73,8 @@ class Agent:
             from nodeagent.container.mode import ContainerMode as container
         self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"),
                                      container=container)  # fmt: skip
+        self.vllm_sampler = VllmSampler(self.supervisor)
+        """The one sampler of the node's vLLM /metrics: /metrics, MQTT and the status page read it."""
         self.container: ContainerMode | None = cast("ContainerMode | None", self.supervisor.container)
         """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
@@ -294,7 +297,7 @@ class Agent:
             return
         from nodeagent.api.mqtt import MqttPublisher
 
-        self.mqtt = MqttPublisher(self.config, self.supervisor, started_at=self.started_at)
+        self.mqtt = MqttPublisher(self.config, self.supervisor, self.vllm_sampler, started_at=self.started_at)
         self.mqtt.start()
         if api is not None and api.api is not None:
             api.api.agent_metrics.attach_mqtt(self.mqtt)
@@ -385,6 +388,7 @@ class Agent:
             if announcement is not None:
                 withdraw(announcement)
             await api.close()
+            await self.vllm_sampler.close()
             self.supervisor.events.close()
         return 0
 

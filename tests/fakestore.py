@@ -88,7 +88,12 @@ class FakeStore:
         """Unknown until the first request is answered, as etcd's."""
         self._ids = itertools.count(0x1000)
         self._epoch = 0
-        self._wakeups: set[asyncio.Event] = set()
+        self._wakeups: dict[asyncio.Event, str] = {}
+        """A watch's wakeup → its prefix: a write wakes only the watches it concerns (in a world of agents most
+        writes concern few of them, and every needless wakeup was a task switch per watch and write)."""
+        self._caught_up: dict[asyncio.Event, int] = {}
+        """A waiting watch no write concerned since → the revision it has seen all of (at a compaction): as etcd's
+        synced watcher, it is no gap for it."""
         self._lease_objects: set[FakeLease] = set()
         self.requests = 0
         self._written_while_away: set[int] = set()
@@ -118,6 +123,9 @@ class FakeStore:
         self._wake()
 
     def compact(self, revision: int) -> None:
+        for wake in self._wakeups:
+            if not wake.is_set():
+                self._caught_up[wake] = self.revision
         self.compacted = max(self.compacted, revision)
         kept = [c for c in self.history if c.revision >= revision]
         self._trimmed += len(self.history) - len(kept)  # (history is in revision order: the front went)
@@ -149,9 +157,11 @@ class FakeStore:
     def _all_leases(self) -> list[FakeLease]:
         return list(self._lease_objects)
 
-    def _wake(self) -> None:
-        for event in self._wakeups:
-            event.set()
+    def _wake(self, key: str | None = None) -> None:
+        """The watches `key` concerns (None: every watch)."""
+        for event, prefix in self._wakeups.items():
+            if key is None or key.startswith(prefix):
+                event.set()
 
     def _check(self) -> None:
         self.requests += 1
@@ -181,7 +191,7 @@ class FakeStore:
                     (old.version + 1) if old else 1, lease_id)  # fmt: skip
             self.data[key] = kv
             self.history.append(Change("put", key, self.revision, kv))
-        self._wake()
+        self._wake(key)
         return self.revision
 
     def _grant(self, lease: FakeLease) -> None:
@@ -263,12 +273,13 @@ class FakeStore:
 
     async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         wake = asyncio.Event()
-        self._wakeups.add(wake)
+        self._wakeups[wake] = prefix
         epoch = self._epoch
         try:
             while not self.reachable:
                 wake.clear()
                 await wake.wait()
+            self._caught_up.pop(wake, None)  # it has seen nothing yet
             next_rev = from_revision
             if next_rev is None:
                 snapshot = await self.get_prefix(prefix)
@@ -315,8 +326,10 @@ class FakeStore:
                     continue
                 wake.clear()
                 await wake.wait()
+                next_rev = max(next_rev, self._caught_up.pop(wake, 0) + 1)
         finally:
-            self._wakeups.discard(wake)
+            self._wakeups.pop(wake, None)
+            self._caught_up.pop(wake, None)
 
     def lease(self, ttl: float) -> FakeLease:
         return FakeLease(self, ttl)

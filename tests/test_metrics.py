@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_standin.vllm import Metrics as VllmMetrics
 
 from nodeagent.api.metrics import AgentMetrics, tree_usage
+from nodeagent.api.vllm_sampler import VllmSampler
 from nodeagent.core.process import tree_of
 from nodeagent.core.states import RESTART_CAUSES, State
 
@@ -186,7 +187,8 @@ def ratios(m: AgentMetrics, component: str = "a") -> dict[tuple[str, str], float
 
 async def test_vllm_cache_ratios_windows_and_resets(stack: InProcess, fake_vllm: tuple[FakeVllm, str]) -> None:
     fake, url = fake_vllm
-    m = AgentMetrics(stack.agent.supervisor, vllm_urls={"a": url})
+    sampler = VllmSampler(stack.agent.supervisor, {"a": url})
+    m = AgentMetrics(stack.agent.supervisor, sampler)
     try:
         fake.set(100, 40, ext_queries=60, ext_hits=30)
         await m.refresh_vllm()
@@ -231,12 +233,13 @@ async def test_vllm_cache_ratios_windows_and_resets(stack: InProcess, fake_vllm:
         text = m.generate().decode()
         assert value(text, "dsv4_vllm_metrics_scrape_ok", component="a") is None and not ratios(m)
     finally:
-        await m.close()
+        await sampler.close()
 
 
 async def test_own_registries_never_the_global_one(stack: InProcess) -> None:
-    first = AgentMetrics(stack.agent.supervisor)
-    second = AgentMetrics(stack.agent.supervisor)  # would raise "Duplicated timeseries" on a shared registry
+    sup, sampler = stack.agent.supervisor, stack.agent.vllm_sampler
+    first = AgentMetrics(sup, sampler)
+    second = AgentMetrics(sup, sampler)  # would raise "Duplicated timeseries" on a shared registry
     assert first.registry is not second.registry is not REGISTRY
     assert not any(name.startswith("dsv4_") for name in REGISTRY._names_to_collectors)
     assert b"dsv4_component_up" in first.generate()

@@ -9,6 +9,7 @@ checker.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -64,9 +65,15 @@ def imported(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """A fresh copy (callers edit it) of the one read of the package per run: three tests read it."""
+    return {name: set(targets) for name, targets in _package_graph().items()}
+
+
+@functools.cache
+def _package_graph() -> dict[str, frozenset[str]]:
     found = modules()
     known = set(found)
-    return {name: imported(name, path, known) for name, path in found.items()}
+    return {name: frozenset(imported(name, path, known)) for name, path in found.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -36,6 +36,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_render_cluster.py::test_every_rank_matches_the_guide_launch",
     "tests/test_render_cluster.py::test_the_ranks_of_a_node_get_their_own_ports_and_npus",
     "tests/test_render_shipped_container.py",
+    "tests/test_run.py",
     "tests/test_preflight.py::test_a_members_rows_name_it_and_its_ranks",
     "tests/test_preflight.py::test_the_shipped_cluster_file_warns_nothing_it_could_fix",
     "tests/test_api.py",

@@ -4,7 +4,7 @@ Own CollectorRegistry (never the global one), so a second agent in one process (
 Component state and process usage are read at scrape time by a custom collector — no bookkeeping on the
 supervisor's hot path; probe latency and failures are pushed by `Supervisor.on_probe_result`. The vLLM hit
 rates are computed like vllm-ascend's watch_cache_hit_rate.sh (`nodeagent.vllm.cachehit`) over the window since the
-previous scrape of this agent's /metrics.
+previous scrape of this agent's /metrics, from the agent's one `VllmSampler`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
-from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -26,15 +25,12 @@ from prometheus_client.core import (
 )
 
 from nodeagent import __version__
+from nodeagent.api.vllm_sampler import CacheWindow, VllmSampler
 from nodeagent.core.loadtime import LOAD_BUCKETS
 from nodeagent.core.proctable import CREATE_TIME_SLACK_S, TABLES, ProcessTable, scan
 from nodeagent.core.states import RESTART_CAUSES, State
-from nodeagent.vllm.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
-from nodeagent.vllm.endpoints import vllm_metrics_urls
 
 if TYPE_CHECKING:
-    import aiohttp
-
     from nodeagent.config.model import Config
     from nodeagent.core.process import ProcessRecord
     from nodeagent.npu.monitor import NpuMonitor
@@ -63,7 +59,6 @@ class Stack(Protocol):
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format: what every Prometheus (and promtool) reads."""
-VLLM_SCRAPE_TIMEOUT_S = 2.0
 PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_KINDS = ("local_total", "local_win", "ext_total", "ext_win", "eff_total")
 
@@ -258,89 +253,11 @@ class _WeightsCollector:
                                   value=self.warmer.read_bytes)  # fmt: skip
 
 
-class VllmCacheScraper:
-    """Scrapes each up vLLM's /metrics and keeps its hit rates over the window since this scraper's last scrape.
-
-    Each consumer (Prometheus' /metrics, the MQTT `cache` topic) has its own, so one's windows never shorten
-    the other's.
-    """
-
-    def __init__(self, supervisor: Stack, vllm_urls: dict[str, str] | None = None) -> None:
-        self.supervisor = supervisor
-        self._fixed_urls = vllm_urls
-        self._session: aiohttp.ClientSession | None = None
-        self._prev: dict[str, dict[str, CacheCounters]] = {}
-        self.rows: dict[str, list[CacheRates]] = {}
-        """Component → one row per engine plus the `all` row, from the latest successful scrape."""
-        self.scrape_ok: dict[str, bool] = {}
-        self.scrape_s: dict[str, float] = {}
-        """URL → how long its latest scrape took."""
-
-    @property
-    def vllm_urls(self) -> dict[str, str]:
-        """From the live config each time, so a reload that moves vLLM's port is followed."""
-        if self._fixed_urls is not None:
-            return self._fixed_urls
-        return vllm_metrics_urls({name: comp.cfg for name, comp in self.supervisor.components.items()})
-
-    async def refresh(self) -> None:
-        """Scrape each up vLLM's /metrics (short timeout) and compute hit rates over the window since last time.
-
-        A vLLM that is not up yet (loading for half an hour) is not asked; its rows disappear.
-        """
-        jobs, urls = {}, self.vllm_urls
-        for name, url in urls.items():
-            comp = self.supervisor.components.get(name)
-            if comp is not None and comp.up.is_set():
-                jobs[name] = self._scrape(url)
-            else:
-                self.rows.pop(name, None)
-                self.scrape_ok.pop(name, None)
-        if not jobs:
-            return
-        results = await asyncio.gather(*jobs.values(), return_exceptions=True)
-        for name, result in zip(jobs, results, strict=True):
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
-                self.scrape_ok[name] = False
-                self.rows.pop(name, None)
-                logger.debug(f"[{name}] metrics scrape failed: {result}")
-                continue
-            self.scrape_ok[name] = True
-            if not result:
-                self.rows.pop(name, None)
-                continue
-            self.rows[name] = compute_table(self._prev.get(name), result)
-            self._prev[name] = result
-
-    async def _scrape(self, url: str) -> dict[str, CacheCounters]:
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=VLLM_SCRAPE_TIMEOUT_S))
-        began = time.monotonic()
-        try:
-            async with self._session.get(url) as response:
-                if response.status != 200:
-                    raise CacheMetricsError(f"{url}: HTTP {response.status}")
-                text = await response.text(errors="replace")
-        finally:
-            self.scrape_s[url] = time.monotonic() - began
-        return parse_cache_counters(text)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class AgentMetrics:
     """The registry behind GET /metrics. Call `refresh()` (async) before `generate()`: it reads what takes I/O
     (vLLM's /metrics, the process trees' usage) off the event loop; `generate()` only formats."""
 
-    def __init__(self, supervisor: Stack, started_at: float | None = None,
-                 vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(self, supervisor: Stack, sampler: VllmSampler, started_at: float | None = None) -> None:
         self.supervisor = supervisor
         self.started_at = started_at if started_at is not None else time.time()
         self.registry = CollectorRegistry()
@@ -356,7 +273,8 @@ class AgentMetrics:
         self.registry.register(_StackCollector(self))
         supervisor.on_probe_result.append(self.observe_probe)
         supervisor.on_load.append(self.observe_load)
-        self.cache = VllmCacheScraper(supervisor, vllm_urls)
+        self.cache = CacheWindow(sampler)
+        """Max age 0: each /metrics scrape samples anew (Prometheus sets the window); the periodic readers reuse it."""
         self.usage: dict[str, tuple[float, int, int]] = {}
         """Each component's tree usage as of the last `refresh_usage` (what the scrape shows)."""
 
@@ -426,8 +344,4 @@ class AgentMetrics:
     def generate(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def close(self) -> None:
-        await self.cache.close()
-
-
-__all__ = ["CONTENT_TYPE", "AgentMetrics", "VllmCacheScraper", "npu_families", "tree_usage", "vllm_metrics_urls"]
+__all__ = ["CONTENT_TYPE", "AgentMetrics", "npu_families", "tree_usage"]

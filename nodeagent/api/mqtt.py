@@ -23,7 +23,6 @@ from loguru import logger
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nodeagent import __version__
-from nodeagent.api.metrics import VllmCacheScraper
 from nodeagent.api.mqtt_model import (
     Outbox,
     cache_payload,
@@ -39,6 +38,7 @@ from nodeagent.api.mqtt_model import (
     status_payload,
     topics_for,
 )
+from nodeagent.api.vllm_sampler import CacheWindow, VllmSampler
 from nodeagent.core.task_owner import log_death
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ def _import_aiomqtt() -> Any:
 class MqttPublisher:
     """`start()` it once the supervisor exists, `close(final_state)` after the stack stopped (or detached)."""
 
-    def __init__(self, config: Config, supervisor: Supervisor, started_at: float | None = None,
-                 vllm_urls: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(self, config: Config, supervisor: Supervisor, sampler: VllmSampler,
+                 started_at: float | None = None) -> None:  # fmt: skip
         assert config.agent.mqtt is not None
         self.cfg = config.agent.mqtt
         self.sup = supervisor
@@ -75,7 +75,7 @@ class MqttPublisher:
         self.broker = f"{'mqtts' if self.cfg.tls else 'mqtt'}://{host}:{self.cfg.port}"
         self.started_at = started_at if started_at is not None else time.time()
         self.outbox = Outbox(self.cfg.buffer)
-        self.scraper = VllmCacheScraper(supervisor, vllm_urls)
+        self.scraper = CacheWindow(sampler, max_age_s=self.cfg.cache_interval_s / 2)
         self.agent_state = "running"
         self.connected = False
         self.connected_since: float | None = None
@@ -138,7 +138,6 @@ class MqttPublisher:
                     await task
             if self._queue is not None:
                 self.sup.events.unsubscribe(self._queue)
-            await self.scraper.close()
         if len(self.outbox) or not self.connects:
             logger.warning(f"MQTT: exiting with {len(self.outbox)} events undelivered to {self.broker}"
                            + (f" ({self.last_error})" if self.last_error else ""))  # fmt: skip

@@ -41,6 +41,7 @@ from nodeagent.node.blast_radius import Blast
 
 if TYPE_CHECKING:
     from nodeagent.api.mqtt import MqttPublisher
+    from nodeagent.api.vllm_sampler import VllmSampler
     from nodeagent.cluster.membership import Membership
     from nodeagent.config.model import Config
     from nodeagent.layers.guards import StartGuards
@@ -75,6 +76,7 @@ class Controller(Protocol):
     guards: StartGuards
     mqtt: MqttPublisher | None
     membership: Membership | None
+    vllm_sampler: VllmSampler
 
     @property
     def stopping(self) -> bool: ...
@@ -125,12 +127,12 @@ class Api(ClusterRoutes, UiRoutes, Handlers):
     def __init__(self, ctl: Controller, token: str, metrics: AgentMetrics | None = None) -> None:
         self.ctl = ctl
         self.token = token
-        self.agent_metrics = metrics or AgentMetrics(ctl.supervisor, started_at=ctl.started_at)
+        self.agent_metrics = metrics or AgentMetrics(ctl.supervisor, ctl.vllm_sampler, started_at=ctl.started_at)
         self.closing = asyncio.Event()
         self.sse_streams = 0
         self.journal = _output_to_journal()
         ui = ctl.config.agent.ui
-        self.cache_sampler = CacheSampler(ctl.supervisor, ui) if ui.enabled else None
+        self.cache_sampler = CacheSampler(ctl.vllm_sampler, ui) if ui.enabled else None
         """The status page's hit-rate history; runs while the API does."""
 
     @property
@@ -397,7 +399,6 @@ def build_app(api: Api) -> web.Application:
         api.closing.set()  # ends open event streams so shutdown does not wait for them
 
     async def on_cleanup(_app: web.Application) -> None:
-        await api.agent_metrics.close()
         if api.cache_sampler is not None:
             await api.cache_sampler.close()
 

@@ -268,7 +268,8 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def run_bench(work: Workload, target: Target, vllm: str, output_dir: Path, as_json: bool,
               out: TextIO = sys.stdout) -> int:  # fmt: skip
-    """Scrape, run vllm bench (its output passes through: progress), scrape, save one JSON; vllm's exit code."""
+    """Scrape, run vllm bench (its output passes through: progress), scrape, save one JSON; vllm's exit code.
+    Not `core.run`: vllm bench runs in the foreground of the user's terminal (its Ctrl-C reaches it directly)."""
     import subprocess
     from datetime import datetime
 

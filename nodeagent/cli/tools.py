@@ -13,7 +13,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     url = args.url
     if url is None:  # the config's first vLLM, as the agent scrapes it (the validated model: ~250 ms, once)
-        from nodeagent.api.metrics import vllm_metrics_urls
+        from nodeagent.vllm.endpoints import vllm_metrics_urls
 
         urls = vllm_metrics_urls(full_config(args).active_components())
         if not urls:

@@ -31,6 +31,7 @@ from loguru import logger
 
 from nodeagent.config.model import VllmComponent
 from nodeagent.core.bindaddr import connect_host, url_host
+from nodeagent.core.http import new_session
 from nodeagent.seam.host import Clock
 from nodeagent.vllm import ft_client as vllm_ft
 from nodeagent.vllm import ft_rules
@@ -103,7 +104,7 @@ class HttpFtClient:
 
     def _get(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = new_session()
         return self._session
 
     async def status(self, url: str) -> list[RankStatus]:

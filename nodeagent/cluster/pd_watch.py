@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,8 +39,9 @@ from loguru import logger
 
 from nodeagent.cluster.store import StoreError
 from nodeagent.config.model import VllmComponent
-from nodeagent.core.bindaddr import connect_host, direct_opener
+from nodeagent.core.bindaddr import connect_host
 from nodeagent.core.errors import CoordinationUnavailable, UnknownComponentError
+from nodeagent.core.http import fetch
 from nodeagent.core.states import SERVING_STATES, Desired, State
 from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ReportLayer
@@ -179,17 +178,8 @@ def merged_transfers(kinds: Mapping[str, str], records: Iterable[Mapping[str, An
 
 async def http_call(method: str, url: str, body: dict[str, Any] | None, timeout: float,
                     headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
-    def call() -> tuple[int, str]:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data, {**headers, **({"Content-Type": "application/json"} if data
-                                                                   else {})}, method=method)  # fmt: skip
-        try:
-            with direct_opener().open(request, timeout=timeout) as response:
-                return response.status, response.read().decode(errors="replace")
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
-
-    return await asyncio.to_thread(call)
+    answer = await fetch(method, url, timeout, json=body, headers=headers)
+    return answer.status, answer.text
 
 
 class PdWatch(ReportLayer):

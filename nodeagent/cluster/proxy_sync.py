@@ -14,17 +14,15 @@ the sync then starts from that list for the new process, not from the config's.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
-import urllib.request
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from nodeagent.config.layout import Group, ProxyPlan
-from nodeagent.core.bindaddr import connect_host, direct_opener
+from nodeagent.core.bindaddr import connect_host
+from nodeagent.core.http import fetch
 from nodeagent.core.states import SERVING_STATES
 from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ProxyBackends
@@ -117,17 +115,11 @@ ValueError when it does not answer (tests give a fake proxy)."""
 
 
 async def http_post(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    data = json.dumps(body).encode()
-
-    def call() -> dict[str, Any] | None:
-        request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-        with direct_opener().open(request, timeout=5) as response:
-            if not 200 <= response.status < 300:
-                return None
-            answer = json.loads(response.read() or b"{}")
-            return answer if isinstance(answer, dict) else {}
-
-    return await asyncio.to_thread(call)
+    answer = await fetch("POST", url, 5.0, json=body)
+    if not answer.ok:
+        return None
+    data = answer.json()
+    return data if isinstance(data, dict) else {}
 
 
 class ProxySync:

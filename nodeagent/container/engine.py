@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from loguru import logger
@@ -40,6 +38,7 @@ from nodeagent.container.plan import (
     setup_todo,
 )
 from nodeagent.container.render import ContainerSpec
+from nodeagent.core.run import RunResult, RunTimeout, kill_group, run
 from nodeagent.core.statefile import read_json, write_json_atomic
 
 RECORD_FILE = "container.json"
@@ -49,48 +48,20 @@ class EngineError(RuntimeError):
     """An engine command failed or timed out; the message has the command and the engine's own words."""
 
 
-@dataclass(frozen=True)
-class EngineResult:
-    argv: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
+EngineResult = RunResult
 
 
-async def run_engine(argv: Sequence[str], timeout_s: float, check: bool = True,
-                     stdin: int | None = asyncio.subprocess.DEVNULL) -> EngineResult:  # fmt: skip
-    """Run one engine command (in its own session) with a timeout.
-
-    On the timeout and on cancellation the command's whole process group is killed and reaped: a setup step's
-    shell leaves its children behind otherwise, and a cancelled agent task must not leave a `podman` running."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=stdin, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, start_new_session=True)
+async def run_engine(argv: Sequence[str], timeout_s: float, check: bool = True) -> EngineResult:
+    """Run one engine command (`core.run`: its own session; on the timeout and on cancellation the whole process
+    group is killed and reaped: a setup step's shell leaves its children behind otherwise, and a cancelled agent
+    task must not leave a `podman` running)."""
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        await kill_group(proc)
+        result = await run(argv, timeout_s)
+    except RunTimeout:
         raise EngineError(f"{' '.join(argv[:4])} ... timed out after {timeout_s:g} s") from None
-    except BaseException:  # cancelled: the command must not outlive the task that ran it
-        await kill_group(proc)
-        raise
-    result = EngineResult(tuple(argv), proc.returncode or 0, out.decode(errors="replace"),
-                          err.decode(errors="replace"))
     if check and result.returncode != 0:
         raise EngineError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()[-500:]}")
     return result
-
-
-async def kill_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the process group a `start_new_session` child leads, then reap the child. The group is killed even
-    when the leader already exited (its children may not have); a second cancel leaves the reaping to go on
-    by itself (shielded) and is not swallowed."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    await asyncio.shield(proc.wait())
 
 
 def _no_such(result: EngineResult) -> bool:
@@ -167,7 +138,8 @@ class ContainerEngine:
 
     async def events(self, wake: asyncio.Event, statuses: frozenset[str] = DEATH_EVENTS) -> None:
         """Follow the engine's event stream; set `wake` on each event that may mean a death. Returns when the
-        stream ends (the caller's poll carries on)."""
+        stream ends (the caller's poll carries on). A stream, not a command `core.run` waits out: started here, its
+        group ended by `kill_group` all the same."""
         proc = await asyncio.create_subprocess_exec(*self.spec.events_argv(), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.DEVNULL, start_new_session=True)

@@ -13,12 +13,12 @@ import platform
 import re
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nodeagent.core.run import RunTimeout, run_blocking
 from nodeagent.npu.tools import HCCN_TOOL_DEFAULT, NPU_SMI_DEFAULT, NpuSnapshot, NpuTools, locate_tool
 
 IMPORT_TIMEOUT_S = 60.0
@@ -178,9 +178,8 @@ class Host:
         if self.path is not None:
             env["PATH"] = self.path
         try:
-            done = subprocess.run([program, *argv[1:]], capture_output=True, text=True, timeout=timeout, env=env,
-                                  stdin=subprocess.DEVNULL)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
+            done = run_blocking([program, *argv[1:]], timeout, env=env)
+        except (OSError, RunTimeout):
             return None
         return done.stdout if done.returncode == 0 else None
 
@@ -206,9 +205,8 @@ class Host:
     def can_import(self, python: str, module: str) -> tuple[bool, str]:
         """(ok, the error's last line) of `python -c 'import module'`."""
         try:
-            done = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
-                                  timeout=IMPORT_TIMEOUT_S, stdin=subprocess.DEVNULL)  # fmt: skip
-        except subprocess.TimeoutExpired:
+            done = run_blocking([python, "-c", f"import {module}"], IMPORT_TIMEOUT_S)
+        except RunTimeout:
             return False, f"import {module} took over {IMPORT_TIMEOUT_S:g}s"
         except OSError as exc:
             return False, f"cannot run {python}: {exc.strerror or exc}"

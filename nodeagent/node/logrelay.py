@@ -37,6 +37,8 @@ KV_KEEP_BYTES = 1 << 20
 
 def relay(identifier: str, unit: str, command: list[str], tail_file: str | None = None,
           kv_file: str | None = None) -> int:  # fmt: skip
+    """Run `command` for life, its output to the journal. Not `core.run`: the child is the component itself, it
+    keeps the relay's session (the agent stops that whole tree) and gets every signal the relay gets."""
     read_fd, write_fd = os.pipe()
     try:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, close_fds=True)

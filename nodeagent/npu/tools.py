@@ -14,7 +14,6 @@ Cost per snapshot: one `npu-smi info` (health, HBM and processes of every chip i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from nodeagent.core.run import RunTimeout, run
 
 NPU_SMI_DEFAULT = Path("/usr/local/bin/npu-smi")
 HCCN_TOOL_DEFAULT = Path("/usr/local/Ascend/driver/tools/hccn_tool")
@@ -348,28 +349,15 @@ class NpuTools:
     async def _run(self, argv: list[str], answer: bytes | None = None, check: bool = True) -> str:
         async with self._limit():
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL if answer is None else asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True,
-                )  # fmt: skip
+                result = await run(argv, self.timeout_s, input=answer, merge_stderr=True, env=self.env)
+            except RunTimeout:
+                raise NpuToolError(f"{' '.join(argv)} timed out after {self.timeout_s:g}s") from None
             except OSError as exc:
                 raise NpuToolError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
-            try:
-                out, _ = await asyncio.wait_for(proc.communicate(answer), self.timeout_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
-                await proc.wait()
-                raise NpuToolError(f"{' '.join(argv)} timed out after {self.timeout_s:g}s") from None
-            finally:
-                if proc.returncode is None:  # cancelled
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, 9)
-        text = out.decode(errors="replace")
-        if proc.returncode != 0 and check:
-            raise NpuToolError(f"{' '.join(argv[1:]) or argv[0]} exit {proc.returncode}: {_short(text) or 'no output'}")
-        return text
+        if result.returncode != 0 and check:
+            said = _short(result.output) or "no output"
+            raise NpuToolError(f"{' '.join(argv[1:]) or argv[0]} exit {result.returncode}: {said}")
+        return result.output
 
     def _need(self, tool: str | None, name: str) -> str:
         if tool is None:

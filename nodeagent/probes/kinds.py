@@ -28,6 +28,8 @@ from loguru import logger
 
 from nodeagent.config.model import NpuProbe
 from nodeagent.core.bindaddr import url_host
+from nodeagent.core.http import new_session
+from nodeagent.core.run import run
 from nodeagent.npu.tools import NpuTools
 from nodeagent.probes.resolve import AnyComponent as AnyComponent
 from nodeagent.probes.resolve import ProbeResult as ProbeResult
@@ -201,32 +203,13 @@ async def check_tcp(host: str, port: int) -> tuple[bool, str]:
     return True, f"connected to {url_host(host)}:{port}"
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 async def run_command(
     argv: tuple[str, ...] | list[str], cwd: Path | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[int, str]:
-    """Run in a new session; if cancelled (a timeout) the whole process group is SIGKILLed and reaped."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, cwd=cwd, env=dict(env) if env is not None else None,
-        start_new_session=True,
-    )  # fmt: skip
-    finished = False
-    try:
-        out, _ = await proc.communicate()
-        finished = True
-    finally:
-        if not finished:
-            _kill_group(proc.pid)
-            # SIGKILL cannot be ignored: the leader is gone in milliseconds; the bound guards a lost waiter.
-            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-                await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace")
+    """(exit code, stdout and stderr merged); bounded by the probe's timeout, a cancellation, on which `core.run`
+    SIGKILLs the whole process group and reaps it."""
+    result = await run(argv, cwd=cwd, env=env, merge_stderr=True)
+    return result.returncode, result.output
 
 
 def _last_line(output: str) -> str:
@@ -407,11 +390,7 @@ class ProbeContext:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None),
-                trust_env=False,  # never send loopback probes through an HTTP proxy from the environment
-            )
+            self._session = new_session(force_close=True)
         return self._session
 
     async def close(self) -> None:

@@ -3,15 +3,16 @@ and what it is busy with (the drain before a planned stop waits for it)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.core.bindaddr import connect_host, url_host
 from nodeagent.core.errors import AgentError
+from nodeagent.core.http import HttpError, fetch
 from nodeagent.vllm.progress import parse_progress
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def vllm_metrics_urls(components: Mapping[str, Any]) -> dict[str, str]:
@@ -29,13 +30,12 @@ async def vllm_inflight(session: aiohttp.ClientSession, name: str, cfg: Any) -> 
     if url is None:
         return None
     try:
-        async with asyncio.timeout(5):
-            async with session.get(url) as response:
-                if response.status != 200:
-                    return None
-                text = await response.text(errors="replace")
-    except (OSError, TimeoutError, aiohttp.ClientError):
+        answer = await fetch("GET", url, 5.0, session=session)
+    except HttpError:
         return None
+    if answer.status != 200:
+        return None
+    text = answer.text
     try:
         engines = parse_progress(text)
     except AgentError:

@@ -11,12 +11,15 @@ one-line message naming the server.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+from nodeagent.core.http import HttpError, fetch
 
 # the support rule is pure (ft_rules: rendering imports it without aiohttp); its callers read it here too
 from nodeagent.vllm.ft_rules import Instruction, RankStatus, Support, supports_fault_tolerance  # noqa: F401
+
+if TYPE_CHECKING:
+    import aiohttp
 
 STATUS_PATH = "/fault_tolerance/status"
 APPLY_PATH = "/fault_tolerance/apply"
@@ -83,18 +86,14 @@ def _error_message(body: Any, text: str) -> str:
 async def _call(session: aiohttp.ClientSession, method: str, url: str, timeout_s: float,
                 json_body: dict[str, Any] | None = None) -> tuple[int, Any, str]:
     try:
-        async with session.request(method, url, json=json_body,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            text = await resp.text()
-            try:
-                body = await resp.json(content_type=None) if text else None
-            except ValueError:
-                body = None
-            return resp.status, body, text
-    except TimeoutError:
-        raise FtUnreachable(f"{method} {url}: no answer within {timeout_s:g} s") from None
-    except aiohttp.ClientError as exc:
-        raise FtUnreachable(f"{method} {url}: {exc.__class__.__name__}: {exc}") from None
+        answer = await fetch(method, url, timeout_s, json=json_body, session=session)
+    except HttpError as exc:
+        raise FtUnreachable(str(exc)) from None
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    return answer.status, body, answer.text
 
 
 async def fetch_status(session: aiohttp.ClientSession, base_url: str,

@@ -1,8 +1,8 @@
 """The vLLM prefix-cache hit-rate history behind the status page's plot: one sample per scrape period, kept in
 memory for `agent.ui.cache_history_s`.
 
-`CacheHistory` is pure (samples in, JSON out); `CacheSampler` is its shell: its own `VllmCacheScraper`, so its
-`_win` windows are one period long whatever Prometheus or MQTT scrape.
+`CacheHistory` is pure (samples in, JSON out); `CacheSampler` is its shell: its own `CacheWindow` on the agent's
+one `VllmSampler`, so its `_win` windows are one period long whatever Prometheus or MQTT read.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from nodeagent.api.metrics import RATIO_KINDS, VllmCacheScraper
+from nodeagent.api.metrics import RATIO_KINDS
+from nodeagent.api.vllm_sampler import CacheWindow, VllmSampler
 from nodeagent.vllm.cachehit import ALL_ENGINES, CacheRates, rates_to_json
 
 if TYPE_CHECKING:
     from nodeagent.config.model import UiConfig
-    from nodeagent.node.supervisor import Supervisor
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +75,9 @@ class CacheHistory:
 class CacheSampler:
     """Scrapes every up vLLM once per `cache_period_s` into a `CacheHistory` while the API runs."""
 
-    def __init__(self, supervisor: Supervisor, cfg: UiConfig, vllm_urls: dict[str, str] | None = None) -> None:
+    def __init__(self, sampler: VllmSampler, cfg: UiConfig) -> None:
         self.cfg = cfg
-        self.scraper = VllmCacheScraper(supervisor, vllm_urls)
+        self.scraper = CacheWindow(sampler, max_age_s=cfg.cache_period_s / 2)
         self.history = CacheHistory(cfg.cache_history_s, cfg.cache_period_s)
         self.last_scrape_at: float | None = None
         self.started_at = time.time()
@@ -129,4 +129,3 @@ class CacheSampler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self.scraper.close()
