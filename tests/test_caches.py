@@ -151,3 +151,46 @@ def test_the_container_shares_the_folder_and_the_key_is_the_image_id(tmp_path: P
     state = parse_inspect(json.dumps([{"Id": "c" * 64, "Name": "n", "Image": "sha256:" + "d" * 64,
                                        "ImageName": "img:1", "State": {"Status": "running", "Running": True}}]))
     assert state is not None and state.image == "img:1" and state.image_id == "sha256:" + "d" * 64
+
+
+def test_the_size_is_shown_in_status_and_exported(tmp_path: Path) -> None:
+    from prometheus_client.core import Metric
+
+    from nodeagent.api.metrics import cache_families
+    from nodeagent.cli.status import caches_line, format_status
+
+    config = parse_config(config_text(tmp_path, "/nonexistent/vllm"))
+    store = CacheStore()
+    out = asyncio.run(store.apply(config, "vllm", launch_spec("vllm", config, {}), {}, inside("sha256:" + "e" * 64)))
+    (Path(out.env["TRITON_CACHE_DIR"]) / "kernel.bin").write_bytes(b"k" * 3_000_000)
+    store.measured_at = 0.0  # a minute ago and more: the next scrape measures again
+    asyncio.run(store.refresh(config))
+    status = store.status(config)
+    assert status["bytes"] >= 3_000_000
+    key = status["keys"][0]["key"]
+    line = caches_line(status)
+    assert line.startswith(f"compile caches {tmp_path}/state/cache: 0.0 GB (cap 200 GB), 1 stack, in use {key} "
+                           "(vllm)")  # fmt: skip
+    shown = format_status({"node": {"name": "n0"}, "agent": {}, "components": {}, "caches": status}, now=0)
+    assert line in shown.splitlines()
+    families: dict[str, Metric] = {m.name: m for m in cache_families(status)}
+    assert families["dsv4_agent_compile_cache_bytes"].samples[0].value == status["bytes"]
+    assert families["dsv4_agent_compile_cache_max_bytes"].samples[0].value == 200e9
+    assert [(s.labels, s.value) for s in families["dsv4_agent_compile_cache_key_bytes"].samples] == [
+        ({"key": key}, status["bytes"])]
+
+
+def test_render_shows_the_variables_each_rank_gets(tmp_path: Path) -> None:
+    from nodeagent.node.caches import preview
+
+    script = venv(tmp_path / "v", "0.32.0")
+    host = parse_config(config_text(tmp_path, str(script)))
+    spec, note = preview(host, "vllm", launch_spec("vllm", host, {}), {})
+    assert spec.env["VLLM_CACHE_ROOT"].startswith(f"{tmp_path}/state/cache/0.32.0-") and note is not None
+    assert "vllm 0.32.0" in note and not (tmp_path / "state" / "cache").exists(), "render makes nothing"
+    inside_cfg = parse_config(config_text(tmp_path, str(script), container=True))
+    spec, note = preview(inside_cfg, "vllm", launch_spec("vllm", inside_cfg, {}), {})
+    assert spec.env["TORCHAIR_CACHE_HOME"] == f"{tmp_path}/state/cache/KEY/torchair" and "image ID" in (note or "")
+    unknown = parse_config(config_text(tmp_path, "/nonexistent/vllm"))
+    spec, note = preview(unknown, "vllm", launch_spec("vllm", unknown, {}), {})
+    assert "VLLM_CACHE_ROOT" not in spec.env and note is not None and "no readable version" in note

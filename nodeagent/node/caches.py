@@ -62,6 +62,32 @@ def scan(root: Path) -> list[CacheEntry]:
     return out
 
 
+def key_parts(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str], inside: Any = None
+              ) -> tuple[dict[str, str] | None, str]:  # fmt: skip
+    """What the key of `name`'s cache folder is made of (None: no key), and why there is none."""
+    if inside is not None:
+        return inside.cache_parts(), "the container's image ID is not known yet"
+    found = dist_versions(config.components[name].command, spec.environment(base_env), HOST_DISTS)
+    return (host_parts(found[1], found[0]) if found else None,
+            "the vLLM its command runs has no readable version (no cache kept across versions)")
+
+
+def preview(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str]) -> tuple[LaunchSpec, str | None]:
+    """`nodeagentctl render`: the launch with the variables it will get, and a note; nothing made or removed. A
+    rank inside the container is keyed by the image's ID, known once the container is up: KEY stands for it."""
+    if spec.kind != "vllm" or not config.agent.caches.enabled:
+        return spec, None
+    root = config.agent.cache_dir
+    if config.container is not None and config.components[name].container:
+        return (with_caches(spec, root / "KEY"), f"compile caches in {root}/KEY: KEY = the container's image ID and "
+                "setup, picked when it is up (the folder is mounted at the same path)")
+    parts, why = key_parts(config, name, spec, base_env)
+    if parts is None:
+        return spec, f"no compile cache folder: {why}"
+    versions = ", ".join(f"{k} {v}" for k, v in parts.items() if k != "python")
+    return with_caches(spec, root / cache_key(parts)), f"compile caches in {root} (the folder of {versions})"
+
+
 class CacheStore:
     """The node's cache folders: which key each vLLM rank was launched with, the last measurement."""
 
@@ -82,13 +108,7 @@ class CacheStore:
         settings = config.agent.caches
         if spec.kind != "vllm" or not settings.enabled:
             return spec
-        if inside is not None:
-            parts = inside.cache_parts()
-            why = "the container's image ID is not known yet"
-        else:
-            found = dist_versions(config.components[name].command, spec.environment(base_env), HOST_DISTS)
-            parts = host_parts(found[1], found[0]) if found else None
-            why = "the vLLM its command runs has no readable version (no cache kept across versions)"
+        parts, why = key_parts(config, name, spec, base_env, inside)
         if parts is None:
             self.unkeyed[name] = why
             return spec
