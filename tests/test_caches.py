@@ -85,8 +85,13 @@ def test_the_store_makes_the_folder_removes_old_stacks_and_measures(tmp_path: Pa
     assert config.agent.cache_dir == root, "default: under the state folder"
     (root / "not-ours").mkdir(parents=True)  # a folder without key.json: never touched
 
+    async def applied(image_id: str) -> LaunchSpec:
+        out = await store.apply(config, "vllm", spec, {}, inside(image_id))
+        await store.swept()  # the retention runs after the launch, off its path
+        return out
+
     def launch(image_id: str, at: float) -> LaunchSpec:
-        out = asyncio.run(store.apply(config, "vllm", spec, {}, inside(image_id)))
+        out = asyncio.run(applied(image_id))
         folder = Path(out.env["VLLM_CACHE_ROOT"]).parent
         os.utime(folder / "last_used", (at, at))
         return out

@@ -3,7 +3,8 @@ launch, the variables set, old stacks' folders removed by `render.caches.retenti
 
 The rules are `nodeagent.render.caches`; this is the file work: a folder per key under the cache dir with its
 parts in `key.json` (only such a folder is ever removed, after `pathsafety.check_deletable`), a `last_used`
-stamp touched at every launch, sizes measured in a thread (a launch, or a scrape at most once a minute).
+stamp touched at every launch; the retention and the sizes in a thread after a launch (never on its path: a walk
+of a big cache takes long), and the sizes again by a scrape at most once a minute.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class CacheStore:
         self.measured_at: float | None = None
         self.removed: list[str] = []
         self.error: str | None = None
+        self._sweep: asyncio.Task[None] | None = None
 
     async def apply(self, config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str],
                     inside: Any = None) -> LaunchSpec:  # fmt: skip
@@ -120,11 +122,13 @@ class CacheStore:
         except OSError as exc:
             self.error = f"cannot make the cache folder of {name}: {exc}"
             return spec
+        if self._sweep is None or self._sweep.done():  # off the launch: a walk of a big cache takes a while
+            self._sweep = asyncio.create_task(asyncio.to_thread(self.sweep, config), name="cache-sweep")
         return with_caches(spec, folder)
 
     def prepare(self, config: Config, key: str, parts: dict[str, str]) -> Path:
-        """Make the key's folder (its caches' subfolders: CANN wants its paths to exist), stamp it used, apply the
-        retention, measure. Blocking."""
+        """Make the key's folder (its caches' subfolders: CANN wants its paths to exist) and stamp it used: a few
+        syscalls, on the launch's path. Blocking."""
         root = config.agent.cache_dir
         folder = root / key
         for sub in CACHE_VARS.values():
@@ -132,8 +136,12 @@ class CacheStore:
         if not (folder / KEY_FILE).is_file():
             (folder / KEY_FILE).write_text(json.dumps({"parts": parts, "created": time.time()}, indent=1) + "\n")
         (folder / STAMP).touch()
-        self.sweep(config)
         return folder
+
+    async def swept(self) -> None:
+        """Until the sweep a launch began is done (tests; a shutdown need not wait: the next launch sweeps)."""
+        if self._sweep is not None:
+            await self._sweep
 
     def sweep(self, config: Config) -> None:
         """Remove what the retention says, measure what stays. Blocking."""
