@@ -162,15 +162,18 @@ def dist_versions(command: Sequence[str], env: Mapping[str, str], names: Sequenc
         return None
     folders = import_path(python, env)
     versions: dict[str, str | None] = {"vllm": vllm_version_in(folders)}
-    for name in names:
-        if name == "vllm":
-            continue
-        versions[name] = None
-        for folder in folders:
-            found = {(_metadata_version(path) or version) for dist, version, path in _dists(folder) if dist == name}
-            if found:
-                versions[name] = found.pop() if len(found) == 1 else None
-                break
+    todo = [n for n in names if n != "vllm"]
+    versions.update(dict.fromkeys(todo))
+    for folder in folders:  # each folder listed once, for every name still unknown
+        found: dict[str, set[str]] = {}
+        for dist, version, path in _dists(folder):
+            if dist in todo:
+                found.setdefault(dist, set()).add(_metadata_version(path) or version)
+        for dist, seen in found.items():
+            versions[dist] = seen.pop() if len(seen) == 1 else None
+        todo = [n for n in todo if n not in found]
+        if not todo:
+            break
     return str(python), versions
 
 
