@@ -218,6 +218,7 @@ async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(t
         with open(f"/proc/{comp.proc.record.pid}/environ", "rb") as fh:
             env = dict(v.split("=", 1) for v in fh.read().decode().split("\0") if "=" in v)
         assert env["VLLM_CACHE_ROOT"].startswith(f"{tmp_path}/state/cache/0.31.0-"), "its stack's compile caches"
+        await sup.caches.swept()  # measured after the launch, off its path
         assert sup.status()["caches"]["keys"][0]["used_by"] == ["vllm"]
         view = sup.component("vllm")
         assert view.ft_unsupported is not None and "vLLM 0.31.0 predates" in view.ft_unsupported
