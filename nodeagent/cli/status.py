@@ -109,7 +109,7 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     flags += format_fault_tolerance(data.get("fault_tolerance") or {})
     if data.get("container"):
         flags.append(container_line(data["container"]))
-    if (data.get("caches") or {}).get("enabled"):
+    if (caches := data.get("caches") or {}).get("enabled") and (caches.get("keys") or caches.get("unkeyed")):
         flags.append(caches_line(data["caches"]))
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
