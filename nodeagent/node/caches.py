@@ -122,6 +122,7 @@ class CacheStore:
         except OSError as exc:
             self.error = f"cannot make the cache folder of {name}: {exc}"
             return spec
+        self.error = None  # (a removal that fails again says so again after the sweep)
         if self._sweep is None or self._sweep.done():  # off the launch: a walk of a big cache takes a while
             self._sweep = asyncio.create_task(asyncio.to_thread(self.sweep, config), name="cache-sweep")
         return with_caches(spec, folder)
