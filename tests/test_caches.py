@@ -199,3 +199,28 @@ def test_render_shows_the_variables_each_rank_gets(tmp_path: Path) -> None:
     unknown = parse_config(config_text(tmp_path, "/nonexistent/vllm"))
     spec, note = preview(unknown, "vllm", launch_spec("vllm", unknown, {}), {})
     assert "VLLM_CACHE_ROOT" not in spec.env and note is not None and "no readable version" in note
+
+
+def test_an_adopted_ranks_folder_counts_as_in_use(tmp_path: Path) -> None:
+    """After an agent restart the ranks it adopts were launched by the agent before it: the key their environment
+    names is in use, so a launch of another stack with `keep: 1` does not remove their folder."""
+    config = parse_config(config_text(tmp_path, "/nonexistent/vllm").replace(
+        "systemd_scopes: never}", "systemd_scopes: never, caches: {keep: 1}}"))  # fmt: skip
+    old = config.agent.cache_dir / "0.31.0-abc"
+    (old / "vllm").mkdir(parents=True)
+    (old / "key.json").write_text("{}")
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "environ").write_bytes(b"A=1\0VLLM_CACHE_ROOT=" + str(old / "vllm").encode() + b"\0B=2\0")
+    store = CacheStore()
+    store.adopted(config, "vllm", 4242, proc)
+    store.adopted(config, "other", 999, proc)  # gone: nothing
+    assert store.in_use == {"vllm": "0.31.0-abc"}
+
+    async def launch() -> None:
+        await store.apply(config, "vllm-b", launch_spec("vllm", config, {}), {}, inside("sha256:" + "f" * 64))
+        await store.swept()
+
+    asyncio.run(launch())
+    assert old.is_dir(), "in use by the adopted rank: kept beyond keep"
+    assert len(store.status(config)["keys"]) == 2

@@ -127,6 +127,19 @@ class CacheStore:
             self._sweep = asyncio.create_task(asyncio.to_thread(self.sweep, config), name="cache-sweep")
         return with_caches(spec, folder)
 
+    def adopted(self, config: Config, name: str, pid: int, proc: Path = Path("/proc")) -> None:
+        """A rank the agent adopted (launched by an agent before it): the key its environment names is in use, so
+        the retention never removes the folder under it (read through the host's /proc, inside the container
+        too)."""
+        try:
+            env = (proc / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            return
+        for item in env:
+            var, _, value = item.decode(errors="replace").partition("=")
+            if var == "VLLM_CACHE_ROOT" and Path(value).parent.parent == config.agent.cache_dir:
+                self.in_use[name] = Path(value).parent.name
+
     def prepare(self, config: Config, key: str, parts: dict[str, str]) -> Path:
         """Make the key's folder (its caches' subfolders: CANN wants its paths to exist) and stamp it used: a few
         syscalls, on the launch's path. Blocking."""

@@ -242,6 +242,7 @@ class Supervisor(NodePort, NodeLoops):
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)
+        self.caches.adopted(self.config, comp.name, record.pid)  # its cache folder is in use
         tail = component_dir(self.config, comp.name) / "output.tail"
         saved = self._saved_launches.get(comp.name, {})
         # as launched, not as installed now: an upgrade since does not put the flags on its command line
