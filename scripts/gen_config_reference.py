@@ -35,6 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from nodeagent.config import agent as ca  # noqa: E402
 from nodeagent.config import cluster as cc  # noqa: E402
 from nodeagent.config import cluster_file  # noqa: E402
 from nodeagent.config import model as cm  # noqa: E402
@@ -177,6 +178,7 @@ SECTIONS: list[tuple[str, type[msgspec.Struct], str]] = [
     ("agent.api", cm.ApiConfig, "agent-api"),
     ("agent.mqtt", cm.MqttConfig, "agent-mqtt"),
     ("agent.ui", cm.UiConfig, "agent-ui"),
+    ("agent.caches", ca.CacheConfig, "agent-caches"),
     ("recovery", cm.RecoveryConfig, "recovery"),
     ("recovery.pd", cm.PdWatchConfig, "recovery-pd"),
     ("recovery.warm_weights", cm.WarmWeightsConfig, "recovery-warm_weights"),

@@ -277,3 +277,44 @@ def test_the_agent_stopping_its_container_records_that_it_did(tmp_path: Path) ->
     record = mode.records.load()
     assert stops == [5.0] and record is not None and record.stopped_by_agent is not None
     assert "Exited (137)" in (tmp_path / "logs" / "container.log").read_text()
+
+
+def test_a_rank_restart_never_touches_a_healthy_container(tmp_path: Path) -> None:
+    """Issue 32 item 4 (the field report vllm-ascend #15195: restarting only the ranks fixed a device-side timeout,
+    host and container untouched): while the container's init is alive, a rank's crash (kill -9), a failed probe
+    and an operator's restart are the rank's own restart — no hold, no wake of the container's watch, no engine
+    call, no death. Only a rank that died with its container is the container's recovery."""
+    from dataclasses import replace
+
+    from nodeagent.core.failure import Failure
+    from nodeagent.node.supervisor import Supervisor
+
+    (tmp_path / "model").mkdir()
+    cfg = parse_config(f"node: {{name: n1, ip: 127.0.0.1}}\nagent: {{state_dir: {tmp_path}/s, log_dir: {tmp_path}/l}}\n"
+                       "container: {engine: docker, name: dsv4}\ncomponents:\n"
+                       f"  vllm: {{kind: vllm, command: [vllm], model: {tmp_path}/model, port: 44801}}\n")  # fmt: skip
+    sup = Supervisor(cfg, container=ContainerMode)
+    mode = sup.container
+    assert mode is not None and mode.runs_inside("vllm")
+    sup.attach(mode)
+    mode.state, mode.problem, mode._wake = replace(_state(CID), pid=os.getpid()), None, asyncio.Event()  # alive
+
+    async def touched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a rank restart called the container engine")
+
+    for method in ("inspect", "inspect_text", "remove", "stop", "start", "create", "watch"):
+        if hasattr(mode.engine, method):
+            setattr(mode.engine, method, touched)
+    comp = sup.components["vllm"]
+    for failure in (Failure("exit", "killed by SIGKILL", code=-9, was_up=True),
+                    Failure("liveness", "liveness probe failed 3 times: /health timed out", was_up=True),
+                    Failure("startup", "startup probe timed out")):  # fmt: skip
+        decision = sup.decide(comp, failure)
+        assert decision is not None and decision.action == "restart", failure.detail
+        assert mode.problem is None and not mode._wake.is_set() and mode.deaths == 0
+    assert mode.command(sup.view(comp), "restart", False, "operator") is None, "an operator's restart: the rank's"
+    assert mode.gate(sup.view(comp), True) is None, "nothing holds the relaunch"
+
+    mode.state = replace(mode.state, pid=2**22 + 1)  # its init is gone: died with it
+    assert sup.decide(comp, Failure("exit", "killed by SIGKILL", code=-9, was_up=True)) is None, "delegated"
+    assert mode.problem is not None and mode._wake.is_set(), "the container's recovery: recreate, setup, redeploy"

@@ -53,6 +53,11 @@ def inspect(name: str) -> dict | None:
     return json.loads(out.stdout)[0] if out.returncode == 0 else None
 
 
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment (one inside the container too: read through the host's /proc)."""
+    return psutil.Process(pid).environ()
+
+
 def engine_cores(pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(pid).children(True) if proc_cmdline(p)[:1] == ["VLLM::EngineCore"]]
 
@@ -108,6 +113,15 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     inside = subprocess.run([*ctl, "shell", "--", "cat", "/proc/1/cmdline"], env=local.env, capture_output=True,
                             text=True, timeout=30)  # fmt: skip
     assert inside.returncode == 0 and inside.stdout.split("\0")[0] == "bash", inside.stderr  # the guide's init
+    # the compile caches on the host (issue 32 item 2): the rank's variables point into the image's folder under the
+    # agent's state folder, seen inside at the same path (a file put there on the host is read inside)
+    cache = Path(environ(first["vllm"]["pid"])["VLLM_CACHE_ROOT"])
+    assert cache.parent.parent == local.state_dir / "cache" and cache.is_dir()
+    (cache / "torch_compile_cache").mkdir(exist_ok=True)
+    (cache / "torch_compile_cache" / "warm.bin").write_bytes(b"compiled once")
+    seen = subprocess.run([*ctl, "shell", "--", "cat", str(cache / "torch_compile_cache" / "warm.bin")],
+                          env=local.env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert seen.stdout == "compiled once", seen.stderr
 
     # kill -9 of vLLM's API server inside: its orphaned EngineCore is gone before the relaunch
     old = first["vllm"]["pid"]
@@ -119,6 +133,14 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     assert cgroup_has(new, cid)
     local.wait_all_up()
     print(f"kill -9 of vLLM inside: relaunched after {relaunch_s * 1000:.0f} ms")
+    # restart what failed, not what holds it (issue 32 item 4): the same container, no death, the same caches
+    assert inspect(name)["Id"] == cid and local.status()["container"]["deaths"] == 0
+    assert environ(new)["VLLM_CACHE_ROOT"] == str(cache)
+    restart = subprocess.run([*ctl, "restart", "vllm"], env=local.env, capture_output=True, text=True, timeout=120)
+    assert restart.returncode == 0, restart.stderr
+    new = wait_for("vllm restarted by the operator", lambda: (p := local.children()["vllm"]["pid"]) != new and p)
+    local.wait_all_up()
+    assert cgroup_has(new, cid) and inspect(name)["Id"] == cid and local.status()["container"]["deaths"] == 0
 
     # A killed exec client leaves its process running: the agent still supervises it by its host PID
     client = psutil.Process(new).parents()  # the exec'd process's parent is conmon, not the client
@@ -187,6 +209,11 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
     # etcd of every member) — it was stopped and restarted by this redeploy before
     assert after["etcd"]["pid"] == before["etcd"][0], "host etcd keeps its PID across the container's death"
     assert (local.home / "setup.log").read_text().split() == ["setup-ran"] * 4
+    # the caches survived the recreate: the new container's rank uses the same host folder, its files there
+    assert environ(after["vllm"]["pid"])["VLLM_CACHE_ROOT"] == str(cache)
+    seen = subprocess.run([*ctl, "shell", "--", "cat", str(cache / "torch_compile_cache" / "warm.bin")],
+                          env=local.env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert seen.stdout == "compiled once", seen.stderr
     status = local.status()
     assert status["node_policy"]["redeploys_total"] == redeploys + 1
     assert status["container"]["last_death"]["exit_code"] == 137

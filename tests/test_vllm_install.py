@@ -204,7 +204,8 @@ async def launched(sup: Supervisor) -> Component:
 
 async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(tmp_path: Path) -> None:
     """Through the supervisor: the process runs without the flags, the cluster layer's view of it carries why
-    (the FT rung says it once: test_ft_ladder), and a reload does not take the rendering for a change."""
+    (the FT rung says it once: test_ft_ladder), and a reload does not take the rendering for a change — nor the
+    compile caches' variables the launch adds (`node.caches`)."""
     script = venv(tmp_path / "v", "0.31.0")
     sup = Supervisor(parse_config(config_text(tmp_path, str(script))), EventBus())
     await sup.start()
@@ -214,6 +215,11 @@ async def test_the_supervisor_launches_without_the_flags_and_its_view_says_why(t
             argv = fh.read().decode().split("\0")
         assert str(script) in argv and "--data-parallel-rank" in argv
         assert not any(a in argv for a in FT_FLAGS)
+        with open(f"/proc/{comp.proc.record.pid}/environ", "rb") as fh:
+            env = dict(v.split("=", 1) for v in fh.read().decode().split("\0") if "=" in v)
+        assert env["VLLM_CACHE_ROOT"].startswith(f"{tmp_path}/state/cache/0.31.0-"), "its stack's compile caches"
+        await sup.caches.swept()  # measured after the launch, off its path
+        assert sup.status()["caches"]["keys"][0]["used_by"] == ["vllm"]
         view = sup.component("vllm")
         assert view.ft_unsupported is not None and "vLLM 0.31.0 predates" in view.ft_unsupported
         assert sup.reload(sup.config)["restarted"] == []

@@ -56,6 +56,9 @@ class Stack(Protocol):
 
     def snapshot(self) -> Any: ...
 
+    @property
+    def caches(self) -> Any: ...
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The classic text format: what every Prometheus (and promtool) reads."""
@@ -163,7 +166,23 @@ class _StackCollector:
             rss.add_metric(lv, resident)
             procs.add_metric(lv, count)
         yield from (up, ready, desired, state, restarts, by_cause, started, cpu, rss, procs)
+        yield from cache_families(sup.caches.status(sup.config))
         yield from self.owner.vllm_families()
+
+
+def cache_families(status: dict[str, Any]) -> Iterator[Metric]:
+    """The compile caches on the host (`node.caches`), as last measured: the total against its cap, each key."""
+    if not status["enabled"]:
+        return
+    yield GaugeMetricFamily("dsv4_agent_compile_cache_bytes", "Bytes of the vLLM ranks' compile caches kept on the "
+                            "host (every software stack's folder; agent.caches).", value=status["bytes"])  # fmt: skip
+    yield GaugeMetricFamily("dsv4_agent_compile_cache_max_bytes", "The cap of those caches (agent.caches.max_gb).",
+                            value=status["max_bytes"])  # fmt: skip
+    per_key = GaugeMetricFamily("dsv4_agent_compile_cache_key_bytes", "Bytes of one software stack's cache folder.",
+                                labels=["key"])  # fmt: skip
+    for entry in status["keys"]:
+        per_key.add_metric([entry["key"]], entry["bytes"])
+    yield per_key
 
 
 def npu_families(monitor: NpuMonitor) -> Iterator[Metric]:
@@ -292,6 +311,7 @@ class AgentMetrics:
     async def refresh(self) -> None:
         await self.refresh_vllm()
         await self.refresh_usage()
+        await self.supervisor.caches.refresh(self.supervisor.config)  # measured at most once a minute
 
     async def refresh_vllm(self) -> None:
         await self.cache.refresh()

@@ -107,6 +107,9 @@ def openapi_document() -> dict[str, Any]:
                                "additionalProperties": {"$ref": "#/components/schemas/ComponentStatus"}},
                 "mqtt": {"type": "object", "description": "Only with agent.mqtt: connected, broker, last_error, "
                          "queued, dropped, published, topics"},
+                "caches": {"type": "object", "description": "The vLLM ranks' compile caches on the host (agent.caches):"
+                           " enabled, dir, keep, max_bytes, bytes, measured_at, keys (key, bytes, last_used, "
+                           "used_by), unkeyed (component → why none), removed, error"},
             },
         },
     }  # fmt: skip

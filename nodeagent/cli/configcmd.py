@@ -11,6 +11,7 @@ from nodeagent.cli.common import EXIT_CONFIG, EXIT_UNKNOWN, CliError
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from nodeagent.node.caches import preview
     from nodeagent.node.launcher import base_environment
     from nodeagent.node.vllm_install import launch_spec
 
@@ -27,6 +28,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     base = base_environment(os.environ)
     # as the agent launches them: vLLM's fault-tolerance flags only for a vLLM installed here that takes them
     specs = [launch_spec(name, config, base) for name in names]
+    # and the compile caches' variables they get (agent.caches; nodeagent.node.caches)
+    previews = [preview(config, spec.component, spec, base) for spec in specs]
+    specs, notes = [p[0] for p in previews], {p[0].component: p[1] for p in previews}
     if args.json:
         out = [{"component": s.component, "kind": s.kind, "argv": list(s.argv), "env": s.env,
                 "unset": list(s.unset), "cwd": str(s.cwd), "daemonizes": s.daemonizes,
@@ -36,6 +40,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 0
     for spec in specs:
         print(f"# --- {spec.component} ({spec.kind})")
+        if notes.get(spec.component):
+            print(f"# {notes[spec.component]}")
         print(spec.shell())
         print()
     return 0

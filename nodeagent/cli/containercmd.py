@@ -41,6 +41,7 @@ def print_container(config: Any, as_json: bool, root: str = "/") -> int:
                           "argv": list(spec.run_argv()), "agent_mounts": [o.value for o in added],
                           "adapted": [a.text for a in spec.adaptations], "problems": [a.text for a in spec.problems],
                           "create_on_host": list(spec.create_on_host),
+                          "compile_caches": str(config.agent.cache_dir) if config.agent.caches.enabled else None,
                           "setup": [list(s) for s in config.container.setup],
                           "components": inside, "node": config.node.name}, indent=2))
         return 0
@@ -53,6 +54,11 @@ def print_container(config: Any, as_json: bool, root: str = "/") -> int:
     if added:
         print("# the agent adds (its folders, not under a mount of this line, seen inside at the same path): "
               + " ".join(f"-v {o.value}" for o in added))
+    if config.agent.caches.enabled:
+        from nodeagent.render.caches import CACHE_VARS
+
+        print(f"# compile caches (agent.caches): {config.agent.cache_dir} on the host, at the same path inside; a "
+              f"vllm rank's {', '.join(CACHE_VARS)} point into its image's folder there")
     for step in config.container.setup:
         print("# setup: " + " ".join(step))
     return 0

@@ -125,12 +125,29 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     flags += format_weights(data.get("weights") or {})
     if data.get("container"):
         flags.append(container_line(data["container"]))
+    if (caches := data.get("caches") or {}).get("enabled") and (caches.get("keys") or caches.get("unkeyed")):
+        flags.append(caches_line(data["caches"]))
     rows = [("COMPONENT", "STATE", "PID", "READY", "RESTARTS", "UPTIME", "LAST EXIT", "NOTE")]
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",
                      _restarts(comp), human_duration(comp.get("uptime_s")),
                      _last_exit(comp.get("last_exit"), now, wide), _note(comp, wide)))  # fmt: skip
     return "\n".join([head, *flags, "", *table(rows)])
+
+
+def caches_line(caches: dict[str, Any]) -> str:
+    """`compile caches /var/lib/dsv4-agent/cache: 12.4 GB (cap 200 GB), 2 stacks, in use 0.32.0-… (vllm)`."""
+    keys = caches.get("keys") or []
+    text = (f"compile caches {caches.get('dir')}: {caches.get('bytes', 0) / 1e9:.1f} GB "
+            f"(cap {caches.get('max_bytes', 0) / 1e9:.0f} GB), {len(keys)} stack{'s' if len(keys) != 1 else ''}")
+    used = [f"{k['key']} ({', '.join(k['used_by'])})" for k in keys if k.get("used_by")]
+    if used:
+        text += ", in use " + "; ".join(used)
+    for name, why in (caches.get("unkeyed") or {}).items():
+        text += f" · {name}: none ({why})"
+    if caches.get("error"):
+        text += f" · {caches['error']}"
+    return text
 
 
 def cluster_view(api: Client) -> dict[str, Any]:

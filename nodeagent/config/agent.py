@@ -6,6 +6,7 @@ Apart from `config_model` (which imports it) so that each file holds one part of
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -127,6 +128,23 @@ class MqttConfig(Strict, frozen=True):
         return url.port or MQTT_SCHEMES[url.scheme]
 
 
+class CacheConfig(Strict, frozen=True):
+    """The compile caches of the vLLM ranks (vLLM's torch.compile cache, inductor, Triton, CANN's kernel cache,
+    torchair's graphs) kept on the host, one folder per software stack, so that a restarted rank and a recreated
+    container start warm (`nodeagent.render.caches`)."""
+
+    enabled: bool = True
+    """Set the caches' variables on every vllm component (host and container) and mount the folder into the
+    container; false: each cache stays where its software puts it (in the container: lost with it)."""
+    dir: ConfigPath | None = None
+    """The host folder of the caches, seen at the same path inside the container; default `<state_dir>/cache`."""
+    keep: Annotated[int, Meta(ge=1)] = 2
+    """How many software stacks' caches are kept (the least recently used beyond go); the one in use always."""
+    max_gb: Annotated[float, Meta(gt=0)] = 200.0
+    """Size cap of all kept caches together: past it, the least recently used stacks' folders go (never one in
+    use)."""
+
+
 class AgentSettings(Strict, frozen=True):
     preflight: Literal["enforce", "warn", "off"] = "enforce"
     """Before the stack starts (and every minute while it fails): enforce = a FAIL holds the stack (an
@@ -148,3 +166,9 @@ class AgentSettings(Strict, frozen=True):
     mqtt: MqttConfig | None = None
     ui: UiConfig = field(default_factory=UiConfig)
     """The read-only status page at GET /ui on the API's address, and the hit-rate history it plots."""
+    caches: CacheConfig = field(default_factory=CacheConfig)
+    """The vLLM ranks' compile caches on the host, kept across restarts and container recreates."""
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.caches.dir if self.caches.dir is not None else self.state_dir / "cache"

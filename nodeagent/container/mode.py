@@ -36,13 +36,14 @@ from nodeagent.container.engine import (
     init_alive,
 )
 from nodeagent.container.exec import InsideWatch, adopt_inside, launch_inside
-from nodeagent.container.plan import ContainerState, SetupStepFailed, Step
+from nodeagent.container.plan import ContainerState, SetupStepFailed, Step, setup_hash
 from nodeagent.container.render import container_spec, host_facts, shared_folders
 from nodeagent.core import logsink
 from nodeagent.core.errors import AdoptError, LaunchError
 from nodeagent.node.blast_radius import Blast
 from nodeagent.node.residue_plan import RemoveShmSegments, ResiduePlan
 from nodeagent.probes.resolve import ResolvedProbe
+from nodeagent.render.caches import container_parts
 from nodeagent.seam.policy import RestartDecision
 from nodeagent.seam.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport
 
@@ -103,6 +104,11 @@ class ContainerMode:
             return "host"
         cid = self.state.id if self.state is not None else getattr(self.records.load(), "container_id", "")
         return f"container {cid[:12]}"
+
+    def cache_parts(self) -> dict[str, str] | None:
+        """The compile caches' key of a rank inside: the image's ID and the setup list (`render.caches`)."""
+        image_id = self.state.image_id if self.state is not None else ""
+        return container_parts(self.spec.image, image_id, setup_hash(self.section.setup))
 
     @property
     def container_id(self) -> str:

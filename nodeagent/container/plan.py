@@ -33,6 +33,8 @@ class ContainerState:
     running: bool
     image: str
     """The image as the run line named it."""
+    image_id: str = ""
+    """The image's ID (what the name pointed at when the container was made): the compile caches' key."""
     exit_code: int | None = None
     oom_killed: bool = False
     error: str = ""
@@ -73,6 +75,7 @@ def parse_inspect(text: str) -> ContainerState | None:
         id=str(data.get("Id", "")), name=str(data.get("Name", "")).lstrip("/"),
         status=str(state.get("Status", "")).lower(), running=bool(state.get("Running")),
         image=str(data.get("ImageName") or config.get("Image") or data.get("Image", "")),
+        image_id=str(data.get("Image") or ""),
         exit_code=state.get("ExitCode"), oom_killed=bool(state.get("OOMKilled")), error=str(state.get("Error") or ""),
         pid=pid if isinstance(pid, int) and pid > 0 else None,
         started_at=_time(state.get("StartedAt")), finished_at=_time(state.get("FinishedAt")),

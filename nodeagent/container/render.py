@@ -180,8 +180,11 @@ def _mounted_at_same_path(options: Sequence[RunOption], path: Path) -> bool:
 def shared_folders(config: Config) -> list[Path]:
     """The agent's folders an in-container component uses that the host reads or writes too, which must be at
     the same path inside: the state folder (each component's cwd, TMPDIR and written files), the components' own
-    workdirs and the worker's liveness file's folder (the agent's probe reads it)."""
+    workdirs, the worker's liveness file's folder (the agent's probe reads it) and the compile caches' folder
+    (`agent.caches`: kept across a recreate)."""
     folders = [config.agent.state_dir]
+    if config.agent.caches.enabled:
+        folders.append(config.agent.cache_dir)
     for comp in config.active_components().values():
         if not comp.container:
             continue

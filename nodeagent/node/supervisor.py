@@ -31,6 +31,7 @@ from nodeagent.core.statefile import StateStore, write_json_atomic
 from nodeagent.core.states import SERVING_STATES, State
 from nodeagent.core.task_owner import guarded, log_death
 from nodeagent.node import launcher, residue, residue_plan, vllm_install
+from nodeagent.node.caches import CacheStore
 from nodeagent.node.component import Component
 from nodeagent.node.evidence import PostMortems
 from nodeagent.node.intent import NodeIntent
@@ -79,6 +80,7 @@ class Supervisor(NodePort, NodeLoops):
         self.clock = clock or Clock()
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
+        self.caches = CacheStore()
         self.on_probe_result: list[Any] = []
         """Callbacks (component, role, ProbeResult) for metrics; called from probe tasks, keep them cheap."""
         self.on_load: list[Any] = []
@@ -226,6 +228,7 @@ class Supervisor(NodePort, NodeLoops):
         spec = vllm_install.launch_spec(comp.name, self.config, self.base_env)
         fingerprint = launch_fingerprint(spec)  # the config's command line: what a reload compares with
         spec = routed_proxy(spec, self.config, self.launch_backends(comp.name) if comp.kind == "proxy" else None)
+        spec = await self.caches.apply(self.config, comp.name, spec, self.base_env, inside)  # after the fingerprint
         timeout = float(getattr(comp.cfg, "start_timeout_s", 60)) + 30.0
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
@@ -239,6 +242,7 @@ class Supervisor(NodePort, NodeLoops):
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)
+        self.caches.adopted(self.config, comp.name, record.pid)  # its cache folder is in use
         tail = component_dir(self.config, comp.name) / "output.tail"
         saved = self._saved_launches.get(comp.name, {})
         # as launched, not as installed now: an upgrade since does not put the flags on its command line
@@ -576,6 +580,7 @@ class Supervisor(NodePort, NodeLoops):
             "node_policy": {"failed": self.redeploys.failed, "failed_reason": self.redeploys.failed_reason,
                             "redeploys_total": self.redeploys.redeploys_total},
             "components": components,
+            "caches": self.caches.status(self.config),
             **self.layer_status(),
         }  # fmt: skip
 

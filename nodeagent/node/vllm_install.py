@@ -152,6 +152,31 @@ def installed_vllm_version(command: Sequence[str], env: Mapping[str, str]) -> st
     return vllm_version_in(import_path(python, env))
 
 
+def dist_versions(command: Sequence[str], env: Mapping[str, str], names: Sequence[str]
+                  ) -> tuple[str, dict[str, str | None]] | None:  # fmt: skip
+    """The interpreter `command` runs and the versions of the distributions `names` on its import path (the first
+    folder that has one decides; None for one not installed or two versions side by side), or None when the
+    command is not Python: what a compile cache's key is made of (`nodeagent.render.caches`)."""
+    python = interpreter(command, env.get("PATH", ""))
+    if python is None:
+        return None
+    folders = import_path(python, env)
+    versions: dict[str, str | None] = {"vllm": vllm_version_in(folders)}
+    todo = [n for n in names if n != "vllm"]
+    versions.update(dict.fromkeys(todo))
+    for folder in folders:  # each folder listed once, for every name still unknown
+        found: dict[str, set[str]] = {}
+        for dist, version, path in _dists(folder):
+            if dist in todo:
+                found.setdefault(dist, set()).add(_metadata_version(path) or version)
+        for dist, seen in found.items():
+            versions[dist] = seen.pop() if len(seen) == 1 else None
+        todo = [n for n in todo if n not in found]
+        if not todo:
+            break
+    return str(python), versions
+
+
 def launch_spec(name: str, config: Config, base_env: Mapping[str, str]) -> LaunchSpec:
     """What `name` is launched with: a vllm that asks for fault tolerance is rendered for the vLLM installed here
     (one inside the node's container runs the image's, not known from here: rendered as the config says)."""
