@@ -295,7 +295,7 @@ class PdWatch(ReportLayer):
         """Every decode instance of the groups in the proxy, then the proxy itself, spread over one period."""
         healthy = self._health()
         prefills = [e for g in self._of("prefill") if healthy[g.name] for e in g.endpoints]
-        targets = [(g.name, e) for g in self._of("decode") if healthy[g.name] for e in g.endpoints]
+        targets = self._targets()
         if not prefills or not targets:
             return  # nothing the proxy could route a request through: its sync says why
         started, gap = self.clock.monotonic(), self.settings.probe_period_s / (len(targets) + 1)
@@ -308,9 +308,16 @@ class PdWatch(ReportLayer):
         ok, what = await self.ask_proxy()
         if proxy_fault(ok, what, results) is not None:
             # An instance that failed after its turn in the round (up to a period ago) fails the proxy's request
-            # too: the proxy is blamed only when every instance still answers now.
-            results = await self._probe_instances(targets, prefills, first)
+            # too: the proxy is blamed only when every instance still answers now — every one the proxy routes
+            # now, a group that joined it during the round as well (the campaign's empty rank, re-added just
+            # before the proxy's request: the round had not probed it, and the proxy was blamed for its answer).
+            results = await self._probe_instances(self._targets(), prefills, first)
         await self.judge_proxy(ok, what, results)
+
+    def _targets(self) -> list[tuple[str, str]]:
+        """(group, endpoint) of every decode instance of the groups in the proxy now."""
+        healthy = self._health()
+        return [(g.name, e) for g in self._of("decode") if healthy[g.name] for e in g.endpoints]
 
     async def _probe_instances(self, targets: list[tuple[str, str]], prefills: list[str], first: int,
                                started: float | None = None, gap: float = 0.0) -> dict[str, bool]:
