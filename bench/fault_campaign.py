@@ -49,6 +49,9 @@ PD_PROBE_PERIOD_S = 2.0
 LOGS_SIZE = "1300m"
 """The tmpfs of n3's log folder: the preflight wants 1.2 GiB free at start (a tmpfs uses memory only for what is
 written); the fault shrinks it to what is used and fills the rest."""
+REPLACED = {"kill_vllm": "vllm", "full_logs": "vllm", "restart_drain": "vllm", "kill_datasystem": "datasystem",
+            "kill_proxy": "proxy"}
+"""Fault classes whose process comes back as a new one (its role as the observer names it)."""
 DYNAMO = {"one decode worker killed, no redundancy": "280 of 800 requests failed, 38 s to recover",
           "one of 4 redundant decode workers killed": "4 of 800 requests failed"}
 """NVIDIA Dynamo's published fault-tolerance figures (the issue), for the report."""
@@ -297,9 +300,27 @@ class Campaign:
                 self.ledger.note(f"fault {fault['id']}: the heal failed: {exc!r}")
         fault["healed"] = self.ledger.now()
 
+    def replaced(self, f: dict[str, Any], timeout: float) -> float | None:
+        """When the process a fault killed (or a command restarts) was started again, as /proc showed it."""
+        role = REPLACED.get(f["cls"])
+        deadline = time.monotonic() + timeout
+        while role is not None and time.monotonic() < deadline:
+            with self.ledger.lock:
+                seen = [e["t"] for e in self.ledger.processes if e["event"] == "start" and e["role"] == role
+                        and e["node"] == f["node"] and e["t"] > f["injected"]]  # fmt: skip
+            if seen:
+                return min(seen)
+            time.sleep(0.25)
+        return None
+
     def settle(self, faults: list[dict[str, Any]]) -> None:
-        """Wait for full capacity after the last heal; each fault recovered then (None when it never was)."""
+        """Wait for full capacity after the last heal — and, for a fault whose process is replaced, after the
+        replacement started (the cluster still looks whole until the poll sees the kill); each fault recovered
+        then (None when it never was)."""
         after = max(f["healed"] for f in faults)
+        for f in faults:
+            f["replaced"] = self.replaced(f, self.recovery_bound_s)
+            after = max(after, f["replaced"] or 0.0)
         for f in faults:
             f["recovered"] = self.wait_full(self.recovery_bound_s + 60, f["group"], after)
             self.ledger.note(f"fault {f['id']} {f['cls']}: full capacity "
