@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,8 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0,
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-    except (OSError, ValueError) as exc:
-        return 0, str(exc).encode()
+    except (OSError, ValueError, HTTPException) as exc:  # a body cut short (IncompleteRead) too
+        return 0, f"{type(exc).__name__}: {exc}".encode()
 
 
 class Ledger:
@@ -92,8 +93,11 @@ class Traffic:
             if self.idle is not None and (into := self.ledger.now() % self.idle[0]) < self.idle[1]:
                 time.sleep(self.idle[1] - into)
             sent = self.ledger.now()
-            status, body = http(self.url, {"model": "dsv4", "prompt": f"client {client} request {n}",
-                                           "max_tokens": 4, "ignore_eos": True}, timeout=30)  # fmt: skip
+            try:
+                status, body = http(self.url, {"model": "dsv4", "prompt": f"client {client} request {n}",
+                                               "max_tokens": 4, "ignore_eos": True}, timeout=30)  # fmt: skip
+            except Exception as exc:  # a client that dies would halve the traffic and lose its request
+                status, body = 0, repr(exc).encode()
             text, group, error = "", None, ""
             if status == 200:
                 try:
