@@ -73,6 +73,7 @@ class Campaign:
         h.data["recovery"] = {"pd": {"probe_period_s": PD_PROBE_PERIOD_S, "probe_timeout_s": 5, "empty_after": 2}}
         self.logs_mounted = self._mount_logs("n3")
         self.rollouts = 0
+        self.aborted = False
         self.observer: Observer | None = None
         self.traffic: Traffic | None = None
         vllm = h.data["components"]["vllm"]
@@ -205,10 +206,11 @@ class Campaign:
 
         return heal
 
-    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+    def ctl(self, *args: str, timeout: float = 60.0) -> int:
+        """nodeagentctl on n1, noted in the ledger; its exit status."""
         out = self.h.ctl("n1", *args, timeout=timeout)
-        self.ledger.note(f"nodeagentctl {' '.join(args)}: {out.returncode} {(out.stdout + out.stderr).strip()[:200]}")
-        return out.stdout
+        self.ledger.note(f"nodeagentctl {' '.join(args)}: {out.returncode} {(out.stdout + out.stderr).strip()[:300]}")
+        return out.returncode
 
     def pause(self) -> Callable[[], Any]:
         self.ctl("cluster", "pause", "--reason", "campaign")
@@ -223,9 +225,14 @@ class Campaign:
             g["env"] = {**g["env"], "VLLM_CAMPAIGN_ROLLOUT": str(self.rollouts)}
         for name in NODES:
             self.h.write(name)
-        self.ctl("cluster", "rollout", str(self.h.config_path("n1")), "--bake", "5s", "--drain-timeout", "60s")
+        refused = self.ctl("cluster", "rollout", str(self.h.config_path("n1")), "--bake", "5s", "--drain-timeout",
+                           "60s") != 0
+        if abort:
+            self.aborted = True  # the members now run two files: every later rollout is refused (as it should be)
 
         def heal() -> None:
+            if refused:
+                return
             if abort:
                 self.ctl("cluster", "rollout", "abort")
             deadline = time.monotonic() + 400
@@ -260,7 +267,7 @@ class Campaign:
             "stop_etcd": lambda n: (None, self.stop_etcd()),
             "restart_etcd": lambda n: (None, (self.etcd.stop(), self.etcd.start)[1]),
             "wipe_etcd": lambda n: (None, (self.etcd.wipe(), self.etcd.start)[1]),
-            "restart_drain": lambda n: (n, self.ctl("cluster", "restart", "vllm", "--group", GROUP_OF[n]) and None),
+            "restart_drain": lambda n: (n, (self.ctl("cluster", "restart", "vllm", "--group", GROUP_OF[n]), None)[1]),
             "pause_resume": lambda n: (None, self.pause()),
             "rollout": lambda n: (None, self.rollout()),
             "rollout_abort": lambda n: (None, self.rollout(abort=True)),
@@ -358,7 +365,8 @@ class Campaign:
             return
         solo = [c for c in names if c not in ("rollout", "rollout_abort")]
         while time.monotonic() - begun < self.duration_s / 2:
-            cls = self.rng.choice(solo + ["rollout"] * (self.rollouts < 2) + ["rollout_abort"] * (self.rollouts < 3))
+            rolls = [] if self.aborted else ["rollout"] * (self.rollouts < 2) + ["rollout_abort"] * (self.rollouts < 3)
+            cls = self.rng.choice(solo + rolls)
             self.one(cls, self.rng.choice(self.targets(cls)), (5, 10) if "rollout" in cls else (3, 20))
             time.sleep(self.rng.uniform(2, 6))
         unplanned = [c for c in names if c not in campaign_checks.PLANNED and c != "rollout_abort"]
