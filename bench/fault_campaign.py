@@ -434,7 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None,
                         help="the ledger and report (default /tmp/dsv4-campaign-SEED.json)")
     parser.add_argument("--keep", action="store_true", help="keep the run folder (agent logs) after a clean run")
+    parser.add_argument("--check", type=Path, default=None, metavar="LEDGER",
+                        help="run nothing: check a ledger of an earlier run again and print its report")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        ledger = json.loads(args.check.read_text())
+        ledger["report"] = campaign_checks.report(ledger)
+        print_report(ledger)
+        return 0 if ledger["report"]["ok"] else 1
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     home = Path(tempfile.mkdtemp(prefix="dsv4-campaign-"))
     print(f"fault campaign: seed {seed}, run folder {home}", flush=True)
