@@ -545,3 +545,22 @@ async def test_a_decoder_joining_the_proxy_during_a_round_is_asked_before_the_pr
         assert watch.empties.streak[d1] == 1, "the newcomer's empty answer is counted: the watch attributes it"
     finally:
         await w.close()
+
+
+async def test_a_prefill_that_does_not_answer_is_no_proof_against_the_proxy(world_dp: World) -> None:
+    """Issue 33's campaign: p0's rank stopped (SIGSTOP), the proxy's requests through it failed (500), the probes
+    through p1 answered and those through p0 were left out — so the proxy was named the fault and restarted after
+    two rounds, failing every request in flight and emptying its lists. A silent prefill explains the proxy's
+    failure: no proxy restart."""
+    co = world_dp.agents["n0"].coordinator
+    (p0,) = co.layout.group("p0").endpoints
+    backends = Backends(world_dp.clock)
+    backends.dead.add(int(p0.rsplit(":", 1)[1]))
+    backends.proxy_answer = (500, "Internal Server Error")
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=10, proxy_fault_after=2), lambda: {}, model="dsv4",
+                    clock=world_dp.clock, http=backends)  # fmt: skip
+    watch.co.port.attach(watch)
+    co.spawn(watch.run())
+    await world_dp.advance(35)
+    assert watch.status_section()["pd_watch"]["proxy"]["fault"] is None
+    assert world_dp.stacks["n0"].started("proxy") == 1 and not watch.acted
