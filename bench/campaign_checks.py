@@ -111,7 +111,9 @@ def target_check(ledger: dict[str, Any], f: dict[str, Any], row: dict[str, Any])
     if f["cls"] in PLANNED:
         return row["failed"] == 0 and row["empty"] == 0, "planned: 0 requests failed or empty"
     if f["cls"] in RANK:
-        detected = f.get("detected") if f.get("detected") is not None else f.get("recovered")
+        # the detection window ends when the agent acts (a restart, a new generation, the proxy's membership), not
+        # when it first counts a symptom (the PD watch's first empty answer of `empty_after`)
+        detected = next((f[k] for k in ("acted", "detected", "recovered") if f.get(k) is not None), None)
         if detected is None:
             return False, "rank fault never detected"
         group = f.get("group")
@@ -203,7 +205,8 @@ def report(ledger: dict[str, Any]) -> dict[str, Any]:
 def fill_detection(ledger: dict[str, Any]) -> None:
     """Each fault's `detected`: the first reaction an outsider sees after it — a start of one of its node's children,
     a new generation of its group, a change of the proxy's membership, the PD watch counting its group's empty
-    answers — within its window (a cluster-wide fault: any of those anywhere)."""
+    answers — within its window (a cluster-wide fault: any of those anywhere); `acted`: the same without the
+    counting (what ends the cost)."""
     end = ledger["duration"]
     for f in ledger["faults"]:
         lo, hi = window(f, end)
@@ -213,6 +216,8 @@ def fill_detection(ledger: dict[str, Any]) -> None:
                  and (node is None or e["node"] == node)]  # fmt: skip
         times += [g["t"] for g in ledger["generations"] if group is None or g["group"] == group]
         times += [p["t"] for p in ledger["proxy"]]
+        acted = [t for t in times if lo < t <= hi]
+        f["acted"] = min(acted) if acted else None
         times += [a["t"] for a in ledger["attributed"] if group is None or a["group"] == group]
         seen = [t for t in times if lo < t <= hi]
         f["detected"] = min(seen) if seen else None
