@@ -127,8 +127,8 @@ def target_check(ledger: dict[str, Any], f: dict[str, Any], row: dict[str, Any])
 
 
 def empties_attributed(ledger: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every group that answered 200-empty: when it did first (per fault window), when the agent's PD watch counted
-    it, and whether within one probe period (+ the 0.5 s the status poll adds)."""
+    """Every group that answered 200-empty: when it did first (per fault window), when the agent attributed it (its
+    PD watch counted it, or it acted on that group), and whether within one probe period (+ the 0.5 s poll)."""
     period = ledger["bounds"]["probe_period_s"]
     rows = []
     for f in ledger["faults"]:
@@ -139,7 +139,13 @@ def empties_attributed(ledger: dict[str, Any]) -> list[dict[str, Any]]:
                     default=None)  # fmt: skip
         if first is None:
             continue
-        seen = min((a["t"] for a in ledger["attributed"] if a["group"] == f["group"] and a["t"] >= lo), default=None)
+        # the agent attributes it by counting it (the PD watch) or by acting on the group: a new generation, or
+        # the group taken out of the proxy (the rank's own readiness probe can be first)
+        times = [a["t"] for a in ledger["attributed"] if a["group"] == f["group"]]
+        times += [g["t"] for g in ledger["generations"] if g["group"] == f["group"]]
+        kind = "decode" if ledger["proxy"] and f["group"] and f["group"].startswith("d") else "prefill"
+        times += [b["t"] for a, b in zip(ledger["proxy"], ledger["proxy"][1:], strict=False) if b[kind] < a[kind]]
+        seen = min((t for t in times if t >= lo), default=None)
         lag = None if seen is None else round(max(0.0, seen - first), 2)
         rows.append({"fault": f["id"], "group": f["group"], "first_empty": first, "attributed_after_s": lag,
                      "ok": lag is not None and lag <= period + 0.5})  # fmt: skip

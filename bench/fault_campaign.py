@@ -417,7 +417,7 @@ def print_report(ledger: dict[str, Any]) -> None:
     for missed in rep["targets_missed"]:
         print(f"TARGET MISSED: fault {missed['fault']} {missed['cls']}: {missed['check']}")
     for row in rep["empties_attributed"]:
-        print(f"200-empty of {row['group']} attributed by the PD watch after {row['attributed_after_s']} s "
+        print(f"200-empty of {row['group']} attributed by the agent after {row['attributed_after_s']} s "
               f"({'within' if row['ok'] else 'NOT within'} one probe period)")
     print(f"failures outside any fault: {rep['unattributed_failures']}")
     print(f"Dynamo (published): {'; '.join(f'{k}: {v}' for k, v in DYNAMO.items())}")

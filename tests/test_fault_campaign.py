@@ -132,3 +132,12 @@ def test_the_short_campaign_holds_every_check(tmp_path: Path) -> None:
     assert {f["cls"] for f in data["faults"]} >= {"restart_drain", "kill_vllm", "empty_rank", "cut_etcd"}
     assert data["processes"] and data["generations"] and data["proxy"], "the outside view saw nothing"
     assert run.returncode == 0, story
+
+
+def test_an_empty_group_taken_out_of_the_proxy_is_attributed_too() -> None:
+    """The rank's own readiness probe can see the empty answers first: the group leaves the proxy before the PD
+    watch probes it (short campaign, seed 33) — the agent attributed it all the same."""
+    led = ledger(requests=[req(20, nonempty=False), req(30)], faults=[fault(1, "empty_rank", 19, 25, 31)],
+                 empties=[{"t": 20.1, "group": "d0"}],
+                 proxy=[{"t": 1, "prefill": 2, "decode": 2}, {"t": 21.0, "prefill": 2, "decode": 1}])  # fmt: skip
+    assert cc.empties_attributed(led)[0]["attributed_after_s"] == 0.9
