@@ -507,3 +507,60 @@ async def test_under_journald_the_relay_keeps_the_failure_lines_kvlog_counts(wor
     assert kv_file.read_text().splitlines() == lines[1:], "the relay kept the two failure lines"
     kvlog.feed("vllm", kvlog.read_new("vllm"))
     assert [row[1:] for row in stack.status()["kv_transfers"]] == [["d0", "p0"], ["d0", None]]
+
+
+GROUPS_2D = [*GROUPS, {"name": "d1", "kind": "decode", "nodes": ["n3"]}]
+
+
+async def test_a_decoder_joining_the_proxy_during_a_round_is_asked_before_the_proxy_is_blamed(tmp_path: Path) -> None:
+    """Issue 33's campaign: a decode group re-added to the proxy after its round's probes began was not probed that
+    round; the proxy routed the watch's own request to it, it answered empty, and the proxy — whose every probed
+    instance answered — was named the fault (a restart of the proxy after two such rounds fails every request in
+    flight). Asked again before blaming, the newcomer explains the empty answer and its streak counts."""
+    w = World(tmp_path / "w", ["n0", "n1", "n2", "n3"], GROUPS_2D, proxy=True)
+    w.start()
+    try:
+        await w.until("every component up", w.all_up, within=120)
+        await w.until("the proxy ready", lambda: w.stacks["n0"].components["proxy"].ready)
+        co = w.agents["n0"].coordinator
+        (d1,) = co.layout.group("d1").endpoints
+        backends = Backends(w.clock)
+        health = {"p0": True, "p1": True, "d0": True, "d1": False}  # d1 out of the proxy as the round begins
+
+        def d1_joins() -> None:  # back in the proxy just before its request, and empty: the proxy routes to it
+            health["d1"] = True
+            backends.proxy_answer = (200, "")
+
+        backends.on_proxy = d1_joins
+        backends.decode_answers[int(d1.rsplit(":", 1)[1])] = (200, "")
+        watch = PdWatch(co, PdWatchConfig(probe_period_s=10, empty_after=5), lambda: {}, model="dsv4",
+                        clock=w.clock, http=backends)  # fmt: skip
+        watch._health = lambda: dict(health)  # type: ignore[method-assign]  # the proxy sync's view, scripted
+        watch.co.port.attach(watch)
+        co.spawn(watch.run())
+        await w.advance(12)
+        proxy = watch.status_section()["pd_watch"]["proxy"]
+        assert proxy["ok"] is False and proxy["fault"] is None, proxy
+        assert not [e for e in w.stacks["n0"].events_of("pd_watch") if "the proxy itself" in e["message"]]
+        assert watch.empties.streak[d1] == 1, "the newcomer's empty answer is counted: the watch attributes it"
+    finally:
+        await w.close()
+
+
+async def test_a_prefill_that_does_not_answer_is_no_proof_against_the_proxy(world_dp: World) -> None:
+    """Issue 33's campaign: p0's rank stopped (SIGSTOP), the proxy's requests through it failed (500), the probes
+    through p1 answered and those through p0 were left out — so the proxy was named the fault and restarted after
+    two rounds, failing every request in flight and emptying its lists. A silent prefill explains the proxy's
+    failure: no proxy restart."""
+    co = world_dp.agents["n0"].coordinator
+    (p0,) = co.layout.group("p0").endpoints
+    backends = Backends(world_dp.clock)
+    backends.dead.add(int(p0.rsplit(":", 1)[1]))
+    backends.proxy_answer = (500, "Internal Server Error")
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=10, proxy_fault_after=2), lambda: {}, model="dsv4",
+                    clock=world_dp.clock, http=backends)  # fmt: skip
+    watch.co.port.attach(watch)
+    co.spawn(watch.run())
+    await world_dp.advance(35)
+    assert watch.status_section()["pd_watch"]["proxy"]["fault"] is None
+    assert world_dp.stacks["n0"].started("proxy") == 1 and not watch.acted

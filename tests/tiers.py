@@ -48,6 +48,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_bindrace.py::test_a_real_bind_error_is_recognised",
     "tests/test_cachewatch.py::test_ctrl_c_stops_cleanly",
     "tests/test_cli.py",
+    "tests/test_fault_campaign.py::test_the_short_campaign_holds_every_check",
     "tests/test_cluster_package.py",
     "tests/test_config_reference.py::test_the_script_runs_standalone",
     "tests/test_container_host.py::test_the_shell_reads_once_and_asks_podman_only_when_it_matters",

@@ -120,10 +120,11 @@ class EmptyCounter:
             self.streak[instance] = 0
 
 
-def proxy_fault(proxy_ok: bool, proxy_what: str, instances: Mapping[str, bool]) -> str | None:
+def proxy_fault(proxy_ok: bool, proxy_what: str, instances: Mapping[str, bool], silent_prefills: int = 0) -> str | None:
     """Why the proxy itself is the fault, or None: its answer failed while every instance probed in the same
-    round answered with tokens (with none probed, or one failing, the backends explain it)."""
-    if proxy_ok or not instances or not all(instances.values()):
+    round answered with tokens (with none probed, or one failing, the backends explain it — as does a prefill
+    that did not answer a probe of the round: the proxy routes through it too)."""
+    if proxy_ok or not instances or not all(instances.values()) or silent_prefills:
         return None
     return (f"the proxy answers {proxy_what} while every prefill→decode pair answers with tokens "
             f"({len(instances)} decode instances probed): the proxy itself is the fault")
@@ -209,6 +210,8 @@ class PdWatch(ReportLayer):
         self.refused: dict[str, str] = {}
         """group → why its last restart was not granted (etcd away, busy): said once, asked again each round."""
         self.rounds = 0
+        self.silent_prefills: set[str] = set()
+        """The prefill instances that did not answer a probe this round."""
 
     @property
     def settings(self) -> PdWatchConfig:
@@ -285,22 +288,30 @@ class PdWatch(ReportLayer):
         """Every decode instance of the groups in the proxy, then the proxy itself, spread over one period."""
         healthy = self._health()
         prefills = [e for g in self._of("prefill") if healthy[g.name] for e in g.endpoints]
-        targets = [(g.name, e) for g in self._of("decode") if healthy[g.name] for e in g.endpoints]
+        targets = self._targets()
         if not prefills or not targets:
             return  # nothing the proxy could route a request through: its sync says why
         started, gap = self.clock.monotonic(), self.settings.probe_period_s / (len(targets) + 1)
         first = self.rounds
         self.rounds += 1
+        self.silent_prefills = set()
         results = await self._probe_instances(targets, prefills, first, started, gap)
         await self._sleep_until(started + len(targets) * gap)
         if not self.co.proxies:
             return
         ok, what = await self.ask_proxy()
-        if proxy_fault(ok, what, results) is not None:
+        if proxy_fault(ok, what, results, len(self.silent_prefills)) is not None:
             # An instance that failed after its turn in the round (up to a period ago) fails the proxy's request
-            # too: the proxy is blamed only when every instance still answers now.
-            results = await self._probe_instances(targets, prefills, first)
-        await self.judge_proxy(ok, what, results)
+            # too: the proxy is blamed only when every instance still answers now — every one the proxy routes
+            # now, a group that joined it during the round as well (the campaign's empty rank, re-added just
+            # before the proxy's request: the round had not probed it, and the proxy was blamed for its answer).
+            results = await self._probe_instances(self._targets(), prefills, first)
+        await self.judge_proxy(ok, what, results, len(self.silent_prefills))
+
+    def _targets(self) -> list[tuple[str, str]]:
+        """(group, endpoint) of every decode instance of the groups in the proxy now."""
+        healthy = self._health()
+        return [(g.name, e) for g in self._of("decode") if healthy[g.name] for e in g.endpoints]
 
     async def _probe_instances(self, targets: list[tuple[str, str]], prefills: list[str], first: int,
                                started: float | None = None, gap: float = 0.0) -> dict[str, bool]:
@@ -312,9 +323,12 @@ class PdWatch(ReportLayer):
                 await self._sleep_until(started + k * gap)
             if not self._health().get(group, False):
                 continue  # restarted meanwhile (this round, for another of its instances)
-            ok = await self.probe_instance(group, endpoint, prefills[(first + k) % len(prefills)])
+            prefill = prefills[(first + k) % len(prefills)]
+            ok = await self.probe_instance(group, endpoint, prefill)
             if ok is not None:
                 results[endpoint] = ok
+            else:
+                self.silent_prefills.add(prefill)
         return results
 
     async def probe_instance(self, group: str, endpoint: str, prefill: str) -> bool | None:
@@ -358,8 +372,8 @@ class PdWatch(ReportLayer):
         except (OSError, ValueError) as exc:
             return False, f"no answer: {exc}"
 
-    async def judge_proxy(self, ok: bool, what: str, instances: Mapping[str, bool]) -> None:
-        fault = proxy_fault(ok, what, instances)
+    async def judge_proxy(self, ok: bool, what: str, instances: Mapping[str, bool], silent_prefills: int = 0) -> None:
+        fault = proxy_fault(ok, what, instances, silent_prefills)
         proxy = self.co.proxies[0].plan.component
         after = self.settings.proxy_fault_after
         if fault is not None and not self.proxy.get("fault"):

@@ -19,7 +19,8 @@ VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing f
 VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
 blocks = no KV connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each
 running request decodes per step) and _PREFILL_TOKENS_PER_S (50000) for speed, and vLLM's own
-VLLM_LOG_STATS_INTERVAL (10 s). `GET|POST /standin/fault` reads or switches the fault mode. `hang` stops the
+VLLM_LOG_STATS_INTERVAL (10 s), VLLM_STANDIN_FINGERPRINT (the answers' `system_fingerprint`, vLLM's null when unset:
+a fault campaign names the group that served a request through the PD proxy by it). `GET|POST /standin/fault` reads or switches the fault mode. `hang` stops the
 engine stepping: requests in flight freeze with their token counters (a hang under load), an idle engine
 never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine
 (`/health` too). `empty` answers 200 without a token. `kv_fail` is a decoder whose KV pulls fail: a request
@@ -1051,7 +1052,7 @@ class ApiServer:
                 "model": job.model,
                 "choices": [choice],
                 "service_tier": None,
-                "system_fingerprint": None,
+                "system_fingerprint": os.environ.get("VLLM_STANDIN_FINGERPRINT") or None,
                 "usage": _usage(job.prompt_tokens, len(words)),
                 "prompt_logprobs": None,
                 "kv_transfer_params": self._kv_transfer(job, params, finish),
