@@ -61,6 +61,7 @@ class Agent:
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
         from nodeagent.layers.guards import StartGuards
+        from nodeagent.layers.start_phases import StartPhaseWatch
         from nodeagent.node.supervisor import Supervisor
 
         self.config = config
@@ -75,6 +76,8 @@ class Agent:
         """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
         self.guards = StartGuards(self.supervisor, mode)
+        self.phases = StartPhaseWatch(self.supervisor)
+        """Every phase of this node's vLLM starts (issue 32): /status, /metrics, their history."""
         self.mqtt: MqttPublisher | None = None
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
@@ -234,12 +237,19 @@ class Agent:
             self.guards,  # preflight, NPU health: gates only
             self.guards.recovery,  # the NPU ladder: holds NPU users while resetting/isolated, notes their failures
             self.guards.headroom,  # a dead datasystem worker waits for the ranks that map its memory
+            self.phases,  # report only: the phase each loading vLLM is in
             *cluster,
             container,  # the node's container: its death decides for the components inside
             ChangeObserver(self._publish_status),  # sd_notify's STATUS= line
             ChangeObserver(self.membership.status_changed) if self.membership else None,  # the member record
             ChangeObserver(self.mqtt.status_changed) if self.mqtt else None,  # MQTT's status
         ) if layer is not None]  # fmt: skip
+
+    def watch_start_phases(self, api: ApiServer) -> None:
+        """Issue 32: each vLLM start's phases followed (until `phases.close`) and exported on /metrics."""
+        if api.api is not None:
+            api.api.agent_metrics.attach_phases(self.phases)
+        self.phases.start()
 
     def attach_layers(self) -> None:
         """Attach `layers()` to the node, once, before its components run."""
@@ -344,6 +354,7 @@ class Agent:
             await self.guards.start()
             self._make_cluster()
             self.attach_layers()  # before the stack: every gate (preflight, barriers, the container) in place
+            self.watch_start_phases(api)
             self._start_cluster()
             container = self.container
             if container is not None:
@@ -356,6 +367,7 @@ class Agent:
             if self.mqtt is not None:
                 self.mqtt.set_agent_state("stopping")
             heartbeat.cancel()
+            self.phases.close()
             if self.rollout is not None:
                 await self.rollout.stop()
             if self.coordinator is not None:

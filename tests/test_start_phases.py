@@ -109,3 +109,171 @@ def test_a_start_that_died_names_the_phase() -> None:
     assert found["died_in"] == "compile" and found["reached"] == "weights"
     assert died_in([])["died_in"] == "imports", "nothing printed: it died importing"
     assert phase_of_line("Graph capturing finished in 3 secs, took 0.10 GiB") is not None
+
+
+# ---- the watch (layers/start_phases.py) on a fake node: no process ------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+class FakePort:
+    """What the watch reads of the node: its config and one vLLM component's view."""
+
+    def __init__(self, home: Path) -> None:
+        from types import SimpleNamespace
+
+        agent = SimpleNamespace(state_dir=home / "state", log_dir=home / "log")
+        vllm = SimpleNamespace(kind="vllm")
+        self.config = SimpleNamespace(agent=agent, active_components=lambda: {"vllm": vllm})
+        self.view: dict[str, object] = {}
+
+    def component(self, name: str) -> object:
+        from nodeagent.config.model import RestartSpec
+        from nodeagent.seam.stackport import ComponentView
+
+        fields = {"name": name, "kind": "vllm", "state": "starting", "running": True, "up": False, "ready": False,
+                  "desired": "running", "deps": (), "deps_up": True, "restart": RestartSpec(), **self.view}
+        return ComponentView(**fields)  # type: ignore[arg-type]
+
+
+def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_the_history(tmp_path: Path) -> None:
+    from nodeagent.layers.start_phases import HISTORY_FILE, StartPhaseWatch
+
+    port, clock = FakePort(tmp_path), FakeClock(1000.0)
+    (tmp_path / "log").mkdir()
+    log = tmp_path / "log" / "vllm.log"
+    log.write_text("the previous run's output\n" * 3)
+    watch = StartPhaseWatch(port, clock)  # type: ignore[arg-type]
+    seen: list[tuple[str, str, float]] = []
+    watch.observers.append(lambda c, p, s: seen.append((c, p, s)))
+
+    def launch(at: float) -> None:
+        port.view = {"pid": 7, "started_at": at, "log_offset": log.stat().st_size, "up": False, "state": "starting"}
+
+    def write(*lines: str) -> None:
+        with log.open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    def start(weights_s: float) -> None:
+        launch(clock.now)
+        watch.poll("vllm")
+        clock.now += 5
+        write("(APIServer pid=7) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0",
+              "(EngineCore pid=8) INFO 01-01 00:00:00 [cpu_model_runner.py:68] Starting to load model /m...")
+        watch.poll("vllm")
+        clock.now += weights_s
+        write(f"(Worker pid=9) INFO 01-01 00:00:00 [default_loader.py:501] Loading weights took {weights_s:.2f} "
+              "seconds", "(EngineCore pid=8) INFO 01-01 00:00:00 [kv_cache_utils.py:2327] CPU KV cache size: 1,024 "
+              "tokens, Maximum concurrency for 512 tokens per request: 2.00x")  # fmt: skip
+        watch.poll("vllm")
+        clock.now += 3
+        write("(APIServer pid=7) INFO 01-01 00:00:00 [entry.py:140] Starting vLLM server on http://0.0.0.0:1")
+        watch.poll("vllm")
+        clock.now += 1
+        began = float(port.view["started_at"])  # type: ignore[arg-type]
+        port.view.update(up=True, state="running", last_load_s=clock.now - began)
+        watch.poll("vllm")
+
+    start(60.0)
+    assert [(p, s) for _, p, s in seen] == [("imports", 5.0), ("weights", 60.0), ("kv_cache", 0.0), ("api", 3.0),
+                                            ("ready", 1.0)], "one observation per phase seen, in order"  # fmt: skip
+    assert not [line for line in watch.runs["vllm"].phases.shared.ended if line == "first_token"]
+    start(40.0)
+    assert watch.history["vllm"]["weights"] == [60.0, 40.0]
+    # the third start: in the middle of its weights, with the history's median (50 s) to go by
+    launch(clock.now)
+    watch.poll("vllm")
+    clock.now += 5
+    write("(APIServer pid=7) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0")
+    watch.poll("vllm")
+    clock.now += 20
+    shown = watch.status_section()["start_phases"]["vllm"]
+    assert shown["phase"] == "weights" and shown["in_phase_s"] == 20.0 and shown["phase_expected_s"] == 50.0
+    assert shown["phase_left_s"] == 30.0 and shown["left_s"] == 30.0 + 0.0 + 3.0 + 1.0, "the later phases' usual"
+    assert shown["note"] == "weights: about 30 s left of it (usually 50 s)"
+    clock.now += 100
+    assert watch.status_section()["start_phases"]["vllm"]["note"] == "weights for 2 min, longer than usual (50 s)"
+    # a new agent reads the history back; a broken file is no history, not a crash
+    again = StartPhaseWatch(port, clock)  # type: ignore[arg-type]
+    assert again.history == watch.history and (tmp_path / "state" / HISTORY_FILE).is_file()
+    (tmp_path / "state" / HISTORY_FILE).write_text("{not json")
+    assert StartPhaseWatch(port, clock).history == {}  # type: ignore[arg-type]
+
+
+def test_an_adopted_or_journald_run_is_not_watched(tmp_path: Path) -> None:
+    from nodeagent.layers.start_phases import StartPhaseWatch
+
+    port = FakePort(tmp_path)
+    watch = StartPhaseWatch(port, FakeClock(10.0))  # type: ignore[arg-type]
+    port.view = {"pid": 7, "started_at": 5.0, "log_offset": None}
+    watch.poll("vllm", ["(Worker pid=9) INFO 01-01 00:00:00 [x.py:1] Loading weights took 1.00 seconds"])
+    assert watch.runs == {} and watch.status_section() == {"start_phases": {}}
+
+
+def test_a_failed_start_post_mortem_names_the_phase_from_the_run_output(tmp_path: Path) -> None:
+    from nodeagent.core.postmortem import Evidence
+    from nodeagent.node.evidence import start_phase
+
+    log = tmp_path / "vllm.log"
+    before = "(Worker pid=1) INFO 01-01 00:00:00 [x.py:1] Loading weights took 9.00 seconds\n"  # the run before
+    run = ("(APIServer pid=2) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0\n"
+           "(Worker pid=3) INFO 01-01 00:00:00 [default_loader.py:501] Loading weights took 2.50 seconds\n"
+           "(Worker pid=3) INFO 01-01 00:00:00 [cpu_model_runner.py:87] Warming up model for the compilation...\n"
+           "RuntimeError: out of memory\n")  # fmt: skip
+    log.write_text(before + run)
+    evidence = Evidence(component="vllm", kind="vllm", at=1.0, failure={}, log_file=str(log),
+                        log_range=(len(before), len(before) + len(run)), start_phase={"started_at": 0.0})  # fmt: skip
+    found = start_phase(evidence)
+    assert found["died_in"] == "compile" and found["reached"] == "weights" and found["seconds"]["weights"] == 2.5
+    tail_only = Evidence(component="vllm", kind="vllm", at=1.0, failure={}, output_tail=["RuntimeError: boom"],
+                         start_phase={"started_at": 0.0})  # fmt: skip
+    assert start_phase(tail_only)["died_in"] == "imports", "under journald: the tail the crash path kept"
+
+
+# ---- through a real agent and the vLLM stand-in (prints a CPU vLLM's lines) ---------------------------------------
+
+
+async def test_a_real_agent_shows_the_phase_of_a_loading_vllm_and_exports_each_phase(tmp_path: Path) -> None:
+    from apihelpers import start_in_process, tiny_config
+    from conftest import free_port
+    from test_metrics import scrape, value
+    from test_ui import vllm_standin
+
+    from nodeagent.cli.status import format_status
+
+    data = tiny_config(tmp_path / "home")
+    data["components"]["vllm"] = vllm_standin(free_port())
+    data["components"]["vllm"]["env"].update(VLLM_STANDIN_STARTUP_DELAY_S="2", VLLM_STANDIN_COMPILE_S="1.5")
+    data["node"]["npus"] = 0
+    stack = await start_in_process(tmp_path / "home", data)
+    try:
+        vllm = stack.agent.supervisor.components["vllm"]
+        watch = stack.agent.phases
+        await stack.wait("vllm up, its phases recorded", lambda: bool(watch.history.get("vllm", {}).get("ready")), 60)
+        first = {p: v[-1] for p, v in watch.history["vllm"].items()}
+        assert 2.0 <= first["weights"] < 4.0 and 1.5 <= first["compile"] < 4.0, first
+        assert {"imports", "kv_cache", "api", "ready"} <= set(first) and "graphs" not in first, first
+        status, _ = await stack.post("/components/vllm/restart", {"drain": False})
+        assert status == 202
+        await stack.wait("vllm loading its weights again", lambda: vllm.state == "starting" and vllm.record is not None
+                         and watch.status_of("vllm", stack.agent.supervisor.component("vllm")).get("phase")
+                         in ("weights", "compile"), 30)  # fmt: skip
+        _, now = await stack.get("/status")
+        shown = now["start_phases"]["vllm"]
+        assert shown["phase"] in ("weights", "compile") and shown["expected_s"]["weights"] == first["weights"]
+        assert shown["note"] in format_status(now), "nodeagentctl status says the phase it is in"
+        await stack.wait("vllm up again", lambda: len(watch.history["vllm"]["ready"]) == 2, 60)
+        text = await scrape(stack)
+        name = "dsv4_agent_vllm_start_phase_seconds"
+        assert value(text, f"{name}_count", component="vllm", phase="weights") == 2.0
+        assert value(text, f"{name}_sum", component="vllm", phase="weights") >= 4.0
+        assert value(text, f"{name}_count", component="vllm", phase="compile") == 2.0
+        assert value(text, f"{name}_count", component="vllm", phase="graphs") is None, "not seen: not exported"
+    finally:
+        await stack.close()

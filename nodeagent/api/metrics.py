@@ -31,6 +31,7 @@ from nodeagent.core.proctable import CREATE_TIME_SLACK_S, TABLES, ProcessTable, 
 from nodeagent.core.states import RESTART_CAUSES, State
 from nodeagent.vllm.cachehit import CacheCounters, CacheMetricsError, CacheRates, compute_table, parse_cache_counters
 from nodeagent.vllm.endpoints import vllm_metrics_urls
+from nodeagent.vllm.start_phases import PHASE_BUCKETS
 
 if TYPE_CHECKING:
     import aiohttp
@@ -320,6 +321,10 @@ class AgentMetrics:
                                    "From a vLLM launch to its startup probes passing (the model loaded): what a "
                                    "restart of it costs.", ["component"], buckets=LOAD_BUCKETS,
                                    registry=self.registry)  # fmt: skip
+        self.vllm_phase = Histogram("dsv4_agent_vllm_start_phase_seconds",
+                                    "Each phase of a vLLM start that came up (`vllm.start_phases`: imports, weights, "
+                                    "compile, kv_cache, graphs, api, ready, first_token), from its own log lines.",
+                                    ["component", "phase"], buckets=PHASE_BUCKETS, registry=self.registry)  # fmt: skip
         ProcessCollector(namespace="dsv4_agent", registry=self.registry)
         self.registry.register(_StackCollector(self))
         supervisor.on_probe_result.append(self.observe_probe)
@@ -382,6 +387,11 @@ class AgentMetrics:
     def attach_npu(self, monitor: NpuMonitor) -> None:
         """Export the node's NPU health (read at scrape time from the monitor's last poll)."""
         self.registry.register(_NpuCollector(monitor))
+
+    def attach_phases(self, watch: Any) -> None:
+        """Observe every completed vLLM start's phases (`layers.start_phases.StartPhaseWatch.observers`)."""
+        watch.observers.append(lambda component, phase, seconds: self.vllm_phase.labels(component, phase).observe(
+            seconds))
 
     def attach_mqtt(self, publisher: Any) -> None:
         """Export the MQTT link's counters (`nodeagent.api.mqtt.MqttPublisher.collect`, read at scrape time)."""
