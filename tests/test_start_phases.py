@@ -154,7 +154,8 @@ def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_th
     watch.observers.append(lambda c, p, s: seen.append((c, p, s)))
 
     def launch(at: float) -> None:
-        port.view = {"pid": 7, "started_at": at, "log_offset": log.stat().st_size, "up": False, "state": "starting"}
+        port.view = {"pid": 7, "started_at": at, "log_offset": log.stat().st_size, "up": False, "state": "starting",
+                     "loading": True}
 
     def write(*lines: str) -> None:
         with log.open("a") as f:
@@ -177,7 +178,7 @@ def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_th
         watch.poll("vllm")
         clock.now += 1
         began = float(port.view["started_at"])  # type: ignore[arg-type]
-        port.view.update(up=True, state="running", last_load_s=clock.now - began)
+        port.view.update(up=True, state="running", loading=False, last_load_s=clock.now - began)
         watch.poll("vllm")
 
     start(60.0)
@@ -206,14 +207,44 @@ def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_th
     assert StartPhaseWatch(port, clock).history == {}  # type: ignore[arg-type]
 
 
-def test_an_adopted_or_journald_run_is_not_watched(tmp_path: Path) -> None:
+def test_an_adopted_run_is_not_watched_nor_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeagent.core import logsink
     from nodeagent.layers.start_phases import StartPhaseWatch
 
     port = FakePort(tmp_path)
     watch = StartPhaseWatch(port, FakeClock(10.0))  # type: ignore[arg-type]
-    port.view = {"pid": 7, "started_at": 5.0, "log_offset": None}
+    port.view = {"pid": 7, "started_at": 5.0, "log_offset": None, "state": "running", "up": True, "last_load_s": 3.0}
     watch.poll("vllm", ["(Worker pid=9) INFO 01-01 00:00:00 [x.py:1] Loading weights took 1.00 seconds"])
     assert watch.runs == {} and watch.status_section() == {"start_phases": {}}
+    monkeypatch.setattr(logsink, "use_journal", lambda: True)  # the relay's copy is read, but it was never loading
+    watch.poll("vllm", ["(Worker pid=9) INFO 01-01 00:00:00 [x.py:1] Loading weights took 1.00 seconds"])
+    assert watch.runs["vllm"].phases.seconds()["weights"] == 1.0 and watch.history == {}, "its start: not ours"
+
+
+def test_under_journald_the_relay_keeps_a_start_lines_and_the_watch_reads_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from nodeagent.core import logsink
+    from nodeagent.layers.start_phases import StartPhaseWatch
+    from nodeagent.node.logrelay import keep_kv_line, keeps_phase_line
+
+    monkeypatch.setattr(logsink, "use_journal", lambda: True)
+    kept = {"shaped": False, "first_token": False}
+    output = ["(APIServer pid=1) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0",
+              "(APIServer pid=1) INFO 01-01 00:00:00 [model.py:1] Resolved architecture: MixtralForCausalLM",
+              "(Worker pid=3) INFO 01-01 00:00:00 [default_loader.py:501] Loading weights took 4.00 seconds",
+              'INFO:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 200 OK',
+              'INFO:     127.0.0.1:2 - "POST /v1/completions HTTP/1.1" 200 OK']  # fmt: skip
+    relayed = tmp_path / "state" / "components" / "vllm" / logsink.START_PHASES
+    relayed.parent.mkdir(parents=True)
+    for line in output:
+        if keeps_phase_line(line, kept):
+            keep_kv_line(str(relayed), line)
+    assert relayed.read_text().splitlines() == [output[0], output[2], output[3]], "a start's lines, not every request"
+    port, clock = FakePort(tmp_path), FakeClock(100.0)
+    port.view = {"pid": 7, "started_at": 90.0, "log_offset": None, "loading": True}
+    watch = StartPhaseWatch(port, clock)  # type: ignore[arg-type]
+    watch.poll("vllm")
+    assert watch.runs["vllm"].phases.seconds()["weights"] == 4.0, "read from the relay's file, from its start"
 
 
 def test_a_failed_start_post_mortem_names_the_phase_from_the_run_output(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 history kept (`state_dir/start_phases.json`, the last `LOADS_KEPT` starts per phase) and each completed start's
 phases handed to the observers (`/metrics`: `dsv4_agent_vllm_start_phase_seconds`).
 
-Reads what `kvlog` reads: the component's log file from this launch's offset. Under journald (no log file of ours)
-and for an adopted process (its start was not ours to watch) nothing is read: the phases are not shown.
+Reads the component's log file from this launch's offset, or under journald the log relay's copy of the run's start
+lines (`logsink.start_lines`: the agent never reads the journal). A start is recorded only if it was seen loading:
+an adopted process's start was not ours to time (outside journald its lines are not even read).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nodeagent.core.loadtime import LOADS_KEPT, remember
 from nodeagent.core.statefile import read_json, write_json_atomic
 from nodeagent.core.states import State
 from nodeagent.core.task_owner import log_death
+from nodeagent.render.launch import component_dir
 from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ReportLayer
 from nodeagent.vllm.start_phases import PHASES, StartPhases
@@ -44,6 +46,7 @@ class _Run:
     offset: int
     recorded: bool = False
     first_token: bool = False
+    seen_loading: bool = False
 
 
 def _human(seconds: float) -> str:
@@ -79,7 +82,7 @@ class StartPhaseWatch(ReportLayer):
         return [n for n, c in self.config.active_components().items() if c.kind == "vllm"]
 
     def read_new(self, component: str, run: _Run) -> list[str]:
-        path = logsink.log_path(self.config.agent.log_dir, component)
+        path, _ = logsink.start_lines(self.config.agent.log_dir, component_dir(self.config, component), component)
         try:
             size = path.stat().st_size
         except OSError:
@@ -99,15 +102,18 @@ class StartPhaseWatch(ReportLayer):
         """One look at a component: a new launch starts a new run; its new lines; its ready and first token."""
         view = self.port.component(name)
         run = self.runs.get(name)
-        if view.started_at is not None and view.log_offset is not None and (
+        _, from_start = logsink.start_lines(self.config.agent.log_dir, component_dir(self.config, name), name)
+        offset = 0 if from_start else view.log_offset
+        if view.started_at is not None and offset is not None and (
                 run is None or run.phases.started_at != view.started_at):  # fmt: skip
-            run = self.runs[name] = _Run(StartPhases(view.started_at), view.log_offset)
+            run = self.runs[name] = _Run(StartPhases(view.started_at), offset)
         if run is None or (view.started_at is not None and run.phases.started_at != view.started_at):
             return  # not ours to watch (journald, adopted): an older run's phases would be wrong for it
         now = self.clock.time()
         for line in self.read_new(name, run) if lines is None else lines:
             run.phases.feed(line, now)
-        if view.up and not run.recorded and view.last_load_s is not None and view.started_at is not None:
+        run.seen_loading = run.seen_loading or view.loading
+        if view.up and run.seen_loading and not run.recorded and view.last_load_s is not None and view.started_at:
             run.phases.mark("ready", max(view.started_at + view.last_load_s, *run.phases.shared.ended.values(),
                                          *(t for r in run.phases.ranks.values() for t in r.ended.values())))
             run.recorded = True

@@ -76,6 +76,17 @@ def phase_of_line(line: str) -> tuple[str, re.Match[str]] | None:
     return None
 
 
+def start_line(line: str) -> bool:
+    """A line this parser reads besides the first vLLM-shaped one (`vllm_shaped`): what the log relay keeps of a
+    rank's output under journald (`logrelay --phases`)."""
+    return (phase_of_line(line) is not None or _COMPILE_CACHED.search(line) is not None
+            or any(rule.search(line) for _, rule in _STARTS))  # fmt: skip
+
+
+def vllm_shaped(line: str) -> bool:
+    return _STAMP.match(line) is not None
+
+
 def line_time(line: str, read_at: float, not_before: float) -> float:
     """When the engine printed the line: its own stamp (local time, to the second) when it has one that falls
     between the launch and the read, else when it was read."""
