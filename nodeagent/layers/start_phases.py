@@ -112,7 +112,7 @@ class StartPhaseWatch(ReportLayer):
         now = self.clock.time()
         for line in self.read_new(name, run) if lines is None else lines:
             run.phases.feed(line, now)
-        run.seen_loading = run.seen_loading or view.loading
+        run.seen_loading = run.seen_loading or view.loading or view.log_offset is not None  # an offset: launched by us
         if view.up and run.seen_loading and not run.recorded and view.last_load_s is not None and view.started_at:
             run.phases.mark("ready", max(view.started_at + view.last_load_s, *run.phases.shared.ended.values(),
                                          *(t for r in run.phases.ranks.values() for t in r.ended.values())))
