@@ -322,8 +322,9 @@ class AgentMetrics:
                                    "restart of it costs.", ["component"], buckets=LOAD_BUCKETS,
                                    registry=self.registry)  # fmt: skip
         self.vllm_phase = Histogram("dsv4_agent_vllm_start_phase_seconds",
-                                    "Each phase of a vLLM start that came up (`vllm.start_phases`: imports, weights, "
-                                    "compile, kv_cache, graphs, api, ready, first_token), from its own log lines.",
+                                    "Each phase of a vLLM start that came up (`vllm.start_phases`: imports, engine, "
+                                    "weights, compile, kv_cache, graphs, api, ready, first_token), from its own log "
+                                    "lines.",
                                     ["component", "phase"], buckets=PHASE_BUCKETS, registry=self.registry)  # fmt: skip
         ProcessCollector(namespace="dsv4_agent", registry=self.registry)
         self.registry.register(_StackCollector(self))

@@ -5,6 +5,9 @@ graph capture); an operator watching a start, and the agent deciding what to kee
 phase ends at a line the engine prints (or, for `ready` and `first_token`, at what the agent sees):
 
     imports      the first vLLM-shaped log line (`(APIServer pid=…) INFO MM-DD HH:MM:SS [file.py:N] …`)
+    engine       a rank's engine process up (its own imports, device and distributed init) to `Starting to load model
+                 M...` (vLLM's gpu/cpu_model_runner.py, vllm-ascend's model_runner_v1.py:3497): minutes on a loaded
+                 host, and the gap the engine's own numbers for the weights leave out
     weights      vLLM: `Loading weights took S seconds` (default_loader.py), `Model loading took G GiB memory and
                  S seconds` (gpu_model_runner.py); vllm-ascend: `Loading model weights took G GB`,
                  `Model runner load_model total time: S seconds` (vllm_ascend/worker/model_runner_v1.py)
@@ -18,7 +21,8 @@ phase ends at a line the engine prints (or, for `ready` and `first_token`, at wh
     api          `Starting vLLM API server` (0.32: `Starting vLLM server on`) / uvicorn's `Application startup
                  complete`
     ready        the agent's startup probes passed (`/health` 200): `mark`
-    first_token  the first completion answered 200 (uvicorn's access line) or the agent's canary: `mark`
+    first_token  the first completion answered 200 (uvicorn's access line; not seen with
+                 `--disable-uvicorn-access-log`)
 
 A phase's seconds are the engine's own number where its line has one (weights, compile, graphs: what an operator
 reads in the log), else the time since the previous phase seen. A phase a version does not print (compile under
@@ -33,9 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("imports", "weights", "compile", "kv_cache", "graphs", "api", "ready", "first_token")
+PHASES = ("imports", "engine", "weights", "compile", "kv_cache", "graphs", "api", "ready", "first_token")
 """In the order a start passes them."""
-RANK_PHASES = ("weights", "compile", "kv_cache", "graphs")
+RANK_PHASES = ("engine", "weights", "compile", "kv_cache", "graphs")
 """Printed by each engine (rank) of its own; the others belong to the API server, shared by its ranks."""
 PHASE_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0)
 """dsv4_agent_vllm_start_phase_seconds: a CPU test model's sub-second weights up to an A2's hour of them."""
@@ -45,6 +49,7 @@ _STAMP = re.compile(r"^(?P<procs>(?:\([^()]*? pid=\d+\) ?)*)(?:INFO|WARNING|ERRO
 _DP = re.compile(r"DP(\d+)")
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("engine", re.compile(r"Starting to load model ")),
     ("weights", re.compile(rf"Model loading took {_NUM} ?GiB memory and {_NUM} seconds")),
     ("weights", re.compile(rf"Loading model weights took {_NUM} ?GB")),
     ("weights", re.compile(rf"Model runner load_model total time: {_NUM} seconds")),
@@ -195,13 +200,11 @@ class StartPhases:
         return {p: out[p] for p in PHASES if p in out}
 
     def reached(self) -> str | None:
-        """The last phase every rank has ended (the start is as far as its slowest rank)."""
+        """How far the slowest rank is: the least of each rank's furthest phase (a phase a version does not print
+        is passed over)."""
         ends = [{**self.shared.ended, **r.ended} for r in self.ranks.values()] or [dict(self.shared.ended)]
-        last = None
-        for phase in PHASES:
-            if all(phase in e for e in ends):
-                last = phase
-        return last
+        furthest = min(max((PHASES.index(p) for p in e), default=-1) for e in ends)
+        return PHASES[furthest] if furthest >= 0 else None
 
     def current(self, expected: tuple[str, ...] = PHASES) -> str | None:
         """The phase it is in: the next of `expected` (the phases its last start printed, else all) after the last
