@@ -61,12 +61,13 @@ def free_port() -> int:
 
 
 class Agent:
-    def __init__(self, home: Path, model: Path, cache: Path) -> None:
+    def __init__(self, home: Path, model: Path, cache: Path, extra_env: dict[str, str]) -> None:
         self.home, self.cache = home, cache
         self.api = f"127.0.0.1:{free_port()}"
         vllm = {**CPU_VLLM, "model": str(model), "port": free_port(), "enforce_eager": False,
                 "env": {**CPU_VLLM["env"], "VLLM_CACHE_ROOT": str(cache / "vllm"),
-                        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")},
+                        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+                        **extra_env},
                 "probes": {**CPU_VLLM["probes"], "startup": {"period_s": 1, "timeout_s": 5, "failure_threshold": 3600}}}
         data = {"cluster": {"name": f"rc{uuid.uuid4().hex[:8]}"},
                 "node": {"name": "bench", "ip": "127.0.0.1", "role": "master", "npus": 0},
@@ -200,13 +201,15 @@ def main() -> int:
     parser.add_argument("--page-cache", choices=["fadvise", "drop"], default="fadvise")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="more environment for vLLM (VLLM_USE_AOT_COMPILE=0: its older compile cache)")
     args = parser.parse_args()
     if reason := missing():
         print(f"restart_cost: {reason}", file=sys.stderr)
         return 2
     home = Path(tempfile.mkdtemp(prefix="restart-cost-"))
     model = make_model(home / "model")
-    agent = Agent(home, model, home / "cache")
+    agent = Agent(home, model, home / "cache", dict(item.split("=", 1) for item in args.env))
     starts: list[dict[str, Any]] = []
     try:
         plan = ["cold", "warm"] * args.rounds  # the first cold start is the agent's own
