@@ -15,7 +15,8 @@ Per start it reads each phase two ways: the agent's `/metrics` (`dsv4_agent_vllm
 difference across the start) and its own reading of vLLM's log (this module's regexes on the component's log file
 from the start's offset: `Loading weights took S seconds`; the compile from `Warming up model for the
 compilation...` to `Initial profiling/warmup run took`, by the lines' stamps — CPU vLLM 0.32 prints no `torch.compile
-took`). Prints each start, the medians per kind, and warm/cold of weights+compile beside the issue's target (≤ 30 %).
+took`; `Warming up done.` where the AOT path is off). Prints each start, the medians per kind, and warm/cold of
+weights+compile beside the issue's target (≤ 30 %).
 
 Usage: `PYTHONPATH=. .venv/bin/python bench/restart_cost.py [--rounds 2] [--page-cache fadvise|drop] [--json F]
 [--keep]` (minutes: each cold start compiles; on the 2-core build machine a cold start took 3-6 min).
@@ -155,13 +156,15 @@ def log_reading(text: str) -> dict[str, float]:
     if weights:
         out["weights"] = float(weights[1])
 
-    def stamp(marker: str) -> float | None:
+    def stamp(*markers: str) -> float | None:
         for line in text.splitlines():
-            if marker in line and (found := _STAMP.search(line)):
+            if any(m in line for m in markers) and (found := _STAMP.search(line)):
                 return time.mktime(time.strptime(f"2000-{found[1]}", "%Y-%m-%d %H:%M:%S"))
         return None
 
-    began, ended = stamp("Warming up model for the compilation"), stamp("Initial profiling/warmup run took")
+    # the warm-up's end: the AOT path's profiling line, else (VLLM_USE_AOT_COMPILE=0) the runner's own
+    began = stamp("Warming up model for the compilation")
+    ended = stamp("Initial profiling/warmup run took", "Warming up done.")
     if began is not None and ended is not None:
         out["compile"] = ended - began
     return out
