@@ -62,6 +62,7 @@ class Agent:
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
         from nodeagent.layers.guards import StartGuards
+        from nodeagent.layers.start_phases import StartPhaseWatch
         from nodeagent.layers.weight_warm import WeightWarmer
         from nodeagent.node.supervisor import Supervisor
 
@@ -81,6 +82,8 @@ class Agent:
         self.guards = StartGuards(self.supervisor, mode)
         self.weights = WeightWarmer(self.supervisor)
         """Keeps this node's weight shards in the page cache (issue 32 item 3); its loop runs from the start."""
+        self.phases = StartPhaseWatch(self.supervisor)
+        """Every phase of this node's vLLM starts (issue 32): /status, /metrics, their history."""
         self.mqtt: MqttPublisher | None = None
         self.notifier = Notifier()
         self.stop_requested = asyncio.Event()
@@ -241,12 +244,19 @@ class Agent:
             self.guards.recovery,  # the NPU ladder: holds NPU users while resetting/isolated, notes their failures
             self.guards.headroom,  # a dead datasystem worker waits for the ranks that map its memory
             self.weights,  # warms the weight shards (report only)
+            self.phases,  # report only: the phase each loading vLLM is in
             *cluster,
             container,  # the node's container: its death decides for the components inside
             ChangeObserver(self._publish_status),  # sd_notify's STATUS= line
             ChangeObserver(self.membership.status_changed) if self.membership else None,  # the member record
             ChangeObserver(self.mqtt.status_changed) if self.mqtt else None,  # MQTT's status
         ) if layer is not None]  # fmt: skip
+
+    def watch_start_phases(self, api: ApiServer) -> None:
+        """Issue 32: each vLLM start's phases followed (until `phases.close`) and exported on /metrics."""
+        if api.api is not None:
+            api.api.agent_metrics.attach_phases(self.phases)
+        self.phases.start()
 
     def attach_layers(self) -> None:
         """Attach `layers()` to the node, once, before its components run."""
@@ -352,6 +362,7 @@ class Agent:
             await self.guards.start()
             self._make_cluster()
             self.attach_layers()  # before the stack: every gate (preflight, barriers, the container) in place
+            self.watch_start_phases(api)
             self._start_cluster()
             warm = asyncio.create_task(self.weights.run(), name="warm-weights")  # before the first rank's start
             warm.add_done_callback(log_death)
@@ -368,6 +379,7 @@ class Agent:
             heartbeat.cancel()
             self.weights.close()
             warm.cancel()
+            self.phases.close()
             if self.rollout is not None:
                 await self.rollout.stop()
             if self.coordinator is not None:

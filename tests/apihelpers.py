@@ -101,6 +101,7 @@ class InProcess:
         if not self.agent.stopping:
             self.agent.request_stop()
         await self.server.close()
+        self.agent.phases.close()
         await self.agent.supervisor.shutdown()
         await self.agent.stop_mqtt()
         self.agent.supervisor.events.close()
@@ -125,6 +126,7 @@ async def start_in_process(home: Path, data: dict[str, Any] | None = None) -> In
     try:
         agent.start_mqtt(server)  # as Agent.run does: before the first event
         agent.attach_layers()  # as Agent.run does: before the stack starts
+        agent.watch_start_phases(server)
         await agent.supervisor.start()
         await stack.wait_states({name: {"running", "ready"} for name in config.active_components()})
     except BaseException:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,14 @@ def test_cold_start_through_the_barrier_with_real_ranks(group: Group) -> None:
     assert "every node arrived (n0, n1)" in group.h.agents["n1"].log()
     comps = {s.component for s in group.watch.alive().values()}
     assert comps == set(RANKS.values()), comps
+    for node, comp in RANKS.items():  # issue 32: each phase of a real vLLM start, from its own lines, exported
+        with urllib.request.urlopen(f"http://127.0.0.1:{group.h.api_ports[node]}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for phase in ("imports", "weights", "kv_cache", "api", "ready"):
+            assert f'dsv4_agent_vllm_start_phase_seconds_count{{component="{comp}",phase="{phase}"}} 1.0' in text, (
+                phase, [line for line in text.splitlines() if "start_phase_seconds_count" in line])  # fmt: skip
+        seen = group.h.status(node)["start_phases"][comp]["run"]["seconds"]
+        assert "graphs" not in seen and seen["weights"] < 60, seen  # --enforce-eager: no compile, no graphs on CPU
 
 
 def vllm_process(group: Group, node: str, title: str) -> int:

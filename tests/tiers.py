@@ -65,6 +65,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_layout.py::test_config_validate_and_render_errors_for_a_member",
     "tests/test_layout.py::test_every_node_renders_a_consistent_cluster",
     "tests/test_loadtime.py::test_a_real_agent_times_each_vllm_load_shows_the_time_left_and_keeps_the_history",
+    "tests/test_start_phases.py::test_a_real_agent_shows_the_phase_of_a_loading_vllm_and_exports_each_phase",
     "tests/test_logsink.py::test_under_journald_a_component_runs_through_the_relay_with_or_without_a_scope",
     "tests/test_membership.py",
     "tests/test_metrics.py",

@@ -29,6 +29,7 @@ from nodeagent.api.vllm_sampler import CacheWindow, VllmSampler
 from nodeagent.core.loadtime import LOAD_BUCKETS
 from nodeagent.core.proctable import CREATE_TIME_SLACK_S, TABLES, ProcessTable, scan
 from nodeagent.core.states import RESTART_CAUSES, State
+from nodeagent.vllm.start_phases import PHASE_BUCKETS
 
 if TYPE_CHECKING:
     from nodeagent.config.model import Config
@@ -288,6 +289,11 @@ class AgentMetrics:
                                    "From a vLLM launch to its startup probes passing (the model loaded): what a "
                                    "restart of it costs.", ["component"], buckets=LOAD_BUCKETS,
                                    registry=self.registry)  # fmt: skip
+        self.vllm_phase = Histogram("dsv4_agent_vllm_start_phase_seconds",
+                                    "Each phase of a vLLM start that came up (`vllm.start_phases`: imports, engine, "
+                                    "weights, compile, kv_cache, graphs, api, ready, first_token), from its own log "
+                                    "lines.",
+                                    ["component", "phase"], buckets=PHASE_BUCKETS, registry=self.registry)  # fmt: skip
         ProcessCollector(namespace="dsv4_agent", registry=self.registry)
         self.registry.register(_StackCollector(self))
         supervisor.on_probe_result.append(self.observe_probe)
@@ -356,6 +362,10 @@ class AgentMetrics:
     def attach_weights(self, warmer: WeightsReport) -> None:
         """Export the weight shards' residency (read at scrape time from the warmer's last measurement)."""
         self.registry.register(_WeightsCollector(warmer))
+    def attach_phases(self, watch: Any) -> None:
+        """Observe every completed vLLM start's phases (`layers.start_phases.StartPhaseWatch.observers`)."""
+        watch.observers.append(lambda component, phase, seconds: self.vllm_phase.labels(component, phase).observe(
+            seconds))
 
     def attach_mqtt(self, publisher: Any) -> None:
         """Export the MQTT link's counters (`nodeagent.api.mqtt.MqttPublisher.collect`, read at scrape time)."""

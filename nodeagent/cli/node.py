@@ -78,6 +78,10 @@ def cmd_postmortem(args: argparse.Namespace) -> int:
         failure = manifest.get("failure") or {}
         print(f"{manifest['component']} ({manifest['kind']}) failed {time.ctime(manifest['at'])}: "
               f"{failure.get('permanent') or failure.get('detail')}")
+        if manifest.get("start_phase"):
+            phase = manifest["start_phase"]
+            print(f"start died in: {phase.get('died_in')} (reached {phase.get('reached') or 'nothing'}; "
+                  f"phases {phase.get('seconds')})")
         for step in manifest.get("ladder") or []:
             print(f"ladder: {step.get('rung')} {step.get('outcome')}: {step.get('detail')}")
         print(f"next: {manifest.get('decision')}")

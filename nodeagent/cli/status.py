@@ -54,6 +54,8 @@ def _note(comp: dict[str, Any], wide: bool = False) -> str:
     load = comp.get("load") or {}
     if load.get("loading_s") is not None or (load and comp.get("kind") == "vllm" and comp.get("state") != "stopped"):
         notes.append(str(load.get("note")))  # loading (how long left), or for vLLM what its last load took
+    if (comp.get("start_phase") or {}).get("note") and comp.get("state") == "starting":
+        notes.append(str(comp["start_phase"]["note"]))  # the phase a loading vLLM is in (`start_phases`)
     failure = comp.get("failure") or {}
     if comp.get("state") == "failed" and failure:
         notes.append(f"failed: {failure.get('permanent') or failure.get('detail')}")
@@ -131,7 +133,8 @@ def format_status(data: dict[str, Any], now: float | None = None, wide: bool = F
     for name, comp in data.get("components", {}).items():
         rows.append((name, str(comp.get("state")), str(comp.get("pid") or "-"), "yes" if comp.get("ready") else "no",
                      _restarts(comp), human_duration(comp.get("uptime_s")),
-                     _last_exit(comp.get("last_exit"), now, wide), _note(comp, wide)))  # fmt: skip
+                     _last_exit(comp.get("last_exit"), now, wide),
+                     _note({**comp, "start_phase": (data.get("start_phases") or {}).get(name)}, wide)))  # fmt: skip
     return "\n".join([head, *flags, "", *table(rows)])
 
 

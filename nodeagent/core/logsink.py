@@ -38,6 +38,19 @@ def transfer_lines(log_dir: Path, component_dir: Path, component: str) -> Path:
     return component_dir / KV_FAILURES if use_journal() else log_path(log_dir, component)
 
 
+START_PHASES = "start_phases.log"
+"""In the component's folder: the relay's copy of this run's start lines (`vllm.start_phases.start_line`), made
+afresh at each launch."""
+
+
+def start_lines(log_dir: Path, component_dir: Path, component: str) -> tuple[Path, bool]:
+    """Where the agent reads a vLLM run's start lines (`layers.start_phases`) and whether from the file's start:
+    under journald the relay's copy, else the log file (from the launch's offset)."""
+    if use_journal():
+        return component_dir / START_PHASES, True
+    return log_path(log_dir, component), False
+
+
 def log_offset(log_dir: Path, component: str) -> int | None:
     """Where the next run's output starts in its log file (None under journald: no file of ours)."""
     if use_journal():

@@ -58,6 +58,9 @@ class Evidence:
     happened at it."""
     texts: dict[str, str] = field(default_factory=dict)
     """More files for the bundle, by name (the container engine's `inspect` of a dead container)."""
+    start_phase: dict[str, Any] | None = None
+    """A vLLM that died while starting: the phase it died in (`died_in`), what it reached and each phase's
+    seconds (`vllm.start_phases.died_in`, from the failed run's output); None for any other failure."""
 
     def manifest(self) -> dict[str, Any]:
         data = asdict(self)

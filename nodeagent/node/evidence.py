@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.core import logsink
-from nodeagent.core.postmortem import Evidence, write_bundle
+from nodeagent.core.postmortem import LOG_RANGE_MAX, Evidence, write_bundle
+from nodeagent.core.states import State
 from nodeagent.node import residue_plan
 from nodeagent.npu.tools import npu_info_text
+from nodeagent.vllm.start_phases import died_in
 
 if TYPE_CHECKING:
     from nodeagent.config.model import Config
@@ -61,6 +63,8 @@ class PostMortems:
             npu=self._npu_status(),
             core_dirs=[command["cwd"]] if command.get("cwd") else [],
             extra_files=[str(own[0].parent)] if own else [],
+            start_phase={"started_at": comp.started_at} if comp.kind == "vllm" and comp.state == State.STARTING
+            else None,
         )  # fmt: skip
 
     def archive(self, name: str, failure: Failure, evidence: Evidence | None, tree: Any,
@@ -90,8 +94,24 @@ class PostMortems:
             config = self._config()
             npu_text = await npu_info_text(config.node.npu_health.npu_smi)
             agent = config.agent
+            if evidence.start_phase is not None:
+                evidence.start_phase = await asyncio.to_thread(start_phase, evidence)
             path = await write_bundle(evidence, agent.state_dir / "postmortem" / name, agent.archive_keep, npu_text)
         except Exception as exc:  # evidence is best effort: it must never take the agent down
             self.events.emit("postmortem_failed", f"cannot write the post-mortem: {exc}", name, "warning")
             return
-        self.events.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written", name, path=str(path))
+        died = f" (its start died in {evidence.start_phase['died_in']})" if evidence.start_phase else ""
+        self.events.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written{died}", name,
+                         path=str(path))
+
+
+def start_phase(evidence: Evidence) -> dict[str, Any]:
+    """The phase a vLLM start died in, from the failed run's output (its log range from the start: the phases
+    are at its beginning), else the tail the crash path kept."""
+    lines = list(evidence.output_tail)
+    if evidence.log_file and evidence.log_range:
+        start, end = evidence.log_range
+        with contextlib.suppress(OSError), open(evidence.log_file, "rb") as fh:
+            fh.seek(start)
+            lines = fh.read(max(0, min(end - start, LOG_RANGE_MAX))).decode(errors="replace").splitlines()
+    return died_in(lines, float((evidence.start_phase or {}).get("started_at") or 0.0))

@@ -62,13 +62,15 @@ def systemd_is_init() -> bool:
 
 
 def host_argv(argv: list[str], unit: str | None, oom_reset: bool, relay: tuple[str, str] | None = None,
-              tail_file: Path | None = None, kv_file: Path | None = None) -> list[str]:  # fmt: skip
+              tail_file: Path | None = None, kv_file: Path | None = None,
+              phase_file: Path | None = None) -> list[str]:  # fmt: skip
     """Wrap a command for the host: a transient scope of its own (systemd-run --scope execs the command, so the
     PID is the same and nothing forks before the move), and the OOM score the unit shields the agent with
     (OOMScoreAdjust=-900) reset to 0 before the real program starts, so vLLM is not shielded."""
     if relay is not None:
         files = [*(["--tail", str(tail_file)] if tail_file is not None else []),
-                 *(["--kv", str(kv_file)] if kv_file is not None else [])]  # fmt: skip
+                 *(["--kv", str(kv_file)] if kv_file is not None else []),
+                 *(["--phases", str(phase_file)] if phase_file is not None else [])]  # fmt: skip
         argv = [sys.executable, "-m", "nodeagent.node.logrelay", relay[0], relay[1], *files, "--", *argv]
     if oom_reset:
         argv = ["/bin/sh", "-c", _RESET_OOM, *argv]
@@ -126,8 +128,9 @@ async def launch(spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str],
     relay = (spec.component, agent_unit()) if not spec.daemonizes and logsink.use_journal() else None
     if relay is not None:
         capture_dir.mkdir(parents=True, exist_ok=True)
+        (capture_dir / logsink.START_PHASES).unlink(missing_ok=True)  # this run's start lines only
     argv = host_argv(list(spec.argv), scope, _own_oom_score_adj() != 0, relay, tail_file,
-                     capture_dir / logsink.KV_FAILURES)  # fmt: skip
+                     capture_dir / logsink.KV_FAILURES, capture_dir / logsink.START_PHASES)  # fmt: skip
     try:
         _prepare(spec, env)
     except OSError as exc:

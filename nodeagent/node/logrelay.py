@@ -6,13 +6,14 @@ scope. Entries sent by root with `OBJECT_SYSTEMD_UNIT=dsv4-agent.service` are wh
 matches, and `SYSLOG_IDENTIFIER=<component>` is what `-t <component>` matches. The relay lives inside the
 scope with the component, so it survives the agent too; it exits with the component's exit status.
 
-    python -m nodeagent.node.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] -- COMMAND ARGS...
+    python -m nodeagent.node.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] [--phases FILE] -- COMMAND ARGS...
 
 `--tail FILE` keeps the component's last lines in FILE when it exits, so the agent can say why a start failed
 without querying journald on the crash path. `--kv FILE` appends every KV transfer failure line
 (`kvtimeouts.parse_transfer_failure`: Mooncake's) to FILE as it passes, for `kvlog` to count per pair — the same
 lines it reads from the log file outside systemd; FILE starts afresh past `KV_KEEP_BYTES` (the reader sees it
-shrink and reads from its start).
+shrink and reads from its start). `--phases FILE` appends the lines of a vLLM start (`start_phases.start_line`,
+the first vLLM-shaped line, the first completion answered) for `layers.start_phases`: bounded, a start's few lines.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 
 from nodeagent.core.journal import JournalSender
 from nodeagent.vllm.kv_transfer import parse_transfer_failure
+from nodeagent.vllm.start_phases import phase_of_line, start_line, vllm_shaped
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 MAX_LINE = 64 * 1024
@@ -36,7 +38,7 @@ KV_KEEP_BYTES = 1 << 20
 
 
 def relay(identifier: str, unit: str, command: list[str], tail_file: str | None = None,
-          kv_file: str | None = None) -> int:  # fmt: skip
+          kv_file: str | None = None, phase_file: str | None = None) -> int:  # fmt: skip
     """Run `command` for life, its output to the journal. Not `core.run`: the child is the component itself, it
     keeps the relay's session (the agent stops that whole tree) and gets every signal the relay gets."""
     read_fd, write_fd = os.pipe()
@@ -54,6 +56,7 @@ def relay(identifier: str, unit: str, command: list[str], tail_file: str | None 
               "OBJECT_PID": child.pid}  # fmt: skip
 
     recent: collections.deque[str] = collections.deque(maxlen=TAIL_KEEP)
+    kept = {"shaped": False, "first_token": False}
 
     def emit(line: bytes) -> None:
         text = line.decode(errors="replace").rstrip("\r")
@@ -63,6 +66,8 @@ def relay(identifier: str, unit: str, command: list[str], tail_file: str | None 
             sys.stderr.write(text + "\n")  # journald gone: the scope's own stream still takes it
         if kv_file and text and parse_transfer_failure(text) is not None:
             keep_kv_line(kv_file, text)
+        if phase_file and text and keeps_phase_line(text, kept):
+            keep_kv_line(phase_file, text)
 
     pidfd = os.pidfd_open(child.pid)
     selector = selectors.DefaultSelector()
@@ -104,6 +109,20 @@ def relay(identifier: str, unit: str, command: list[str], tail_file: str | None 
     return 128 - code if code < 0 else code
 
 
+def keeps_phase_line(text: str, kept: dict[str, bool]) -> bool:
+    """A start's line, the first vLLM-shaped one, and only the first completion answered (not every request's)."""
+    hit = phase_of_line(text)
+    if hit is not None and hit[0] == "first_token":
+        if kept["first_token"]:
+            return False
+        kept["first_token"] = True
+        return True
+    if not kept["shaped"] and vllm_shaped(text):
+        kept["shaped"] = True
+        return True
+    return start_line(text)
+
+
 def keep_kv_line(path: str, text: str) -> None:
     try:
         with open(path, "ab") as fh:
@@ -127,13 +146,13 @@ def write_tail(path: str, lines: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     files: dict[str, str] = {}
-    while len(args) >= 4 and args[2] in ("--tail", "--kv"):
+    while len(args) >= 4 and args[2] in ("--tail", "--kv", "--phases"):
         files[args[2]], args = args[3], args[:2] + args[4:]
     if len(args) < 4 or args[2] != "--":
-        print("usage: python -m nodeagent.node.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] -- COMMAND [ARGS...]",
-              file=sys.stderr)
+        print("usage: python -m nodeagent.node.logrelay IDENTIFIER UNIT [--tail FILE] [--kv FILE] [--phases FILE] -- "
+              "COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    return relay(args[0], args[1], args[3:], files.get("--tail"), files.get("--kv"))
+    return relay(args[0], args[1], args[3:], files.get("--tail"), files.get("--kv"), files.get("--phases"))
 
 
 if __name__ == "__main__":

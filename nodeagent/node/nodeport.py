@@ -135,6 +135,8 @@ class NodePort:
             hold=comp.hold, clean=comp.stopped_cleanly,
             ft_unsupported=comp.proc.extra.get("ft_unsupported") if comp.proc is not None else None,
             last_load_s=load.get("last_s"), loading=load.get("loading_s") is not None, load_left_s=load.get("left_s"),
+            started_at=comp.started_at if record else None,
+            log_offset=comp.proc.extra.get("log_offset") if comp.proc is not None else None,
         )  # fmt: skip
 
     def snapshot(self) -> NodeView:

@@ -138,6 +138,11 @@ class ComponentView:
     """Its launch is loading now (not an adopted process: its start is not ours to time)."""
     load_left_s: float | None = None
     """While loading: about how long is left (0: longer than usual); None: no estimate (a first load)."""
+    started_at: float | None = None
+    """Its process's start (the agent's clock); None: no process."""
+    log_offset: int | None = None
+    """Where this launch's output starts in its log file (`logsink.log_offset`); None: not ours to read (journald,
+    an adopted process)."""
 
     @property
     def stopped(self) -> bool:

@@ -52,6 +52,8 @@ class EngineConfig:
     max_model_len: int = 204800
     prefix_caching: bool = True
     startup_delay_s: float = 2.0
+    compile_s: float = 0.0
+    """VLLM_STANDIN_COMPILE_S: a CPU vLLM's torch.compile warm-up after the weights (0: none, as --enforce-eager)."""
     orphan_exit_s: float | None = None
     exit_s: float = 0.0
     """After SIGTERM, how long it runs on before it shuts down (an A2 engine freeing its NPUs takes up to ~50 s);
@@ -72,6 +74,7 @@ class EngineConfig:
             max_model_len=int(data.get("max_model_len", 204800)),
             prefix_caching=bool(data.get("prefix_caching", True)),
             startup_delay_s=max(0.0, env_float("VLLM_STANDIN_STARTUP_DELAY_S", 2.0) or 0.0),
+            compile_s=max(0.0, env_float("VLLM_STANDIN_COMPILE_S", 0.0) or 0.0),
             orphan_exit_s=env_float("VLLM_STANDIN_ORPHAN_EXIT_S", None),
             exit_s=max(0.0, env_float("VLLM_STANDIN_EXIT_S", 0.0) or 0.0),
             block_size=max(1, env_int("VLLM_STANDIN_BLOCK_SIZE", 16)),
@@ -264,19 +267,26 @@ class Engine:
                 raise FatalEngineError(f"Worker proc VllmWorker-{worker.rank} failed to start")
 
     async def _load_weights(self) -> None:
-        log(PROC, "gpu_model_runner.py:2602", f"Starting to load model {self.cfg.model}...")
+        """The start's phases in the lines of a CPU vLLM 0.32 (tests/fixtures/vllm/captured-vllm_cpu_0.32_start.log):
+        the weights for VLLM_STANDIN_STARTUP_DELAY_S, the compile warm-up for VLLM_STANDIN_COMPILE_S."""
+        log(PROC, "cpu_model_runner.py:68", f"Starting to load model {self.cfg.model}...")
         started = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stop.wait(), timeout=self.cfg.startup_delay_s)
         took = time.monotonic() - started
-        log(PROC, "default_loader.py:267", f"Loading weights took {took:.2f} seconds")
+        log(PROC, "default_loader.py:501", f"Loading weights took {took:.2f} seconds")
+        if self.cfg.compile_s > 0 and not self.stop.is_set():
+            log(PROC, "cpu_model_runner.py:87", "Warming up model for the compilation...")
+            begun = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), timeout=self.cfg.compile_s)
+            log(PROC, "monitor.py:91", f"[backbone] Initial profiling/warmup run took {time.monotonic() - begun:.2f} s")
+            log(PROC, "cpu_model_runner.py:91", "Warming up done.")
         tokens = self.cache.local.capacity * self.cfg.block_size
-        log(PROC, "kv_cache_utils.py:1087", f"GPU KV cache size: {tokens:,} tokens")
-        log(
-            PROC,
-            "core.py:210",
-            f"init engine (profile, create kv cache, warmup model) took {took:.2f} seconds",
-        )
+        log(PROC, "kv_cache_utils.py:2327", f"CPU KV cache size: {tokens:,} tokens, Maximum concurrency for "
+            f"{self.cfg.max_model_len:,} tokens per request: {tokens / max(1, self.cfg.max_model_len):.2f}x")
+        log(PROC, "core.py:402", f"init engine (profile, create kv cache, warmup model) took "
+            f"{time.monotonic() - started:.2f} s")
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

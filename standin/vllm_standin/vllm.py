@@ -10,8 +10,9 @@ max_tokens returns where its KV can be pulled from (and its KV connector); a con
 is handed, and fails it as the Mooncake connector's failed pull when it came from another KV connector (an
 incompatible change mixed behind one proxy).
 
-Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0), VLLM_STANDIN_WORKERS (overrides
---tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `kv_fail`,
+Knobs (environment): VLLM_STANDIN_STARTUP_DELAY_S (2.0: the weights), VLLM_STANDIN_COMPILE_S (0: the torch.compile
+warm-up after them; the start's lines are a CPU vLLM 0.32's, `nodeagent.vllm.start_phases`), VLLM_STANDIN_WORKERS
+(overrides --tensor-parallel-size, at most 8), VLLM_STANDIN_FAULT (`hang`, `empty`, `503`, `kv_fail`,
 `crash_after:N`), VLLM_STANDIN_ORPHAN_EXIT_S (unset: an orphaned engine runs forever, as in vLLM),
 VLLM_STANDIN_EXIT_S (0: how long the engine, and so the API server, runs on after a SIGTERM — an A2 engine freeing
 its NPUs takes up to ~50 s; `inf`: the engine ignores SIGTERM and only SIGKILL ends the tree),
