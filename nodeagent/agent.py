@@ -61,6 +61,7 @@ class Agent:
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
         from nodeagent.layers.guards import StartGuards
+        from nodeagent.node.nodeworld import HostWorld
         from nodeagent.node.supervisor import Supervisor
 
         self.config = config
@@ -70,7 +71,7 @@ class Agent:
         if config.container is not None:  # imported only in container mode: the idle host agent stays small
             from nodeagent.container.mode import ContainerMode as container
         self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"),
-                                     container=container)  # fmt: skip
+                                     container=container, world=HostWorld())  # fmt: skip
         self.container: ContainerMode | None = cast("ContainerMode | None", self.supervisor.container)
         """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
