@@ -92,6 +92,8 @@ class ThreadWork(ThreadPoolExecutor):
 
     async def finished(self, within: float) -> None:
         waits = [asyncio.wrap_future(f) for f in list(self.running)]
+        if not waits:  # ended in its thread since the caller looked
+            return
         _, pending = await asyncio.wait(waits, timeout=within)
         for w in waits:
             if w.done() and not w.cancelled():
