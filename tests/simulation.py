@@ -722,7 +722,12 @@ class Simulation:
         config = self.world.stacks[self.layout.nodes[0]].config
         vllm = config.components.get("vllm")
         backoff = float(getattr(getattr(vllm, "restart", None), "max_backoff_s", 60.0) or 60.0)
-        return 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+        bound = 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+        failed = [st.supervisor for st in self.world.stacks.values()
+                  if self.real and st.supervisor is not None and st.supervisor.redeploys.failed]  # fmt: skip
+        if failed:  # a failed node (policy: failed_after_redeploys) restarts anything at its backoff cap
+            bound += max(c.cfg.restart.backoff_max_s for sup in failed for c in sup.components.values())
+        return bound
 
     # ---- the whole run -----------------------------------------------------------------------------------------
     async def run(self) -> None:
