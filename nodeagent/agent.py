@@ -64,6 +64,7 @@ class Agent:
         from nodeagent.layers.guards import StartGuards
         from nodeagent.layers.start_phases import StartPhaseWatch
         from nodeagent.layers.weight_warm import WeightWarmer
+        from nodeagent.node.nodeworld import HostWorld
         from nodeagent.node.supervisor import Supervisor
 
         self.config = config
@@ -73,7 +74,7 @@ class Agent:
         if config.container is not None:  # imported only in container mode: the idle host agent stays small
             from nodeagent.container.mode import ContainerMode as container
         self.supervisor = Supervisor(config, EventBus(seq_path=config.agent.state_dir / "events.seq"),
-                                     container=container)  # fmt: skip
+                                     container=container, world=HostWorld())  # fmt: skip
         self.vllm_sampler = VllmSampler(self.supervisor)
         """The one sampler of the node's vLLM /metrics: /metrics, MQTT and the status page read it."""
         self.container: ContainerMode | None = cast("ContainerMode | None", self.supervisor.container)

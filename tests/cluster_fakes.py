@@ -92,6 +92,8 @@ class ThreadWork(ThreadPoolExecutor):
 
     async def finished(self, within: float) -> None:
         waits = [asyncio.wrap_future(f) for f in list(self.running)]
+        if not waits:  # ended in its thread since the caller looked
+            return
         _, pending = await asyncio.wait(waits, timeout=within)
         for w in waits:
             if w.done() and not w.cancelled():
@@ -757,9 +759,10 @@ class World:
     """Agents of one cluster on one FakeStore, one virtual clock and (optionally) one fake proxy."""
 
     def __init__(self, home: Path, names: Sequence[str], groups: list[dict[str, Any]] | None = None,
-                 proxy: bool = False, ft: dict[str, Any] | None = None, rollouts: bool = False) -> None:  # fmt: skip
+                 proxy: bool = False, ft: dict[str, Any] | None = None, rollouts: bool = False,
+                 clock: VirtualClock | None = None) -> None:  # fmt: skip
         """ft: the vllm component's `fault_tolerance` key; the agents then call a `ft_fakes.FakeFtApi`."""
-        self.clock = VirtualClock()
+        self.clock = clock or VirtualClock()
         self.store = FakeStore(now=self.clock.time())
         self.clock.on_tick.append(self.store.advance)
         self.harness = ClusterHarness(home, "127.0.0.1:2379", names, ttl_s=3.0, heartbeat_s=5.0)

@@ -119,6 +119,17 @@ FAULTS: dict[str, float] = {
     "cluster_pause": 1.0,    # nodeagentctl cluster pause / resume
     "cluster_redeploy": 0.3,  # nodeagentctl cluster redeploy
 }  # fmt: skip
+REAL_FAULTS: dict[str, float] = {
+    **FAULTS,
+    "node_pause": 2.0,       # the pause and the failure paths are what the real node adds: they weigh more
+    "cluster_pause": 2.0,
+    "hang": 4.0,             # a process stops answering (its probes time out: the liveness failure path)
+    "start_fail": 1.5,       # the datasystem worker is killed at every start for a while (the policy escalates)
+}  # fmt: skip
+"""The mix of a schedule over the real node (`sim_node`): its failure paths need faults the fake stack has not."""
+REAL_POLICY = {"backoff_initial_s": 2.0, "backoff_max_s": 20.0, "redeploy_after_failures": 3}
+"""The datasystem worker's restart policy in real-node schedules: short enough that a start failure lasting
+tens of seconds escalates to a node redeploy (the blast radius) within a schedule."""
 
 
 @dataclass(frozen=True)
@@ -140,28 +151,32 @@ class Schedule:
     layout: str
     duration: float
     events: tuple[Event, ...]
+    node: str = "fake"
+    """"fake": each node's stack is `cluster_fakes.FakeStack`; "real": the real supervisor (`sim_node`)."""
 
     def without(self, drop: set[int]) -> Schedule:
         return Schedule(self.seed, self.layout, self.duration,
-                        tuple(e for i, e in enumerate(self.events) if i not in drop))  # fmt: skip
+                        tuple(e for i, e in enumerate(self.events) if i not in drop), self.node)  # fmt: skip
 
 
 def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 600.0,
-                  mix: dict[str, float] | None = None, mean_gap_s: float = 25.0) -> Schedule:  # fmt: skip
+                  mix: dict[str, float] | None = None, mean_gap_s: float = 25.0,
+                  node: str = "fake") -> Schedule:  # fmt: skip
     """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight."""
     rng = random.Random(seed)
-    weights = mix or FAULTS
+    weights = mix or (REAL_FAULTS if node == "real" else FAULTS)
     kinds, w = list(weights), list(weights.values())
     events: list[Event] = []
     at = rng.uniform(1.0, mean_gap_s)
     while at < duration:
         kind = rng.choices(kinds, w)[0]
         lasting = {"etcd_down": (2.0, 60.0), "agent_kill": (0.5, 40.0), "agent_pause": (4.0, 20.0),
-                   "node_pause": (5.0, 90.0), "cluster_pause": (5.0, 90.0)}.get(kind, (0.1, 45.0))  # fmt: skip
+                   "node_pause": (5.0, 90.0), "cluster_pause": (5.0, 90.0), "hang": (5.0, 60.0),
+                   "start_fail": (5.0, 60.0)}.get(kind, (0.1, 45.0))  # fmt: skip
         events.append(Event(round(at, 3), kind, rng.randrange(1 << 16), rng.randrange(1 << 16),
                             round(rng.uniform(*lasting), 3)))  # fmt: skip
         at += rng.expovariate(1.0 / mean_gap_s)
-    return Schedule(seed, layout, duration, tuple(events))
+    return Schedule(seed, layout, duration, tuple(events), node)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
@@ -214,7 +229,15 @@ class Simulation:
     def __init__(self, schedule: Schedule, home: Path) -> None:
         self.schedule = schedule
         self.layout = layouts()[schedule.layout]
-        self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True)
+        self.real = schedule.node == "real"
+        if self.real:
+            from sim_node import LoopClock, RealWorld
+
+            self.world = RealWorld(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True,
+                                   clock=LoopClock())  # fmt: skip
+            self.world.harness.data["components"]["datasystem"]["restart"] = dict(REAL_POLICY)
+        else:
+            self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True)
         self.clock = self.world.clock
         self.violations: list[Violation] = []
         self.trace: list[str] = []
@@ -247,6 +270,9 @@ class Simulation:
         configs = {name: self.world.config(name) for name in self.layout.nodes}
         self.world.config = configs.__getitem__  # type: ignore[method-assign]  # parsed once: the files never change
         for name in self.layout.nodes:
+            if self.real:
+                self.world.stacks[name] = self.real_stack(configs[name])
+                continue
             stack = SimStack(configs[name], self.clock, lambda: self.world.store.reachable)
             stack.sim = self
             self.world.stacks[name] = stack
@@ -257,6 +283,17 @@ class Simulation:
         for g in self.layout.groups:
             for n in g["nodes"]:
                 self.group_of[n] = g["name"]
+
+    def real_stack(self, config: Any) -> Any:
+        """A node over the real supervisor (`sim_node.RealStack`), its launches, stops and restarts checked here."""
+        from sim_node import RealStack
+
+        stack = RealStack(config, self.clock, lambda: self.world.store.reachable)
+        stack.before_launch = lambda comp: self.before_launch(stack, comp)  # type: ignore[method-assign]
+        stack.on_restart = lambda names, reason, planned: self.on_restart(stack, names, reason, planned)
+        stack.host.on_stop = lambda name: self.on_stop(stack, name)
+        stack.listeners.append(lambda: self.check(stack))
+        return stack
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -328,6 +365,36 @@ class Simulation:
             if self.outage and comp.up and group not in self.outage_hit and not planned and not under_way:
                 self.violate("etcd_loss_stopped_serving", f"{stack.node}/{name} stopped during an etcd outage: "
                              f"{reason}")  # fmt: skip
+
+    def on_stop(self, stack: Any, name: str) -> None:
+        """Real node: every stop of a tree, whatever path asked it, is licensed by a fault or command; one a node
+        redeploy makes beyond what its failure class may touch is the blast radius broken."""
+        if not self.running or self.licensed(stack.node, name):
+            return
+        sup = stack.supervisor
+        if sup is not None and sup.redeploying is not None and not sup.redeploying.done():
+            self.violate("recovery_beyond_blast_radius", f"{stack.node}/{name} stopped by a node redeploy of "
+                         f"{list(sup.redeploy_scope)} that no fault or command of it licenses")  # fmt: skip
+        else:
+            self.violate("restart_without_cause", f"{stack.node}/{name} stopped without a fault or command")
+        self.log(f"unlicensed stop of {stack.node}/{name}")
+
+    def check_supervised(self) -> None:
+        """Real node, when the loop is settled: no component left unsupervised."""
+        for name, stack in self.world.stacks.items():
+            for problem in stack.unsupervised():
+                self.violate("unsupervised", f"{name}/{problem}")
+
+    def license_component(self, node: str, name: str, why: str) -> None:
+        """What a fault or command on one component licenses: itself, its group (a rank), the ranks over it."""
+        self.license(node, name, why)
+        kind = self.world.stacks[node].components[name].kind
+        if kind == "vllm" and node in self.group_of:
+            self.license_group(self.group_of[node], why)
+        elif kind in ("datasystem", "etcd"):
+            self.license(node, "vllm", f"{why}: under its rank")
+            if node in self.group_of:
+                self.license_group(self.group_of[node], f"{why}: under {node}'s rank")
 
     def check(self, stack: FakeStack | None = None) -> None:
         """Safety, after every change a node reports."""
@@ -500,6 +567,23 @@ class Simulation:
             self.world.store.compact(self.world.store.revision)
             self.log(f"etcd compacted at {self.world.store.revision}")
             return None
+        if kind == "hang":
+            running = sorted(n for n, c in stack.components.items() if c.running and not c.dying)
+            if not running:
+                return self.log(f"skip hang on {node}: nothing running")
+            name = running[event.pick % len(running)]
+            self.faults[kind] += 1
+            self.license_component(node, name, f"hang of {node}/{name}")
+            stack.host.hang(name, event.duration)
+            return self.log(f"{node}/{name} hangs for {event.duration:.1f}s")
+        if kind == "start_fail":
+            comp = stack.components["datasystem"]
+            self.faults[kind] += 1
+            self.license_component(node, "datasystem", f"start failures of {node}/datasystem")
+            stack.host.start_fail_until["datasystem"] = self.clock.monotonic() + event.duration
+            if comp.running and not comp.dying:
+                stack.crash("datasystem")
+            return self.log(f"{node}/datasystem killed at every start for {event.duration:.1f}s")
         agent = self.world.agents.get(node)
         if agent is None:
             return self.log(f"skip {kind} on {node}: no agent")
@@ -507,9 +591,12 @@ class Simulation:
             names = sorted(stack.components)
             name = names[event.pick % len(names)]
             self.faults[kind] += 1
-            self.license(node, name, f"operator restart of {node}/{name}")
-            if stack.components[name].kind == "vllm" and node in self.group_of:
-                self.license_group(self.group_of[node], f"operator restart of {node}/{name}")
+            if self.real:
+                self.license_component(node, name, f"operator restart of {node}/{name}")
+            else:
+                self.license(node, name, f"operator restart of {node}/{name}")
+                if stack.components[name].kind == "vllm" and node in self.group_of:
+                    self.license_group(self.group_of[node], f"operator restart of {node}/{name}")
             try:
                 answer = stack.command(name, "restart")
             except Exception as exc:
@@ -534,6 +621,21 @@ class Simulation:
 
             self.command(f"operator on {node}: --node {target} restart vllm",
                          agent.coordinator.ops.remote(target, "vllm", "restart", True, "operator"), acked)
+            return None
+        if kind == "node_pause" and self.real:
+            if stack.paused and stack.pause_info()["scope"] == "node":
+                return self.log(f"skip node_pause {node}")
+            self.faults[kind] += 1
+            stack.set_node_pause(True)
+            self.log(f"operator: pause {node} for {event.duration:.1f}s")
+
+            def resume_real() -> None:
+                if stack.set_node_pause(False):
+                    self.log(f"operator: resume {node}")
+                else:
+                    self.later(5.0, resume_real)  # no agent answered: the operator tries again
+
+            self.later(event.duration, resume_real)
             return None
         if kind == "node_pause":
             if stack.node_pause is not None:
@@ -620,11 +722,18 @@ class Simulation:
         config = self.world.stacks[self.layout.nodes[0]].config
         vllm = config.components.get("vllm")
         backoff = float(getattr(getattr(vllm, "restart", None), "max_backoff_s", 60.0) or 60.0)
-        return 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+        bound = 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+        failed = [st.supervisor for st in self.world.stacks.values()
+                  if self.real and st.supervisor is not None and st.supervisor.redeploys.failed]  # fmt: skip
+        if failed:  # a failed node (policy: failed_after_redeploys) restarts anything at its backoff cap
+            bound += max(c.cfg.restart.backoff_max_s for sup in failed for c in sup.components.values())
+        return bound
 
     # ---- the whole run -----------------------------------------------------------------------------------------
     async def run(self) -> None:
         wall = time.perf_counter()
+        if self.real:
+            self.clock.install(asyncio.get_running_loop())  # type: ignore[attr-defined]
         self.world.start()
         await self.world.until("every component of every node up", self.world.all_up, within=300)
         await self.world.until("the proxy routes every group", lambda: self.converged() is None, within=120)
@@ -639,6 +748,8 @@ class Simulation:
                 await self.apply(event)
                 await self.clock.settle()
                 self.check()
+                if self.real:
+                    self.check_supervised()
             end = self.schedule.duration - self.now()
             if end > 0:
                 await self.world.advance(end)
@@ -652,6 +763,8 @@ class Simulation:
             except AssertionError:
                 self.violate("no_convergence", f"not converged {bound:.0f}s after the faults healed: "
                              f"{self.converged()}")  # fmt: skip
+            if self.real:
+                self.check_supervised()
             for node, name, when, what in self.acked:
                 comp = self.world.stacks[node].components[name]
                 if not any(start >= when for start in comp.starts):
@@ -684,7 +797,8 @@ def _rounded(value: Any) -> Any:
 
 
 def run_schedule(schedule: Schedule) -> Result:
-    with tempfile.TemporaryDirectory(prefix="dsv4-sim-") as home:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the real node's state files: no disk flushes
+    with tempfile.TemporaryDirectory(prefix="dsv4-sim-", dir=shm) as home:
         sim = Simulation(schedule, Path(home))
         asyncio.run(_quiet(sim.run()))
         return Result(schedule, sim.violations, sim.trace, sim.checks, sim.faults, sim.now(), sim.wall_s)
@@ -703,16 +817,24 @@ def layout_for(seed: int, layout: str) -> str:
     return names[seed % len(names)] if layout == "mixed" else layout
 
 
-def run_seed(seed: int, layout: str, duration: float) -> dict[str, Any]:
+def node_for(seed: int, node: str) -> str:
+    """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one), the others the fake
+    stack — the CI budget stays within 5 minutes on 2 cores (docs/performance.md)."""
+    return ("real" if seed % 4 == 1 else "fake") if node == "mixed" else node
+
+
+def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:
     """One schedule, summed up (a worker process's answer: plain data)."""
-    result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration))
+    result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node)))
     return {"seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
             "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
             "wall_s": result.wall_s, "checks": result.checks, "faults": dict(result.faults),
+            "node": result.schedule.node,
             "events": len(result.schedule.events), "replay": replay_line(result.schedule)}  # fmt: skip
 
 
-def batch(first: int, count: int, layout: str, duration: float, jobs: int) -> list[dict[str, Any]]:
+def batch(first: int, count: int, layout: str, duration: float, jobs: int,
+          node: str = "fake") -> list[dict[str, Any]]:  # fmt: skip
     """`count` seeds from `first` over `jobs` worker processes (each with PYTHONHASHSEED=0: replays match)."""
     import concurrent.futures
     import multiprocessing
@@ -720,10 +842,10 @@ def batch(first: int, count: int, layout: str, duration: float, jobs: int) -> li
     os.environ["PYTHONHASHSEED"] = "0"
     seeds = range(first, first + count)
     if jobs <= 1:
-        return [run_seed(seed, layout, duration) for seed in seeds]
+        return [run_seed(seed, layout, duration, node) for seed in seeds]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        return list(pool.map(run_seed, seeds, [layout] * count, [duration] * count, chunksize=4))
+        return list(pool.map(run_seed, seeds, [layout] * count, [duration] * count, [node] * count, chunksize=4))
 
 
 def shrink(schedule: Schedule, invariant: str, budget: int = 200) -> Schedule:
@@ -759,7 +881,7 @@ def describe(result: Result) -> str:
 
 def replay_line(s: Schedule) -> str:
     return (f"PYTHONHASHSEED=0 .venv/bin/python tests/simulation.py --seed {s.seed} --layout {s.layout} "
-            f"--duration {s.duration:g}")  # fmt: skip
+            f"--duration {s.duration:g} --node {s.node}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -769,13 +891,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="local-cluster", choices=[*sorted(layouts()), "mixed"])
     parser.add_argument("--duration", type=float, default=600.0, help="virtual seconds of faults per schedule")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--node", default="fake", choices=["fake", "real", "mixed"],
+                        help="each node's stack: the fake one, the real supervisor (sim_node), or every other seed")
     parser.add_argument("--trace", action="store_true", help="print the whole trace of a single run")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing single run")
     parser.add_argument("--json", type=Path, help="write the batch's summary here")
     args = parser.parse_args(argv)
     first = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     if args.schedules == 1:
-        result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration))
+        result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration,
+                                            node=node_for(first, args.node)))
         print(describe(result))
         if args.trace or not result.ok:
             print("\n".join(result.trace if args.trace else result.trace[-80:]))
@@ -788,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             print("replay: " + replay_line(result.schedule))
         return 0 if result.ok else 1
     started = time.perf_counter()
-    results = batch(first, args.schedules, args.layout, args.duration, args.jobs)
+    results = batch(first, args.schedules, args.layout, args.duration, args.jobs, args.node)
     wall = time.perf_counter() - started
     failed = [r for r in results if not r["ok"]]
     for r in failed:
@@ -813,7 +938,8 @@ def summary(first: int, results: list[dict[str, Any]], wall: float) -> dict[str,
             "cpu_s_per_schedule": sum(r["wall_s"] for r in results) / max(len(results), 1),
             "checks": sum(r["checks"] for r in results), "faults": dict(sorted(faults.items())),
             "violations": dict(sorted(violations.items())),
-            "layouts": dict(Counter(r["layout"] for r in results))}  # fmt: skip
+            "layouts": dict(Counter(r["layout"] for r in results)),
+            "nodes": dict(Counter(r.get("node", "fake") for r in results))}  # fmt: skip
 
 
 def summary_line(first: int, results: list[dict[str, Any]], wall: float) -> str:

@@ -173,6 +173,31 @@ async def stop(r: Rig) -> None:
     await r.sup.shutdown()
 
 
+async def test_a_held_start_waits_without_spinning_while_its_dependency_is_up(tmp_path: Path) -> None:
+    """Found by the simulation over the real node (its event loop never settled): the gate's waiters included
+    `up.wait()` of a dependency that was up — done at once — so a paused `b` (its `a` up) re-checked its gate in
+    a tight loop, the agent's CPU at 100% for as long as the pause (or any other hold) lasted."""
+    r = await rig(tmp_path)
+    try:
+        r.sup.set_paused(True, "test")
+        r.crash("b")
+        b = r.sup.components["b"]
+        await until("held by the pause", lambda: b.held and "paused" in b.held)
+        asked = 0
+        gate = r.sup.start_gate
+
+        def counted(comp: Any, operator: bool = False) -> Hold | None:
+            nonlocal asked
+            asked += 1
+            return gate(comp, operator)
+
+        r.sup.start_gate = counted  # type: ignore[method-assign]
+        await asyncio.sleep(0.3)
+        assert asked <= 1, f"the held start re-checked its gate {asked} times in 0.3 s"
+    finally:
+        await stop(r)
+
+
 async def test_pause_holds_automatic_restarts_and_an_operator_restart_still_works(tmp_path: Path) -> None:
     r = await rig(tmp_path)
     try:

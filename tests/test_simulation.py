@@ -16,6 +16,8 @@ from simulation import batch, make_schedule, run_schedule
 BUDGET = int(os.environ.get("DSV4_SIM_SCHEDULES", "500"))
 DURATION = float(os.environ.get("DSV4_SIM_DURATION", "180"))
 JOBS = int(os.environ.get("DSV4_SIM_JOBS", str(os.cpu_count() or 2)))
+NODE = os.environ.get("DSV4_SIM_NODE", "mixed")
+"""Each node's stack in the CI budget: `mixed` runs the real supervisor (`sim_node`) on one seed in four."""
 VALIDATED_FIRST_SEED = "760000"
 """The CI budget's default window (760000 on): run clean once the bugs it found were fixed, so CI judges the change,
 not the draw. `DSV4_SIM_SEED=random` draws a new window (a developer's run, and `bench/sim_campaign.py`, which
@@ -42,13 +44,21 @@ KEPT: list[tuple[int, str, float, str]] = [
 ]
 
 
+KEPT_REAL: list[tuple[int, str, float, str]] = [
+    # (seed, layout, duration, what it found) over the real node (`sim_node`)
+    (760110, "small", 180, "an agent restarted after etcd was wiped took its rank, not adopted yet, for down at the "
+     "new epoch's baseline and restarted its whole group (a model load) for nothing"),
+    (760122, "local-cluster", 180, "the same on the local cluster's decode group"),
+]
+
+
 @pytest.mark.timeout(1200)
 def test_a_ci_budget_of_random_schedules_finds_no_violation() -> None:
     chosen = os.environ.get("DSV4_SIM_SEED") or VALIDATED_FIRST_SEED
     first = time.time_ns() // 1000 % 1_000_000 if chosen == "random" else int(chosen)
     print(f"simulation: {BUDGET} schedules of {DURATION:g}s from seed {first} (DSV4_SIM_SEED={first} replays them)")
     started = time.perf_counter()
-    results = batch(first, BUDGET, "mixed", DURATION, JOBS)
+    results = batch(first, BUDGET, "mixed", DURATION, JOBS, NODE)
     print(simulation.summary_line(first, results, time.perf_counter() - started))
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['report']}\n  replay: {r['replay']}" for r in failed)
@@ -60,11 +70,24 @@ def test_a_seed_that_found_a_bug_stays_fixed(seed: int, layout: str, duration: f
     assert result.ok, f"{found}\n" + simulation.describe(result) + "\n" + "\n".join(result.trace[-40:])
 
 
+@pytest.mark.parametrize(("seed", "layout", "duration", "found"), KEPT_REAL, ids=[f"real{k[0]}" for k in KEPT_REAL])
+def test_a_seed_that_found_a_bug_of_the_real_node_stays_fixed(seed: int, layout: str, duration: float,
+                                                             found: str) -> None:  # fmt: skip
+    result = run_schedule(make_schedule(seed, layout, duration, node="real"))
+    assert result.ok, f"{found}\n" + simulation.describe(result) + "\n" + "\n".join(result.trace[-40:])
+
+
 def test_the_same_seed_replays_the_same_run() -> None:
     first = run_schedule(make_schedule(11, "local-cluster", 300))
     second = run_schedule(make_schedule(11, "local-cluster", 300))
     assert len(first.trace) > 10 and first.trace == second.trace
     assert make_schedule(11, "8node", 300) == make_schedule(11, "8node", 300) != make_schedule(12, "8node", 300)
+
+
+def test_the_same_seed_replays_the_same_run_over_the_real_node() -> None:
+    first = run_schedule(make_schedule(13, "local-cluster", 240, node="real"))
+    second = run_schedule(make_schedule(13, "local-cluster", 240, node="real"))
+    assert len(first.trace) > 10 and first.trace == second.trace
 
 
 def planted_find(invariant: str, seeds: range, layout: str = "local-cluster") -> dict[str, Any] | None:
@@ -107,4 +130,46 @@ def test_a_dropped_generation_request_is_found(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(Coordinator, "ask", drops)
     found = planted_find("command_lost", range(1, 30))
     assert found is not None, "the simulation did not find a lost generation request"
+    print(f"found: {found}")
+
+
+def planted_find_real(invariant: str, tries: int = 60) -> dict[str, Any] | None:
+    """The CI budget's real-node seeds (every other one of its window), in order, until `invariant` fails."""
+    first = int(VALIDATED_FIRST_SEED)
+    for seed in [s for s in range(first, first + 2 * tries) if simulation.node_for(s, NODE) == "real"][:tries]:
+        result = run_schedule(make_schedule(seed, simulation.layout_for(seed, "mixed"), DURATION, node="real"))
+        hit = [v for v in result.violations if v.invariant == invariant]
+        if hit:
+            again = run_schedule(make_schedule(seed, simulation.layout_for(seed, "mixed"), DURATION, node="real"))
+            assert again.trace == result.trace, f"seed {seed} does not replay its run"
+            return {"seed": seed, "violation": str(hit[0])}
+    return None
+
+
+def test_a_pause_ignored_by_the_probe_failure_restart_path_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug, in the real node: the pause gate lets a component through once a probe failure (a hang's
+    liveness failure) was its last failure — the automatic restart after it starts while paused."""
+    from nodeagent.node.nodeport import NodePort
+
+    original = NodePort._pause_hold
+
+    def ignores(self: Any, comp: Any, operator: bool) -> Any:
+        if comp.failure is not None and comp.failure.what in ("liveness", "startup"):
+            return None
+        return original(self, comp, operator)
+
+    monkeypatch.setattr(NodePort, "_pause_hold", ignores)
+    found = planted_find_real("restart_while_paused")
+    assert found is not None, "the simulation did not find a restart path that ignores the pause"
+    print(f"found: {found}")
+
+
+def test_a_recovery_that_stops_host_components_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug, in the real node: the blast radius of every node redeploy is the whole node — a worker's
+    escalated start failures stop the master's proxy too."""
+    import nodeagent.node.nodeport as nodeport
+
+    monkeypatch.setattr(nodeport, "redeploy_scope", lambda blast, members, origin=None: tuple(m.name for m in members))
+    found = planted_find_real("recovery_beyond_blast_radius")
+    assert found is not None, "the simulation did not find a node redeploy beyond its blast radius"
     print(f"found: {found}")

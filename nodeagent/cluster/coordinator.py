@@ -304,6 +304,8 @@ class Coordinator:
             await self._bump(gs, epoch)
         view = rules.GangView(gs.record, gs.acted, gs.acted_epoch)
         if rules.baseline(view, epoch):
+            if any(c in self.port.snapshot().adoptable for c in gs.components):
+                return  # a new agent's rank not adopted yet is not down: the baseline waits for its adoption
             await self._adopt_baseline(gs, epoch)
             return
         here = self.port.snapshot()

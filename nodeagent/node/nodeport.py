@@ -304,9 +304,10 @@ class NodePort:
         return self.node_hold(comp, operator) or self.layer_hold(comp, operator)
 
     def gate_waiters(self, comp: Component) -> list[Awaitable[Any]]:
-        """What completes when the gate's answer may have changed: the intent, a `wake`, a dependency up."""
+        """What completes when the gate's answer may have changed: the intent, a `wake`, a dependency up — only one
+        that is not up yet (an up one's `wait()` is done at once: a held start spun on it)."""
         waiters: list[Awaitable[Any]] = [self.intent_store.changed.wait(), self._gate_poked.wait()]
-        waiters += [self.components[d].up.wait() for d in self.deps(comp)]
+        waiters += [self.components[d].up.wait() for d in self.deps_waiting(comp)]
         return waiters
 
     # ---- what the node asks its layers -----------------------------------------------------------------------

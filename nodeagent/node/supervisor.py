@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,7 +25,7 @@ from nodeagent.core.graph import start_order
 from nodeagent.core.heartbeat import Heartbeat
 from nodeagent.core.output_tail import read_tail
 from nodeagent.core.postmortem import Evidence
-from nodeagent.core.process import ExitWatch, ProcessRecord, record_of, stop_tree, verify
+from nodeagent.core.process import ProcessRecord
 from nodeagent.core.statefile import StateStore, write_json_atomic
 from nodeagent.core.states import SERVING_STATES, State
 from nodeagent.core.task_owner import guarded, log_death
@@ -37,15 +36,13 @@ from nodeagent.node.evidence import PostMortems
 from nodeagent.node.intent import NodeIntent
 from nodeagent.node.loops import NodeLoops
 from nodeagent.node.nodeport import NodePort
-from nodeagent.node.precheck import missing_prerequisite
-from nodeagent.probes.kinds import ProbeContext, check_etcd, resolve_probe_set
+from nodeagent.node.nodeworld import HostWorld, NodeWorld
+from nodeagent.probes.kinds import ProbeContext, resolve_probe_set
 from nodeagent.probes.prober import ComponentProber
-from nodeagent.probes.tree_watch import watch_tree
 from nodeagent.render.launch import component_dir, launch_fingerprint, routed_proxy
 from nodeagent.seam.host import Clock, Process, StartHeld
 from nodeagent.seam.policy import RestartDecision, restarts_with
 from nodeagent.seam.stackport import STOPS_AUTOMATIC, Delegated, HoldKind
-from nodeagent.vllm.endpoints import vllm_inflight
 
 if TYPE_CHECKING:
     from nodeagent.node.component import ComponentHost
@@ -74,10 +71,13 @@ class NodeContainer(Protocol):
 
 class Supervisor(NodePort, NodeLoops):
     def __init__(self, config: Config, events: EventBus | None = None, clock: Clock | None = None, *,
-                 container: Callable[[Supervisor], NodeContainer] | None = None) -> None:  # fmt: skip
+                 container: Callable[[Supervisor], NodeContainer] | None = None, world: NodeWorld | None = None,
+                 probe_ctx: ProbeContext | None = None) -> None:  # fmt: skip
+        """`world`: where its processes run (`nodeworld`; the host by default), `probe_ctx`: what its probes dial."""
         self.config = config
         self.events = events or EventBus()
         self.clock = clock or Clock()
+        self.world: NodeWorld = world or HostWorld()
         self.store = StateStore(config.agent.state_dir)
         self.base_env = launcher.base_environment()
         self.caches = CacheStore()
@@ -105,7 +105,7 @@ class Supervisor(NodePort, NodeLoops):
                                        lambda: self.npu.status() if self.npu is not None else None)  # fmt: skip
         self._delegated: dict[str, str] = {}
         """What a layer does instead of the policy for a failure (the gang restart), for its post-mortem."""
-        self.probe_ctx = ProbeContext()
+        self.probe_ctx = probe_ctx or ProbeContext()
         self._background: set[asyncio.Task[Any]] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.redeploying: asyncio.Task[None] | None = None
@@ -157,10 +157,7 @@ class Supervisor(NodePort, NodeLoops):
         while True:
             ok = False
             for endpoint in self.config.cluster.etcd_endpoints:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(2):
-                        ok, _ = await check_etcd(self.probe_ctx.session(), endpoint.removeprefix("http://"),
-                                                 False, None)  # fmt: skip
+                ok = await self.world.etcd_ok(self.probe_ctx, endpoint)
                 if ok:
                     break
             if ok != self.remote_etcd_ok:
@@ -196,7 +193,7 @@ class Supervisor(NodePort, NodeLoops):
                                                reason=reason, records=self._last_records(comp.name),
                                                scan=scan, wipe_etcd=wipe_etcd)  # fmt: skip
         plan = self.container.adapt_plan(comp.name, plan) if self.container is not None else plan
-        outcomes = await residue.execute(plan)
+        outcomes = await self.world.clean(plan)
         for outcome in outcomes:
             if outcome.ok:
                 continue
@@ -219,7 +216,8 @@ class Supervisor(NodePort, NodeLoops):
     # `inside`: the node's container (container_mode.ContainerMode) for a component that runs in it; it launches
     # through the engine's exec, watches and stops by host PID, and signals nothing outside the container.
     async def prepare(self, comp: Component, inside: Any = None) -> None:
-        missing = missing_prerequisite(comp.cfg, self.base_env) if inside is None else None  # the image's, not ours
+        # inside a container: the image's prerequisites, not ours
+        missing = self.world.missing_prerequisite(comp.cfg, self.base_env) if inside is None else None
         if missing:
             raise MissingPrerequisite(missing)
         await self.cleanup(comp)
@@ -233,7 +231,7 @@ class Supervisor(NodePort, NodeLoops):
         scope = launcher.scope_unit(self.config.agent.systemd_scopes, self.config.cluster.name, comp.name)
         tail = component_dir(self.config, comp.name) / "output.tail"
         log_offset = logsink.log_offset(self.config.agent.log_dir, comp.name)
-        start = launcher.launch_watched if inside is None else inside.launch
+        start = self.world.launch if inside is None else inside.launch
         launched, watch = await start(spec, self.config.agent.log_dir, self.base_env,
                                       component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
@@ -241,7 +239,7 @@ class Supervisor(NodePort, NodeLoops):
                        fingerprint)  # fmt: skip
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
-        watch = (verify(record), ExitWatch(record.pid, None))[1] if inside is None else inside.adopt(record)
+        watch = self.world.adopt(record) if inside is None else inside.adopt(record)
         self.caches.adopted(self.config, comp.name, record.pid)  # its cache folder is in use
         tail = component_dir(self.config, comp.name) / "output.tail"
         saved = self._saved_launches.get(comp.name, {})
@@ -251,14 +249,15 @@ class Supervisor(NodePort, NodeLoops):
                         "ft_unsupported": saved.get("ft_unsupported")}, saved.get("fingerprint"))  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str, inside: Any = None) -> dict[str, Any]:
-        return await stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name, inside.member if inside else None)
+        return await self.world.stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name,
+                                          inside.member if inside else None)  # fmt: skip
 
     def drain_timeout(self, comp: Component) -> float | None:
         timeout = getattr(comp.cfg, "drain_timeout_s", None)
         return timeout if timeout else None
 
     async def inflight(self, comp: Component) -> tuple[int, int] | None:
-        return await vllm_inflight(self.probe_ctx.session(), comp.name, comp.cfg)
+        return await self.world.inflight(self.probe_ctx, comp.name, comp.cfg)
 
     def output_tail(self, comp: Component, proc: Process) -> tuple[str, ...]:
         return read_tail(logsink.log_path(self.config.agent.log_dir, comp.name), proc.extra.get("log_offset"),
@@ -315,7 +314,7 @@ class Supervisor(NodePort, NodeLoops):
     def _watch_tree(self, comp: Component, proc: Process) -> None:
         """vLLM's own processes (`tree_watch`): one that dies while the API server runs is a liveness failure."""
         gen = comp.gen
-        self._keep(asyncio.ensure_future(watch_tree(
+        self._keep(asyncio.ensure_future(self.world.watch_tree(
             proc.record, lambda: comp.proc is proc and comp.gen == gen and comp.state in SERVING_STATES,
             lambda detail: comp.signal("liveness_failed", gen, detail))))
 
@@ -326,7 +325,7 @@ class Supervisor(NodePort, NodeLoops):
         if record is None:
             return
         with contextlib.suppress(LaunchError):
-            fresh = record_of(record.pid)
+            fresh = self.world.record_of(record.pid)
             same = abs(fresh.create_time - record.create_time) < 0.05
             if same and fresh.cmdline != record.cmdline and comp.refresh_record(fresh):
                 self._save_children()
@@ -370,11 +369,11 @@ class Supervisor(NodePort, NodeLoops):
             for callback in self.on_probe_result:
                 guarded("probe-result observer", callback, comp.name, role, result)
 
-        prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result)
+        prober = ComponentProber(comp.name, probes, self.probe_ctx, on_change, on_result, clock=self.clock)
         self._stop_prober(comp.attach_prober(prober))
-        # the prober schedules in real time; initial delays count from the process's start
+        # initial delays count from the process's start
         age = self.clock.time() - comp.started_at if comp.started_at else 0.0
-        prober.start(time.time() - max(0.0, age))
+        prober.start(self.clock.time() - max(0.0, age))
 
     def _keep(self, task: asyncio.Task[Any] | asyncio.Future[Any]) -> None:
         self._background.add(task)  # type: ignore[arg-type]

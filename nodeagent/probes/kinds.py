@@ -439,6 +439,9 @@ class ProbeContext:
             return await self.npu_monitor(probe).check()
         return False, f"unknown probe kind {kind!r}"
 
+    async def _progress(self, probe: ResolvedProbe, monitor: ProgressMonitor) -> tuple[bool, str, bool]:
+        return await check_vllm_progress(self.session(), probe, monitor)
+
     async def run(self, probe: ResolvedProbe, state: ProgressMonitor | None = None) -> ProbeResult:
         """One check under `timeout_s`; overrunning is a failure `timed out after Xs`, never an exception.
 
@@ -450,7 +453,7 @@ class ProbeContext:
             async with asyncio.timeout(probe.timeout_s) as scope:
                 if probe.kind == "vllm_progress":
                     monitor = state if state is not None else ProgressMonitor(probe.stall_after_s)
-                    ok, detail, definite = await check_vllm_progress(self.session(), probe, monitor)
+                    ok, detail, definite = await self._progress(probe, monitor)
                 else:
                     ok, detail, *rest = await self._check(probe)
                     skipped = bool(rest and rest[0])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -26,6 +25,7 @@ from loguru import logger
 from nodeagent.config.model import ProbeBase
 from nodeagent.config.probe_defaults import ROLES
 from nodeagent.probes.kinds import ProbeContext, ProbeResult, ResolvedProbe, probe_state
+from nodeagent.seam.host import Clock
 
 Status = Literal["unknown", "success", "failure"]
 Phase = Literal["stopped", "startup", "running"]
@@ -106,6 +106,8 @@ class ComponentProber:
         context: ProbeContext,
         on_change: OnChange,
         on_result: OnResult | None = None,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         unknown = set(probes) - set(ROLES)
         if unknown:
@@ -115,6 +117,8 @@ class ComponentProber:
         self.context = context
         self.on_change = on_change
         self.on_result = on_result
+        self.clock = clock or Clock()
+        """The host's clock (the simulation's virtual one): start times and initial delays count on it."""
         self.phase: Phase = "stopped"
         self.started_at: float | None = None
         self._started_mono = 0.0
@@ -138,8 +142,9 @@ class ComponentProber:
         start (an adopted process's create_time), from which every `initial_delay_s` counts."""
         self._cancel()
         self._fresh()
-        self.started_at = time.time() if started_at is None else started_at
-        self._started_mono = time.monotonic() - max(0.0, time.time() - self.started_at)
+        now = self.clock.time()
+        self.started_at = now if started_at is None else started_at
+        self._started_mono = self.clock.monotonic() - max(0.0, now - self.started_at)
         self.phase = "startup"
         gen = self._gen
         if self.probes["startup"]:
@@ -270,7 +275,7 @@ class ComponentProber:
         if gen != self._gen or self.phase != "startup":
             return
         self.phase = "running"
-        self.startup_succeeded_at = time.time()
+        self.startup_succeeded_at = self.clock.time()
         if result is None:
             self.role_status["startup"] = "success"
             self._emit("startup", "success", None)
@@ -289,7 +294,7 @@ class ComponentProber:
         spec = probe.spec
         loop = asyncio.get_running_loop()
         assert self.started_at is not None
-        delay = self._started_mono + spec.initial_delay_s - time.monotonic()
+        delay = self._started_mono + spec.initial_delay_s - self.clock.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         next_at = loop.time()

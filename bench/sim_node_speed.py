@@ -1,0 +1,48 @@
+"""How fast the whole-cluster simulation runs with each node's stack fake or real (`tests/sim_node.py`): simulated
+cluster seconds per wall second and per CPU second (this process's: the machine may be shared), for the shipped
+8-node file and config/local-cluster.yaml, one core.
+
+    PYTHONPATH=. .venv/bin/python bench/sim_node_speed.py --schedules 6 --duration 180
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+ANCHOR = "issue 30: >= 1,000x real time for 8 nodes on one core"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--schedules", type=int, default=6)
+    parser.add_argument("--duration", type=float, default=180.0)
+    parser.add_argument("--seed", type=int, default=760001)
+    args = parser.parse_args()
+    from simulation import make_schedule, run_schedule
+
+    for layout in ("8node", "local-cluster"):
+        for node in ("fake", "real"):
+            per_wall, per_cpu = [], []
+            for seed in range(args.seed, args.seed + args.schedules):
+                cpu, wall = time.process_time(), time.perf_counter()
+                result = run_schedule(make_schedule(seed, layout, args.duration, node=node))
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                per_wall.append(result.simulated_s / wall)
+                per_cpu.append(result.simulated_s / cpu)
+            print(f"{layout:14s} {node}: median {statistics.median(per_wall):6.0f}x real time per wall s, "
+                  f"{statistics.median(per_cpu):6.0f}x per CPU s ({args.schedules} schedules of "
+                  f"{args.duration:g} s)   [{ANCHOR}]")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
