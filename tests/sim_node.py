@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from cluster_fakes import Agent, FakeProxy, VirtualClock, World
 
 from nodeagent.cluster.coordinator import Coordinator
@@ -440,6 +441,13 @@ class RealWorld(World):
     """The agents of `cluster_fakes.World`, each over a real `Supervisor` of its `RealStack`."""
 
     stacks: dict[str, RealStack]  # type: ignore[assignment]
+
+    def config(self, name: str) -> Config:
+        """The node's config with the compile caches off: their folders are the host's file system, made and swept
+        in threads whose order no virtual clock decides (a replay would differ); `tests/test_caches.py` has them."""
+        config = super().config(name)
+        caches = msgspec.structs.replace(config.agent.caches, enabled=False)
+        return msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, caches=caches))
 
     def start_agent(self, name: str) -> Agent:
         config = self.config(name)
