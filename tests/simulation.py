@@ -444,12 +444,12 @@ class Simulation:
             return
         ranks = self.endpoint_ranks()
         for endpoint, (node, comp) in ranks.items():
-            if comp.up or self.world.stacks[node].paused:
-                # paused: no automatic action (the proxy sync follows the gangs, and a paused group makes no
-                # generation) — found by the simulation, left to the PD watch: docs/simulation.md
+            if comp.up:
                 self.down_since.pop(endpoint, None)
             else:
                 self.down_since.setdefault(endpoint, now)
+        if not any(c.up for st in self.world.stacks.values() for c in st.components.values() if c.kind == "proxy"):
+            return  # its process is down (killed, or not restarted under a pause): it routes nothing
         for kind in ("prefill", "decode"):
             serving = proxy.serving(kind)
             up = {e for e in serving if e in ranks and ranks[e][1].up}
