@@ -443,7 +443,7 @@ class Simulation:
         if proxy is None or proxy.busy:
             return
         ranks = self.endpoint_ranks()
-        for endpoint, (node, comp) in ranks.items():
+        for endpoint, (_node, comp) in ranks.items():
             if comp.up:
                 self.down_since.pop(endpoint, None)
             else:
