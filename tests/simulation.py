@@ -24,7 +24,11 @@ The invariants (checked on every change a node or the proxy reports, and after e
 - `command_lost` (liveness): an operator restart the agents acknowledged is carried out (its target starts again);
 - `routed_down`: the proxy routes to no rank that has been down for more than `ROUTED_DOWN_S`;
 - `no_convergence` (liveness): once the faults stop and heal, every component of every node is up, every gang
-  acted on its group's generation and the proxy routes every group, within a bound derived from the config.
+  acted on its group's generation and the proxy routes every group, within a bound derived from the config;
+- rollouts (`ROLLOUTS`, the real `RolloutExecutor`): `rollout_floor` (a step starts only under the floor its rules
+  state, judged on what runs), `mixed_routes` (never both KV connector settings routed), `refused_changed` and
+  `second_rollout` (a refused start changes nothing), `rollout_stuck` (an active rollout ends within a bound from
+  the rules' timeouts).
 
 Usage: `.venv/bin/python tests/simulation.py --seed 7 --layout local-cluster` (one run, its trace and verdict);
 `--schedules 500 --jobs 2` (a batch, seeds from `--seed` on); `bench/sim_campaign.py --hours 1` (a long campaign
