@@ -88,7 +88,9 @@ class FakeStore:
         """Unknown until the first request is answered, as etcd's."""
         self._ids = itertools.count(0x1000)
         self._epoch = 0
-        self._wakeups: set[asyncio.Event] = set()
+        self._wakeups: dict[asyncio.Event, None] = {}
+        """The watches' wake-ups in the order they began (a set woke them in the order of their addresses: a
+        simulated run did not replay)."""
         self._lease_objects: set[FakeLease] = set()
         self.requests = 0
         self._written_while_away: set[int] = set()
@@ -263,7 +265,7 @@ class FakeStore:
 
     async def watch_prefix(self, prefix: str, from_revision: int | None = None) -> AsyncGenerator[WatchItem, None]:
         wake = asyncio.Event()
-        self._wakeups.add(wake)
+        self._wakeups[wake] = None
         epoch = self._epoch
         try:
             while not self.reachable:
@@ -316,7 +318,7 @@ class FakeStore:
                 wake.clear()
                 await wake.wait()
         finally:
-            self._wakeups.discard(wake)
+            self._wakeups.pop(wake, None)
 
     def lease(self, ttl: float) -> FakeLease:
         return FakeLease(self, ttl)
