@@ -42,10 +42,12 @@ KEPT: list[tuple[int, str, float, str]] = [
     (760409, "small", 180, "the open finding 'the proxy routes to a dead rank while paused': the proxy process itself "
      "was down (killed, not restarted under the cluster pause), and a dead proxy routes nothing — `routed_down` is "
      "strict under a pause now and judges a proxy only while it is up"),
+    (760038, "8node", 180, "a cluster redeploy during a rollout's gate failed the step and its way back: the final "
+     "record's step, left in `gating`, held the only decode group out of the proxy for good"),
 ]
 
 
-KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {}
+KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: None}
 """Seeds found once rollouts were simulated: their schedules have them (None: the default `simulation.ROLLOUTS`);
 the others replay as found, without."""
 
