@@ -382,11 +382,17 @@ class FakeStack:
         self.adoptable = frozenset(n for n, c in self.components.items() if c.running)
 
     def endpoints(self) -> set[str]:
-        """host:port of every vLLM API server of this node."""
+        """host:port of every vLLM API server of this node (remembered for the config it has: a rollout's canary
+        and bake look their endpoints' owner up every second, and a layout is costly to render)."""
         from nodeagent.config.layout import cluster_layout
 
+        seen = getattr(self, "_endpoints", None)
+        if seen is not None and seen[0] is self.config:
+            return set(seen[1])
         layout = cluster_layout(self.config)
-        return {p.endpoint for g in layout.groups for p in g.processes if p.node == self.node and p.endpoint}
+        found = {p.endpoint for g in layout.groups for p in g.processes if p.node == self.node and p.endpoint}
+        self._endpoints = (self.config, frozenset(found))
+        return found
 
     def started(self, name: str) -> int:
         return len(self.components[name].starts)
@@ -726,9 +732,7 @@ class FakeConfigHost:
         return self.stack.config
 
     def read_config_file(self, path: str | None = None) -> Config:
-        from nodeagent.agent import load_checked  # as the agent: with the config-level checks
-
-        return load_checked(str(path or self.world.harness.config_path(self.name)), node=self.name)
+        return self.world.load_checked(str(path or self.world.harness.config_path(self.name)), self.name)
 
     def stage_config(self, config: Config) -> None:
         self.stack.config = config
@@ -780,9 +784,16 @@ class World:
             self.harness.data["components"]["vllm"]["fault_tolerance"] = ft
             self.ft = FakeFtApi(self)
         self.rollouts = rollouts
+        self._rollout_ids = itertools.count(1)
 
     def config(self, name: str) -> Config:
         return load_config(self.harness.write(name))
+
+    def load_checked(self, path: str, node: str) -> Config:
+        """A node's file as the agent reads it, with the config-level checks (the simulation reuses what it parsed)."""
+        from nodeagent.agent import load_checked
+
+        return load_checked(path, node=node)
 
     def start_agent(self, name: str) -> Agent:
         """An agent (its first, or the next over the same state folder: its stack's processes ran on)."""
@@ -821,7 +832,7 @@ class World:
 
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
                                             clock=self.clock, inflight=inflight, canary=canary,
-                                            scrape=scrape)  # fmt: skip
+                                            scrape=scrape, new_id=lambda: f"r{next(self._rollout_ids)}")  # fmt: skip
         for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
             if layer is not None:
                 stack.attach(layer)

@@ -437,17 +437,20 @@ class RealStack:
             sup._flush_handle.cancel()
 
 
+def caches_off(config: Config) -> Config:
+    """The node's config with the compile caches off: their folders are the host's file system, made and swept
+    in threads whose order no virtual clock decides (a replay would differ); `tests/test_caches.py` has them."""
+    caches = msgspec.structs.replace(config.agent.caches, enabled=False)
+    return msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, caches=caches))
+
+
 class RealWorld(World):
     """The agents of `cluster_fakes.World`, each over a real `Supervisor` of its `RealStack`."""
 
     stacks: dict[str, RealStack]  # type: ignore[assignment]
 
     def config(self, name: str) -> Config:
-        """The node's config with the compile caches off: their folders are the host's file system, made and swept
-        in threads whose order no virtual clock decides (a replay would differ); `tests/test_caches.py` has them."""
-        config = super().config(name)
-        caches = msgspec.structs.replace(config.agent.caches, enabled=False)
-        return msgspec.structs.replace(config, agent=msgspec.structs.replace(config.agent, caches=caches))
+        return caches_off(super().config(name))
 
     def start_agent(self, name: str) -> Agent:
         config = self.config(name)

@@ -24,7 +24,11 @@ The invariants (checked on every change a node or the proxy reports, and after e
 - `command_lost` (liveness): an operator restart the agents acknowledged is carried out (its target starts again);
 - `routed_down`: the proxy routes to no rank that has been down for more than `ROUTED_DOWN_S`;
 - `no_convergence` (liveness): once the faults stop and heal, every component of every node is up, every gang
-  acted on its group's generation and the proxy routes every group, within a bound derived from the config.
+  acted on its group's generation and the proxy routes every group, within a bound derived from the config;
+- rollouts (`ROLLOUTS`, the real `RolloutExecutor`): `rollout_floor` (a step starts only under the floor its rules
+  state, judged on what runs), `mixed_routes` (never both KV connector settings routed), `refused_changed` and
+  `second_rollout` (a refused start changes nothing), `rollout_stuck` (an active rollout ends within a bound from
+  the rules' timeouts).
 
 Usage: `.venv/bin/python tests/simulation.py --seed 7 --layout local-cluster` (one run, its trace and verdict);
 `--schedules 500 --jobs 2` (a batch, seeds from `--seed` on); `bench/sim_campaign.py --hours 1` (a long campaign
@@ -36,9 +40,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -58,11 +64,19 @@ if str(ROOT) not in sys.path:
 import yaml  # noqa: E402
 from cluster_fakes import FakeComponent, FakeStack, World  # noqa: E402
 
+from nodeagent.cluster.rollout.record import Record, Step, rollout_key  # noqa: E402
+from nodeagent.cluster.rollout.rules import FILES_WAIT_S, PUBLISH_TIMEOUT_S, REJOIN_TIMEOUT_S, STAGE_TIMEOUT_S  # noqa: E402
+from nodeagent.cluster.rollout.states import RESTARTS, Phase, Status  # noqa: E402
+from nodeagent.config.model import Config  # noqa: E402
+
 ROUTED_DOWN_S = 30.0
 """How long the proxy may still route to a rank that is down: the sync removes a group as its generation is asked
 (≤ 1 s) and re-reads the proxy every second; 30 s leaves room for an agent that is being restarted."""
 LICENSE_S = 400.0
 """How long a fault or command licenses the stops it implies (a gang restart under a long backoff comes late)."""
+FLOOR_GRACE_S = 10.0
+"""A group counts as down for the rollout's floor once its ranks have been down this long: the agents see a rank
+through its member record, which a dead agent's lease keeps saying "up" for up to a TTL (3 s here)."""
 
 
 # ---- layouts ---------------------------------------------------------------------------------------------------------
@@ -131,6 +145,15 @@ REAL_POLICY = {"backoff_initial_s": 2.0, "backoff_max_s": 20.0, "redeploy_after_
 """The datasystem worker's restart policy in real-node schedules: short enough that a start failure lasting
 tens of seconds escalates to a node redeploy (the blast radius) within a schedule."""
 
+ROLLOUTS: dict[str, float] = {
+    # drawn from a stream of their own (the seeds kept before rollouts were simulated keep their schedules)
+    "rollout": 3.0,               # a new file installed and rolled out: an env change of some groups (compatible)
+    "rollout_incompatible": 1.0,  # the KV connector changed (exclusive: old and new never routed together)
+    "rollout_control": 2.0,       # pause (resumed later), abort or rollback of the rollout there is
+    "rollout_bad": 0.5,           # a file that does not load: refused, nothing changes
+}  # fmt: skip
+ROLLOUT_GAP_S = 60.0
+
 
 @dataclass(frozen=True)
 class Event:
@@ -161,10 +184,18 @@ class Schedule:
 
 def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 600.0,
                   mix: dict[str, float] | None = None, mean_gap_s: float = 25.0,
-                  node: str = "fake") -> Schedule:  # fmt: skip
-    """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight."""
-    rng = random.Random(seed)
-    weights = mix or (REAL_FAULTS if node == "real" else FAULTS)
+                  node: str = "fake", rollouts: dict[str, float] | None = None) -> Schedule:  # fmt: skip
+    """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight. Rollout commands
+    come from a stream of their own (`ROLLOUTS`; `{}`: none — a schedule as drawn before rollouts were simulated;
+    the real node's schedules have none: its agents run no rollout executor yet)."""
+    events = _draw(random.Random(seed), mix or (REAL_FAULTS if node == "real" else FAULTS), duration, mean_gap_s)
+    weights = ({} if node == "real" else ROLLOUTS) if rollouts is None else rollouts
+    if weights:
+        events += _draw(random.Random(f"rollouts/{seed}"), weights, duration, ROLLOUT_GAP_S)
+    return Schedule(seed, layout, duration, tuple(sorted(events, key=lambda e: e.at)), node)
+
+
+def _draw(rng: random.Random, weights: dict[str, float], duration: float, mean_gap_s: float) -> list[Event]:
     kinds, w = list(weights), list(weights.values())
     events: list[Event] = []
     at = rng.uniform(1.0, mean_gap_s)
@@ -172,11 +203,11 @@ def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 60
         kind = rng.choices(kinds, w)[0]
         lasting = {"etcd_down": (2.0, 60.0), "agent_kill": (0.5, 40.0), "agent_pause": (4.0, 20.0),
                    "node_pause": (5.0, 90.0), "cluster_pause": (5.0, 90.0), "hang": (5.0, 60.0),
-                   "start_fail": (5.0, 60.0)}.get(kind, (0.1, 45.0))  # fmt: skip
+                   "start_fail": (5.0, 60.0), "rollout_control": (5.0, 60.0)}.get(kind, (0.1, 45.0))  # fmt: skip
         events.append(Event(round(at, 3), kind, rng.randrange(1 << 16), rng.randrange(1 << 16),
                             round(rng.uniform(*lasting), 3)))  # fmt: skip
         at += rng.expovariate(1.0 / mean_gap_s)
-    return Schedule(seed, layout, duration, tuple(events), node)
+    return events
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
@@ -205,6 +236,22 @@ class Result:
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+_PARSED: dict[tuple[str, str, str], Config] = {}
+_HASH = re.compile(r"\b[0-9a-f]{12}\b")
+
+
+def parsed(path: str, node: str) -> Config:
+    """`load_checked` of a node's file, remembered by its content for the run (each agent start and each member's
+    report reads it). A file that does not load raises each time."""
+    from nodeagent.agent import load_checked
+
+    key = (path, node, Path(path).read_text())
+    config = _PARSED.get(key)
+    if config is None:
+        config = _PARSED[key] = load_checked(path, node=node)
+    return config
 
 
 class SimStack(FakeStack):
@@ -237,7 +284,8 @@ class Simulation:
                                    clock=LoopClock())  # fmt: skip
             self.world.harness.data["components"]["datasystem"]["restart"] = dict(REAL_POLICY)
         else:
-            self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True)
+            self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True,
+                               rollouts=True)
         self.clock = self.world.clock
         self.violations: list[Violation] = []
         self.trace: list[str] = []
@@ -267,13 +315,43 @@ class Simulation:
         """When the store was last reachable again (None while it is not): the proxy sync needs it."""
         self.tasks: list[asyncio.Task[Any]] = []
         self.running = False
-        configs = {name: self.world.config(name) for name in self.layout.nodes}
-        self.world.config = configs.__getitem__  # type: ignore[method-assign]  # parsed once: the files never change
+        self.files: dict[str, str] = {}
+        _PARSED.clear()
+        harness = self.world.harness
+        # the harness draws the cluster's name and the ports: a run's order of events follows the endpoints'
+        # names (sets of them), so a seed replays its run only with the same ones (never bound here)
+        harness.cluster_name = harness.data["cluster"]["name"] = "sim"
+        harness.data["components"]["datasystem"]["extra_args"] = ["--cluster_name", "sim"]
+        harness.api_ports = {n: 40000 + i for i, n in enumerate(self.layout.nodes)}
+        for i, entry in enumerate(harness.data["cluster"]["nodes"]):
+            entry["components"]["datasystem"]["worker_port"] = 40300 + i
+            entry["components"]["vllm"]["port"] = 40600 + i
+        self.write_files()
+        # an agent loads the file on its disk (a rollout installs new ones): parsed once per content
+        if self.real:  # the real node's compile caches off: see sim_node.caches_off
+            from sim_node import caches_off
+
+            self.world.config = lambda name: caches_off(parsed(str(harness.config_path(name)), name))  # type: ignore[method-assign]
+            self.world.load_checked = lambda path, node: caches_off(parsed(path, node))  # type: ignore[method-assign]
+        else:
+            self.world.config = lambda name: parsed(str(harness.config_path(name)), name)  # type: ignore[method-assign]
+            self.world.load_checked = parsed  # type: ignore[method-assign]
+        self.rollout_key = rollout_key(harness.cluster_name)
+        self.rollout: Record | None = None
+        """The rollout record as etcd holds it (after every write of it)."""
+        self.steps_seen: dict[tuple[str, int, bool, bool], str] = {}
+        """(rollout, step, failed, rollback) → the phase it was last written in."""
+        self.rollouts_started = 0
+        self.group_down: dict[str, float] = {}
+        """group → since when one of its ranks is not up."""
+        self.connector: dict[str, bool] = {}
+        """node → the KV connector setting its running rank was launched with."""
+        self._hook_rollout_writes()
         for name in self.layout.nodes:
             if self.real:
-                self.world.stacks[name] = self.real_stack(configs[name])
+                self.world.stacks[name] = self.real_stack(self.world.config(name))
                 continue
-            stack = SimStack(configs[name], self.clock, lambda: self.world.store.reachable)
+            stack = SimStack(self.world.config(name), self.clock, lambda: self.world.store.reachable)
             stack.sim = self
             self.world.stacks[name] = stack
         self.ranks = {e: (name, stack.components["vllm"]) for name, stack in self.world.stacks.items()
@@ -300,6 +378,8 @@ class Simulation:
         return self.clock.monotonic() - self.started_at
 
     def log(self, line: str) -> None:
+        # a file's hash names it by the order it was met: a run's files carry the ports the harness drew
+        line = _HASH.sub(lambda m: self.files.setdefault(m.group(0), f"file{len(self.files) + 1}"), line)
         self.trace.append(f"{self.now():9.3f} {line}")
 
     def violate(self, invariant: str, detail: str) -> None:
@@ -337,6 +417,8 @@ class Simulation:
         if paused is not None and not comp.operator_start:
             self.violate("restart_while_paused", f"{stack.node}/{comp.name} started while {paused['scope']} paused")
         group = self.group_of.get(stack.node)
+        if comp.kind == "vllm":
+            self.connector[stack.node] = stack.config.cluster.pd.use_ascend_direct
         if comp.kind == "vllm" and group is not None:
             gen = self.generation(stack.node, group)
             self.alive[(group, stack.node)] = (self.epoch, gen or 0)
@@ -414,7 +496,14 @@ class Simulation:
                          if gr == group}  # fmt: skip
                 self.violate("two_generations", f"group {group} has ranks of generations {sorted(gens)} alive at "
                              f"once: {ranks}")  # fmt: skip
+        now = self.clock.monotonic()
+        for g in self.layout.groups:
+            if all(self.world.stacks[n].components["vllm"].up for n in g["nodes"]):
+                self.group_down.pop(g["name"], None)
+            else:
+                self.group_down.setdefault(g["name"], now)
         self.check_proxy()
+        self.check_mixed()
 
     def endpoint_ranks(self) -> dict[str, tuple[str, FakeComponent]]:
         return self.ranks
@@ -430,13 +519,13 @@ class Simulation:
         if proxy is None or proxy.busy:
             return
         ranks = self.endpoint_ranks()
-        for endpoint, (node, comp) in ranks.items():
-            if comp.up or self.world.stacks[node].paused:
-                # paused: no automatic action (the proxy sync follows the gangs, and a paused group makes no
-                # generation) — found by the simulation, left to the PD watch: docs/simulation.md
+        for endpoint, (_node, comp) in ranks.items():
+            if comp.up:
                 self.down_since.pop(endpoint, None)
             else:
                 self.down_since.setdefault(endpoint, now)
+        if not any(c.up for st in self.world.stacks.values() for c in st.components.values() if c.kind == "proxy"):
+            return  # its process is down (killed, or not restarted under a pause): it routes nothing
         for kind in ("prefill", "decode"):
             serving = proxy.serving(kind)
             up = {e for e in serving if e in ranks and ranks[e][1].up}
@@ -447,6 +536,189 @@ class Simulation:
                 if since is not None and now - max(since, self.store_back) > ROUTED_DOWN_S:
                     self.violate("routed_down", f"the proxy routes {kind} to {endpoint}, down for "
                                  f"{now - since:.0f}s")  # fmt: skip
+
+    # ---- rollouts ----------------------------------------------------------------------------------------------
+    def _hook_rollout_writes(self) -> None:
+        """Every write of the rollout record is looked at as it happens (a step may leave `pending` and move on
+        within one instant of virtual time)."""
+        store = self.world.store
+        write = store._write
+
+        def watched(key: str, value: bytes | None, lease_id: int = 0, *, same_revision: bool = False) -> int:
+            revision = write(key, value, lease_id, same_revision=same_revision)
+            if key == self.rollout_key:
+                self.on_rollout(Record.from_dict(json.loads(value)) if value is not None else None)
+            return revision
+
+        store._write = watched  # type: ignore[method-assign]
+
+    def on_rollout(self, record: Record | None) -> None:
+        self.rollout = record
+        if record is None or not self.running:
+            return
+        for i, step in enumerate(record.steps):
+            key = (record.id, i, bool(step.failed), step.rollback)
+            before = self.steps_seen.get(key)
+            if before == step.phase:
+                continue
+            self.steps_seen[key] = step.phase
+            self.log(f"rollout {record.id} step {i + 1} ({','.join(step.groups)}"
+                     f"{', back' if step.failed else ''}{', rollback' if step.rollback else ''}): {step.phase}")
+            if step.phase == Phase.DRAINING and not step.failed:
+                self.check_floor(record, i, step)
+            if step.phase in RESTARTS and before not in RESTARTS:
+                for g in step.groups:  # the step's one planned generation of each of its groups
+                    self.license_group(g, f"rollout {record.id} step {i + 1}")
+
+    def check_floor(self, record: Record, i: int, step: Step) -> None:
+        """A step leaves `pending` (out of the proxy, then restarted) only while the floor its rules state holds:
+        every kind keeps a serving group (unless the step takes its kind's outage, allowed), and no more than
+        `max_unavailable` groups are down with it — judged on what runs, not on what the agents saw."""
+        now = self.clock.monotonic()
+        others = [g for g in self.layout.groups if g["name"] not in step.groups]
+        down = sorted(g["name"] for g in others
+                      if now - self.group_down.get(g["name"], now) >= FLOOR_GRACE_S)  # fmt: skip
+        opts = record.options
+        for kind in sorted({g["kind"] for g in self.layout.groups}):
+            if kind in step.outage and kind in opts.allow_outage:
+                continue
+            serving = [g["name"] for g in others if g["kind"] == kind and g["name"] not in down]
+            if not serving:
+                self.violate("rollout_floor", f"rollout {record.id} step {i + 1} ({', '.join(step.groups)}) started "
+                             f"with no other {kind} group serving (down: {', '.join(down) or 'none'})")  # fmt: skip
+        if len(down) + len(step.groups) > opts.max_unavailable:
+            self.violate("rollout_floor", f"rollout {record.id} step {i + 1} ({', '.join(step.groups)}) started while "
+                         f"{', '.join(down)} were down: over --max-unavailable {opts.max_unavailable}")  # fmt: skip
+
+    def check_mixed(self) -> None:
+        """An incompatible change never has the proxy route to ranks of both KV connector settings at once."""
+        proxy = self.world.proxy
+        if proxy is None:
+            return
+        settings = {}
+        for kind in ("prefill", "decode"):
+            for endpoint in proxy.serving(kind):
+                node, comp = self.ranks.get(endpoint, ("", None))
+                if comp is not None and comp.running and node in self.connector:
+                    settings[endpoint] = self.connector[node]
+        if len(set(settings.values())) > 1:
+            self.violate("mixed_routes", f"the proxy routes ranks of both KV connector settings: {settings}")
+
+    def rollout_bound(self, record: Record) -> float:
+        """From the rules' timeouts: each step left may drain, stage, restart, gate, rejoin and bake to its limit,
+        and fail and go back the same way; then the members publish the file."""
+        opts = record.options
+        per_step = opts.drain_timeout_s + STAGE_TIMEOUT_S + 10.0 + opts.gate_timeout_s + REJOIN_TIMEOUT_S + opts.bake_s
+        left = sum(1 for s in record.steps if s.phase in (Phase.PENDING, *RESTARTS, Phase.DRAINING, Phase.REJOINING,
+                                                          Phase.BAKING))  # fmt: skip
+        return max(left, 1) * 2 * per_step + PUBLISH_TIMEOUT_S + FILES_WAIT_S
+
+    def write_files(self) -> None:
+        """Every node's file as `ClusterHarness.write` makes it, with libyaml (a rollout installs files often)."""
+        harness = self.world.harness
+        for name in harness.names:
+            data = {**harness.data, "node": {"name": name, "npus": 0}}
+            folder = harness.home / name
+            data["agent"] = {"state_dir": str(folder / "state"), "log_dir": str(folder / "logs"),
+                             "systemd_scopes": "never",
+                             "api": {"listen": f"127.0.0.1:{harness.api_ports[name]}",
+                                     "token_file": str(folder / "token")}}  # fmt: skip
+            folder.mkdir(parents=True, exist_ok=True)
+            text = yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
+            if not (path := harness.config_path(name)).is_file() or path.read_text() != text:
+                path.write_text(text)
+
+    def rollout_ended(self) -> bool:
+        return self.rollout is None or not self.rollout.active
+
+    def any_executor(self) -> Any:
+        for name in self.layout.nodes:
+            agent = self.world.agents.get(name)
+            if agent is not None and agent.rollout is not None:
+                return agent.rollout
+        return None
+
+    async def rollout_event(self, event: Event, node: str, executor: Any) -> None:
+        kind = event.kind
+        if kind == "rollout_control":
+            action = ("pause", "abort", "rollback")[event.pick % 3]
+            self.faults[f"rollout_{action}"] += 1
+            self.command(f"operator on {node}: cluster rollout {action}", self.control(executor, action))
+            if action == "pause":
+
+                async def resume() -> None:
+                    other = self.any_executor()
+                    if other is None:
+                        return self.later(5.0, resume)
+                    self.command("operator: cluster rollout resume", self.control(other, "resume"))
+                    return None
+
+                self.later(event.duration, resume)
+            return None
+        record = self.rollout
+        if record is not None and record.status == Status.HALTED:
+            # the operator closes the halted one first (a halted rollout refuses the next)
+            self.log(f"operator on {node}: cluster rollout abort (closing halted {record.id}): "
+                     f"{await self.control(executor, 'abort')}")
+        harness = self.world.harness
+        saved = copy.deepcopy(harness.data)
+        self.rollouts_started += 1
+        n = self.rollouts_started
+        options: dict[str, Any] = {"bake_s": (5, 20)[event.pick % 2], "drain_timeout_s": 30,
+                                   "gate_timeout_s": 90}  # fmt: skip
+        groups = harness.data["cluster"]["vllm_groups"]
+        single = sorted({g["kind"] for g in groups if sum(o["kind"] == g["kind"] for o in groups) == 1})
+        if kind == "rollout_incompatible":
+            self.faults[kind] += 1
+            pd = harness.data["cluster"].setdefault("pd", {})
+            pd["use_ascend_direct"] = not pd.get("use_ascend_direct", True)
+            options |= {"max_unavailable": max(2, len(groups) - 2), "allow_outage": ["decode", "prefill"]}
+            what = f"the KV connector (use_ascend_direct={pd['use_ascend_direct']})"
+        elif kind == "rollout_bad":
+            self.faults[kind] += 1
+            groups[event.pick % len(groups)]["nodes"] = ["nowhere"]
+            what = "a file naming an unknown node"
+        else:
+            self.faults[kind] += 1
+            choice = (event.pick >> 2) % 3
+            changed = [g for g in groups if choice == 1 or (choice == 0 and g["kind"] == "prefill")] or groups
+            if choice == 2:
+                changed = [groups[(event.pick >> 4) % len(groups)]]
+            for g in changed:
+                g["env"] = {**g.get("env", {}), "VLLM_SIM_ROLLOUT": str(n)}
+            options["max_unavailable"] = 1 + (event.pick >> 6) % 2
+            if (event.pick >> 7) % 4:  # the operator allows what the plan needs (else: refused, nothing changes)
+                options["allow_outage"] = single
+            what = f"env of {', '.join(g['name'] for g in changed)}"
+        self.write_files()
+        before = record.id if record is not None else None
+        configs = {name: stack.config for name, stack in self.world.stacks.items()}
+        try:
+            answer: Any = await executor.plan(None, options, dry_run=False, by="operator")
+        except Exception as exc:
+            answer = {"started": False, "refused": [f"{type(exc).__name__}: {exc}"]}
+        started = bool(answer.get("started"))
+        why = "; ".join(answer.get("refused") or answer.get("notes") or []).replace(str(harness.home), "~")[:300]
+        self.log(f"operator on {node}: cluster rollout start ({what}, {options}): "
+                 + ("started" if started else f"refused: {why}"))
+        if started and record is not None and record.active:
+            self.violate("second_rollout", f"a rollout started while {before} was {record.status}")
+        if not started:
+            after = self.rollout.id if self.rollout is not None else None
+            changed_configs = [name for name, stack in self.world.stacks.items() if stack.config is not configs[name]]
+            if after != before or changed_configs:
+                self.violate("refused_changed", f"a refused rollout changed the record ({before} → {after}) or "
+                             f"the config of {changed_configs}")  # fmt: skip
+            harness.data = saved  # the operator puts the file back
+            self.write_files()
+        return None
+
+    async def control(self, executor: Any, action: str) -> str:
+        try:
+            view = await executor.control(action, "operator")
+        except Exception as exc:
+            return f"refused: {exc}"
+        return f"{(view.get('rollout') or {}).get('status')}"
 
     # ---- faults and commands -----------------------------------------------------------------------------------
     def node_of(self, event: Event) -> str:
@@ -560,6 +832,7 @@ class Simulation:
             self.faults[kind] += 1
             self.epoch += 1
             self.world.store.wipe()
+            self.rollout = None  # its record is gone with the rest
             self.log("etcd wiped")
             return None
         if kind == "compact":
@@ -587,6 +860,8 @@ class Simulation:
         agent = self.world.agents.get(node)
         if agent is None:
             return self.log(f"skip {kind} on {node}: no agent")
+        if kind in ROLLOUTS:
+            return await self.rollout_event(event, node, agent.rollout)
         if kind == "op_restart":
             names = sorted(stack.components)
             name = names[event.pick % len(names)]
@@ -757,6 +1032,21 @@ class Simulation:
             heal_by = max((e.at + e.duration for e in self.schedule.events), default=0.0) + 1.0
             if heal_by > self.now():
                 await self.world.advance(heal_by - self.now())
+            record = self.rollout
+            if record is not None and record.status == Status.HALTED and (executor := self.any_executor()):
+                # a halted rollout waits for the operator (an incompatible one keeps its new groups out of the
+                # proxy): he rolls it back, as its message says, and the cluster must converge after that
+                answer = await self.control(executor, "rollback")
+                self.log(f"operator: cluster rollout rollback (closing halted {record.id}): {answer}")
+                record = self.rollout
+            if record is not None and record.active:
+                rollout_bound = self.rollout_bound(record)
+                try:
+                    await self.world.until("the rollout to end", self.rollout_ended, within=rollout_bound)
+                except AssertionError:
+                    self.violate("rollout_stuck", f"rollout {record.id} still {self.rollout and self.rollout.status} "
+                                 f"{rollout_bound:.0f}s after the faults healed: "
+                                 f"{self.rollout and self.rollout.message}")  # fmt: skip
             bound = self.convergence_bound()
             try:
                 await self.world.until("convergence", lambda: self.converged() is None, within=bound)

@@ -396,6 +396,20 @@ def test_a_failure_in_the_gate_turns_the_step_back_and_halts() -> None:
     assert (resumed.steps[0].from_hash, resumed.steps[0].to_hash) == ("old", "new")
 
 
+def test_a_rollout_that_failed_going_back_holds_its_group_out_of_the_proxy_no_longer() -> None:
+    """Found by the simulation (seed 760038, 8-node): a cluster redeploy during decode0's gate failed the step, and
+    its way back too ("the group is left as it is", status failed). The step stays in `gating` in the final record,
+    and the proxy kept the only decode group out for good — however healthy, nothing left to take it back in."""
+    rec = to_gating(record(("p0",), ("p1",)))
+    rec, _ = move(rec, observed(5, {"p0": 2}, failed={"p0": {"n1/vllm": 2}}))
+    rec, _ = move(marked(rec, "staged", "n0", "n1"), observed(6, {"p0": 3}))
+    rec, _ = move(rec, observed(7, {"p0": 4}))
+    assert rec.steps[0].phase == "gating" and rec.steps[0].failed
+    rec, _ = move(rec, observed(8, {"p0": 5}))
+    assert rec.status == "failed" and rec.steps[0].phase == "gating", rec.message
+    assert rr.held_out(rec) == {}, "a final rollout holds nothing out: the group's own health decides"
+
+
 def test_a_group_failing_its_bake_is_drained_before_it_goes_back() -> None:
     """Failed while baking, the group is in the proxy and serving: it leaves and drains as on the way out before
     the rollback restarts it (CI: straight to staging, the restart killed four requests in flight), keeps

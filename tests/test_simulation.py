@@ -41,6 +41,11 @@ KEPT: list[tuple[int, str, float, str]] = [
      "started without it; after etcd was wiped the pause's deferred generation of the old epoch held it after resume"),
     (602816, "small", 180, "a rank lost while the cluster was paused, then etcd wiped: the peer was adopted running in "
      "the new epoch, the lost rank waited at the barrier for it for ever (no generation was asked)"),
+    (760409, "small", 180, "the open finding 'the proxy routes to a dead rank while paused': the proxy process itself "
+     "was down (killed, not restarted under the cluster pause), and a dead proxy routes nothing — `routed_down` is "
+     "strict under a pause now and judges a proxy only while it is up"),
+    (760038, "8node", 180, "a cluster redeploy during a rollout's gate failed the step and its way back: the final "
+     "record's step, left in `gating`, held the only decode group out of the proxy for good"),
 ]
 
 
@@ -50,6 +55,10 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
      "new epoch's baseline and restarted its whole group (a model load) for nothing"),
     (760122, "local-cluster", 180, "the same on the local cluster's decode group"),
 ]
+
+KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: None}
+"""Seeds found once rollouts were simulated: their schedules have them (None: the default `simulation.ROLLOUTS`);
+the others replay as found, without."""
 
 
 @pytest.mark.timeout(1200)
@@ -66,7 +75,7 @@ def test_a_ci_budget_of_random_schedules_finds_no_violation() -> None:
 
 @pytest.mark.parametrize(("seed", "layout", "duration", "found"), KEPT, ids=[f"seed{k[0]}" for k in KEPT])
 def test_a_seed_that_found_a_bug_stays_fixed(seed: int, layout: str, duration: float, found: str) -> None:
-    result = run_schedule(make_schedule(seed, layout, duration))
+    result = run_schedule(make_schedule(seed, layout, duration, rollouts=KEPT_ROLLOUTS.get(seed, {})))
     assert result.ok, f"{found}\n" + simulation.describe(result) + "\n" + "\n".join(result.trace[-40:])
 
 
@@ -80,6 +89,7 @@ def test_a_seed_that_found_a_bug_of_the_real_node_stays_fixed(seed: int, layout:
 def test_the_same_seed_replays_the_same_run() -> None:
     first = run_schedule(make_schedule(11, "local-cluster", 300))
     second = run_schedule(make_schedule(11, "local-cluster", 300))
+    assert any("rollout" in line for line in first.trace), "the schedule has rollouts"
     assert len(first.trace) > 10 and first.trace == second.trace
     assert make_schedule(11, "8node", 300) == make_schedule(11, "8node", 300) != make_schedule(12, "8node", 300)
 
@@ -173,3 +183,22 @@ def test_a_recovery_that_stops_host_components_is_found(monkeypatch: pytest.Monk
     found = planted_find_real("recovery_beyond_blast_radius")
     assert found is not None, "the simulation did not find a node redeploy beyond its blast radius"
     print(f"found: {found}")
+
+
+def test_a_rollout_step_that_skips_the_floor_is_found_within_the_ci_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: a rollout's step starts whatever else is down (its floor check answers "holds"). The CI
+    budget's own seeds (the window it runs, the default mix with rollouts) must find it: `rollout_floor` judges
+    each step as it leaves `pending` on what runs, not on what the agents saw."""
+    from nodeagent.cluster.rollout import rules
+
+    monkeypatch.setattr(rules, "floor_problem", lambda *args: None)
+    first = int(VALIDATED_FIRST_SEED)
+    for seed in range(first, first + BUDGET):
+        node = simulation.node_for(seed, NODE)
+        result = run_schedule(make_schedule(seed, simulation.layout_for(seed, "mixed"), DURATION, node=node))
+        hit = [v for v in result.violations if v.invariant == "rollout_floor"]
+        if hit:
+            print(f"found at seed {seed} ({result.schedule.layout}): {hit[0]}\n  replay: "
+                  f"{simulation.replay_line(result.schedule)}")  # fmt: skip
+            return
+    pytest.fail(f"{BUDGET} schedules from seed {first} did not find a rollout step that skips the floor")

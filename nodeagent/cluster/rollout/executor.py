@@ -67,7 +67,8 @@ class RolloutExecutor:
 
     def __init__(self, coordinator: CoordinatorPort, host: ConfigHost, *, clock: Clock | None = None,
                  inflight: Inflight | None = None, canary: Canary | None = None,
-                 scrape: Scrape | None = None) -> None:  # fmt: skip
+                 scrape: Scrape | None = None, new_id: Callable[[], str] | None = None) -> None:  # fmt: skip
+        """`new_id`: a new rollout's id (random; the simulation draws it from its seed, so a run replays)."""
         self.co = coordinator
         self.host = host
         self.port = coordinator.port
@@ -82,6 +83,7 @@ class RolloutExecutor:
         self._inflight = inflight or http_inflight
         self._canary = canary or http_canary
         self.bake = BakeWatch(scrape or http_scrape)
+        self._new_id = new_id or (lambda: uuid.uuid4().hex[:8])
         self._recreated: set[tuple[str, int, str]] = set()
         self.record: Record | None = None
         self.synced = False
@@ -452,7 +454,7 @@ class RolloutExecutor:
                                    for n in members if n not in out["have_new_file"]}  # fmt: skip
         if dry_run or not out["ok"]:
             return {**out, "started": False}
-        record = new_record(uuid.uuid4().hex[:8], f"{self.node}: {by}", self.clock.time(), plan,
+        record = new_record(self._new_id(), f"{self.node}: {by}", self.clock.time(), plan,
                                new_shared=cluster_file_hash(new))  # fmt: skip
         if not await self._cas(record):
             raise RolloutRefused("another rollout was stored meanwhile: see `nodeagentctl cluster rollout status`")

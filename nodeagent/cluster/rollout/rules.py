@@ -385,7 +385,9 @@ def held_out(record: Record | None) -> dict[str, str]:
         return {}
     out = {}
     for i, s in enumerate(record.steps):
-        if s.phase in OUT_OF_PROXY:
+        # a final record's step holds nothing: one whose way back failed is left in its phase, and nothing would
+        # ever take its group back into the proxy however healthy (the simulation: the only decode group, for good)
+        if s.phase in OUT_OF_PROXY and record.active:
             for g in s.groups:
                 out[g] = f"rollout {record.id} step {i + 1}: {s.phase}"
     return {**kept_apart(record), **out}
