@@ -102,18 +102,36 @@ class ThreadWork(ThreadPoolExecutor):
             raise AssertionError(f"work handed to a thread did not end within {within:g}s of real time")
 
 
+class InlineWork(ThreadWork):
+    """A simulation's default executor: work handed to a thread (a log rotation, a post-mortem's files, a rollout's
+    staged file) runs at once, in the order it was handed over (`VirtualClock.inline_threads`). In real threads two
+    nodes' launches at one virtual instant came back in the order the threads happened to end, and a seed did not
+    replay its run (760001, real node; 11 with rollouts)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
 class VirtualClock(Clock):
     """Wall and monotonic time that move together, only in `advance`/`until`; sleepers wake at their deadline."""
 
     def __init__(self, wall: float = 1_800_000_000.0) -> None:
         self.wall = wall
         self.mono = 10_000.0
+        self._wall0, self._mono0 = wall, self.mono
         self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self.on_tick: list[Callable[[float], None]] = []
         """Called with the seconds that just passed (the store's leases follow)."""
         self._executor: ThreadWork | None = None
         self._executor_loop: asyncio.AbstractEventLoop | None = None
+        self.inline_threads = getattr(self, "inline_threads", False)
+        """Run work handed to a thread at once (`InlineWork`): a simulation that must replay event for event."""
 
     def time(self) -> float:
         return self.wall
@@ -163,14 +181,16 @@ class VirtualClock(Clock):
     def _threads(self, loop: asyncio.AbstractEventLoop) -> ThreadWork:
         """This loop's default executor, one that counts its work (installed on first use)."""
         if self._executor is None or self._executor_loop is not loop:
-            self._executor, self._executor_loop = ThreadWork(), loop
+            self._executor, self._executor_loop = (InlineWork() if self.inline_threads else ThreadWork()), loop
             loop.set_default_executor(self._executor)
         return self._executor
 
     def _move(self, to: float) -> None:
         if to > self.mono:
             delta = to - self.mono
-            self.mono, self.wall = to, self.wall + delta
+            # from the start, not summed step by step: a sum's rounding depends on the steps taken, and a bake that
+            # ends `now - since >= 5` ended a tick later in one run of a seed than in another
+            self.mono, self.wall = to, self._wall0 + (to - self._mono0)
             for tick in self.on_tick:
                 tick(delta)
 
@@ -315,7 +335,7 @@ class FakeStack:
         """False between an agent's death and its successor: nothing starts a process then."""
         self._poked = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._starting: set[asyncio.Future[None]] = set()
+        self._starting: dict[asyncio.Future[None], None] = {}  # in the order begun (a set: by address)
         self.launched: dict[str, list[str]] = {n: [] for n in self.components}
         """The file hash each start of a component was launched with (the config in memory then)."""
         self.inflight: dict[str, tuple[int, int]] = {}
@@ -477,8 +497,8 @@ class FakeStack:
         self.emit("started", f"started pid {comp.pid}", comp.name)
         self.notify()
         task = asyncio.ensure_future(self._come_up(comp, comp.pid))
-        self._starting.add(task)
-        task.add_done_callback(self._starting.discard)
+        self._starting[task] = None
+        task.add_done_callback(lambda t: self._starting.pop(t, None))
 
     async def _come_up(self, comp: FakeComponent, pid: int) -> None:
         await self.clock.sleep(comp.start_s)

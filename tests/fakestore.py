@@ -45,7 +45,7 @@ class FakeLease:
         self.grants = 0
         self._id: int | None = None
         self._granted = asyncio.Event()
-        store._lease_objects.add(self)
+        store._lease_objects[self] = None
         if store.reachable:
             store._grant(self)
 
@@ -94,7 +94,9 @@ class FakeStore:
         self._caught_up: dict[asyncio.Event, int] = {}
         """A waiting watch no write concerned since → the revision it has seen all of (at a compaction): as etcd's
         synced watcher, it is no gap for it."""
-        self._lease_objects: set[FakeLease] = set()
+        self._lease_objects: dict[FakeLease, None] = {}
+        """Every lease made, in the order they were made (a set re-granted them after an outage in the order of their
+        addresses: lease ids, and a simulated run with them, differed from one process to the next)."""
         self.requests = 0
         self._written_while_away: set[int] = set()
         self._trimmed = 0

@@ -60,6 +60,8 @@ class LoopClock(VirtualClock):
 
     loop: asyncio.AbstractEventLoop | None = None
 
+    inline_threads = True
+
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         loop.time = lambda: self.mono  # type: ignore[method-assign]

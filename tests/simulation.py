@@ -286,6 +286,7 @@ class Simulation:
         else:
             self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True,
                                rollouts=True)
+            self.world.clock.inline_threads = True  # a replay is event for event (cluster_fakes.InlineWork)
         self.clock = self.world.clock
         self.violations: list[Violation] = []
         self.trace: list[str] = []
