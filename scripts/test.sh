@@ -16,7 +16,8 @@ if [ "${1:-}" = "--fast" ]; then
     EXTRAS=test scripts/install-dev.sh
   fi
   .venv/bin/ruff check nodeagent tests bench scripts
-  exec .venv/bin/pytest -q -p no:cacheprovider -m fast "$@"
+  # one worker per core (pytest-xdist, as the full suite's pool): the tier is CPU-bound, ~60 s of it
+  exec .venv/bin/pytest -q -p no:cacheprovider -n "$(nproc)" -m fast "$@"
 fi
 need=()
 for pair in debootstrap:debootstrap systemd-nspawn:systemd-container systemd-analyze:systemd mosquitto:mosquitto \

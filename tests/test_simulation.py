@@ -46,6 +46,8 @@ KEPT: list[tuple[int, str, float, str]] = [
      "strict under a pause now and judges a proxy only while it is up"),
     (760038, "8node", 180, "a cluster redeploy during a rollout's gate failed the step and its way back: the final "
      "record's step, left in `gating`, held the only decode group out of the proxy for good"),
+    (760167, "8node", 180, "the simulation's own: an operator's rollout resume refused while etcd was away was never "
+     "asked again, and the paused rollout counted as stuck — the operator resumes it once the faults heal"),
 ]
 
 
@@ -56,9 +58,9 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
     (760122, "local-cluster", 180, "the same on the local cluster's decode group"),
 ]
 
-KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: None}
-"""Seeds found once rollouts were simulated: their schedules have them (None: the default `simulation.ROLLOUTS`);
-the others replay as found, without."""
+KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None}
+"""Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
+`simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 
 
 @pytest.mark.timeout(1200)

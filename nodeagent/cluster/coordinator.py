@@ -149,8 +149,7 @@ class Coordinator:
         self._wake.set()
 
     def on_node_change(self) -> None:
-        """A rank started or stopped, a pause ended: note which generation each running rank runs in, and look
-        again now."""
+        """A rank started or stopped, a pause ended: note which generation each running rank runs in; look again."""
         if self.by_component:
             here = self.port.snapshot().components
             for gs in self.gangs.values():
@@ -303,10 +302,9 @@ class Coordinator:
         if gs.requests:
             await self._bump(gs, epoch)
         view = rules.GangView(gs.record, gs.acted, gs.acted_epoch)
-        if rules.baseline(view, epoch):
-            if any(c in self.port.snapshot().adoptable for c in gs.components):
-                return  # a new agent's rank not adopted yet is not down: the baseline waits for its adoption
-            await self._adopt_baseline(gs, epoch)
+        if rules.baseline(view, epoch):  # (a new agent's rank not adopted yet is not down: the baseline waits for it)
+            if not any(c in self.port.snapshot().adoptable for c in gs.components):
+                await self._adopt_baseline(gs, epoch)
             return
         here = self.port.snapshot()
         if gs.fresh:
