@@ -144,8 +144,12 @@ def test_the_stack_in_a_container(agent: tuple[LocalAgent, str]) -> None:
 
     # A killed exec client leaves its process running: the agent still supervises it by its host PID
     client = psutil.Process(new).parents()  # the exec'd process's parent is conmon, not the client
-    clients = [p for p in psutil.Process(local.proc.pid).children() if "exec" in proc_cmdline(p)[1:4]
-               and any("vllm-standin" in a for a in proc_cmdline(p))]  # fmt: skip
+    def exec_clients() -> list[psutil.Process]:
+        return [p for p in psutil.Process(local.proc.pid).children() if "exec" in proc_cmdline(p)[1:4]
+                and any("vllm-standin" in a for a in proc_cmdline(p))]  # fmt: skip
+
+    # the restarted rank's exec client ends with it, a moment after (podman exec waits for conmon's exit status)
+    clients = wait_for("one exec client: the new rank's", lambda: c if len(c := exec_clients()) == 1 else None)
     assert len(clients) == 1 and clients[0].pid not in {c.pid for c in client}
     os.kill(clients[0].pid, signal.SIGKILL)
     wait_for("the lost client reported", lambda: "exec client" in local.log() and "still supervised" in local.log())

@@ -68,9 +68,10 @@ async def test_force_turns_failures_into_warnings(tmp_path: Path, monkeypatch: p
 
 def test_the_composition_root_writes_the_order_of_layers_once(tmp_path: Path) -> None:
     """Who decides first is `Agent.layers()`' order, and nothing else attaches: the guards (gates), the NPU ladder,
-    the worker's headroom, the weight warmer (report only), then the observers; a layer made is not attached until
-    the root attaches it."""
+    the worker's headroom, the weight warmer and the start phases (report only), then the observers; a layer made
+    is not attached until the root attaches it."""
     from nodeagent.layers.chip_reset import NodeRecovery
+    from nodeagent.layers.start_phases import StartPhaseWatch
     from nodeagent.layers.weight_warm import WeightWarmer
     from nodeagent.layers.worker_headroom import WorkerHeadroom
     from nodeagent.seam.stackport import ChangeObserver
@@ -80,5 +81,6 @@ def test_the_composition_root_writes_the_order_of_layers_once(tmp_path: Path) ->
     assert agent.supervisor.layers == [], "made, not attached"
     agent.attach_layers()
     kinds = [type(layer) for layer in agent.supervisor.layers]
-    assert kinds == [type(agent.guards), NodeRecovery, WorkerHeadroom, WeightWarmer, ChangeObserver], kinds
+    assert kinds == [type(agent.guards), NodeRecovery, WorkerHeadroom, WeightWarmer, StartPhaseWatch,
+                     ChangeObserver], kinds
 

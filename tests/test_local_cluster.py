@@ -75,7 +75,7 @@ def test_run_local_cluster_starts_three_agents_and_stops_them_all(tmp_path: Path
         assert ctl("--node", "n2", "pause").returncode == 0
         assert "PAUSED by " in ctl("--node", "n2", "status").stdout.splitlines()[1]
         assert ctl("--node", "n2", "resume").returncode == 0
-        assert ctl("--node", "n1", "status").stdout.splitlines()[1] == "", "n1 was never paused"
+        assert "PAUSED" not in ctl("--node", "n1", "status").stdout, "n1 was never paused"
         refused = ctl("--node", "n7", "pause")
         assert refused.returncode == 2 and "unless node 'n7' has its agent on this host" in refused.stderr
         table = ctl("--node", "n0", "cluster").stdout.splitlines()
