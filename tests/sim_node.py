@@ -451,9 +451,6 @@ class RealWorld(World):
 
     stacks: dict[str, RealStack]  # type: ignore[assignment]
 
-    def config(self, name: str) -> Config:
-        return caches_off(super().config(name))
-
     def start_agent(self, name: str) -> Agent:
         config = self.config(name)
         stack = self.stacks[name]

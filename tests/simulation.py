@@ -333,14 +333,13 @@ class Simulation:
             entry["components"]["vllm"]["port"] = 40600 + i
         self.write_files()
         # an agent loads the file on its disk (a rollout installs new ones): parsed once per content
+        load = parsed
         if self.real:  # the real node's compile caches off: see sim_node.caches_off
             from sim_node import caches_off
 
-            self.world.config = lambda name: caches_off(parsed(str(harness.config_path(name)), name))  # type: ignore[method-assign]
-            self.world.load_checked = lambda path, node: caches_off(parsed(path, node))  # type: ignore[method-assign]
-        else:
-            self.world.config = lambda name: parsed(str(harness.config_path(name)), name)  # type: ignore[method-assign]
-            self.world.load_checked = parsed  # type: ignore[method-assign]
+            load = lambda path, node: caches_off(parsed(path, node))  # noqa: E731
+        self.world.config = lambda name: load(str(harness.config_path(name)), name)  # type: ignore[method-assign]
+        self.world.load_checked = load  # type: ignore[method-assign]
         self.rollout_key = rollout_key(harness.cluster_name)
         self.rollout: Record | None = None
         """The rollout record as etcd holds it (after every write of it)."""

@@ -162,13 +162,17 @@ def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_th
         with log.open("a") as f:
             f.write("".join(line + "\n" for line in lines))
 
-    def start(weights_s: float) -> None:
+    def begin() -> None:
+        """A launch up to its weights: the API server's first line and the engine's start of loading."""
         launch(clock.now)
         watch.poll("vllm")
         clock.now += 5
         write("(APIServer pid=7) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0",
               "(EngineCore pid=8) INFO 01-01 00:00:00 [cpu_model_runner.py:68] Starting to load model /m...")
         watch.poll("vllm")
+
+    def start(weights_s: float) -> None:
+        begin()
         clock.now += weights_s
         write(f"(Worker pid=9) INFO 01-01 00:00:00 [default_loader.py:501] Loading weights took {weights_s:.2f} "
               "seconds", "(EngineCore pid=8) INFO 01-01 00:00:00 [kv_cache_utils.py:2327] CPU KV cache size: 1,024 "
@@ -190,12 +194,7 @@ def test_the_watch_shows_the_phase_and_time_left_records_each_start_and_keeps_th
     start(40.0)
     assert watch.history["vllm"]["weights"] == [60.0, 40.0]
     # the third start: in the middle of its weights, with the history's median (50 s) to go by
-    launch(clock.now)
-    watch.poll("vllm")
-    clock.now += 5
-    write("(APIServer pid=7) INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.32.0",
-          "(EngineCore pid=8) INFO 01-01 00:00:00 [cpu_model_runner.py:68] Starting to load model /m...")
-    watch.poll("vllm")
+    begin()
     clock.now += 20
     shown = watch.status_section()["start_phases"]["vllm"]
     assert shown["phase"] == "weights" and shown["in_phase_s"] == 20.0 and shown["phase_expected_s"] == 50.0
