@@ -63,11 +63,13 @@ fi
 # so does the bench against a real vLLM server.
 # The whole-cluster simulation's CI budget (500 random schedules, seeds printed) uses every core for a few minutes:
 # alone too, between the two (in the pool it slowed every timing-sensitive test beside it and timed out itself).
+# --durations: each run's log names its slowest tests (where the suite's time goes, docs/performance.md).
 rc=0
 real=(tests/test_realdp_system.py tests/test_realvllm_bench.py)
 sim=tests/test_simulation.py::test_a_ci_budget_of_random_schedules_finds_no_violation
-.venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup "${real[@]/#/--ignore=}" --deselect "$sim" \
+.venv/bin/pytest -q -p no:cacheprovider -n "$workers" --dist loadgroup --durations=25 "${real[@]/#/--ignore=}" \
+  --deselect "$sim" \
   || rc=$?
 .venv/bin/pytest -q -p no:cacheprovider -s "$sim" || rc=$?
-.venv/bin/pytest -q -p no:cacheprovider "${real[@]}" || rc=$?
+.venv/bin/pytest -q -p no:cacheprovider --durations=0 "${real[@]}" || rc=$?
 exit "$rc"
