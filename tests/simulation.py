@@ -192,8 +192,12 @@ def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 60
     """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight. Rollout commands
     come from a stream of their own (`ROLLOUTS`; `{}`: none — a schedule as drawn before rollouts were simulated;
     the real node's schedules have none: its agents run no rollout executor yet)."""
+    if mix is None and node == "container":
+        from sim_container import CONTAINER_FAULTS
+
+        mix = {**REAL_FAULTS, **CONTAINER_FAULTS}
     events = _draw(random.Random(seed), mix or (REAL_FAULTS if node == "real" else FAULTS), duration, mean_gap_s)
-    weights = ({} if node == "real" else ROLLOUTS) if rollouts is None else rollouts
+    weights = ({} if node in ("real", "container") else ROLLOUTS) if rollouts is None else rollouts
     if weights:
         events += _draw(random.Random(f"rollouts/{seed}"), weights, duration, ROLLOUT_GAP_S)
     return Schedule(seed, layout, duration, tuple(sorted(events, key=lambda e: e.at)), node)
@@ -280,13 +284,19 @@ class Simulation:
     def __init__(self, schedule: Schedule, home: Path) -> None:
         self.schedule = schedule
         self.layout = layouts()[schedule.layout]
-        self.real = schedule.node == "real"
+        self.real = schedule.node in ("real", "container")
+        self.container: Any = None
+        """Container mode (`sim_container.SimContainers`): the node's ranks in its container."""
         if self.real:
             from sim_node import LoopClock, RealWorld
 
             self.world = RealWorld(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True,
                                    clock=LoopClock())  # fmt: skip
             self.world.harness.data["components"]["datasystem"]["restart"] = dict(REAL_POLICY)
+            if schedule.node == "container":
+                from sim_container import SimContainers
+
+                self.container = SimContainers(self)
         else:
             self.world = World(home, list(self.layout.nodes), [dict(g) for g in self.layout.groups], proxy=True,
                                rollouts=True)
@@ -508,6 +518,8 @@ class Simulation:
                 self.group_down.setdefault(g["name"], now)
         self.check_proxy()
         self.check_mixed()
+        if self.container is not None:
+            self.container.check()
 
     def endpoint_ranks(self) -> dict[str, tuple[str, FakeComponent]]:
         return self.ranks
@@ -757,6 +769,8 @@ class Simulation:
         node = self.node_of(event)
         stack = self.world.stacks[node]
         kind = event.kind
+        if self.container is not None and kind.startswith(("container_", "engine_")):
+            return await self.container.apply(event, node)
         if kind in ("crash", "crash_pair"):
             running = sorted(n for n, c in stack.components.items() if c.running and not c.stopping and not c.dying)
             if not running:
@@ -1001,7 +1015,7 @@ class Simulation:
         config = self.world.stacks[self.layout.nodes[0]].config
         vllm = config.components.get("vllm")
         backoff = float(getattr(getattr(vllm, "restart", None), "max_backoff_s", 60.0) or 60.0)
-        bound = 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0
+        bound = 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0 + (self.container.extra_bound() if self.container else 0.0)
         failed = [st.supervisor for st in self.world.stacks.values()
                   if self.real and st.supervisor is not None and st.supervisor.redeploys.failed]  # fmt: skip
         if failed:  # a failed node (policy: failed_after_redeploys) restarts anything at its backoff cap
@@ -1097,6 +1111,9 @@ def _rounded(value: Any) -> Any:
 
 def run_schedule(schedule: Schedule) -> Result:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the real node's state files: no disk flushes
+    # the agents' own randomness (the heartbeat's jitter: `random.uniform`) from the seed too: a replay in a process
+    # that ran other schedules first wrote its member records at other instants (a compaction's revision differed)
+    random.seed(f"agents/{schedule.seed}")
     with tempfile.TemporaryDirectory(prefix="dsv4-sim-", dir=shm) as home:
         sim = Simulation(schedule, Path(home))
         asyncio.run(_quiet(sim.run()))
@@ -1117,9 +1134,12 @@ def layout_for(seed: int, layout: str) -> str:
 
 
 def node_for(seed: int, node: str) -> str:
-    """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one), the others the fake
-    stack — the CI budget stays within 5 minutes on 2 cores (docs/performance.md)."""
-    return ("real" if seed % 4 == 1 else "fake") if node == "mixed" else node
+    """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one), one in eight the real
+    node in container mode (`sim_container`), the others the fake stack — the CI budget stays within 5 minutes on
+    2 cores (docs/performance.md)."""
+    if node != "mixed":
+        return node
+    return "real" if seed % 4 == 1 else "container" if seed % 8 == 3 else "fake"
 
 
 def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:
@@ -1190,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="local-cluster", choices=[*sorted(layouts()), "mixed"])
     parser.add_argument("--duration", type=float, default=600.0, help="virtual seconds of faults per schedule")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--node", default="fake", choices=["fake", "real", "mixed"],
+    parser.add_argument("--node", default="fake", choices=["fake", "real", "container", "mixed"],
                         help="each node's stack: the fake one, the real supervisor (sim_node), or every other seed")
     parser.add_argument("--rollouts", default="default", choices=["default", "all", "none"],
                         help="the rollout commands drawn: default (compatible ones), all (incompatible too), none")
