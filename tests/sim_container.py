@@ -11,11 +11,13 @@ What is simulated (`SimEngines`, one per node; it outlives agents, as the engine
 - /proc: a container's init is alive while it runs; a process is the container's when it was launched into it;
 - faults: the container dies (exit 137, its processes die with it: the kernel kills its PID namespace), the engine
   answers every command late for a while (past the command's timeout: `EngineError`, as `core.run` raises), the
-  engine does not answer at all for a while.
+  engine refuses every command for a while (dockerd down), a new image (an operator's reload on every node).
 
 Invariants (checked after every change): `container_recreated` — a container is made only when none is there to
-keep: the first, or one per death (a rank's restart never recreates a healthy container, a dead one is recreated
-once); `two_containers` — no process of a component inside alive in a container that is not the node's running one.
+keep: the first, or one per death or new image (a rank's restart never recreates a healthy container, a dead one is
+recreated once); `two_containers` — no process of a component inside alive in a container that is not the node's
+running one; at the end `image_stale` — each container runs the image its file names. An engine slow or down
+licenses no stop: a rank inside a living container must be left alone.
 """
 
 from __future__ import annotations
@@ -49,11 +51,10 @@ if TYPE_CHECKING:
 CONTAINER_FAULTS: dict[str, float] = {
     "container_death": 3.0,  # the node's container dies (exit 137): its ranks and worker die with it
     "engine_slow": 1.5,      # every engine command answers late for a while (past its timeout: an error)
-    "engine_fail": 1.0,      # the engine answers nothing for a while
+    "engine_fail": 1.0,      # the engine refuses every command for a while (dockerd down)
+    "new_image": 0.5,        # a new image in every node's file, reloaded on each node that has an agent
 }  # fmt: skip
 """What container-mode schedules add to the real node's mix."""
-UNRESPONSIVE_S = 10.0
-"""`ContainerEngine.watch`'s `unresponsive_after_s`: an engine silent this long is the container's death."""
 INSPECT_TIMEOUT_S = 30.0
 """`ContainerEngine.timeout_s`: inspect's timeout."""
 
@@ -101,11 +102,13 @@ class SimEngines:
         return datetime.fromtimestamp(self.clock.time(), UTC).isoformat()
 
     async def call(self, what: str, timeout_s: float) -> None:
-        """An engine command's answer time: late while slow, none while down (both end in `core.run`'s timeout)."""
+        """An engine command's answer: late while slow (past its timeout: `core.run`'s error), refused at once
+        while the engine is down (`Cannot connect to the Docker daemon`)."""
         now = self.clock.monotonic()
-        delay = self.slow_s if now < self.slow_until else 0.0
         if now < self.down_until:
-            delay = max(delay, timeout_s)
+            raise EngineError(f"docker {what} exited 1: Cannot connect to the Docker daemon. Is the docker daemon "
+                              "running?")  # fmt: skip
+        delay = self.slow_s if now < self.slow_until else 0.0
         if delay >= timeout_s:
             await self.clock.sleep(timeout_s)
             raise EngineError(f"docker {what} ... timed out after {timeout_s:g} s")
@@ -258,7 +261,9 @@ class SimContainers:
             data["components"]["proxy"]["container"] = False  # a host component: no container recovery touches it
         self.engines: dict[str, SimEngines] = {}
         self.deaths: dict[str, int] = {}
-        """node → deaths whose container was not made again yet (each licenses one create)."""
+        """node → deaths (and new images) whose container was not made again yet (each licenses one create)."""
+        self.images = 1
+        self.kinds = frozenset(CONTAINER_FAULTS)
         self.made: dict[str, int] = {}
         sim.world.container_for = self.container_for
 
@@ -301,6 +306,15 @@ class SimContainers:
                                      f"{container.id} ({container.status}) beside "
                                      f"{current.id if current else 'none'}")  # fmt: skip
 
+    def check_end(self) -> None:
+        """After convergence: every node's container runs the image its file names."""
+        image = self.sim.world.harness.data["container"]["image"]
+        for node, engines in sorted(self.engines.items()):
+            current = engines.running()
+            if current is None or current.image != image:
+                self.sim.violate("image_stale", f"{node}: container {current and current.id} runs "
+                                 f"{current and current.image}, its file says {image}")  # fmt: skip
+
     # ---- faults ------------------------------------------------------------------------------------------------
     def license_inside(self, node: str, why: str) -> None:
         stack = self.sim.world.stacks[node]
@@ -322,18 +336,43 @@ class SimContainers:
             self.deaths[node] = self.deaths.get(node, 0) + 1
             engines.kill(container, 137)
             return sim.log(f"container {container.id} of {node} died (exit 137)")
+        if kind == "new_image":
+            return self.new_image()
         now = sim.clock.monotonic()
         if kind == "engine_slow":
             sim.faults[kind] += 1
             engines.slow_until = now + event.duration
-            engines.slow_s = 0.5 + (event.pick % 900) / 20.0  # 0.5–45 s
-            if engines.slow_s >= INSPECT_TIMEOUT_S - 1.0:  # its inspect times out: the watch may call it a death
-                self.license_inside(node, f"engine on {node} past its timeouts")
+            engines.slow_s = 0.5 + (event.pick % 900) / 20.0  # 0.5–45 s (past 30 s inspect times out)
             return sim.log(f"engine on {node} answers in {engines.slow_s:.1f}s for {event.duration:.1f}s")
         if kind == "engine_fail":
             sim.faults[kind] += 1
             engines.down_until = now + event.duration
-            if event.duration >= UNRESPONSIVE_S - 2.0:  # silent long enough: the watch calls it a death
-                self.license_inside(node, f"engine on {node} not answering")
             return sim.log(f"engine on {node} answers nothing for {event.duration:.1f}s")
         raise ValueError(f"unknown container fault {kind!r}")
+
+    def new_image(self) -> None:
+        """The operator installs a file with a new image on every node and reloads each agent that answers
+        (`nodeagentctl reload`: the planned recreate — drain, stop what runs inside, recreate, set up, start); a
+        node without an agent takes it at its next agent's start. Each node's container is made once for it."""
+        sim = self.sim
+        sim.faults["new_image"] += 1
+        self.images += 1
+        image = sim.world.harness.data["container"]["image"] = f"sim/vllm-ascend:{self.images}"
+        sim.write_files()
+        sim.log(f"operator: new image {image} in every node's file")
+        for node in sim.layout.nodes:
+            self.deaths[node] = self.deaths.get(node, 0) + 1
+            self.license_inside(node, f"new image {image} on {node}")
+            agent = sim.world.agents.get(node)
+            stack = sim.world.stacks[node]
+            if agent is None or stack.supervisor is None:
+                sim.log(f"operator: reload on {node}: no agent answers")
+                continue
+            config = sim.world.config(node)
+            try:
+                answer = stack.supervisor.reload(config)
+            except ValueError as exc:
+                answer = {"refused": str(exc)}
+            else:
+                agent.membership.update_config(config)
+            sim.log(f"operator: reload on {node}: {answer}")

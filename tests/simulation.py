@@ -769,7 +769,7 @@ class Simulation:
         node = self.node_of(event)
         stack = self.world.stacks[node]
         kind = event.kind
-        if self.container is not None and kind.startswith(("container_", "engine_")):
+        if self.container is not None and kind in self.container.kinds:
             return await self.container.apply(event, node)
         if kind in ("crash", "crash_pair"):
             running = sorted(n for n, c in stack.components.items() if c.running and not c.stopping and not c.dying)
@@ -1078,6 +1078,8 @@ class Simulation:
                              f"{self.converged()}")  # fmt: skip
             if self.real:
                 self.check_supervised()
+            if self.container is not None:
+                self.container.check_end()
             for node, name, when, what in self.acked:
                 comp = self.world.stacks[node].components[name]
                 if not any(start >= when for start in comp.starts):

@@ -15,6 +15,20 @@ from test_simulation import DURATION, VALIDATED_FIRST_SEED
 
 from nodeagent.container.plan import Step
 
+KEPT_CONTAINER: list[tuple[int, str, float, str]] = [
+    # (seed, layout, duration, what it found) in container mode — docs/simulation.md has each bug's story
+    (760011, "8node", 180, "dockerd not answering for 10 s was taken for the container's death: a node redeploy "
+     "stopped every rank inside (a model load each) though the container's init lived"),
+]
+
+
+@pytest.mark.parametrize(("seed", "layout", "duration", "found"), KEPT_CONTAINER,
+                         ids=[f"container{k[0]}" for k in KEPT_CONTAINER])  # fmt: skip
+def test_a_seed_that_found_a_bug_in_container_mode_stays_fixed(seed: int, layout: str, duration: float,
+                                                               found: str) -> None:  # fmt: skip
+    result = run_schedule(make_schedule(seed, layout, duration, node="container"))
+    assert result.ok, f"{found}\n" + simulation.describe(result) + "\n" + "\n".join(result.trace[-40:])
+
 
 def container_seeds(count: int) -> list[int]:
     """The CI budget's container seeds (`simulation.node_for`), in order."""

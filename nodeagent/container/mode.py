@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
@@ -333,8 +334,9 @@ class ContainerMode:
             if plan.redeploy and not redeployed:
                 self._redeploy(f"container {plan.reason}")
             redeployed = False
+            alive = functools.partial(self.world.init_alive, state.pid)
             watch = asyncio.create_task(self.engine.watch(state.id, state.started_at, wake=self._wake,
-                                                          clock=self.sup.clock.monotonic))
+                                                          clock=self.sup.clock.monotonic, init_alive=alive))
             changed = asyncio.create_task(self._reconfigured.wait())
             try:
                 await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
