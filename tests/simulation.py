@@ -188,7 +188,8 @@ class Schedule:
 
 def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 600.0,
                   mix: dict[str, float] | None = None, mean_gap_s: float = 25.0,
-                  node: str = "fake", rollouts: dict[str, float] | None = None) -> Schedule:  # fmt: skip
+                  node: str = "fake", rollouts: dict[str, float] | None = None,
+                  pd: bool = False) -> Schedule:  # fmt: skip
     """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight. Rollout commands
     come from a stream of their own (`ROLLOUTS`; `{}`: none — a schedule as drawn before rollouts were simulated;
     the real node's schedules have none: its agents run no rollout executor yet)."""
@@ -196,6 +197,10 @@ def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 60
         from sim_container import CONTAINER_FAULTS
 
         mix = {**REAL_FAULTS, **CONTAINER_FAULTS}
+    if pd:  # the PD watch's faults (`sim_pd`): opt-in, not in the CI budget's mix
+        from sim_pd import PD_FAULTS
+
+        mix = {**(mix or (REAL_FAULTS if node == "real" else FAULTS)), **PD_FAULTS}
     events = _draw(random.Random(seed), mix or (REAL_FAULTS if node == "real" else FAULTS), duration, mean_gap_s)
     weights = ({} if node in ("real", "container") else ROLLOUTS) if rollouts is None else rollouts
     if weights:
@@ -375,6 +380,12 @@ class Simulation:
         for g in self.layout.groups:
             for n in g["nodes"]:
                 self.group_of[n] = g["name"]
+        self.pd: Any = None
+        """The PD watch on the proxy's agent (`sim_pd.PdSim`), when the schedule has its faults."""
+        if any(e.kind.startswith("pd_") for e in schedule.events):
+            from sim_pd import PdSim
+
+            self.pd = PdSim(self)
 
     def real_stack(self, config: Any) -> Any:
         """A node over the real supervisor (`sim_node.RealStack`), its launches, stops and restarts checked here."""
@@ -771,6 +782,8 @@ class Simulation:
         kind = event.kind
         if self.container is not None and kind in self.container.kinds:
             return await self.container.apply(event, node)
+        if self.pd is not None and kind in self.pd.kinds:
+            return await self.pd.apply(event, node)
         if kind in ("crash", "crash_pair"):
             running = sorted(n for n, c in stack.components.items() if c.running and not c.stopping and not c.dying)
             if not running:
@@ -1080,6 +1093,8 @@ class Simulation:
                 self.check_supervised()
             if self.container is not None:
                 self.container.check_end()
+            if self.pd is not None:
+                await self.pd.finish()
             for node, name, when, what in self.acked:
                 comp = self.world.stacks[node].components[name]
                 if not any(start >= when for start in comp.starts):
@@ -1092,6 +1107,8 @@ class Simulation:
                                  f"{self.group_causes[group]} faults/commands")  # fmt: skip
         finally:
             self.running = False
+            if self.pd is not None:
+                self.pd.close()
             for task in self.tasks:
                 task.cancel()
             with contextlib.suppress(Exception):
@@ -1201,8 +1218,9 @@ def describe(result: Result) -> str:
 
 
 def replay_line(s: Schedule) -> str:
+    pd = " --pd" if any(e.kind.startswith("pd_") for e in s.events) else ""
     return (f"PYTHONHASHSEED=0 .venv/bin/python tests/simulation.py --seed {s.seed} --layout {s.layout} "
-            f"--duration {s.duration:g} --node {s.node}")  # fmt: skip
+            f"--duration {s.duration:g} --node {s.node}{pd}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1216,6 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="each node's stack: the fake one, the real supervisor (sim_node), or every other seed")
     parser.add_argument("--rollouts", default="default", choices=["default", "all", "none"],
                         help="the rollout commands drawn: default (compatible ones), all (incompatible too), none")
+    parser.add_argument("--pd", action="store_true", help="draw the PD watch's faults too (sim_pd; single runs)")
     parser.add_argument("--trace", action="store_true", help="print the whole trace of a single run")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing single run")
     parser.add_argument("--json", type=Path, help="write the batch's summary here")
@@ -1224,7 +1243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules == 1:
         mix = {"default": None, "all": ROLLOUTS_ALL, "none": {}}[args.rollouts]
         result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration,
-                                            node=node_for(first, args.node), rollouts=mix))
+                                            node=node_for(first, args.node), rollouts=mix, pd=args.pd))
         print(describe(result))
         if args.trace or not result.ok:
             print("\n".join(result.trace if args.trace else result.trace[-80:]))
