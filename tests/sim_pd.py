@@ -28,6 +28,8 @@ PD_FAULTS: dict[str, float] = {
     "pd_empty": 2.0,  # a decode group's ranks answer 200s without tokens until they restart (vllm-ascend #13140)
     "pd_hang": 1.0,   # the proxy answers nothing until it restarts
 }  # fmt: skip
+PD_GAP_S = 90.0
+"""The mean gap between two of them (a stream of their own: the schedule's other events are the seed's as before)."""
 TOKENS = json.dumps({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 2}})
 
 

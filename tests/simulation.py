@@ -197,14 +197,14 @@ def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 60
         from sim_container import CONTAINER_FAULTS
 
         mix = {**REAL_FAULTS, **CONTAINER_FAULTS}
-    if pd:  # the PD watch's faults (`sim_pd`): opt-in, not in the CI budget's mix
-        from sim_pd import PD_FAULTS
-
-        mix = {**(mix or (REAL_FAULTS if node == "real" else FAULTS)), **PD_FAULTS}
     events = _draw(random.Random(seed), mix or (REAL_FAULTS if node == "real" else FAULTS), duration, mean_gap_s)
     weights = ({} if node in ("real", "container") else ROLLOUTS) if rollouts is None else rollouts
     if weights:
         events += _draw(random.Random(f"rollouts/{seed}"), weights, duration, ROLLOUT_GAP_S)
+    if pd:  # the PD watch's faults (`sim_pd`), a stream of their own on top: opt-in, not in the CI budget's mix
+        from sim_pd import PD_FAULTS, PD_GAP_S
+
+        events += _draw(random.Random(f"pd/{seed}"), PD_FAULTS, duration, PD_GAP_S)
     return Schedule(seed, layout, duration, tuple(sorted(events, key=lambda e: e.at)), node)
 
 
