@@ -1153,12 +1153,10 @@ def layout_for(seed: int, layout: str) -> str:
 
 
 def node_for(seed: int, node: str) -> str:
-    """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one) — every other one of them
-    in container mode (`sim_container`: the same CPU) — the others the fake stack: the CI budget stays within 5
-    minutes on 2 cores (docs/performance.md)."""
-    if node != "mixed":
-        return node
-    return {1: "container", 5: "real"}.get(seed % 8, "fake")
+    """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one), the others the fake
+    stack — the CI budget stays within 5 minutes on 2 cores (docs/performance.md). Container mode (`--node
+    container`) is not in it yet: its window has an open finding (docs/simulation.md, seed 760353)."""
+    return ("real" if seed % 4 == 1 else "fake") if node == "mixed" else node
 
 
 def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:

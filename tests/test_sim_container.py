@@ -30,10 +30,26 @@ def test_a_seed_that_found_a_bug_in_container_mode_stays_fixed(seed: int, layout
     assert result.ok, f"{found}\n" + simulation.describe(result) + "\n" + "\n".join(result.trace[-40:])
 
 
+CONTAINER_WINDOW = 8
+"""Container mode's window: one seed in eight of the CI budget's (760001, 760009, ...). Not in the budget yet (its
+open finding below); 62 of its 63 seeds in 760000–760499 ran clean (docs/performance.md)."""
+
+
 def container_seeds(count: int) -> list[int]:
-    """The CI budget's container seeds (`simulation.node_for`), in order."""
+    """Container mode's window, in order."""
     first = int(VALIDATED_FIRST_SEED)
-    return [s for s in range(first, first + 40 * count) if simulation.node_for(s, "mixed") == "container"][:count]
+    return [s for s in range(first + 1, first + 1 + CONTAINER_WINDOW * count, CONTAINER_WINDOW)]
+
+
+@pytest.mark.xfail(strict=True, reason="open: an operator's restart acknowledged, then the agent killed before its "
+                   "stop began — the successor adopts the old rank and the restart is never done (docs/simulation.md)")
+def test_an_acknowledged_restart_survives_the_agents_death_right_after() -> None:
+    """Seed 760353 (8-node, container mode; nothing of the container in it): `--node a2-3 restart vllm` answered
+    "restarting group prefill3 as generation 2", a2-3's agent killed 33 ms later, its successor 40 s on adopts the
+    rank of generation 1 running, and no start follows (`command_lost`). Strict: this fails once it is fixed —
+    then it moves to KEPT_CONTAINER."""
+    result = run_schedule(make_schedule(760353, "8node", 180, node="container"))
+    assert result.ok, simulation.describe(result)
 
 
 def planted_find(invariants: set[str], tries: int = 24) -> dict[str, Any] | None:
