@@ -1,8 +1,10 @@
 """How fast the whole-cluster simulation runs with each node's stack fake or real (`tests/sim_node.py`): simulated
 cluster seconds per wall second and per CPU second (this process's: the machine may be shared), for the shipped
-8-node file and config/local-cluster.yaml, one core.
+8-node file and config/local-cluster.yaml, one core; `--nodes` chooses the stacks (container: the real node in
+container mode, `tests/sim_container.py`).
 
     PYTHONPATH=. .venv/bin/python bench/sim_node_speed.py --schedules 6 --duration 180
+    PYTHONPATH=. .venv/bin/python bench/sim_node_speed.py --schedules 3 --nodes real,container
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ def main() -> None:
     parser.add_argument("--schedules", type=int, default=6)
     parser.add_argument("--duration", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=760001)
+    parser.add_argument("--nodes", default="fake,real", help="comma-separated: fake, real, container")
     args = parser.parse_args()
     from simulation import make_schedule, run_schedule
 
     for layout in ("8node", "local-cluster"):
-        for node in ("fake", "real"):
+        for node in args.nodes.split(","):
             per_wall, per_cpu = [], []
             for seed in range(args.seed, args.seed + args.schedules):
                 cpu, wall = time.process_time(), time.perf_counter()

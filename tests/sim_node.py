@@ -437,6 +437,9 @@ class RealStack:
                 comp.proc.close()
         if sup._flush_handle is not None:
             sup._flush_handle.cancel()
+        task = getattr(sup.container, "_task", None)  # the container's watch dies with its agent
+        if task is not None:
+            task.cancel()
 
 
 def caches_off(config: Config) -> Config:
@@ -455,7 +458,7 @@ class RealWorld(World):
         config = self.config(name)
         stack = self.stacks[name]
         sup = Supervisor(config, EventBus(replay=200), self.clock, world=stack.host,
-                         probe_ctx=SimProbes(stack.host, config))  # fmt: skip
+                         probe_ctx=SimProbes(stack.host, config), container=self.container_for(stack))  # fmt: skip
         real_restart = sup.restart
 
         def restart(names: Sequence[str], reason: str, *, planned: bool, cause: str = "gang") -> None:
@@ -474,17 +477,28 @@ class RealWorld(World):
         stack.host.backends = sup.launch_backends
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, sup, membership, clock=self.clock, proxy_post=post)
-        for layer in (coordinator.ft, coordinator, ChangeObserver(membership.status_changed),
+        for layer in (coordinator.ft, coordinator, sup.container, ChangeObserver(membership.status_changed),
                       ChangeObserver(stack.notify)):  # as `agent.Agent.layers` orders them  # fmt: skip
-            sup.attach(layer)
+            if layer is not None:
+                sup.attach(layer)
         stack.supervisor = sup
         membership.start()
         coordinator.start()
-        task = asyncio.ensure_future(sup.start())
+        task = asyncio.ensure_future(self._start(sup))
         stack.host.tasks.add(task)
         task.add_done_callback(stack.host.tasks.discard)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)  # type: ignore[arg-type]
         return agent
+
+    def container_for(self, stack: RealStack) -> Callable[[Supervisor], Any] | None:
+        """The node's container mode (`sim_container` gives one over a simulated engine); None: no container."""
+        return None
+
+    @staticmethod
+    async def _start(sup: Supervisor) -> None:
+        if sup.container is not None:  # before the stack, as the agent does: its components adopt or wait for it
+            await sup.container.start()  # type: ignore[attr-defined]
+        await sup.start()
 
     async def kill_agent(self, name: str) -> None:
         agent = self.agents.pop(name)

@@ -110,7 +110,7 @@ async def test_cancelling_the_container_task_ends_its_watch_and_the_events_child
     pidfile = tmp_path / "events"
     mode.engine = _Engine(pidfile, state)
     mode.sup = SimpleNamespace(events=SimpleNamespace(emit=lambda *a, **k: None), wake=lambda: None,
-                               on_state=lambda _: None)  # fmt: skip
+                               on_state=lambda _: None, clock=SimpleNamespace(monotonic=time.monotonic))  # fmt: skip
     mode.spec = SimpleNamespace(name="node")  # type: ignore[assignment]
     mode.section = SimpleNamespace(setup=[])  # type: ignore[assignment]
     mode.records = None  # type: ignore[assignment]

@@ -131,7 +131,10 @@ def test_the_vllm_plan_inside_sweeps_the_containers_shm_or_nothing_while_it_is_d
     cfg = parse_config("node: {name: n1, ip: 127.0.0.1, npus: 0}\nagent: {state_dir: /tmp/x/state}\n"
                        "container: {engine: docker}\n"
                        "components:\n  vllm: {kind: vllm, command: vllm, model: /m, port: 18080}\n")  # fmt: skip
+    from nodeagent.container.world import HostContainerWorld
+
     mode = ContainerMode.__new__(ContainerMode)
+    mode.world = HostContainerWorld()
     mode.runs_inside = lambda name: True  # type: ignore[method-assign]
     plan = plan_start_cleanup("vllm", cfg.components["vllm"], cfg, scope=scope, reason="t", records=[], scan=True)
     assert any(isinstance(a, RemoveShmSegments) for a in plan.actions)

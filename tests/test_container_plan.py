@@ -213,6 +213,19 @@ def test_an_engine_that_stops_answering_is_a_death_after_the_grace() -> None:
     assert death is not None and death.kind == "engine-unresponsive" and "10 s" in death.detail
 
 
+def test_an_engine_that_stops_answering_is_no_death_while_the_containers_init_lives() -> None:
+    """Found by the simulation (seed 760011, 8-node, container mode): dockerd silent for 10 s stopped every rank
+    inside — a node redeploy, each rank's model load — though the container ran on. Its init, alive on the host,
+    says it does; once the init is gone the grace counts from when it was last seen."""
+    clock = FakeClock()
+    watch = DeathWatch(running().id, None, clock.now, unresponsive_after_s=10)
+    for _ in range(6):
+        assert watch.engine_failed(clock.advance(5), "Cannot connect to the Docker daemon", init_alive=True) is None
+    assert watch.engine_failed(clock.advance(9.9), "Cannot connect to the Docker daemon") is None
+    death = watch.engine_failed(clock.advance(0.1), "Cannot connect to the Docker daemon")
+    assert death is not None and death.kind == "engine-unresponsive"
+
+
 def test_event_lines() -> None:
     line = '{"ID":"c1","Image":"x","Name":"box","Status":"died","Time":"now","Type":"container"}'
     assert event_status(line) == "died"

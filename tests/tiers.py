@@ -138,6 +138,8 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_residue.py::test_shm_segments_nobody_maps_are_removed",
     "tests/test_residue.py::test_the_configured_npu_smi_is_the_one_the_clean_slate_and_the_post_mortem_use",
     "tests/test_simulation.py",  # batches of simulated runs: seconds to minutes, not a pre-commit check
+    "tests/test_sim_container.py",  # the container-mode simulation's planted bugs: a minute or two
+    "tests/test_sim_pd.py",  # the PD watch's simulation and its planted bugs: a minute or two
     "tests/test_residue.py::test_wait_devices_free_reads_npu_smi",
     "tests/test_run_local.py",
     "tests/test_standin.py",

@@ -153,9 +153,11 @@ class ContainerEngine:
 
     async def watch(self, container_id: str, started_at: str | None, poll_s: float = 1.0, use_events: bool = True,
                     unresponsive_after_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                    wake: asyncio.Event | None = None) -> Death:  # fmt: skip
+                    wake: asyncio.Event | None = None,
+                    init_alive: Callable[[], bool] = lambda: False) -> Death:  # fmt: skip
         """Return when the container dies (exited, OOM, removed, replaced, restarted) or the engine stops
-        answering for `unresponsive_after_s`. Setting `wake` makes it inspect at once (a component inside died)."""
+        answering for `unresponsive_after_s` while `init_alive()` (the container's init on the host) is not
+        seen. Setting `wake` makes it inspect at once (a component inside died)."""
         judge = DeathWatch(container_id, started_at, clock(), unresponsive_after_s)
         wake = wake or asyncio.Event()
         follower = asyncio.create_task(self.events(wake)) if use_events else None
@@ -164,7 +166,7 @@ class ContainerEngine:
                 try:
                     death = judge.observe(clock(), await self.inspect())
                 except EngineError as exc:
-                    death = judge.engine_failed(clock(), str(exc))
+                    death = judge.engine_failed(clock(), str(exc), init_alive())
                 if death is not None:
                     return death
                 wake.clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Awaitable, Sequence
 from dataclasses import replace
@@ -27,17 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.config.container_options import ContainerRenderError
-from nodeagent.container.engine import (
-    ContainerEngine,
-    EngineError,
-    RecordStore,
-    ensure_container,
-    in_container,
-    init_alive,
-)
-from nodeagent.container.exec import InsideWatch, adopt_inside, launch_inside
+from nodeagent.container.engine import EngineError, RecordStore, ensure_container
 from nodeagent.container.plan import ContainerState, SetupStepFailed, Step, setup_hash
-from nodeagent.container.render import container_spec, host_facts, shared_folders
+from nodeagent.container.render import container_spec, shared_folders
+from nodeagent.container.world import ContainerWorld, HostContainerWorld
 from nodeagent.core import logsink
 from nodeagent.core.errors import AdoptError, LaunchError
 from nodeagent.node.blast_radius import Blast
@@ -53,6 +47,7 @@ if TYPE_CHECKING:
     from nodeagent.core.process import ProcessRecord
     from nodeagent.node.component import Component, ComponentHost
     from nodeagent.node.launcher import Launched
+    from nodeagent.node.nodeworld import Watch
     from nodeagent.render.launch import LaunchSpec
     from nodeagent.seam.host import Process
 
@@ -65,18 +60,20 @@ LOG_NAME = "container"
 class ContainerMode:
     """The node's container: its lifecycle and watch, the gate of the components inside, their launches."""
 
-    def __init__(self, sup: ContainerNode) -> None:
+    def __init__(self, sup: ContainerNode, world: ContainerWorld | None = None) -> None:
         self.sup = sup
+        self.world: ContainerWorld = world or HostContainerWorld()
+        """The engine, /proc and the exec client (`container.world`; the host by default)."""
         assert sup.config.container is not None
         self.section = sup.config.container
         try:
-            self.facts = host_facts(sup.config)
+            self.facts = self.world.facts(sup.config)
             """Read once, at the agent's start (a reload renders against the same facts: restart the agent after
             installing the driver or runc on the host)."""
             self.spec = container_spec(sup.config, os.environ, facts=self.facts)
         except ContainerRenderError as exc:
             raise LaunchError(str(exc)) from None
-        self.engine = ContainerEngine(self.spec)
+        self.engine = self.world.engine(self.spec)
         self.records = RecordStore(sup.config.agent.state_dir)
         self.state: ContainerState | None = None
         self.problem: Hold | None = Hold(HoldKind.CONTAINER, f"container {self.spec.name}: not checked yet")
@@ -119,28 +116,29 @@ class ContainerMode:
 
     # ---- launches (called by the supervisor with inside=self) -----------------------------------------------
     async def launch(self, spec: LaunchSpec, log_dir: Path, base_env: Any, capture_dir: Path, timeout_s: float,
-                     scope: str | None, tail_file: Path | None) -> tuple[Launched, InsideWatch]:  # fmt: skip
+                     scope: str | None, tail_file: Path | None) -> tuple[Launched, Watch]:  # fmt: skip
         cid = self.container_id
-        launched, client = await launch_inside(spec, self.spec, cid, log_dir, base_env, capture_dir, timeout_s,
-                                               scope, tail_file)  # fmt: skip
-        pid = launched.record.pid
+        launched: list[Launched] = []
 
         def client_lost(client_pid: int) -> None:
+            pid = launched[0].record.pid if launched else "?"
             self.sup.events.emit("exec_client_lost", f"the {self.spec.engine} exec client (pid {client_pid}) died; "
                                  f"pid {pid} runs on inside, still supervised by its host PID; its output is lost "
                                  "until its next start", spec.component, "warning")  # fmt: skip
 
-        return launched, InsideWatch(pid, client, client_lost)
+        done, watch = await self.world.launch(spec, self.spec, cid, log_dir, base_env, capture_dir, timeout_s, scope,
+                                              tail_file, client_lost)  # fmt: skip
+        launched.append(done)
+        return done, watch
 
-    def adopt(self, record: ProcessRecord) -> InsideWatch:
+    def adopt(self, record: ProcessRecord) -> Watch:
         if self._recreating:
             raise AdoptError(f"container {self.spec.name} is being recreated")
-        adopt_inside(record, self.state.id if self.state is not None else "")
-        return InsideWatch(record.pid, None)
+        return self.world.adopt(record, self.state.id if self.state is not None else "")
 
     def member(self, pid: int) -> bool:
         """May this PID be signalled on behalf of a component inside? Only a process of our container."""
-        return self.state is not None and in_container(self.state.id, pid)
+        return self.state is not None and self.world.in_container(self.state.id, pid)
 
     def adapt_plan(self, name: str, plan: ResiduePlan) -> ResiduePlan:
         """Residue inside: /dev/shm of a component inside is the container's own (reached through its init's
@@ -151,7 +149,7 @@ class ContainerMode:
         actions = []
         for action in plan.actions:
             if isinstance(action, RemoveShmSegments):
-                if pid is None or not init_alive(pid):
+                if pid is None or not self.world.init_alive(pid):
                     continue
                 action = replace(action, shm_dir=Path(f"/proc/{pid}/root") / action.shm_dir.relative_to("/"),
                                  seen_as=action.shm_dir)  # fmt: skip
@@ -184,7 +182,7 @@ class ContainerMode:
 
     def decide(self, comp: ComponentView, failure: Failure) -> RestartDecision | Delegated | None:
         """A component inside that died with the container: the container's recovery restarts it."""
-        if not self.runs_inside(comp.name) or self.state is None or init_alive(self.state.pid):
+        if not self.runs_inside(comp.name) or self.state is None or self.world.init_alive(self.state.pid):
             return None
         self._lost(f"its init (pid {self.state.pid}) is gone")
         return Delegated(f"the container {self.spec.name} died with it: recreate, setup, node redeploy")
@@ -228,7 +226,7 @@ class ContainerMode:
         if not apply:
             return None
         self.section, self.spec = config.container, spec
-        self.engine = ContainerEngine(spec)
+        self.engine = self.world.engine(spec)
         if what is None or not self.started:
             return None  # (not started: the container is made, or kept, as this spec says when it starts)
         # held from now, not from when the watch loop gets to it: a component inside must not start in the old
@@ -336,7 +334,9 @@ class ContainerMode:
             if plan.redeploy and not redeployed:
                 self._redeploy(f"container {plan.reason}")
             redeployed = False
-            watch = asyncio.create_task(self.engine.watch(state.id, state.started_at, wake=self._wake))
+            alive = functools.partial(self.world.init_alive, state.pid)
+            watch = asyncio.create_task(self.engine.watch(state.id, state.started_at, wake=self._wake,
+                                                          clock=self.sup.clock.monotonic, init_alive=alive))
             changed = asyncio.create_task(self._reconfigured.wait())
             try:
                 await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)

@@ -240,7 +240,9 @@ class DeathWatch:
     """Judges successive observations of the container (an inspect after an engine event, or a poll).
 
     `observe(now, state)` with state None = no such container; `engine_failed(now)` when inspect itself failed
-    (engine down or hung): that becomes a death after `unresponsive_after_s` without an answer.
+    (engine down or hung): that becomes a death after `unresponsive_after_s` without an answer — unless the
+    container's init is seen alive on the host meanwhile (`init_alive`): the engine's silence (dockerd restarting
+    or hung) is then no death, and a node redeploy would cost every rank inside its model load for nothing.
     """
 
     def __init__(self, container_id: str, started_at: str | None, now: float,
@@ -261,7 +263,10 @@ class DeathWatch:
             return Death("restarted", f"container restarted at {state.started_at}", state)
         return None
 
-    def engine_failed(self, now: float, error: str) -> Death | None:
+    def engine_failed(self, now: float, error: str, init_alive: bool = False) -> Death | None:
+        if init_alive:  # /proc answers for the engine: the container lives
+            self.last_answer = now
+            return None
         silent = now - self.last_answer
         if silent >= self.unresponsive_after_s:
             return Death("engine-unresponsive", f"the engine has not answered inspect for {silent:.0f} s: {error}")
