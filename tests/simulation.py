@@ -1155,7 +1155,7 @@ def layout_for(seed: int, layout: str) -> str:
 def node_for(seed: int, node: str) -> str:
     """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one), the others the fake
     stack — the CI budget stays within 5 minutes on 2 cores (docs/performance.md). Container mode (`--node
-    container`) is not in it yet: its window has an open finding (docs/simulation.md, seed 760353)."""
+    container`) is not in it yet (its cost and window: docs/performance.md)."""
     return ("real" if seed % 4 == 1 else "fake") if node == "mixed" else node
 
 

@@ -18,6 +18,7 @@ from nodeagent.container import mode as container_mode
 from nodeagent.container.engine import ContainerEngine, EngineError, run_engine
 from nodeagent.container.mode import ContainerMode
 from nodeagent.container.plan import ContainerPlan, ContainerState
+from nodeagent.container.world import HostContainerWorld
 
 
 def alive(pid: int) -> bool:
@@ -109,6 +110,7 @@ async def test_cancelling_the_container_task_ends_its_watch_and_the_events_child
     mode = ContainerMode.__new__(ContainerMode)
     pidfile = tmp_path / "events"
     mode.engine = _Engine(pidfile, state)
+    mode.world = HostContainerWorld()
     mode.sup = SimpleNamespace(events=SimpleNamespace(emit=lambda *a, **k: None), wake=lambda: None,
                                on_state=lambda _: None, clock=SimpleNamespace(monotonic=time.monotonic))  # fmt: skip
     mode.spec = SimpleNamespace(name="node")  # type: ignore[assignment]

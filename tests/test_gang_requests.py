@@ -356,3 +356,13 @@ async def test_a_lost_write_does_not_bring_back_a_record_older_than_the_watch_ga
     for node in ("n2", "n3"):
         gs = world.gang(node, "p1")
         assert gs.record.generation == gs.acted == gs.released == 3, node
+
+
+def test_a_rank_launched_before_the_generation_its_agent_acted_on_is_restarted_by_the_successor() -> None:
+    """Seed 760353: the agent saved `acted` 2 and died before its drain stopped the rank of generation 1."""
+    from nodeagent.cluster.rules import unrestarted
+
+    assert unrestarted({"vllm": 1}, 2, ["vllm"]) == ["vllm"]
+    assert unrestarted({"vllm": 2}, 2, ["vllm"]) == [], "restarted: adopted as it runs"
+    assert unrestarted({}, 2, ["vllm"]) == [], "unknown (an older agent's file): adopted, as before"
+    assert unrestarted({"vllm": 1}, 2, []) == [], "not running: the barrier starts it"

@@ -83,6 +83,7 @@ class Coordinator:
             gs = GangState(group, mine)
             old = (saved.get("gangs") or {}).get(group.name) or {}
             gs.acted, gs.acted_epoch = int(old.get("acted", 0)), str(old.get("epoch", ""))
+            gs.ran_before = {str(c): int(g) for c, g in (old.get("ran") or {}).items()}
             self.gangs[group.name] = gs
         self.by_component = {c: gs for gs in self.gangs.values() for c in gs.components}
         self.done_redeploys: list[str] = list(saved.get("redeploys_done") or [])
@@ -113,7 +114,8 @@ class Coordinator:
 
     # ---- persistence ------------------------------------------------------------------------------------------
     def save(self) -> None:
-        data = {"gangs": {n: {"acted": g.acted, "epoch": g.acted_epoch} for n, g in self.gangs.items()},
+        data = {"gangs": {n: {"acted": g.acted, "epoch": g.acted_epoch, "ran": {**g.ran_before, **g.ran}}
+                          for n, g in self.gangs.items()},
                 "redeploys_done": self.done_redeploys[-DONE_REDEPLOYS_KEPT:]}  # fmt: skip
         with contextlib.suppress(OSError):
             write_json_atomic(self.state_path, data)
@@ -152,11 +154,12 @@ class Coordinator:
         """A rank started or stopped, a pause ended: note which generation each running rank runs in; look again."""
         if self.by_component:
             here = self.port.snapshot().components
-            for gs in self.gangs.values():
-                if gs.released == gs.acted:
-                    for c in gs.components:
-                        if here[c].running:
-                            gs.ran[c] = gs.acted
+            seen = {(c, gs.acted) for gs in self.gangs.values() if gs.released == gs.acted
+                    for c in gs.components if here[c].running and gs.ran.get(c) != gs.acted}  # fmt: skip
+            for c, generation in seen:
+                self.by_component[c].ran[c] = generation
+            if seen:
+                self.save()  # for a successor: what its adopted ranks run (`rules.unrestarted`)
         self.wake()
 
     def spawn(self, work: Awaitable[Any]) -> None:
@@ -314,6 +317,8 @@ class Coordinator:
             if any(r.going_down for r in ranks):
                 return  # a tree still being stopped (a restart or a failure the previous agent saw): decided once gone
             gs.fresh = False
+            if gs.record and rules.unrestarted(gs.ran_before, gs.acted, [r.name for r in ranks if r.running]):
+                return self._act(gs, gs.acted, here)  # the previous agent acted, then died before stopping them
             if any(r.running for r in ranks):
                 gs.released = gs.acted  # adopted: they run on in the generation they started in
             elif not gs.requests:
@@ -585,16 +590,7 @@ class Coordinator:
                 for n, g in self.gangs.items()}  # fmt: skip
 
     def status(self) -> dict[str, Any]:
-        gangs = {}
-        for name, gs in self.gangs.items():
-            record = gs.record
-            gangs[name] = {"kind": gs.group.kind, "nodes": list(gs.group.nodes), "acted": gs.acted,
-                           "generation": record.generation if record else None,
-                           "reason": record.reason if record else None, "by": record.by if record else None,
-                           "barrier": {"arrived": sorted(gs.arrivals), "released": gs.released == gs.acted},
-                           "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
-                           "pending": gs.pending}  # fmt: skip
         return {"etcd": "reachable" if self.reachable else "unreachable", "epoch": self.epoch,
-                "pause": self.port.cluster_pause(), "gangs": gangs,
+                "pause": self.port.cluster_pause(), "gangs": {n: gs.status() for n, gs in self.gangs.items()},
                 "redeploy": self.ops.status() if self.ops is not None else None,
                 "proxies": [p.status() for p in self.proxies]}  # fmt: skip

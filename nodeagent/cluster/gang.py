@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from nodeagent.cluster import rules
 from nodeagent.config.layout import Group
@@ -33,12 +34,14 @@ class GangState:
     last_late_event: float = 0.0
     up_since: float | None = None
     fresh: bool = True
+    """Not yet compared with the store since this agent started."""
     down_at_baseline: bool = False
     """Our ranks were not running on when a wiped etcd's new epoch was adopted: once they are stopped, the group's
     next generation is asked (the peers may have been adopted running: a DP group cannot take a rank back)."""
-    """Not yet compared with the store since this agent started."""
     ran: dict[str, int] = field(default_factory=dict)
     """The generation each local rank was last seen running in: a rank runs once per generation."""
+    ran_before: dict[str, int] = field(default_factory=dict)
+    """`ran` as the previous agent saved it (same epoch as `acted`): what its adopted ranks were launched in."""
     unclean: str | None = None
     """Why a local rank's residue could not be cleaned before arriving (last said)."""
     unclean_settles: bool = True
@@ -58,3 +61,13 @@ class GangState:
     @property
     def multi(self) -> bool:
         return len(self.group.nodes) > 1
+
+    def status(self) -> dict[str, Any]:
+        """The group's part of the cluster section of /status."""
+        record = self.record
+        return {"kind": self.group.kind, "nodes": list(self.group.nodes), "acted": self.acted,
+                "generation": record.generation if record else None,
+                "reason": record.reason if record else None, "by": record.by if record else None,
+                "barrier": {"arrived": sorted(self.arrivals), "released": self.released == self.acted},
+                "crash_loop": (record.policy.get("consecutive_failures", 0) >= 2) if record else False,
+                "pending": self.pending}  # fmt: skip

@@ -19,7 +19,7 @@ Keys, under `/dsv4-agent/<cluster>/`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -206,6 +206,13 @@ def rejoins(multi: bool, acted: int, ran_in: int | None, running: bool) -> bool:
     """A stopped rank of a multi-node group that already ran in the generation acted on: it cannot join its
     running peers alone (a DP group cannot take a rank back), the group must start again."""
     return multi and ran_in == acted and not running
+
+
+def unrestarted(launched_in: Mapping[str, int], acted: int, running: Iterable[str]) -> list[str]:
+    """The running ranks a previous agent's act never restarted (pure): it saved the generation it acted on, then
+    died before their old trees were stopped (a drain takes seconds) — they run an older generation than `acted`,
+    so its successor must not adopt them as the new one (seed 760353: an operator's acknowledged restart lost)."""
+    return [c for c in running if launched_in.get(c, acted) < acted]
 
 
 def rank_to_rejoin(multi: bool, acted: int, released: int, ran: Mapping[str, int],
