@@ -1037,11 +1037,13 @@ class Simulation:
             if heal_by > self.now():
                 await self.world.advance(heal_by - self.now())
             record = self.rollout
-            if record is not None and record.status == Status.HALTED and (executor := self.any_executor()):
+            if (record is not None and record.status in (Status.HALTED, Status.FAILED)
+                    and (executor := self.any_executor())):  # fmt: skip
                 # a halted rollout waits for the operator (an incompatible one keeps its new groups out of the
-                # proxy): he rolls it back, as its message says, and the cluster must converge after that
+                # proxy), and so does a failed one (its way back failed): he rolls it back, as its message says,
+                # and the cluster must converge after that
                 answer = await self.control(executor, "rollback")
-                self.log(f"operator: cluster rollout rollback (closing halted {record.id}): {answer}")
+                self.log(f"operator: cluster rollout rollback (closing {record.status} {record.id}): {answer}")
                 record = self.rollout
             if record is not None and record.status == Status.PAUSED and (executor := self.any_executor()):
                 # a pause whose resume was refused (etcd away when the operator asked) is resumed once it answers

@@ -48,6 +48,9 @@ KEPT: list[tuple[int, str, float, str]] = [
      "record's step, left in `gating`, held the only decode group out of the proxy for good"),
     (760167, "8node", 180, "the simulation's own: an operator's rollout resume refused while etcd was away was never "
      "asked again, and the paused rollout counted as stuck — the operator resumes it once the faults heal"),
+    (760050, "8node", 180, "an incompatible rollout whose way back failed left its step in `gating`: its groups, "
+     "back on the old file, were kept out of the proxy for good, and the operator's rollback drove the stuck step "
+     "again instead of undoing the first pair"),
 ]
 
 
@@ -58,7 +61,8 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
     (760122, "local-cluster", 180, "the same on the local cluster's decode group"),
 ]
 
-KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None}
+KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
+                                                     760050: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 
