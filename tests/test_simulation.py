@@ -51,6 +51,9 @@ KEPT: list[tuple[int, str, float, str]] = [
     (760050, "8node", 180, "an incompatible rollout whose way back failed left its step in `gating`: its groups, "
      "back on the old file, were kept out of the proxy for good, and the operator's rollback drove the stuck step "
      "again instead of undoing the first pair"),
+    (760292, "small", 180, "a proxy relaunched by a cluster redeploy listed a rollout step's group; before the sync "
+     "saw its pid the step's way back was marked unlisted, and its ranks started on the old file while the proxy "
+     "routed them beside the new pair (mixed_routes)"),
 ]
 
 
@@ -62,7 +65,7 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
 ]
 
 KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
-                                                     760050: simulation.ROLLOUTS_ALL}
+                                                     760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 
