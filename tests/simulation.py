@@ -995,6 +995,32 @@ class Simulation:
                     return f"group {g['name']} not routed by the proxy"
         return None
 
+    async def settle_rollout(self) -> None:
+        """After the faults: the operator closes the rollout there is — a halted one waits for him (an incompatible
+        one keeps its new groups out of the proxy), and so does a failed one (its way back failed; also one that
+        fails while it is awaited): he rolls it back, as its message says; a paused one whose resume was refused
+        (etcd away) he resumes — and the rollout must end within its bound."""
+        for _ in range(3):
+            record = self.rollout
+            executor = self.any_executor()
+            if record is not None and executor is not None and record.status in (Status.HALTED, Status.FAILED):
+                answer = await self.control(executor, "rollback")
+                self.log(f"operator: cluster rollout rollback (closing {record.status} {record.id}): {answer}")
+            elif record is not None and executor is not None and record.status == Status.PAUSED:
+                answer = await self.control(executor, "resume")
+                self.log(f"operator: cluster rollout resume (paused {record.id}, its resume refused): {answer}")
+            record = self.rollout
+            if record is None or not record.active:
+                return
+            rollout_bound = self.rollout_bound(record)
+            try:
+                await self.world.until("the rollout to end", self.rollout_ended, within=rollout_bound)
+            except AssertionError:
+                self.violate("rollout_stuck", f"rollout {record.id} still {self.rollout and self.rollout.status} "
+                             f"{rollout_bound:.0f}s after the faults healed: "
+                             f"{self.rollout and self.rollout.message}")  # fmt: skip
+                return
+
     def convergence_bound(self) -> float:
         """From the config's timeouts: the longest tree stop, the group's backoff at its cap, a lease, the proxy's
         re-add, a start, plus the barrier's own wait — with margin for a successor agent's adoption."""
@@ -1036,28 +1062,7 @@ class Simulation:
             heal_by = max((e.at + e.duration for e in self.schedule.events), default=0.0) + 1.0
             if heal_by > self.now():
                 await self.world.advance(heal_by - self.now())
-            record = self.rollout
-            if (record is not None and record.status in (Status.HALTED, Status.FAILED)
-                    and (executor := self.any_executor())):  # fmt: skip
-                # a halted rollout waits for the operator (an incompatible one keeps its new groups out of the
-                # proxy), and so does a failed one (its way back failed): he rolls it back, as its message says,
-                # and the cluster must converge after that
-                answer = await self.control(executor, "rollback")
-                self.log(f"operator: cluster rollout rollback (closing {record.status} {record.id}): {answer}")
-                record = self.rollout
-            if record is not None and record.status == Status.PAUSED and (executor := self.any_executor()):
-                # a pause whose resume was refused (etcd away when the operator asked) is resumed once it answers
-                answer = await self.control(executor, "resume")
-                self.log(f"operator: cluster rollout resume (paused {record.id}, its resume refused): {answer}")
-                record = self.rollout
-            if record is not None and record.active:
-                rollout_bound = self.rollout_bound(record)
-                try:
-                    await self.world.until("the rollout to end", self.rollout_ended, within=rollout_bound)
-                except AssertionError:
-                    self.violate("rollout_stuck", f"rollout {record.id} still {self.rollout and self.rollout.status} "
-                                 f"{rollout_bound:.0f}s after the faults healed: "
-                                 f"{self.rollout and self.rollout.message}")  # fmt: skip
+            await self.settle_rollout()
             bound = self.convergence_bound()
             try:
                 await self.world.until("convergence", lambda: self.converged() is None, within=bound)

@@ -268,6 +268,7 @@ def test_an_exclusive_rollout_routes_a_group_by_the_file_its_ranks_run_after_its
     assert set(rr.held_out(undone, {**old, "d0": frozenset({"S-new"})})) == {"d0"}, "nor one on the other file"
     assert set(rr.held_out(undone, {**old, "p1": frozenset({"S-reloaded"})})) == {"p1"}, "another file: the record"
     assert set(rr.held_out(undone)) == {"p1"}, "no member says: the record decides (its step said the new file)"
+    assert rr.held_out(rec, old) == {}, "failed, the record routing the new file, every group on the old: all routed"
 
 
 def test_what_a_groups_ranks_run_comes_from_its_members_records() -> None:

@@ -54,6 +54,9 @@ KEPT: list[tuple[int, str, float, str]] = [
     (760292, "small", 180, "a proxy relaunched by a cluster redeploy listed a rollout step's group; before the sync "
      "saw its pid the step's way back was marked unlisted, and its ranks started on the old file while the proxy "
      "routed them beside the new pair (mixed_routes)"),
+    (760372, "local-cluster", 180, "an operator's rollback of an incompatible rollout failed in its gate after the "
+     "faults healed: every group back on the old file, the failed record still routing the new one — none routed "
+     "(and the simulated operator did not roll a rollout back that failed while he waited)"),
 ]
 
 
@@ -65,7 +68,8 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
 ]
 
 KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
-                                                     760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL}
+                                                     760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
+                                                     760372: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

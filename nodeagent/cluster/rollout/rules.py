@@ -400,25 +400,25 @@ def kept_apart(record: Record, runs: Runs | None = None) -> dict[str, str]:
     files their ranks run (`runs`) where the members say, else by where the record's steps stood."""
     if not record.exclusive:
         return {}
-    serving = serving_hash(record)
-    return {g: f"rollout {record.id}: runs {'/'.join(sorted(f[:12] for f in files))} while the proxy routes "
+    serving, said = serving_hash(record), members_say(record, runs)
+    files = {**group_files(record), **said}
+    if said and set(files) <= set(said) and len(set().union(*files.values())) == 1:
+        return {}  # every group's ranks run one file: nothing to keep apart, whatever the steps say (seed 760372)
+    return {g: f"rollout {record.id}: runs {'/'.join(sorted(f[:12] for f in fs))} while the proxy routes "
                f"{serving[:12]} (an incompatible change: never routed together)"
-            for g, files in running_files(record, runs).items() if files != {serving}}  # fmt: skip
+            for g, fs in files.items() if fs != {serving}}  # fmt: skip
 
 
-def running_files(record: Record, runs: Runs | None) -> dict[str, frozenset[str]]:
-    """group → the files (the record's `old_hash`/`new_hash`) its ranks may run: what its members say they run
-    (`runs`, told apart by the shared sections' hash), else `group_files`. A group running a file that is neither
-    (reloaded since) is left to the record. A step left mid-way says "either file" for good (its way back failed,
-    a rollback undid the others: seed 760050), while the ranks run one."""
-    out = group_files(record)
+def members_say(record: Record, runs: Runs | None) -> dict[str, frozenset[str]]:
+    """group → the files (the record's `old_hash`/`new_hash`) its ranks run as its members say (`runs`, told apart
+    by the shared sections' hash); a group they do not say, or running a file that is neither (reloaded since), is
+    left to the record (`group_files`). A step left mid-way says "either file" for good (its way back failed, a
+    rollback undid the others: seed 760050), while the ranks run one."""
     names = {record.old_shared: record.old_hash, record.new_shared: record.new_hash}
     if not record.old_shared or not record.new_shared or record.old_shared == record.new_shared:
-        return out
-    for g, files in (runs or {}).items():
-        if files and all(f in names for f in files):
-            out[g] = frozenset(names[f] for f in files)
-    return out
+        return {}
+    return {g: frozenset(names[f] for f in files) for g, files in (runs or {}).items()
+            if files and all(f in names for f in files)}  # fmt: skip
 
 
 def group_files(record: Record) -> dict[str, frozenset[str]]:
@@ -451,7 +451,7 @@ def fence(record: Record | None, runs: Runs | None = None) -> dict[str, tuple[st
     new pair joins only once no old group is listed, so no request is ever routed across the two files)."""
     if record is None or not record.exclusive:
         return {}
-    serving, files = serving_hash(record), running_files(record, runs)
+    serving, files = serving_hash(record), {**group_files(record), **members_say(record, runs)}
     others = tuple(sorted(g for g, f in files.items() if f != {serving}))
     return {g: others for g, f in files.items() if f == {serving}} if others else {}
 
