@@ -57,6 +57,10 @@ KEPT: list[tuple[int, str, float, str]] = [
     (760372, "local-cluster", 180, "an operator's rollback of an incompatible rollout failed in its gate after the "
      "faults healed: every group back on the old file, the failed record still routing the new one — none routed "
      "(and the simulated operator did not roll a rollout back that failed while he waited)"),
+    (760170, "8node", 180, "an agent paused past its lease came back after the operator installed an incompatible "
+     "rollout's file: it loaded the new file while its adopted rank ran the old one, kept no previous config, and "
+     "its step's way back failed for want of the old file"),
+    (760023, "8node", 180, "the same between two rollouts: back after the second one's file was installed"),
 ]
 
 
@@ -69,7 +73,8 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
 
 KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
                                                      760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
-                                                     760372: simulation.ROLLOUTS_ALL}
+                                                     760372: simulation.ROLLOUTS_ALL, 760170: simulation.ROLLOUTS_ALL,
+                                                     760023: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

@@ -155,6 +155,8 @@ class RolloutExecutor:
             self._wake.clear()
             try:
                 self._keep_staged()
+                if self.synced:
+                    self.member.remember(self.host.running_config())
                 if self.co.reachable:
                     await self._report()
                     if self.record is not None and self.record.active:
