@@ -372,7 +372,8 @@ class RolloutExecutor:
                     failed[f"{p.node}/{p.component}"] = int(acted or 0)
             groups[g.name] = rr.GroupObs(g.kind, g.nodes, generation, healthy, why, failed)
         published = {n: r.get("cluster_hash") for n, r in members.items()}
-        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published)
+        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published,
+                           group_runs(self.layout.groups, members))  # fmt: skip
 
     def _may_drive(self, record: Record) -> bool:
         i = record.current()

@@ -66,6 +66,8 @@ class Observed:
     """The cluster runs a PD proxy: its agent marks a step out of and back in it."""
     published: Mapping[str, str | None] = field(default_factory=dict)
     """node → the `cluster_hash` its member record publishes (present members)."""
+    runs: Runs = field(default_factory=dict)
+    """group → the files its ranks run, as its members say (`running.group_runs`)."""
 
 
 @dataclass(frozen=True)
