@@ -531,7 +531,8 @@ class FakeStack:
                              deps_up=all(self.components[d].up for d in comp.deps), restart=comp.restart_spec,
                              pid=comp.pid, hold=comp.hold, clean=comp.clean,
                              ft_unsupported=comp.ft_unsupported if comp.running else None,
-                             last_load_s=comp.loads[-1] if comp.loads else None)  # fmt: skip
+                             last_load_s=comp.loads[-1] if comp.loads else None,
+                             launched_file=self.launched[comp.name][-1] if comp.running else None)  # fmt: skip
 
     @property
     def paused(self) -> bool:

@@ -53,6 +53,17 @@ def test_the_record_has_the_previous_versions_keys() -> None:
                             "kv_transfers"]  # fmt: skip
 
 
+def test_a_process_publishes_the_cluster_file_it_was_launched_with() -> None:
+    """An incompatible rollout routes a group by what its ranks run (`rollout.running`): a process's file, only while
+    it runs and only when its agent knows it (the previous version's keys otherwise)."""
+    node = NodeView(node="n0", paused=False, pause=None, redeploying=False, components={
+        "vllm": view("vllm", launched_file="S-old"),
+        "vllm-dp1": view("vllm-dp1", state="stopped", running=False, ready=False, pid=None, launched_file="S-old"),
+    })  # fmt: skip
+    comps = member_record({"name": "n0"}, node, MemberReport(), {}, 1.0).to_wire()["components"]
+    assert comps["vllm"]["file"] == "S-old" and "file" not in comps["vllm-dp1"]
+
+
 class Gangs(ReportLayer):
     def member_report(self) -> MemberReport:
         return MemberReport(gangs={"g": {"generation": 2, "released": True}})

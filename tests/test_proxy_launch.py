@@ -91,6 +91,42 @@ def test_before_the_members_records_are_read_the_proxy_gets_its_whole_command_li
     assert not events, "nothing chosen: the config's command line, as without a cluster layer"
 
 
+async def test_a_proxy_being_launched_lists_what_it_was_given_before_its_pid_is_seen() -> None:
+    """Found by the simulation (seed 760292, an incompatible rollout): between a proxy's launch and the sync's first
+    look at its pid the sync said "no proxy process" (`active` None), a failed step's way back was marked unlisted
+    in that window, and its ranks started on the old file while the new proxy listed them beside the new pair."""
+    from nodeagent.config.model import RestartSpec
+    from nodeagent.seam.stackport import ComponentView
+
+    plan = ProxyPlan("proxy", "m", "127.0.0.1", 18020, ("10.0.0.1:8100",), ("10.0.0.4:8200",))
+    listed = {"prefill": {"10.0.0.1:8100"}, "decode": {"10.0.0.4:8200"}}
+    view: dict[str, Any] = {"state": "stopped", "pid": None}
+
+    def component() -> ComponentView:
+        return ComponentView(name="proxy", kind="proxy", state=view["state"], running=view["pid"] is not None,
+                             up=False, ready=False, desired="running", deps=(), deps_up=True, restart=RestartSpec(),
+                             pid=view["pid"])  # fmt: skip
+
+    sync = ProxySync(plan, [], component, dict, dict, lambda *a, **k: None, lambda _r: None)
+    await sync.step()
+    assert sync.active is None, "no proxy process"
+    view["state"] = "starting"
+    sync.launch_backends()
+    await sync.step()
+    assert sync.active == listed and sync.applied == listed, "launched: it lists its command line before its pid"
+    view["pid"] = 42
+    await sync.step()
+    assert sync.active == listed and sync.proxy_pid == 42
+    view.update(state="stopped", pid=None)
+    await sync.step()
+    assert sync.active is None, "gone"
+    view["state"] = "starting"
+    sync.launch_backends()
+    view["state"] = "backoff"
+    await sync.step()
+    assert sync.active is None and sync.applied is None, "a launch that did not start lists nothing"
+
+
 def proxy_config(tmp: Path) -> Any:
     text = f"""
 cluster:

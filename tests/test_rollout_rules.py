@@ -240,6 +240,54 @@ def test_an_exclusive_rollout_keeps_the_files_apart_in_the_proxy() -> None:
     assert rr.held_out(plain) == {} and rr.fence(plain) == {}, "a compatible change mixes freely"
 
 
+def test_an_exclusive_rollout_routes_a_group_by_the_file_its_ranks_run_after_its_way_back_failed() -> None:
+    """Found by the simulation (seed 760050, 8-node, an incompatible change): the second step failed its bake, and
+    its way back failed too (a crash during the gate): `failed`, the step left in `gating`. The record then said
+    "either file" for its groups for good, so they stayed out of the proxy — also once the operator's rollback had
+    put the first pair back on the old file; and that rollback drove the stuck step again (failing it again), never
+    its undo. The groups are judged by the file their ranks run (`running.group_runs`), the stuck step is closed."""
+    opts = Options.from_dict({"bake_s": 60, "drain_timeout_s": 30, "gate_timeout_s": 600, "max_unavailable": 2})
+    pair = Step(("p0", "d0"), ("prefill", "decode"), "old", "new", phase=Phase.DONE)
+    back = Step(("p1",), ("prefill",), "new", "old", failed="while baking: p1 failed", phase=Phase.GATING)
+    rec = Record("r1", "n0", 0.0, "old", "new", opts, (pair, back), Status.FAILED, exclusive=True,
+                 new_shared="S-new", old_shared="S-old")  # fmt: skip
+    assert Record.from_dict(rec.to_dict()) == rec, "old_shared survives etcd"
+    runs = {"p0": frozenset({"S-new"}), "d0": frozenset({"S-new"}), "p1": frozenset({"S-old"})}
+    assert set(rr.held_out(rec, runs)) == {"p1"}, "p1 runs the old file while the pair serves the new one"
+    rolling = rr.control(rec, "rollback", 10, "op")
+    assert [(s.groups, s.phase) for s in rolling.steps] == [(("p0", "d0"), "done"), (("p1",), "skipped"),
+                                                            (("p0", "d0"), "pending")]  # fmt: skip
+    assert rolling.current() == 2, "the stuck step is closed: the undo of the pair runs, not the stuck step again"
+    undone = rolling.with_step(2, replace(rolling.steps[2], phase=Phase.DONE))
+    undone = replace(undone, status=Status.ROLLED_BACK)
+    assert rr.serving_hash(undone) == "old" and rr.wanted_hash(undone, "p1", "n2") == "old"
+    old = {"p0": frozenset({"S-old"}), "d0": frozenset({"S-old"}), "p1": frozenset({"S-old"})}
+    assert rr.held_out(undone, old) == {} and rr.fence(undone, old) == {}, "every group runs the old file: routed"
+    mixed = {**old, "p1": frozenset({"S-old", "S-new"})}
+    assert set(rr.held_out(undone, mixed)) == {"p1"}, "a group with ranks on both files is never routed"
+    assert set(rr.held_out(undone, {**old, "d0": frozenset({"S-new"})})) == {"d0"}, "nor one on the other file"
+    assert set(rr.held_out(undone, {**old, "p1": frozenset({"S-reloaded"})})) == {"p1"}, "another file: the record"
+    assert set(rr.held_out(undone)) == {"p1"}, "no member says: the record decides (its step said the new file)"
+    assert rr.held_out(rec, old) == {}, "failed, the record routing the new file, every group on the old: all routed"
+
+
+def test_what_a_groups_ranks_run_comes_from_its_members_records() -> None:
+    """A rank with a process: the file it was launched with; without: its member's config (its next start)."""
+    from types import SimpleNamespace
+
+    from nodeagent.cluster.rollout.running import group_runs
+
+    def group(name: str, *ranks: str) -> Any:
+        return SimpleNamespace(name=name, processes=[SimpleNamespace(node=n, component="vllm") for n in ranks])
+
+    members = {"n0": {"cluster_hash": "S-new", "components": {"vllm": {"pid": 7, "file": "S-old"}}},
+               "n1": {"cluster_hash": "S-new", "components": {"vllm": {"pid": None}}},
+               "n2": {"cluster_hash": "S-old", "components": {"vllm": {"pid": 9}}}}  # fmt: skip
+    groups = [group("p0", "n0", "n1"), group("p1", "n2"), group("d0", "n3")]
+    assert group_runs(groups, members) == {"p0": frozenset({"S-old", "S-new"})}, \
+        "n2's process has no file (an older agent) and n3 no record: the record decides for them"
+
+
 def test_an_exclusive_steps_ranks_start_only_once_the_proxy_lists_none_of_its_groups() -> None:
     """`proxy_wait`: from staging to the gate (the phases in which its ranks start on the other file), until the
     proxy's agent marks the step unlisted; marked again from scratch when the step turns back."""

@@ -48,6 +48,19 @@ KEPT: list[tuple[int, str, float, str]] = [
      "record's step, left in `gating`, held the only decode group out of the proxy for good"),
     (760167, "8node", 180, "the simulation's own: an operator's rollout resume refused while etcd was away was never "
      "asked again, and the paused rollout counted as stuck — the operator resumes it once the faults heal"),
+    (760050, "8node", 180, "an incompatible rollout whose way back failed left its step in `gating`: its groups, "
+     "back on the old file, were kept out of the proxy for good, and the operator's rollback drove the stuck step "
+     "again instead of undoing the first pair"),
+    (760292, "small", 180, "a proxy relaunched by a cluster redeploy listed a rollout step's group; before the sync "
+     "saw its pid the step's way back was marked unlisted, and its ranks started on the old file while the proxy "
+     "routed them beside the new pair (mixed_routes)"),
+    (760372, "local-cluster", 180, "an operator's rollback of an incompatible rollout failed in its gate after the "
+     "faults healed: every group back on the old file, the failed record still routing the new one — none routed "
+     "(and the simulated operator did not roll a rollout back that failed while he waited)"),
+    (760170, "8node", 180, "an agent paused past its lease came back after the operator installed an incompatible "
+     "rollout's file: it loaded the new file while its adopted rank ran the old one, kept no previous config, and "
+     "its step's way back failed for want of the old file"),
+    (760023, "8node", 180, "the same between two rollouts: back after the second one's file was installed"),
 ]
 
 
@@ -58,7 +71,10 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
     (760122, "local-cluster", 180, "the same on the local cluster's decode group"),
 ]
 
-KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None}
+KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
+                                                     760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
+                                                     760372: simulation.ROLLOUTS_ALL, 760170: simulation.ROLLOUTS_ALL,
+                                                     760023: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

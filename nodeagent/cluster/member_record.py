@@ -36,6 +36,8 @@ class MemberComponent:
     load: str | None = None
     """While loading: a short line, whole minutes (a loading rank does not rewrite its key every second)."""
     hold: MemberHold | None = None
+    file: str | None = None
+    """The cluster file (`cluster_file_hash`) its process was launched with, when known."""
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state, "pid": self.pid, "ready": self.ready}
@@ -43,6 +45,8 @@ class MemberComponent:
             out["last_load_s"] = self.last_load_s
             if self.load is not None:
                 out["load"] = self.load
+        if self.file is not None:
+            out["file"] = self.file
         if self.hold is not None:
             out["hold"] = {"kind": self.hold.kind, "reason": self.hold.reason,
                            "resolves_itself": self.hold.resolves_itself}  # fmt: skip
@@ -87,6 +91,7 @@ def member_component(view: ComponentView) -> MemberComponent:
         has_load=view.last_load_s is not None or view.loading, last_load_s=view.last_load_s,
         load=load_line(view.load_left_s) if view.loading else None,
         hold=MemberHold(str(hold.kind), hold.reason, hold.resolves_itself) if hold is not None else None,
+        file=view.launched_file if view.pid is not None else None,
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from loguru import logger
 from nodeagent.config.layout import Group, ProxyPlan
 from nodeagent.core.bindaddr import connect_host
 from nodeagent.core.http import fetch
-from nodeagent.core.states import SERVING_STATES
+from nodeagent.core.states import SERVING_STATES, State
 from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ProxyBackends
 
@@ -180,7 +180,13 @@ class ProxySync:
         if comp is None:
             return
         pid = comp.pid
-        if pid != self.proxy_pid:
+        # A launch under way (asked, no pid yet) lists what it was given from its first instant (`launch_backends`):
+        # not "no proxy process", or a rollout's step is marked unlisted and its ranks start on the other file while
+        # the new proxy lists them (seed 760292).
+        starting = pid is None and self._launch_asked and comp.state == State.STARTING
+        if pid is None and not starting and self.proxy_pid is None:
+            self.applied = self.active = None  # a launch that did not start
+        if pid != self.proxy_pid and not starting:
             self.proxy_pid = pid
             self.isolated = {"prefill": set(), "decode": set()}
             # a new proxy routes to every endpoint of its command line at once: what its launch was given
@@ -230,6 +236,8 @@ class ProxySync:
         source that has not read its state yet leaves out nothing more than the unhealthy groups."""
         self._launch_asked = True
         self.launched = None
+        self.applied = {"prefill": set(self.plan.prefillers), "decode": set(self.plan.decoders)}
+        self.active = {k: set(v) for k, v in self.applied.items()}
         if not self._members():
             logger.info("proxy {} launched with every endpoint: the members' records are not read yet",
                         self.plan.component)  # fmt: skip
@@ -237,6 +245,8 @@ class ProxySync:
         health, _ready, held, fences = self._read()
         want = desired_backends(self.groups, {g: ok for g, (ok, _) in health.items()})
         choice = self.launched = launch_choice(self.groups, want, held, fences)
+        self.applied = {"prefill": set(choice.prefill), "decode": set(choice.decode)}
+        self.active = {k: set(v) for k, v in self.applied.items()}
         left_out = sorted(g.name for g in self.groups
                           if not set(g.endpoints) & set(choice.prefill if g.kind == "prefill" else choice.decode))
         why = "; ".join(f"{g}: {health[g][1] or 'kept apart from a group launched (another file)'}"

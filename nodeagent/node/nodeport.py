@@ -137,6 +137,7 @@ class NodePort:
             last_load_s=load.get("last_s"), loading=load.get("loading_s") is not None, load_left_s=load.get("left_s"),
             started_at=comp.started_at if record else None,
             log_offset=comp.proc.extra.get("log_offset") if comp.proc is not None else None,
+            launched_file=comp.proc.extra.get("file") if comp.proc is not None and record else None,
         )  # fmt: skip
 
     def snapshot(self) -> NodeView:

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nodeagent.config.cluster import cluster_file_hash
 from nodeagent.config.model import Config
 from nodeagent.core import logsink
 from nodeagent.core.errors import ConfigError, LaunchError, MissingPrerequisite, UnknownComponentError
@@ -235,8 +236,8 @@ class Supervisor(NodePort, NodeLoops):
         launched, watch = await start(spec, self.config.agent.log_dir, self.base_env,
                                       component_dir(self.config, comp.name), timeout, scope, tail)  # fmt: skip
         return Process(launched.record, watch.done, launched.popen, launched.output, watch.close,
-                       {"log_offset": log_offset, "tail_file": tail, "ft_unsupported": spec.ft_unsupported},
-                       fingerprint)  # fmt: skip
+                       {"log_offset": log_offset, "tail_file": tail, "ft_unsupported": spec.ft_unsupported,
+                        "file": cluster_file_hash(self.config)}, fingerprint)  # fmt: skip
 
     async def adopt(self, comp: Component, record: ProcessRecord, inside: Any = None) -> Process:
         watch = self.world.adopt(record) if inside is None else inside.adopt(record)
@@ -246,7 +247,8 @@ class Supervisor(NodePort, NodeLoops):
         # as launched, not as installed now: an upgrade since does not put the flags on its command line
         return Process(record, watch.done, None, "adopted", watch.close,
                        {"log_offset": None, "tail_file": tail, "adopted": True,
-                        "ft_unsupported": saved.get("ft_unsupported")}, saved.get("fingerprint"))  # fmt: skip
+                        "ft_unsupported": saved.get("ft_unsupported"), "file": saved.get("file")},
+                       saved.get("fingerprint"))  # fmt: skip
 
     async def terminate(self, comp: Component, proc: Process, why: str, inside: Any = None) -> dict[str, Any]:
         return await self.world.stop_tree(proc.record, comp.cfg.stop_grace_s, comp.name,
@@ -342,7 +344,8 @@ class Supervisor(NodePort, NodeLoops):
     def _save_children(self, detached: bool = False, durable: bool = True) -> None:
         children = {  # not one being stopped: the next agent must not adopt a tree that dies
             name: {**c.record.to_dict(), "started_at": c.started_at, "fingerprint": c.fingerprint,
-                   "ft_unsupported": c.proc.extra.get("ft_unsupported") if c.proc is not None else None}
+                   "ft_unsupported": c.proc.extra.get("ft_unsupported") if c.proc is not None else None,
+                   "file": c.proc.extra.get("file") if c.proc is not None else None}
             for name, c in self.components.items() if c.record is not None and c.state != State.STOPPING
         }  # fmt: skip
         self.store.save_children(children, detached=detached, durable=durable)
@@ -497,7 +500,7 @@ class Supervisor(NodePort, NodeLoops):
             self._keep(asyncio.create_task(self._watch_remote_etcd(), name="etcd-watch"))
         # read once: each adoption rewrites children.json with the components adopted so far, so a later
         # adoption must not read what its launch recorded back from the file (a reload would then see none)
-        self._saved_launches = {n: {k: r.get(k) for k in ("fingerprint", "ft_unsupported")}
+        self._saved_launches = {n: {k: r.get(k) for k in ("fingerprint", "ft_unsupported", "file")}
                                 for n, r in self.store.load_children().items()}  # fmt: skip
         adopt = self._adoptable()
         for name in self.order:

@@ -143,6 +143,10 @@ class ComponentView:
     log_offset: int | None = None
     """Where this launch's output starts in its log file (`logsink.log_offset`); None: not ours to read (journald,
     an adopted process)."""
+    launched_file: str | None = None
+    """The cluster file its process was launched with (`cluster_file_hash`, the shared sections); None: no process,
+    or one an agent started that did not record it. An incompatible rollout routes a group by what its ranks run,
+    not by where its step stood (`rollout.running`)."""
 
     @property
     def stopped(self) -> bool:

@@ -34,6 +34,7 @@ from nodeagent.cluster.rollout.http import http_canary, http_inflight, http_scra
 from nodeagent.cluster.rollout.member_config import ConfigHost, MemberConfig
 from nodeagent.cluster.rollout.plan import Options, PlanError, make_plan
 from nodeagent.cluster.rollout.record import Record, Step, new_record, report_prefix, rollout_key
+from nodeagent.cluster.rollout.running import group_runs
 from nodeagent.cluster.rollout.states import RESTARTS, Phase, Status
 from nodeagent.cluster.rollout.view import floor_text, group_load_s, measured_overhead_s, serving_now, time_left
 from nodeagent.cluster.store import KV, Resync, StoreError, WatchItem
@@ -154,6 +155,8 @@ class RolloutExecutor:
             self._wake.clear()
             try:
                 self._keep_staged()
+                if self.synced:
+                    self.member.remember(self.host.running_config())
                 if self.co.reachable:
                     await self._report()
                     if self.record is not None and self.record.active:
@@ -369,7 +372,8 @@ class RolloutExecutor:
                     failed[f"{p.node}/{p.component}"] = int(acted or 0)
             groups[g.name] = rr.GroupObs(g.kind, g.nodes, generation, healthy, why, failed)
         published = {n: r.get("cluster_hash") for n, r in members.items()}
-        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published)
+        return rr.Observed(self.clock.time(), groups, dict(self.reports), bool(self.layout.proxies), published,
+                           group_runs(self.layout.groups, members))  # fmt: skip
 
     def _may_drive(self, record: Record) -> bool:
         i = record.current()
@@ -455,7 +459,7 @@ class RolloutExecutor:
         if dry_run or not out["ok"]:
             return {**out, "started": False}
         record = new_record(self._new_id(), f"{self.node}: {by}", self.clock.time(), plan,
-                               new_shared=cluster_file_hash(new))  # fmt: skip
+                               new_shared=cluster_file_hash(new), old_shared=shared)  # fmt: skip
         if not await self._cas(record):
             raise RolloutRefused("another rollout was stored meanwhile: see `nodeagentctl cluster rollout status`")
         self.port.emit("rollout", record.message, None, rollout=record.id, status=record.status)
@@ -478,10 +482,16 @@ class RolloutExecutor:
         raise RolloutRefused("the rollout changes too fast to apply it; try again")
 
     def out_of_proxy(self) -> dict[str, str] | None:
-        return rr.held_out(self.record) if self.synced else None
+        return rr.held_out(self.record, self._runs()) if self.synced else None
 
     def fence(self) -> dict[str, tuple[str, ...]]:
-        return rr.fence(self.record)
+        return rr.fence(self.record, self._runs())
+
+    def _runs(self) -> dict[str, frozenset[str]] | None:
+        """What each group's ranks run, as their members say (only an exclusive rollout asks)."""
+        if self.record is None or not self.record.exclusive:
+            return None
+        return group_runs(self.layout.groups, {n: m.record for n, m in self.co.membership.members.items()})
 
     def _load_s(self) -> dict[str, float]:
         """Each group's last load time, from the members' records (their agents keep it across restarts)."""
@@ -493,7 +503,7 @@ class RolloutExecutor:
             return {"rollout": None}
         obs = self._observe()
         return {"rollout": {**record.to_dict(), "current": record.current(), "floor": floor_text(record, obs),
-                            "serving": serving_now(record, obs), "held_out": rr.held_out(record),
+                            "serving": serving_now(record, obs), "held_out": rr.held_out(record, self._runs()),
                             # while a step waits (a file, the floor) nothing moves: no estimate, the wait says why
                             "time_left_s": None if " waits (" in record.message else time_left(
                                 record, self._load_s(), self.clock.time()),

@@ -90,10 +90,17 @@ class MemberConfig:
         self.source = source
         self.previous_path = state_dir / "rollout-previous.json"
         self.wanted_path = state_dir / "rollout-wanted.json"
+        self.running_path = state_dir / "rollout-running.json"
         self.previous: Config | None = None
         saved = read_json(self.previous_path, {})
         with contextlib.suppress(Exception):
             self.previous = restore_config(saved) if saved else None
+        self.last: Config | None = None
+        """The config the previous agent ran (`remember`): an agent restarted after the operator installed a
+        rollout's new file loads that one, while its adopted ranks run this (seeds 760170, 760023)."""
+        saved = read_json(self.running_path, {})
+        with contextlib.suppress(Exception):
+            self.last = restore_config(saved) if saved else None
         self._wanted: dict[str, Any] = read_json(self.wanted_path, {})
         self._hashed: list[tuple[Any, str]] = []
         self._disk: tuple[str | None, str] = (None, "")
@@ -132,10 +139,20 @@ class MemberConfig:
         with contextlib.suppress(OSError):
             write_json_atomic(self.previous_path, snapshot_config(config))
 
+    def remember(self, config: Config) -> None:
+        """The config this agent runs, kept for its successor (written only when it changes). Called once the
+        rollout record was read: before that, a restarted agent's config is the file on disk, not yet decided."""
+        if self.last is None or self.hash(self.last) != self.hash(config):
+            self.last = config
+            with contextlib.suppress(OSError):
+                write_json_atomic(self.running_path, snapshot_config(config))
+
     def config_for(self, want: str) -> Config:
-        """The config with file hash `want`: the saved previous one, or this node's file on disk."""
-        if self.previous is not None and self.hash(self.previous) == want:
-            return self.previous
+        """The config with file hash `want`: the saved previous one, the one the last agent ran, or this node's
+        file on disk."""
+        for saved in (self.previous, self.last):
+            if saved is not None and self.hash(saved) == want:
+                return saved
         disk = self.host.read_config_file()
         if self.hash(disk) != want:
             raise FileMismatch(f"this node's file has hash {self.hash(disk)[:12]}, the step wants {want[:12]} "

@@ -115,13 +115,16 @@ class Record:
     new_shared: str = ""
     """The new file's `cluster_hash` as member records publish it (its shared sections): the rollout is done once
     every member publishes it ("": a record from an agent that did not wait for that)."""
+    old_shared: str = ""
+    """The running file's `cluster_hash` at the start: with `new_shared`, what tells a rank's launched file
+    (`rollout.running`) as old or new ("": a record from an agent that did not store it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "by": self.by, "at": self.at, "old_hash": self.old_hash, "new_hash": self.new_hash,
                 "options": self.options.to_dict(), "steps": [s.to_dict() for s in self.steps],
                 "status": self.status, "message": self.message, "plan": dict(self.plan),
                 "history": [list(h) for h in self.history], "exclusive": self.exclusive,
-                "new_shared": self.new_shared}  # fmt: skip
+                "new_shared": self.new_shared, "old_shared": self.old_shared}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: Any) -> Record | None:
@@ -133,7 +136,8 @@ class Record:
                        tuple(Step.from_dict(s) for s in d.get("steps", ())), Status(d.get("status", "running")),
                        str(d.get("message", "")), dict(d.get("plan") or {}),
                        tuple((float(t), str(m)) for t, m in d.get("history", ())),
-                       bool(d.get("exclusive")), str(d.get("new_shared") or ""))  # fmt: skip
+                       bool(d.get("exclusive")), str(d.get("new_shared") or ""),
+                       str(d.get("old_shared") or ""))  # fmt: skip
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -164,9 +168,9 @@ class Record:
         return replace(self, steps=(*self.steps[:index], step, *self.steps[index + 1:]))
 
 
-def new_record(rid: str, by: str, now: float, plan: Plan, new_shared: str = "") -> Record:
+def new_record(rid: str, by: str, now: float, plan: Plan, new_shared: str = "", old_shared: str = "") -> Record:
     steps = tuple(Step(s.groups, s.kinds, plan.old_hash, plan.new_hash, outage=s.outage,
                        expected_outage_s=s.expected_outage_s, note=s.note) for s in plan.steps)  # fmt: skip
     return Record(rid, by, now, plan.old_hash, plan.new_hash, plan.options, steps, plan=plan.to_dict(),
-                  exclusive=plan.exclusive, new_shared=new_shared).say(
+                  exclusive=plan.exclusive, new_shared=new_shared, old_shared=old_shared).say(
         now, f"rollout {rid} planned by {by}: {len(steps)} step(s)")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nodeagent.cluster.rollout.record import Record, Step
+from nodeagent.cluster.rollout.running import Runs
 from nodeagent.cluster.rollout.states import MOVING, OUT_OF_PROXY, RESTARTS, Phase, Status
 
 STAGE_TIMEOUT_S = 300.0
@@ -65,6 +66,8 @@ class Observed:
     """The cluster runs a PD proxy: its agent marks a step out of and back in it."""
     published: Mapping[str, str | None] = field(default_factory=dict)
     """node → the `cluster_hash` its member record publishes (present members)."""
+    runs: Runs = field(default_factory=dict)
+    """group → the files its ranks run, as its members say (`running.group_runs`)."""
 
 
 @dataclass(frozen=True)
@@ -378,9 +381,10 @@ def mark(record: Record, index: int, what: str, node: str, value: str = "",
     return record.with_step(index, new) if new is not None else None
 
 
-def held_out(record: Record | None) -> dict[str, str]:
+def held_out(record: Record | None, runs: Runs | None = None) -> dict[str, str]:
     """group → why the proxy must not route to it now: the step in progress, from its drain to its gate; and, in
-    an exclusive rollout, every group that may run another file than the one the proxy routes (`serving_hash`)."""
+    an exclusive rollout, every group that may run another file than the one the proxy routes (`serving_hash`;
+    `runs`: what the groups' ranks run, `rollout.running`)."""
     if record is None:
         return {}
     out = {}
@@ -390,17 +394,33 @@ def held_out(record: Record | None) -> dict[str, str]:
         if s.phase in OUT_OF_PROXY and record.active:
             for g in s.groups:
                 out[g] = f"rollout {record.id} step {i + 1}: {s.phase}"
-    return {**kept_apart(record), **out}
+    return {**kept_apart(record, runs), **out}
 
 
-def kept_apart(record: Record) -> dict[str, str]:
-    """An exclusive rollout's groups that may run another file than the one the proxy routes → why."""
+def kept_apart(record: Record, runs: Runs | None = None) -> dict[str, str]:
+    """An exclusive rollout's groups that may run another file than the one the proxy routes → why: judged by the
+    files their ranks run (`runs`) where the members say, else by where the record's steps stood."""
     if not record.exclusive:
         return {}
-    serving = serving_hash(record)
-    return {g: f"rollout {record.id}: runs {'/'.join(sorted(f[:12] for f in files))} while the proxy routes "
+    serving, said = serving_hash(record), members_say(record, runs)
+    files = {**group_files(record), **said}
+    if said and set(files) <= set(said) and len(set().union(*files.values())) == 1:
+        return {}  # every group's ranks run one file: nothing to keep apart, whatever the steps say (seed 760372)
+    return {g: f"rollout {record.id}: runs {'/'.join(sorted(f[:12] for f in fs))} while the proxy routes "
                f"{serving[:12]} (an incompatible change: never routed together)"
-            for g, files in group_files(record).items() if files != {serving}}  # fmt: skip
+            for g, fs in files.items() if fs != {serving}}  # fmt: skip
+
+
+def members_say(record: Record, runs: Runs | None) -> dict[str, frozenset[str]]:
+    """group → the files (the record's `old_hash`/`new_hash`) its ranks run as its members say (`runs`, told apart
+    by the shared sections' hash); a group they do not say, or running a file that is neither (reloaded since), is
+    left to the record (`group_files`). A step left mid-way says "either file" for good (its way back failed, a
+    rollback undid the others: seed 760050), while the ranks run one."""
+    names = {record.old_shared: record.old_hash, record.new_shared: record.new_hash}
+    if not record.old_shared or not record.new_shared or record.old_shared == record.new_shared:
+        return {}
+    return {g: frozenset(names[f] for f in files) for g, files in (runs or {}).items()
+            if files and all(f in names for f in files)}  # fmt: skip
 
 
 def group_files(record: Record) -> dict[str, frozenset[str]]:
@@ -428,12 +448,12 @@ def serving_hash(record: Record) -> str:
     return serving
 
 
-def fence(record: Record | None) -> dict[str, tuple[str, ...]]:
+def fence(record: Record | None, runs: Runs | None = None) -> dict[str, tuple[str, ...]]:
     """group → the groups that must have left the proxy before it is added (an exclusive rollout's switch: the
     new pair joins only once no old group is listed, so no request is ever routed across the two files)."""
     if record is None or not record.exclusive:
         return {}
-    serving, files = serving_hash(record), group_files(record)
+    serving, files = serving_hash(record), {**group_files(record), **members_say(record, runs)}
     others = tuple(sorted(g for g, f in files.items() if f != {serving}))
     return {g: others for g, f in files.items() if f == {serving}} if others else {}
 
@@ -551,7 +571,12 @@ def control(record: Record, action: str, now: float, by: str) -> Record:
         if record.status in (Status.ROLLING_BACK, Status.ROLLED_BACK):
             raise ValueError(f"rollout {record.id} is {record.status} already")
         back = [s for s in record.steps if (s.phase == Phase.DONE or s.in_progress) and not s.rollback and not s.failed]
-        steps = tuple(replace(s, phase=Phase.SKIPPED, finished=now) if s.phase == Phase.PENDING else s
+        # A pending step is cancelled; so is one whose way back failed (the rollout ended `failed` with it in its
+        # phase): driven again it would only fail again, and the undo of the others never start (seed 760050).
+        # Its groups stay as they are, routed by what their ranks run (`kept_apart`).
+        stuck = record.status == Status.FAILED
+        steps = tuple(replace(s, phase=Phase.SKIPPED, finished=now)
+                      if s.phase == Phase.PENDING or (stuck and s.in_progress and (s.failed or s.rollback)) else s
                       for s in record.steps)  # fmt: skip
         undo = tuple(Step(s.groups, s.kinds, s.to_hash, s.from_hash, rollback=True, outage=s.outage,
                           expected_outage_s=s.expected_outage_s, note="rollback") for s in reversed(back))  # fmt: skip

@@ -54,10 +54,10 @@ def serving_now(record: Record, obs: Observed) -> dict[str, list[str]]:
     """kind → the groups serving as the rollout stands: healthy, not held out of the proxy, and (a group whose step
     is rejoining) back in it. While an exclusive rollout's switch waits for the old groups to leave the proxy they
     still serve (it deletes them once idle): "p1 (until the switch)". A kind with none is down."""
-    held = held_out(record)
+    held = held_out(record, obs.runs)
     rejoining = {g for s in record.steps if s.phase == Phase.REJOINING and not s.proxy_in and obs.proxy
                  for g in s.groups}  # fmt: skip
-    switching, apart = record.exclusive and bool(rejoining), kept_apart(record)
+    switching, apart = record.exclusive and bool(rejoining), kept_apart(record, obs.runs)
     out: dict[str, list[str]] = {}
     for g, o in obs.groups.items():
         out.setdefault(o.kind, [])
