@@ -26,6 +26,7 @@ from nodeagent.render.caches import (
     cache_key,
     container_parts,
     host_parts,
+    reload_env,
     retention,
     with_caches,
 )
@@ -59,6 +60,21 @@ def test_the_variables_point_into_the_folder_unless_the_config_sets_one() -> Non
     assert out.env["TORCHINDUCTOR_CACHE_DIR"] == "/c/k/inductor" and out.env["ASCEND_CACHE_PATH"] == "/c/k/ascend-cache"
     assert out.env["TORCHAIR_CACHE_HOME"] == "/c/k/torchair" and out.env["ASCEND_WORK_PATH"] == "/c/k/ascend-work"
     assert out.argv == spec.argv and out.cwd == spec.cwd
+
+
+def test_a_cpu_vllm_gets_the_compile_cache_that_reloads() -> None:
+    """CPU vLLM 0.32 writes its AOT compile cache but cannot load it back: every warm start compiled from scratch
+    (docs/performance.md, the restart cost); its older cache (VLLM_USE_AOT_COMPILE=0) reloads."""
+    spec = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {}, (), Path("/w"))
+    cpu = {"python": "/p", "vllm": "0.32.0+cpu", "torch": "2.13.0+cpu"}
+    assert with_caches(spec, Path("/c/k"), cpu).env["VLLM_USE_AOT_COMPILE"] == "0"
+    for other in ({"python": "/p", "vllm": "0.20.2", "vllm_ascend": "0.20.2rc1"}, None):
+        assert "VLLM_USE_AOT_COMPILE" not in with_caches(spec, Path("/c/k"), other).env, other
+    mine = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {"VLLM_USE_AOT_COMPILE": "1"}, (), Path("/w"))
+    assert with_caches(mine, Path("/c/k"), cpu).env["VLLM_USE_AOT_COMPILE"] == "1", "the operator's own wins"
+    unset = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {}, ("VLLM_USE_AOT_COMPILE",), Path("/w"))
+    assert "VLLM_USE_AOT_COMPILE" not in with_caches(unset, Path("/c/k"), cpu).env
+    assert reload_env({"vllm": "0.32.0"}) == {}, "not a CPU build"
 
 
 def test_retention_keeps_the_most_recent_and_never_one_in_use() -> None:
@@ -142,6 +158,10 @@ def test_a_host_rank_is_keyed_by_its_installed_versions(tmp_path: Path) -> None:
     upgraded = asyncio.run(store.apply(config, "vllm", spec, {}))
     assert upgraded.env["VLLM_CACHE_ROOT"] != first.env["VLLM_CACHE_ROOT"], "a stale cache is never used"
     assert dist_versions([sys.executable.replace("python", "no-such")], {}, HOST_DISTS) is None
+    assert "VLLM_USE_AOT_COMPILE" not in first.env
+    cpu = parse_config(config_text(tmp_path, str(venv(tmp_path / "cpu", "0.32.0+cpu"))))
+    on_cpu = asyncio.run(store.apply(cpu, "vllm", launch_spec("vllm", cpu, {}), {}))
+    assert on_cpu.env["VLLM_USE_AOT_COMPILE"] == "0", "a CPU build: the compile cache that reloads"
 
 
 def test_the_container_shares_the_folder_and_the_key_is_the_image_id(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def preview(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str
     if parts is None:
         return spec, f"no compile cache folder: {why}"
     versions = ", ".join(f"{k} {v}" for k, v in parts.items() if k != "python")
-    return with_caches(spec, root / cache_key(parts)), f"compile caches in {root} (the folder of {versions})"
+    return with_caches(spec, root / cache_key(parts), parts), f"compile caches in {root} (the folder of {versions})"
 
 
 class CacheStore:
@@ -125,7 +125,7 @@ class CacheStore:
         self.error = None  # (a removal that fails again says so again after the sweep)
         if self._sweep is None or self._sweep.done():  # off the launch: a walk of a big cache takes a while
             self._sweep = asyncio.create_task(asyncio.to_thread(self.sweep, config), name="cache-sweep")
-        return with_caches(spec, folder)
+        return with_caches(spec, folder, parts)
 
     def adopted(self, config: Config, name: str, pid: int, proc: Path = Path("/proc")) -> None:
         """A rank the agent adopted (launched by an agent before it): the key its environment names is in use, so

@@ -69,9 +69,24 @@ def cache_env(folder: Path) -> dict[str, str]:
     return {var: str(folder / sub) for var, sub in CACHE_VARS.items()}
 
 
-def with_caches(spec: LaunchSpec, folder: Path) -> LaunchSpec:
-    """The launch with the cache variables set, except those its config sets itself (the operator's wins)."""
-    env = {**{k: v for k, v in cache_env(folder).items() if k not in spec.env and k not in spec.unset}, **spec.env}
+def reload_env(parts: Mapping[str, str] | None) -> dict[str, str]:
+    """What makes the kept cache reload for this stack. A CPU build of vLLM (version `+cpu`; 0.32 read) compiles
+    with plain inductor (its platform sets DYNAMO_TRACE_ONCE), and its AOT compile cache, on by default since
+    torch 2.10, is written on every start but never read back: the loader calls `finalize_loading` on what it
+    unpickled, which only the VLLM_COMPILE mode's artifact has (decorators.py `_try_load_aot_compiled_fn`:
+    "Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"). With
+    VLLM_USE_AOT_COMPILE=0 it compiles through torch's own inductor/AOTAutograd caches, which do reload. Nothing
+    for other builds (vllm-ascend compiles in VLLM_COMPILE mode) or an unknown version."""
+    if parts is not None and "+cpu" in parts.get("vllm", ""):
+        return {"VLLM_USE_AOT_COMPILE": "0"}
+    return {}
+
+
+def with_caches(spec: LaunchSpec, folder: Path, parts: Mapping[str, str] | None = None) -> LaunchSpec:
+    """The launch with the cache variables set (and what makes `parts`' stack reload them), except those its
+    config sets or unsets itself (the operator's wins)."""
+    ours = {**cache_env(folder), **reload_env(parts)}
+    env = {**{k: v for k, v in ours.items() if k not in spec.env and k not in spec.unset}, **spec.env}
     return replace(spec, env=env)
 
 
