@@ -48,7 +48,7 @@ from restart_cost import log_reading  # noqa: E402  (vLLM's weights and compile 
 
 VLLM_VENV = Path(os.environ.get("DSV4_VLLM_VENV") or ROOT / ".venv-vllm")
 BIN = Path(sys.executable).parent
-PORTS = {True: (44710, 44711), False: (44720, 44721)}
+PORTS = {True: (52710, 52711), False: (52720, 52721)}
 """The agent's API and vLLM's port, per agent.caches setting (the two runs may go side by side)."""
 
 COMPILE = re.compile(r"torch\.compile took ([\d.]+) s in total")
