@@ -131,8 +131,8 @@ def test_the_versions_are_read_by_the_interpreter_of_the_ranks_command(tmp_path:
     python = tmp_path / "python-venv"
     python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
-    script = tmp_path / "bin" / "vllm"
-    script.parent.mkdir()
+    script = tmp_path / "python-env" / "bin" / "vllm"  # ("python" in its folder: still a console script)
+    script.parent.mkdir(parents=True)
     script.write_text(f"#!{python}\nraise SystemExit('the console script is not run')\n")
     script.chmod(0o755)
     env = {**os.environ, "PATH": f"{script.parent}:{os.environ['PATH']}"}

@@ -78,7 +78,7 @@ VERSIONS_SCRIPT = (
 )
 """Run inside the container by the rank's own interpreter: the versions of `HOST_DISTS` it imports, as JSON."""
 
-VERSIONS_SH = ('case "$1" in *python*) p=$1 ;; *) c=$(command -v "$1") || exit 127; IFS= read -r l < "$c"; '
+VERSIONS_SH = ('case "${1##*/}" in python*) p=$1 ;; *) c=$(command -v "$1") || exit 127; IFS= read -r l < "$c"; '
                'case "$l" in "#!"*python*) p=${l#??} ;; *) p=python3 ;; esac ;; esac; exec $p -c "$2"')
 """`sh -c VERSIONS_SH sh COMMAND SCRIPT`: SCRIPT run by the interpreter of COMMAND (the rank's argv[0]: a console
 script's shebang, a python itself, else the image's python3) — the venv a bind-mounted vLLM runs from, not the
