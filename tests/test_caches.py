@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +28,10 @@ from nodeagent.render.caches import (
     cache_key,
     container_parts,
     host_parts,
+    parse_versions,
+    reload_env,
     retention,
+    versions_argv,
     with_caches,
 )
 from nodeagent.render.launch import LaunchSpec
@@ -43,11 +48,11 @@ def test_any_change_of_the_software_is_another_folder() -> None:
     assert cache_key({**base, "torch_npu": "2.8.0"}) != key, "a package installed since"
     assert host_parts({"vllm": None, "torch": "2.8.0"}, "/v/bin/python") is None, "vLLM's version unknown: no key"
     assert host_parts({"vllm": "0.32.0", "torch_npu": None}, "/p") == {"python": "/p", "vllm": "0.32.0"}
-    image = container_parts("quay.io/ascend/vllm-ascend:v0.20.2rc1", "sha256:" + "a" * 64, "s1")
+    image = container_parts("quay.io/ascend/vllm-ascend:v0.20.2rc1", "sha256:" + "a" * 64, "s1", {})
     assert image is not None and cache_key(image).startswith("aaaaaaaaaaaa-")
     assert cache_key(image) != cache_key({**image, "image_id": "sha256:" + "b" * 64}), "re-tagged: another image"
     assert cache_key(image) != cache_key({**image, "setup": "s2"}), "the setup list may install other versions"
-    assert container_parts("img", "", "s1") is None, "no image ID yet: no key"
+    assert container_parts("img", "", "s1", {}) is None, "no image ID yet: no key"
 
 
 def test_the_variables_point_into_the_folder_unless_the_config_sets_one() -> None:
@@ -59,6 +64,21 @@ def test_the_variables_point_into_the_folder_unless_the_config_sets_one() -> Non
     assert out.env["TORCHINDUCTOR_CACHE_DIR"] == "/c/k/inductor" and out.env["ASCEND_CACHE_PATH"] == "/c/k/ascend-cache"
     assert out.env["TORCHAIR_CACHE_HOME"] == "/c/k/torchair" and out.env["ASCEND_WORK_PATH"] == "/c/k/ascend-work"
     assert out.argv == spec.argv and out.cwd == spec.cwd
+
+
+def test_a_cpu_vllm_gets_the_compile_cache_that_reloads() -> None:
+    """CPU vLLM 0.32 writes its AOT compile cache but cannot load it back: every warm start compiled from scratch
+    (docs/performance.md, the restart cost); its older cache (VLLM_USE_AOT_COMPILE=0) reloads."""
+    spec = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {}, (), Path("/w"))
+    cpu = {"python": "/p", "vllm": "0.32.0+cpu", "torch": "2.13.0+cpu"}
+    assert with_caches(spec, Path("/c/k"), cpu).env["VLLM_USE_AOT_COMPILE"] == "0"
+    for other in ({"python": "/p", "vllm": "0.20.2", "vllm_ascend": "0.20.2rc1"}, None):
+        assert "VLLM_USE_AOT_COMPILE" not in with_caches(spec, Path("/c/k"), other).env, other
+    mine = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {"VLLM_USE_AOT_COMPILE": "1"}, (), Path("/w"))
+    assert with_caches(mine, Path("/c/k"), cpu).env["VLLM_USE_AOT_COMPILE"] == "1", "the operator's own wins"
+    unset = LaunchSpec("vllm", "vllm", ("vllm", "serve"), {}, ("VLLM_USE_AOT_COMPILE",), Path("/w"))
+    assert "VLLM_USE_AOT_COMPILE" not in with_caches(unset, Path("/c/k"), cpu).env
+    assert reload_env({"vllm": "0.32.0"}) == {}, "not a CPU build"
 
 
 def test_retention_keeps_the_most_recent_and_never_one_in_use() -> None:
@@ -73,7 +93,99 @@ def test_retention_keeps_the_most_recent_and_never_one_in_use() -> None:
 
 
 def inside(image_id: str, setup: str = "s") -> SimpleNamespace:
-    return SimpleNamespace(cache_parts=lambda: container_parts("img:1", image_id, setup))
+    async def read_versions(command: str) -> None:
+        return None
+
+    return SimpleNamespace(read_versions=read_versions,
+                           cache_parts=lambda command: container_parts("img:1", image_id, setup, {}))
+
+
+def test_a_containers_key_has_the_versions_its_rank_imports() -> None:
+    """Issue 32 item 2: the same image and setup list with another vLLM (an unpinned upgrade in the setup, a
+    bind-mounted venv) is another folder; no key until the versions are read."""
+    image, setup = "sha256:" + "a" * 64, "s1"
+    old = container_parts("img:1", image, setup, {"vllm": "0.20.2", "vllm_ascend": "0.20.2rc1", "torch_npu": None})
+    new = container_parts("img:1", image, setup, {"vllm": "0.20.2", "vllm_ascend": "0.20.3", "torch_npu": None})
+    assert old is not None and new is not None and cache_key(old) != cache_key(new), "a stale cache across versions"
+    assert old["vllm_ascend"] == "0.20.2rc1" and "torch_npu" not in old and cache_key(old).startswith("0.20.2-")
+    assert container_parts("img:1", image, setup, None) is None, "not read yet: no key"
+    bare = container_parts("img:1", image, setup, {"vllm": None})
+    assert bare == {"image": "img:1", "image_id": image, "setup": setup}, "nothing installed (a stand-in): the image"
+    assert parse_versions('noise\n{"vllm": "0.32.0+cpu", "torch": null, "other": "1"}\n') == {
+        "vllm": "0.32.0+cpu", "torch": None}
+    for bad in ("", "Traceback ...", '["vllm"]', '{"vllm": 1}'):
+        try:
+            parse_versions(bad)
+        except ValueError as exc:
+            assert "versions" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} read as versions")
+
+
+def test_the_versions_are_read_by_the_interpreter_of_the_ranks_command(tmp_path: Path) -> None:
+    """The container's exec runs `versions_argv`: a console script's shebang interpreter (a venv bind-mounted into
+    the container), not the image's python3; a python given as the command itself is used as it is."""
+    site = tmp_path / "site"
+    (site / "vllm-0.32.0+cpu.dist-info").mkdir(parents=True)
+    (site / "vllm-0.32.0+cpu.dist-info" / "METADATA").write_text("Name: vllm\nVersion: 0.32.0+cpu\n")
+    python = tmp_path / "python-venv"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    script = tmp_path / "python-env" / "bin" / "vllm"  # ("python" in its folder: still a console script)
+    script.parent.mkdir(parents=True)
+    script.write_text(f"#!{python}\nraise SystemExit('the console script is not run')\n")
+    script.chmod(0o755)
+    env = {**os.environ, "PATH": f"{script.parent}:{os.environ['PATH']}"}
+    for command in ("vllm", str(script), str(python)):
+        out = subprocess.run(versions_argv(command), capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert parse_versions(out.stdout)["vllm"] == "0.32.0+cpu", command
+    missing = subprocess.run(versions_argv("no-such-vllm"), capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode == 127
+
+
+def test_a_container_reads_the_versions_once_per_container(tmp_path: Path) -> None:
+    """One exec per container and command (its setup ran once); a recreated container is read again; a failed
+    read is no key, with the reason, and is tried again at the next launch."""
+    from nodeagent.container.engine import EngineError
+    from nodeagent.container.mode import ContainerMode
+    from nodeagent.container.plan import ContainerState
+
+    config = parse_config(config_text(tmp_path, "vllm", container=True).replace("engine: podman", "engine: docker"))
+    mode = ContainerMode(SimpleNamespace(config=config))  # (docker: not on this host, so no `info` is run)
+    calls: list[list[str]] = []
+    answers = ['{"vllm": "0.20.2", "vllm_ascend": "0.20.2rc1"}']
+
+    async def exec_(argv: list[str], timeout_s: float | None = None, **_: object) -> SimpleNamespace:
+        calls.append(list(argv))
+        if not answers:
+            raise EngineError("podman exec exited 125: no such container")
+        return SimpleNamespace(stdout=answers.pop(0) + "\n", returncode=0)
+
+    mode.engine.exec = exec_  # type: ignore[method-assign,assignment]
+    assert asyncio.run(mode.read_versions("vllm")) == "the container is not up"
+    mode.state, mode.problem = ContainerState("c" * 64, "n", "running", True, "img:1", "sha256:" + "d" * 64), None
+    assert asyncio.run(mode.read_versions("vllm")) is None and asyncio.run(mode.read_versions("vllm")) is None
+    assert len(calls) == 1 and calls[0][4] == "vllm", "read once, by the rank's command"
+    first = mode.cache_parts("vllm")
+    assert first is not None and first["vllm_ascend"] == "0.20.2rc1"
+    assert mode.cache_parts("other") is None, "another command: not read yet"
+    mode.state = replace(mode.state, id="e" * 64)
+    assert mode.cache_parts("vllm") is None, "a recreated container: read again"
+    answers.append('{"vllm": "0.20.2", "vllm_ascend": "0.20.3"}')
+    asyncio.run(mode.read_versions("vllm"))
+    second = mode.cache_parts("vllm")
+    assert second is not None and cache_key(second) != cache_key(first), "upgraded by the setup: a fresh cache"
+    mode.state = replace(mode.state, id="f" * 64)
+    why = asyncio.run(mode.read_versions("vllm"))
+    assert why is not None and "could not be read" in why and mode.cache_parts("vllm") is None
+    store = CacheStore()
+    spec = launch_spec("vllm", config, {})
+    out = asyncio.run(store.apply(config, "vllm", spec, {}, mode))
+    assert "VLLM_CACHE_ROOT" not in out.env and "could not be read" in store.unkeyed["vllm"]
+    answers.append('{"vllm": "0.20.2"}')
+    out = asyncio.run(store.apply(config, "vllm", spec, {}, mode))
+    assert "VLLM_CACHE_ROOT" in out.env and "vllm" not in store.unkeyed, "tried again at the next launch"
 
 
 def test_the_store_makes_the_folder_removes_old_stacks_and_measures(tmp_path: Path) -> None:
@@ -142,6 +254,10 @@ def test_a_host_rank_is_keyed_by_its_installed_versions(tmp_path: Path) -> None:
     upgraded = asyncio.run(store.apply(config, "vllm", spec, {}))
     assert upgraded.env["VLLM_CACHE_ROOT"] != first.env["VLLM_CACHE_ROOT"], "a stale cache is never used"
     assert dist_versions([sys.executable.replace("python", "no-such")], {}, HOST_DISTS) is None
+    assert "VLLM_USE_AOT_COMPILE" not in first.env
+    cpu = parse_config(config_text(tmp_path, str(venv(tmp_path / "cpu", "0.32.0+cpu"))))
+    on_cpu = asyncio.run(store.apply(cpu, "vllm", launch_spec("vllm", cpu, {}), {}))
+    assert on_cpu.env["VLLM_USE_AOT_COMPILE"] == "0", "a CPU build: the compile cache that reloads"
 
 
 def test_the_container_shares_the_folder_and_the_key_is_the_image_id(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_fault_campaign.py::test_the_short_campaign_holds_every_check",
     "tests/test_cluster_package.py",
     "tests/test_config_reference.py::test_the_script_runs_standalone",
+    "tests/test_caches.py::test_the_versions_are_read_by_the_interpreter_of_the_ranks_command",
     "tests/test_container_host.py::test_the_shell_reads_once_and_asks_podman_only_when_it_matters",
     "tests/test_container_mode.py::test_a_containers_shm_is_swept_by_the_paths_its_processes_see",
     "tests/test_discovery.py::test_node_never_reaches_another_clusters_agent",

@@ -37,7 +37,7 @@ from nodeagent.core.errors import AdoptError, LaunchError
 from nodeagent.node.blast_radius import Blast
 from nodeagent.node.residue_plan import RemoveShmSegments, ResiduePlan
 from nodeagent.probes.resolve import ResolvedProbe
-from nodeagent.render.caches import container_parts
+from nodeagent.render.caches import container_parts, parse_versions, versions_argv
 from nodeagent.seam.policy import RestartDecision
 from nodeagent.seam.stackport import ComponentView, Delegated, Hold, HoldKind, MemberReport
 
@@ -84,6 +84,8 @@ class ContainerMode:
         self._recreating = False
         """A planned recreate is draining: nothing more is adopted into the old container."""
         self._reconfigured = asyncio.Event()
+        self._versions: dict[tuple[str, str], dict[str, str | None]] = {}
+        """(container ID, a rank's command) → the versions its interpreter imports, read once per container."""
 
     # ---- where the supervisor hooks it in -------------------------------------------------------------------
     def host(self, cfg: Any) -> ComponentHost:
@@ -102,10 +104,28 @@ class ContainerMode:
         cid = self.state.id if self.state is not None else getattr(self.records.load(), "container_id", "")
         return f"container {cid[:12]}"
 
-    def cache_parts(self) -> dict[str, str] | None:
-        """The compile caches' key of a rank inside: the image's ID and the setup list (`render.caches`)."""
-        image_id = self.state.image_id if self.state is not None else ""
-        return container_parts(self.spec.image, image_id, setup_hash(self.section.setup))
+    async def read_versions(self, command: str) -> str | None:
+        """Read what `command`'s interpreter imports (vLLM, vllm-ascend, torch, ...) inside the container up now,
+        once per container (its setup may have installed them: one exec, ~0.2 s, before the first launch of that
+        command in it); None, or why they are unknown (tried again at the next launch)."""
+        if self.state is None or self.problem is not None:
+            return "the container is not up"
+        if (self.state.id, command) in self._versions:
+            return None
+        try:
+            result = await self.engine.exec(versions_argv(command), timeout_s=60.0)
+            self._versions[(self.state.id, command)] = parse_versions(result.stdout)
+        except (EngineError, ValueError) as exc:
+            return f"the versions {command} imports in the container could not be read: {exc}"
+        return None
+
+    def cache_parts(self, command: str) -> dict[str, str] | None:
+        """The compile caches' key of a rank inside: the image's ID, the setup list and the versions its command
+        imports there (`render.caches.container_parts`); None until `read_versions` read them."""
+        if self.state is None:
+            return None
+        return container_parts(self.spec.image, self.state.image_id, setup_hash(self.section.setup),
+                               self._versions.get((self.state.id, command)))  # fmt: skip
 
     @property
     def container_id(self) -> str:

@@ -63,11 +63,17 @@ def scan(root: Path) -> list[CacheEntry]:
     return out
 
 
-def key_parts(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str], inside: Any = None
-              ) -> tuple[dict[str, str] | None, str]:  # fmt: skip
+async def key_parts(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str], inside: Any = None
+                    ) -> tuple[dict[str, str] | None, str]:  # fmt: skip
     """What the key of `name`'s cache folder is made of (None: no key), and why there is none."""
     if inside is not None:
-        return inside.cache_parts(), "the container's image ID is not known yet"
+        why = await inside.read_versions(spec.argv[0])
+        return inside.cache_parts(spec.argv[0]), why or "the container's image ID is not known yet"
+    return host_key_parts(config, name, spec, base_env)
+
+
+def host_key_parts(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str]
+                   ) -> tuple[dict[str, str] | None, str]:  # fmt: skip
     found = dist_versions(config.components[name].command, spec.environment(base_env), HOST_DISTS)
     return (host_parts(found[1], found[0]) if found else None,
             "the vLLM its command runs has no readable version (no cache kept across versions)")
@@ -75,18 +81,20 @@ def key_parts(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, s
 
 def preview(config: Config, name: str, spec: LaunchSpec, base_env: dict[str, str]) -> tuple[LaunchSpec, str | None]:
     """`nodeagentctl render`: the launch with the variables it will get, and a note; nothing made or removed. A
-    rank inside the container is keyed by the image's ID, known once the container is up: KEY stands for it."""
+    rank inside the container is keyed by the image's ID and what it imports there, known once the container is
+    up: KEY stands for it."""
     if spec.kind != "vllm" or not config.agent.caches.enabled:
         return spec, None
     root = config.agent.cache_dir
     if config.container is not None and config.components[name].container:
-        return (with_caches(spec, root / "KEY"), f"compile caches in {root}/KEY: KEY = the container's image ID and "
-                "setup, picked when it is up (the folder is mounted at the same path)")
-    parts, why = key_parts(config, name, spec, base_env)
+        return (with_caches(spec, root / "KEY"), f"compile caches in {root}/KEY: KEY = the container's image ID, "
+                "setup and the versions its command imports there, read when it is up (the folder is mounted at the "
+                "same path)")
+    parts, why = host_key_parts(config, name, spec, base_env)
     if parts is None:
         return spec, f"no compile cache folder: {why}"
     versions = ", ".join(f"{k} {v}" for k, v in parts.items() if k != "python")
-    return with_caches(spec, root / cache_key(parts)), f"compile caches in {root} (the folder of {versions})"
+    return with_caches(spec, root / cache_key(parts), parts), f"compile caches in {root} (the folder of {versions})"
 
 
 class CacheStore:
@@ -110,7 +118,7 @@ class CacheStore:
         settings = config.agent.caches
         if spec.kind != "vllm" or not settings.enabled:
             return spec
-        parts, why = key_parts(config, name, spec, base_env, inside)
+        parts, why = await key_parts(config, name, spec, base_env, inside)
         if parts is None:
             self.unkeyed[name] = why
             return spec
@@ -125,7 +133,7 @@ class CacheStore:
         self.error = None  # (a removal that fails again says so again after the sweep)
         if self._sweep is None or self._sweep.done():  # off the launch: a walk of a big cache takes a while
             self._sweep = asyncio.create_task(asyncio.to_thread(self.sweep, config), name="cache-sweep")
-        return with_caches(spec, folder)
+        return with_caches(spec, folder, parts)
 
     def adopted(self, config: Config, name: str, pid: int, proc: Path = Path("/proc")) -> None:
         """A rank the agent adopted (launched by an agent before it): the key its environment names is in use, so
