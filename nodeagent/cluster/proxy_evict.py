@@ -74,12 +74,12 @@ class ProxyEvict(ReportLayer):
         dead = fallen(self.alive, now)
         self.alive = {name for name in self.group_of if name in now and now[name].state in ALIVE}
         for group in {self.group_of[name].name: self.group_of[name] for name in sorted(dead)}.values():
-            why = ", ".join(sorted(n for n in dead if self.group_of[n] is group))
+            why = ", ".join(f"{n} {now[n].state}" for n in sorted(dead) if self.group_of[n] is group)
             for plan, url in self.proxies:
                 self.co.spawn(self._remove(plan, url, group, why))
 
     async def _remove(self, plan: ProxyPlan, url: str, group: Group, why: str) -> None:
-        """`why`: the dead ranks (this node's components) the event names."""
+        """`why`: the dead ranks (this node's components) and their states, as the event names them."""
         body = {"type": group.kind, "instances": sorted(group.endpoints)}
         answer: dict[str, object] | None = None
         error = ""
@@ -89,8 +89,8 @@ class ProxyEvict(ReportLayer):
             error = "the proxy did not take it (its sync removes the group once the member record shows it)"
         outcome = f"removed from {plan.component}" if not error else f"not removed from {plan.component}: {error}"
         self.last[group.name] = outcome
-        logger.info(f"proxy evict: {why} died: group {group.name} {outcome}")
-        self.co.port.emit("proxy_evict", f"{why} died: group {group.name} {outcome}", why.split(", ")[0],
+        logger.info(f"proxy evict: {why}: group {group.name} {outcome}")
+        self.co.port.emit("proxy_evict", f"{why}: group {group.name} {outcome}", why.split(" ")[0],
                           "info" if not error else "warning")  # fmt: skip
 
     def status_section(self) -> dict[str, object]:
