@@ -39,6 +39,9 @@ def test_the_proxy_is_dialled_at_its_nodes_address_when_it_binds_a_wildcard() ->
     assert proxy_url(plan, "n2", {"n0": "10.0.0.5"}) == "http://10.0.0.5:8000"
     assert proxy_url(plan, "n0", {"n0": "10.0.0.5"}) == "http://127.0.0.1:8000"
     assert proxy_url(ProxyPlan("proxy", "n0", "10.0.0.7", 8000, (), ()), "n2", {}) == "http://10.0.0.7:8000"
+    local = ProxyPlan("proxy", "n0", "127.0.0.1", 8000, (), ())
+    assert proxy_url(local, "n2", {"n0": "10.0.0.5"}) is None, "n2's own loopback is not n0's proxy"
+    assert proxy_url(local, "n2", {"n0": "127.0.0.1"}) == "http://127.0.0.1:8000", "one host (the campaign)"
 
 
 @pytest.fixture

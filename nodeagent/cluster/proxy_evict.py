@@ -17,6 +17,7 @@ changed since (`ProxySync.evicted`; at most `proxy_sync.EVICTED_S`, then the pro
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
@@ -43,11 +44,21 @@ def fallen(alive: Collection[str], now: Mapping[str, ComponentView]) -> set[str]
     return {name for name in alive if name in now and now[name].state in DEAD}
 
 
-def proxy_url(plan: ProxyPlan, node: str, ips: Mapping[str, str]) -> str:
+def proxy_url(plan: ProxyPlan, node: str, ips: Mapping[str, str]) -> str | None:
     """The proxy's admin address as `node` dials it: its bind address, or its node's IP for a wildcard (loopback
-    on its own node)."""
-    host = connect_host(plan.host, "127.0.0.1" if plan.node == node else ips.get(plan.node, "127.0.0.1"))
+    on its own node); None when it cannot be reached from here — bound to loopback on another host (its own
+    node's sync removes the group then)."""
+    home = ips.get(plan.node, "127.0.0.1")
+    if plan.node != node and _loopback(plan.host) and not _loopback(home):
+        return None
+    host = connect_host(plan.host, "127.0.0.1" if plan.node == node else home)
     return f"http://{url_host(host)}:{plan.port}"
+
+
+def _loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    return host == "localhost"
 
 
 class ProxyEvict(ReportLayer):
@@ -58,8 +69,8 @@ class ProxyEvict(ReportLayer):
         self.co = co
         self._send = post or http_post
         layout = co.layout
-        self.proxies = [(plan, proxy_url(plan, co.node, {m.name: m.ip for m in layout.members}))
-                        for plan in layout.proxies]  # fmt: skip
+        ips = {m.name: m.ip for m in layout.members}
+        self.proxies = [(plan, url) for plan in layout.proxies if (url := proxy_url(plan, co.node, ips)) is not None]
         self.group_of: dict[str, Group] = {
             proc.component: group for group in layout.groups if group.kind in ("prefill", "decode") and group.endpoints
             for proc in group.processes if proc.node == co.node}  # fmt: skip
