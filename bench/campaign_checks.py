@@ -103,12 +103,11 @@ def fault_costs(ledger: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-PROXY_REMOVAL_S = 2.0
-"""After the agent acts on a dead rank, the proxy routes to it until the proxy's agent removes it: the member record
-(written at most once a second) and the proxy sync's 1 s period. Requests sent then are part of the detection window
-(the CI run of the short campaign: a killed decode rank answered 6 requests 200-empty, 1 of them sent before the
-restart and 5 in the 1.5 s before the proxy dropped it). Shortening this is open: the proxy sync acting on the
-node's own death event, not on the member record's round trip."""
+PROXY_REMOVAL_S = 0.5
+"""After the agent acts on a dead rank, the proxy may route to it until the rank's node has removed it: that node's
+own `POST /instances/remove` as the supervisor sees the exit (`cluster/proxy_evict.py`) — 0.11 s from the exit to
+the proxy's answer in the short campaign (seed 33, a loaded machine), margin for a slower one. It was 2 s (the
+member record, then the proxy sync: a killed decode rank answered 5 requests 200-empty in those 1.5 s)."""
 
 
 def target_check(ledger: dict[str, Any], f: dict[str, Any], row: dict[str, Any]) -> tuple[bool | None, str]:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from nodeagent.cluster.coordinator import Coordinator
     from nodeagent.cluster.membership import Membership
     from nodeagent.cluster.pd_watch import PdWatch
+    from nodeagent.cluster.proxy_evict import ProxyEvict
     from nodeagent.cluster.reset_drain import RecoveryFollower
     from nodeagent.cluster.rollout.executor import RolloutExecutor
     from nodeagent.container.mode import ContainerMode
@@ -102,6 +103,7 @@ class Agent:
         """This node as a cluster member (etcd); only with cluster.nodes — without it nothing imports aetcd."""
         self.rollout: RolloutExecutor | None = None
         self.recovery_follower: RecoveryFollower | None = None
+        self.proxy_evict: ProxyEvict | None = None
         self.kvlog: KvTransferLog | None = None
         self.pd_watch: PdWatch | None = None
 
@@ -206,12 +208,14 @@ class Agent:
             return
         from nodeagent.cluster.coordinator import Coordinator
         from nodeagent.cluster.membership import Membership
+        from nodeagent.cluster.proxy_evict import ProxyEvict
         from nodeagent.cluster.reset_drain import RecoveryFollower
         from nodeagent.cluster.rollout.executor import RolloutExecutor
 
         self.membership = Membership(self.config, self.supervisor)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
         self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor)
+        self.proxy_evict = ProxyEvict(self.coordinator)
         self._make_pd_watches()
         self.rollout = RolloutExecutor(self.coordinator, self)
 
@@ -235,6 +239,7 @@ class Agent:
         cluster: list[NodeLayer | None] = [] if co is None else [
             co.ft,  # vLLM's FT retry: sees every rank failure first, takes none (escalates through co)
             co,  # a rank's failure → the group's next generation; an operator's restart of a rank → the group's
+            self.proxy_evict,  # a rank dead here leaves every PD proxy at once (report only)
             self.recovery_follower,  # a chip reset or an isolation here drains the groups
             self.kvlog, self.pd_watch,  # report only
             self.rollout,  # holds a step's ranks (gate only)

@@ -31,6 +31,7 @@ from ft_fakes import FakeFtApi
 
 from nodeagent.cluster.coordinator import Coordinator
 from nodeagent.cluster.membership import Membership
+from nodeagent.cluster.proxy_evict import ProxyEvict
 from nodeagent.config.load import load_config
 from nodeagent.config.model import Config
 from nodeagent.core.errors import UnknownComponentError
@@ -854,7 +855,8 @@ class World:
             agent.rollout = RolloutExecutor(coordinator, FakeConfigHost(self, name, stack, membership),
                                             clock=self.clock, inflight=inflight, canary=canary,
                                             scrape=scrape, new_id=lambda: f"r{next(self._rollout_ids)}")  # fmt: skip
-        for layer in (coordinator.ft, coordinator, agent.rollout):  # as `agent.Agent.layers` orders them
+        evict = ProxyEvict(coordinator, post)
+        for layer in (coordinator.ft, coordinator, evict, agent.rollout):  # as `agent.Agent.layers` orders them
             if layer is not None:
                 stack.attach(layer)
         self._start_container(stack)

@@ -32,6 +32,7 @@ from cluster_fakes import Agent, FakeProxy, VirtualClock, World
 
 from nodeagent.cluster.coordinator import Coordinator
 from nodeagent.cluster.membership import Membership
+from nodeagent.cluster.proxy_evict import ProxyEvict
 from nodeagent.config.model import Config
 from nodeagent.core.errors import AdoptError, LaunchError
 from nodeagent.core.events import EventBus
@@ -477,8 +478,9 @@ class RealWorld(World):
         stack.host.backends = sup.launch_backends
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, sup, membership, clock=self.clock, proxy_post=post)
-        for layer in (coordinator.ft, coordinator, sup.container, ChangeObserver(membership.status_changed),
-                      ChangeObserver(stack.notify)):  # as `agent.Agent.layers` orders them  # fmt: skip
+        # as `agent.Agent.layers` orders them
+        for layer in (coordinator.ft, coordinator, ProxyEvict(coordinator, post), sup.container,
+                      ChangeObserver(membership.status_changed), ChangeObserver(stack.notify)):  # fmt: skip
             if layer is not None:
                 sup.attach(layer)
         stack.supervisor = sup

@@ -87,7 +87,8 @@ async def test_a_lost_rank_restarts_its_group_once_after_every_old_rank_stopped(
     assert world.stacks["n2"].restarts == [("vllm", "gang p1 generation 2: n3/vllm: killed by SIGKILL", False)]
     assert world.stacks["n3"].restarts == [], "the crashed rank is not running: it only starts again"
     p1 = tuple(sorted(p1_endpoints(world)))
-    assert proxy.calls[mark:] == [("remove", "prefill", p1), ("add", "prefill", p1)], "p1 out, then back in"
+    calls = proxy.calls[mark:]  # removed by each node as its rank stopped (proxy_evict) and by the sync; one add
+    assert set(calls[:-1]) == {("remove", "prefill", p1)} and calls[-1] == ("add", "prefill", p1), calls
 
 
 async def test_a_group_the_busy_proxy_keeps_isolated_is_reported_once_and_returns_when_it_is_idle(

@@ -86,9 +86,9 @@ def test_a_rank_fault_may_cost_what_was_in_flight_and_what_was_sent_before_detec
                  faults=[fault(1, "kill_vllm", 10, 10, 15, detected=11.5)])  # fmt: skip
     rep = cc.report(led)
     assert rep["per_fault"][0]["target_ok"] is True, rep["per_fault"]
-    led["requests"].append(req(13.0, status=502))  # sent during the proxy's removal (11.5 + 2 s): allowed
+    led["requests"].append(req(11.9, status=502))  # sent during the proxy's removal (11.5 + 0.5 s): allowed
     assert cc.report(led)["per_fault"][0]["target_ok"] is True
-    led["requests"].append(req(13.8, status=502))  # after detection and the proxy's removal: not allowed
+    led["requests"].append(req(12.3, status=502))  # after detection and the proxy's removal: not allowed
     rep = cc.report(led)
     assert rep["per_fault"][0]["target_ok"] is False and not rep["ok"]
 

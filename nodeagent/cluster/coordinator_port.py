@@ -4,7 +4,7 @@ module importing `cluster.coordinator` but the composition root). `coordinator.C
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -101,6 +101,9 @@ class CoordinatorPort(Protocol):
     @property
     def proxies(self) -> Sequence[ProxyView]:
         """The PD proxies this node keeps in sync (none but on the proxy's node)."""
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run `work` beside the coordinator's loop; cancelled when it stops."""
 
     def hold_out(self, hold: ProxyHold, fence: ProxyFence) -> None:
         """Every proxy of this node keeps out what `hold` says, and adds a group only past its `fence`."""

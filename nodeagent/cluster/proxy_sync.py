@@ -37,6 +37,10 @@ an idle moment, and the sooner the waiting group is added, the shorter the time 
 RECONCILE_S = 10.0
 """At rest, ask the proxy what it routes to this often (an idempotent empty add): a restarted or confused
 proxy is noticed without waiting for a group to change."""
+EVICTED_S = 60.0
+"""The longest a group its node removed (`evicted`) is kept out on records that did not change: a death and a
+restart both between two writes of the record would leave no change to see. Then the proxy's own activation check
+(the rank's /v1/models) is the gate, as for any add."""
 ISOLATED_WARN_S = 180.0
 """A healthy group the proxy has kept isolated this long gets one warning: vllm-ascend's proxy deletes an
 instance removed under load only when no request is in flight at its check, and ignores an add of it until then —
@@ -59,6 +63,11 @@ def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], genera
         if generation is not None and ack.get("generation") not in (None, generation):
             return False, f"{proc.node} runs generation {ack.get('generation')}, the group is at {generation}"
     return True, ""
+
+
+def _components(group: Group, members: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The member records' components of a group's nodes: what changes when a rank of it dies or restarts."""
+    return {node: (members.get(node) or {}).get("components") for node in group.nodes}
 
 
 def desired_backends(groups: list[Group], health: dict[str, bool]) -> dict[str, set[str]]:
@@ -159,6 +168,10 @@ class ProxySync:
         """group → the groups it waits for, as of the last step."""
         self.launched: ProxyBackends | None = None
         """What the node's last launch of the proxy was given (None: the config's whole command line)."""
+        self.evicted: dict[str, tuple[float, dict[str, Any]]] = {}
+        """group → (since, its nodes' component records) when its instances were seen gone from the proxy without
+        this sync removing them: a node removed them as its rank died (`proxy_evict`). Kept out until one of those
+        records changes — they saw the death or the restart since; with etcd away, at its return — or EVICTED_S."""
         self._launch_asked = False
         """A launch asked since the last new pid: the next new pid is that launch's (else one this agent did not
         launch — adopted: its lists are assumed to be its command line's, as the config says)."""
@@ -189,6 +202,7 @@ class ProxySync:
         if pid != self.proxy_pid and not starting:
             self.proxy_pid = pid
             self.isolated = {"prefill": set(), "decode": set()}
+            self.evicted = {}
             # a new proxy routes to every endpoint of its command line at once: what its launch was given
             given = self.launched if self._launch_asked and pid is not None else None
             self._launch_asked = self._launch_asked and pid is None
@@ -216,6 +230,13 @@ class ProxySync:
         for group in self.groups:
             record = self._records().get(group.name)
             health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+            since, seen = self.evicted.get(group.name, (0.0, None))
+            if seen is not None and seen == _components(group, members) and (
+                    self.clock.monotonic() - since < EVICTED_S):  # fmt: skip
+                health[group.name] = (False, "removed by its node as a rank died; its member record has not "
+                                             "changed since")  # fmt: skip
+            else:
+                self.evicted.pop(group.name, None)
         ready, held_out = True, set()
         for source in self.holds:
             held = source()
@@ -350,7 +371,8 @@ class ProxySync:
                 return False
             lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
             if all(isinstance(v, list) for v in lists.values()):
-                self.active = {k: {str(e) for e in v or ()} for k, v in lists.items()}  # all lists (checked above)
+                before, self.active = self.active, {k: {str(e) for e in v or ()} for k, v in lists.items()}  # checked
+                self._note_evicted(before, set(instances) if what == "remove" else set(), kind)
                 if what == "remove":
                     self.isolated[kind] |= instances & self.active[kind]
                 for k in self.isolated:
@@ -360,6 +382,23 @@ class ProxySync:
                            self.plan.component)
             return True
         return False
+
+    def _note_evicted(self, before: Mapping[str, set[str]] | None, removed: set[str], kind: str) -> None:
+        """Instances this sync routes that the proxy no longer lists, and that it did not remove: another node took
+        them out (`proxy_evict`) — their groups stay out until their records change (`evicted`)."""
+        if before is None or self.applied is None or self.active is None:
+            return
+        members = self._members()
+        for group in self.groups:
+            taken = (before.get(group.kind, set()) & self.applied[group.kind]) - self.active[group.kind]
+            taken -= self.isolated[group.kind]  # removed by this sync under load, deleted by the proxy at idle now
+            if group.kind == kind:
+                taken -= removed
+            if taken & set(group.endpoints) and group.name not in self.evicted:
+                self.evicted[group.name] = (self.clock.monotonic(), _components(group, members))
+                self._emit("proxy_backends", f"group {group.name} left the proxy without this sync removing it "
+                           f"({', '.join(sorted(taken & set(group.endpoints)))}): its node saw a rank die; back "
+                           "once its member record says ready again", self.plan.component)  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         return {"proxy": self.plan.component, "applied": {k: sorted(v) for k, v in (self.applied or {}).items()},
