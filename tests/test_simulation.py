@@ -102,6 +102,27 @@ def test_the_same_seed_replays_the_same_run_over_the_real_node() -> None:
     assert len(first.trace) > 10 and first.trace == second.trace
 
 
+def test_the_same_seed_writes_the_same_store_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Event for event means write for write: the agents' own draws (heartbeat jitter, instance and epoch ids,
+    a command's key) come from the seed. Drawn from the OS, a run's writes came in another order in another run."""
+    import fakestore
+
+    writes: list[tuple[int, str]] = []
+    write = fakestore.FakeStore._write
+
+    def logged(store: Any, key: str, *args: Any, **kwargs: Any) -> int:
+        writes.append((store.revision, key))
+        return write(store, key, *args, **kwargs)
+
+    monkeypatch.setattr(fakestore.FakeStore, "_write", logged)
+    runs = []
+    for _ in range(2):
+        writes.clear()
+        run_schedule(make_schedule(760002, "8node", 180))
+        runs.append(list(writes))
+    assert len(runs[0]) > 100 and runs[0] == runs[1]
+
+
 def planted_find(invariant: str, seeds: range, layout: str = "local-cluster") -> dict[str, Any] | None:
     for seed in seeds:
         result = run_schedule(make_schedule(seed, layout, 300))
