@@ -1191,8 +1191,10 @@ def node_for(seed: int, node: str) -> str:
 
 def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:
     """One schedule, summed up (a worker process's answer: plain data)."""
+    cpu = time.process_time()
     result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node)))
-    return {"seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
+    return {"cpu_s": time.process_time() - cpu,
+            "seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
             "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
             "wall_s": result.wall_s, "checks": result.checks, "faults": dict(result.faults),
             "node": result.schedule.node,
