@@ -51,14 +51,15 @@ def campaign(hours: float, jobs: int, duration: float, first: int, node: str = "
     return report
 
 
-def speed(duration: float, seeds: int, first: int = 760001, big_duration: float = 60.0) -> dict[str, Any]:
+def speed(duration: float, seeds: int, first: int = 760001, big_duration: float = 60.0,
+          layouts: tuple[str, ...] = ("8node", "64node")) -> dict[str, Any]:
     """One core: simulated cluster seconds per CPU second of this process (the machine may be shared: CPU, not
     wall), the shipped 8-node layout and a 64-node fleet (`simulation.fleet_layout`), each node's stack fake and
     real; the median of `seeds` schedules, after one schedule of the layout that warms the process (its parses
     are kept from one schedule to the next, as in a campaign's worker) — that first one is printed apart. The
     64-node schedules draw `big_duration` seconds of faults (a rollout there steps through 40 groups)."""
     out: dict[str, Any] = {}
-    for layout in ("8node", "64node"):
+    for layout in layouts:
         for node in ("fake", "real"):
             rows = []
             length = duration if layout == "8node" else big_duration
@@ -89,11 +90,13 @@ def main() -> int:
     parser.add_argument("--speed", action="store_true", help="measure one core's speed instead")
     parser.add_argument("--speed-seeds", type=int, default=3, help="schedules per cell of --speed (a median)")
     parser.add_argument("--big-duration", type=float, default=60.0, help="--speed: the 64-node schedules' faults")
+    parser.add_argument("--layouts", default="8node,64node", help="--speed: which layouts (comma-separated)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     os.environ["PYTHONHASHSEED"] = "0"
     if args.speed:
-        report = speed(args.duration, args.speed_seeds, big_duration=args.big_duration)
+        report = speed(args.duration, args.speed_seeds, big_duration=args.big_duration,
+                       layouts=tuple(args.layouts.split(",")))
     else:
         first = args.seed if args.seed is not None else int(time.time()) % 1_000_000
         report = campaign(args.hours, args.jobs, args.duration, first, args.node)
