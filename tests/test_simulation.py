@@ -123,6 +123,19 @@ def test_the_same_seed_writes_the_same_store_history(monkeypatch: pytest.MonkeyP
     assert len(runs[0]) > 100 and runs[0] == runs[1]
 
 
+def test_the_64_node_fleet_is_the_guides_block_eight_times() -> None:
+    """`64node` (bench/sim_campaign.py --speed): 8 × (4×1P + 1×4D), every node in one group, the master first;
+    a generated layout is never drawn by `mixed` (a kept seed's layout stays the one it was)."""
+    fleet = simulation.layout_named("64node")
+    kinds = [(g["kind"], len(g["nodes"])) for g in fleet.groups]
+    assert len(fleet.nodes) == 64 and fleet.nodes[0] == "f0"
+    assert kinds.count(("prefill", 1)) == 32 and kinds.count(("decode", 4)) == 8 and len(kinds) == 40
+    assert sorted(n for g in fleet.groups for n in g["nodes"]) == sorted(fleet.nodes)
+    assert "64node" not in simulation.layouts() and simulation.layout_named("8node") == simulation.layouts()["8node"]
+    with pytest.raises(ValueError):
+        simulation.fleet_layout(12)
+
+
 def planted_find(invariant: str, seeds: range, layout: str = "local-cluster") -> dict[str, Any] | None:
     for seed in seeds:
         result = run_schedule(make_schedule(seed, layout, 300))
