@@ -82,7 +82,7 @@ class RawTree:
     def build(self, text: str, sections: typing.Container[str] | None = None) -> Any:
         fast = getattr(yaml, "CSafeLoader", None) if self.loader is yaml.SafeLoader else None
         if fast is not None:
-            with contextlib.suppress(yaml.YAMLError, ConfigError):  # the error as PyYAML's own words it
+            with contextlib.suppress(Exception):  # any failure: PyYAML's own answers (and words the error)
                 return self._build(fast, text, sections)
         return self._build(self.loader, text, sections)
 
