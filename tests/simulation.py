@@ -45,9 +45,11 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -91,7 +93,7 @@ class Layout:
 
 def layout_from_file(path: Path, name: str) -> Layout:
     """A shipped cluster file's topology (node names, groups, kinds; the master first): what the agents coordinate."""
-    data = yaml.safe_load(path.read_text())
+    data = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # each run reads it
     cluster = data["cluster"]
     nodes = tuple(n["name"] for n in cluster["nodes"])
     groups = []
@@ -114,6 +116,30 @@ def layouts() -> dict[str, Layout]:
         "8node": layout_from_file(ROOT / "config" / "dsv4-flash-a2-8node.yaml", "8node"),
         "small": small,
     }
+
+
+def fleet_layout(nodes: int) -> Layout:
+    """A fleet of the guide's 8-node blocks (each 4×1P + 1×4D; the master first): `64node` is 8 of them — 32
+    prefill groups and 8 decode groups of 4 nodes. Not in `layouts()`: a `mixed` seed's layout stays the one it
+    was."""
+    if nodes <= 0 or nodes % 8:
+        raise ValueError(f"a fleet is made of 8-node blocks, not {nodes} nodes")
+    names = tuple(f"f{i}" for i in range(nodes))
+    prefill = [{"name": f"prefill{b * 4 + i}", "kind": "prefill", "nodes": [names[b * 8 + i]]}
+               for b in range(nodes // 8) for i in range(4)]  # fmt: skip
+    decode = [{"name": f"decode{b}", "kind": "decode", "nodes": list(names[b * 8 + 4:b * 8 + 8]),
+               "data_parallel_rpc_port": 43000 + b} for b in range(nodes // 8)]  # fmt: skip
+    return Layout(f"{nodes}node", names, tuple(prefill + decode))
+
+
+def layout_named(name: str) -> Layout:
+    """A shipped layout (`layouts()`), or a generated fleet: `64node`, `16node`… (`fleet_layout`)."""
+    known = layouts()
+    if name in known:
+        return known[name]
+    if name.endswith("node") and name[:-4].isdigit():
+        return fleet_layout(int(name[:-4]))
+    raise KeyError(f"no layout {name!r} (the shipped: {', '.join(sorted(known))}; or a fleet: 64node, 16node…)")
 
 
 # ---- schedules -------------------------------------------------------------------------------------------------------
@@ -250,20 +276,46 @@ class Result:
         return not self.violations
 
 
-_PARSED: dict[tuple[str, str, str], Config] = {}
+_PARSED: dict[tuple[str, str, str], Config | Exception] = {}
 _HASH = re.compile(r"\b[0-9a-f]{12}\b")
 
 
 def parsed(path: str, node: str) -> Config:
-    """`load_checked` of a node's file, remembered by its content for the run (each agent start and each member's
-    report reads it). A file that does not load raises each time."""
+    """`load_checked` of a node's file, remembered by its content (each agent start and each member's report reads
+    it) — also from one schedule to the next (a config is frozen; the seeds of a layout write the same files): the
+    YAML parse was a third of a schedule's CPU. A file that does not load raises its error again each time."""
     from nodeagent.agent import load_checked
 
     key = (path, node, Path(path).read_text())
     config = _PARSED.get(key)
     if config is None:
-        config = _PARSED[key] = load_checked(path, node=node)
+        if len(_PARSED) > 512:
+            _PARSED.clear()
+        try:
+            config = _PARSED[key] = load_checked(path, node=node)
+        except Exception as exc:
+            _PARSED[key] = exc
+            raise
+    if isinstance(config, Exception):
+        raise config.with_traceback(None)
     return config
+
+
+_OFF: dict[int, tuple[Config, Config]] = {}
+
+
+def parsed_caches_off(path: str, node: str) -> Config:
+    """`parsed`, with the compile caches off (`sim_node.caches_off`): the same object for the same file, as the
+    agent keeps the one it loaded (what hashes and layouts it is asked for are remembered by identity)."""
+    from sim_node import caches_off
+
+    config = parsed(path, node)
+    seen = _OFF.get(id(config))
+    if seen is None or seen[0] is not config:
+        if len(_OFF) > 512:
+            _OFF.clear()
+        seen = _OFF[id(config)] = (config, caches_off(config))
+    return seen[1]
 
 
 class SimStack(FakeStack):
@@ -287,7 +339,7 @@ class SimStack(FakeStack):
 class Simulation:
     def __init__(self, schedule: Schedule, home: Path) -> None:
         self.schedule = schedule
-        self.layout = layouts()[schedule.layout]
+        self.layout = layout_named(schedule.layout)
         self.real = schedule.node in ("real", "container")
         self.container: Any = None
         """Container mode (`sim_container.SimContainers`): the node's ranks in its container."""
@@ -335,7 +387,6 @@ class Simulation:
         self.tasks: list[asyncio.Task[Any]] = []
         self.running = False
         self.files: dict[str, str] = {}
-        _PARSED.clear()
         harness = self.world.harness
         # the harness draws the cluster's name and the ports: a run's order of events follows the endpoints'
         # names (sets of them), so a seed replays its run only with the same ones (never bound here)
@@ -347,11 +398,7 @@ class Simulation:
             entry["components"]["vllm"]["port"] = 40600 + i
         self.write_files()
         # an agent loads the file on its disk (a rollout installs new ones): parsed once per content
-        load = parsed
-        if self.real:  # the real node's compile caches off: see sim_node.caches_off
-            from sim_node import caches_off
-
-            load = lambda path, node: caches_off(parsed(path, node))  # noqa: E731
+        load = parsed_caches_off if self.real else parsed  # the real node's: see sim_node.caches_off
         self.world.config = lambda name: load(str(harness.config_path(name)), name)  # type: ignore[method-assign]
         self.world.load_checked = load  # type: ignore[method-assign]
         self.rollout_key = rollout_key(harness.cluster_name)
@@ -642,15 +689,20 @@ class Simulation:
     def write_files(self) -> None:
         """Every node's file as `ClusterHarness.write` makes it, with libyaml (a rollout installs files often)."""
         harness = self.world.harness
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+        # the sections every node shares, dumped once: a top-level mapping's text is its keys' texts one after
+        # the other (node and agent come last, as in ClusterHarness.write)
+        shared = yaml.dump({k: v for k, v in harness.data.items() if k not in ("node", "agent")}, Dumper=dumper,
+                           sort_keys=False)  # fmt: skip
         for name in harness.names:
-            data = {**harness.data, "node": {"name": name, "npus": 0}}
             folder = harness.home / name
-            data["agent"] = {"state_dir": str(folder / "state"), "log_dir": str(folder / "logs"),
+            own = {"node": {"name": name, "npus": 0},
+                   "agent": {"state_dir": str(folder / "state"), "log_dir": str(folder / "logs"),
                              "systemd_scopes": "never",
                              "api": {"listen": f"127.0.0.1:{harness.api_ports[name]}",
-                                     "token_file": str(folder / "token")}}  # fmt: skip
+                                     "token_file": str(folder / "token")}}}  # fmt: skip
             folder.mkdir(parents=True, exist_ok=True)
-            text = yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
+            text = shared + yaml.dump(own, Dumper=dumper, sort_keys=False)
             if not (path := harness.config_path(name)).is_file() or path.read_text() != text:
                 path.write_text(text)
 
@@ -1135,14 +1187,26 @@ def _rounded(value: Any) -> Any:
 
 
 def run_schedule(schedule: Schedule) -> Result:
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # the real node's state files: no disk flushes
-    # the agents' own randomness (the heartbeat's jitter: `random.uniform`) from the seed too: a replay in a process
-    # that ran other schedules first wrote its member records at other instants (a compaction's revision differed)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # the real node's state: no flushes
+    # one folder per process, the same for each of its schedules: the files written there are then the same
+    # text from one schedule to the next, and `parsed` finds them parsed
+    home = Path(shm) / f"dsv4-sim-{os.getpid()}"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    # the agents' own draws come from the seed too: the heartbeat's jitter (`random`), the ids they make (an
+    # instance, an epoch, a command's key: `uuid4`) — drawn from the OS, two processes ordered a run's writes
+    # differently (a command's key orders the commands, an epoch the barriers' ties)
+    state, uuid4, ids = random.getstate(), uuid.uuid4, random.Random(f"ids/{schedule.seed}")
     random.seed(f"agents/{schedule.seed}")
-    with tempfile.TemporaryDirectory(prefix="dsv4-sim-", dir=shm) as home:
-        sim = Simulation(schedule, Path(home))
+    uuid.uuid4 = lambda: uuid.UUID(int=ids.getrandbits(128), version=4)
+    try:
+        sim = Simulation(schedule, home)
         asyncio.run(_quiet(sim.run()))
         return Result(schedule, sim.violations, sim.trace, sim.checks, sim.faults, sim.now(), sim.wall_s)
+    finally:
+        random.setstate(state)
+        uuid.uuid4 = uuid4
+        shutil.rmtree(home, ignore_errors=True)
 
 
 async def _quiet(work: Any) -> None:
@@ -1167,8 +1231,10 @@ def node_for(seed: int, node: str) -> str:
 
 def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:
     """One schedule, summed up (a worker process's answer: plain data)."""
+    cpu = time.process_time()
     result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node)))
-    return {"seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
+    return {"cpu_s": time.process_time() - cpu,
+            "seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
             "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
             "wall_s": result.wall_s, "checks": result.checks, "faults": dict(result.faults),
             "node": result.schedule.node,
@@ -1231,7 +1297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="the first seed (default: from the time)")
     parser.add_argument("--schedules", type=int, default=1)
-    parser.add_argument("--layout", default="local-cluster", choices=[*sorted(layouts()), "mixed"])
+    parser.add_argument("--layout", default="local-cluster", choices=[*sorted(layouts()), "64node", "mixed"])
     parser.add_argument("--duration", type=float, default=600.0, help="virtual seconds of faults per schedule")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--node", default="fake", choices=["fake", "real", "container", "mixed"],

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.config.base import replace
-from nodeagent.config.cluster import ClusterConfig, PdConfig, VllmGroup
+from nodeagent.config.cluster import ClusterConfig, PdConfig, SharedSections, VllmGroup
 from nodeagent.config.cluster_file import ClusterFileError, KeyPath, effective_groups, member_components, vllm_template
 from nodeagent.config.model import (
     MASTER_ONLY_KINDS,
@@ -161,14 +161,29 @@ class ClusterLayout:
                      if c.enabled and (master or c.kind not in MASTER_ONLY_KINDS))
 
 
+_LAYOUTS: dict[tuple[int, int], tuple[ClusterConfig, SharedSections, ClusterLayout]] = {}
+"""(id of cluster, id of shared) → the layout built from them, with both held (their ids stay theirs)."""
+
+
 def cluster_layout(config: Config) -> ClusterLayout:
-    """The layout of the cluster this config belongs to (a config without cluster.nodes: this node alone)."""
+    """The layout of the cluster this config belongs to (a config without cluster.nodes: this node alone).
+
+    A cluster file's is built once per loaded file (its sections are frozen): the membership, the coordinator and
+    the rollout ask it again and again, and each build validates every member's settings (~10 ms for 8 nodes)."""
     if not config.cluster.nodes:
         return single_node_layout(config)
     if config.shared is None:
         raise ValueError("the layout of a cluster file needs the file's shared sections (load it with load_config)")
+    key = (id(config.cluster), id(config.shared))
+    seen = _LAYOUTS.get(key)
+    if seen is not None and seen[0] is config.cluster and seen[1] is config.shared:
+        return seen[2]
     settings = member_components(config.cluster, config.shared)
-    return build_layout(config.cluster, settings, vllm_template(config.shared.components))
+    layout = build_layout(config.cluster, settings, vllm_template(config.shared.components))
+    if len(_LAYOUTS) >= 256:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (config.cluster, config.shared, layout)
+    return layout
 
 
 def _host(ip: str, port: int) -> str:

@@ -7,6 +7,7 @@ No model here: `nodeagentctl` reads the agent's address through this layer in a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import typing
@@ -68,7 +69,9 @@ class RawTree:
 
     `sections`: walk (and interpolate) only these top-level keys — the CLI reads `agent` without tripping over a
     `${VAR}` of another section that only the agent's environment sets. `loader`: libyaml's parser for the CLI's
-    fast path; the agent's loader keeps PyYAML's own, whose error messages its tests and docs quote."""
+    fast path; the agent's loader keeps PyYAML's own, whose error messages its tests and docs quote — it reads
+    the text with libyaml first (~10× faster: a rollout's member reads each new file) and again with PyYAML's own
+    only when that fails, so an error says what PyYAML says."""
 
     def __init__(self, filename: str, env: typing.Mapping[str, str], loader: Any = yaml.SafeLoader) -> None:
         self.filename = filename
@@ -77,7 +80,14 @@ class RawTree:
         self.lines: dict[KeyPath, int] = {}
 
     def build(self, text: str, sections: typing.Container[str] | None = None) -> Any:
-        loader = self.loader(text)
+        fast = getattr(yaml, "CSafeLoader", None) if self.loader is yaml.SafeLoader else None
+        if fast is not None:
+            with contextlib.suppress(Exception):  # any failure: PyYAML's own answers (and words the error)
+                return self._build(fast, text, sections)
+        return self._build(self.loader, text, sections)
+
+    def _build(self, loader_class: Any, text: str, sections: typing.Container[str] | None) -> Any:
+        loader = loader_class(text)
         try:
             node = loader.get_single_node()
             if node is None:
