@@ -14,6 +14,8 @@ A ledger is plain JSON (times in seconds since the campaign began):
 - `stopped_at_end`: {pid, node, role} left in state T once every fault had healed
 - `empties`: {t, group} every 200 answer without a token; `attributed`: {t, group} the first moment the agent's PD
   watch counted an empty answer of that group (its status' `empty_streaks`)
+- `generations`: {t, group, generation, reason, by, backoff_s} each new generation in etcd; `backoff_s`: the group
+  restart backoff it was written with (the recovery bound adds it: `backoff_in`)
 - `bounds`: {recovery_s, probe_period_s, warmup}: the limits the config gives
 """
 
@@ -160,14 +162,22 @@ def empties_attributed(ledger: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def backoff_in(ledger: dict[str, Any], fault: dict[str, Any]) -> float:
+    """The longest group restart backoff the agents stated (a generation's `not_before`) while the fault lasted:
+    the restart policy's crash-loop backoff is one of the config's bounds — a group that failed again and again
+    (faults faster than the policy's `stable_after_s`) waits it before its next start, by design."""
+    lo, hi = fault["injected"], fault.get("recovered") or ledger["duration"]
+    return max((float(g.get("backoff_s", 0.0)) for g in ledger["generations"] if lo <= g["t"] <= hi), default=0.0)
+
+
 def invariants(ledger: dict[str, Any]) -> dict[str, list[Any]]:
     """Each outside-visible invariant and its violations (empty list: held)."""
-    bound = ledger["bounds"]["recovery_s"]
     slow = []
     for f in ledger["faults"]:
         took = None if f.get("recovered") is None else f["recovered"] - (f["healed"] or f["injected"])
-        if took is not None and took > bound:
-            slow.append({"fault": f["id"], "cls": f["cls"], "after_heal_s": round(took, 2)})
+        backoff = backoff_in(ledger, f)
+        if took is not None and took > ledger["bounds"]["recovery_s"] + backoff:
+            slow.append({"fault": f["id"], "cls": f["cls"], "after_heal_s": round(took, 2), "backoff_s": backoff})
     never = [{"fault": f["id"], "cls": f["cls"]} for f in ledger["faults"] if f.get("recovered") is None]
     return {
         "two_generations_alive": list(ledger["overlaps"]),

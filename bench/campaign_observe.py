@@ -261,8 +261,11 @@ class Observer:
             if self.gens.get(group) != gen:
                 self.gens[group] = gen
                 with self.ledger.lock:
+                    # the group's restart backoff the agents stated with it (`not_before`, the crash-loop policy)
+                    backoff = max(0.0, float(record.get("not_before") or 0) - float(record.get("at") or 0))
                     self.ledger.generations.append({"t": self.ledger.now(), "group": group, "generation": gen,
-                                                    "reason": record.get("reason", ""), "by": record.get("by", "")})
+                                                    "reason": record.get("reason", ""), "by": record.get("by", ""),
+                                                    "backoff_s": round(backoff, 2)})  # fmt: skip
 
     def poll_capacity(self) -> None:
         status, body = http(f"http://127.0.0.1:{self.proxy_port}/healthcheck", timeout=1.0)

@@ -79,6 +79,19 @@ def test_two_trees_alive_stopped_processes_and_slow_or_no_recovery_are_violation
     assert cc.report(led)["violations"] == 4
 
 
+def test_the_recovery_bound_adds_the_group_backoff_the_agents_stated() -> None:
+    """A group that failed again and again backs off as one (`not_before`): the policy's wait is a bound the config
+    gives, not a slow recovery; a wait longer than bound + backoff still is one."""
+    gens = [{"t": 12.0, "group": "d0", "generation": 9, "reason": "crash", "by": "n2", "backoff_s": 40.0}]
+    led = ledger(faults=[fault(1, "kill_vllm", 10, 11, 100)], generations=gens)
+    assert cc.invariants(led)["recovery_over_bound"] == []  # 89 s after the heal <= 60 + 40
+    led = ledger(faults=[fault(1, "kill_vllm", 10, 11, 120)], generations=gens)
+    assert [(v["fault"], v["backoff_s"]) for v in cc.invariants(led)["recovery_over_bound"]] == [(1, 40.0)]
+    gens[0]["t"] = 5.0  # a backoff stated before the fault is not its
+    led = ledger(faults=[fault(1, "kill_vllm", 10, 11, 100)], generations=gens)
+    assert [v["fault"] for v in cc.invariants(led)["recovery_over_bound"]] == [1]
+
+
 def test_a_rank_fault_may_cost_what_was_in_flight_and_what_was_sent_before_detection() -> None:
     inflight = [req(9.5, status=502, answered=10.5)]
     undetected = [req(10.5, status=502), req(11.0, status=0)]

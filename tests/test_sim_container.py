@@ -34,9 +34,8 @@ def test_a_seed_that_found_a_bug_in_container_mode_stays_fixed(seed: int, layout
 
 
 CONTAINER_WINDOW = 8
-"""Container mode's window: one seed in eight of the CI budget's (760001, 760009, ...). Not in the budget yet; its
-one finding (seed 760353, fixed since) is kept above; 62 of its 63 seeds in 760000–760499 ran clean
-(docs/performance.md)."""
+"""Container mode's window: one seed in eight of the CI budget's (760001, 760009, ...: `simulation.node_for`); its
+one finding (seed 760353, fixed since) is kept above."""
 
 
 def container_seeds(count: int) -> list[int]:
