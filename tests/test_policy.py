@@ -255,3 +255,27 @@ def test_the_hold_order_is_the_documented_one() -> None:
     assert pause.is_pause and not Hold(HoldKind.BARRIER, "paused-looking text").is_pause, "kinds, never texts"
     assert min([Hold(HoldKind.BARRIER, "b"), Hold(HoldKind.PREFLIGHT, "p")],
                key=lambda h: HOLD_ORDER.index(h.kind)).kind == HoldKind.PREFLIGHT
+
+
+def test_the_proxy_killed_minutes_apart_comes_back_within_2_s_every_time() -> None:
+    """The fault campaign (seed 3305): the proxy kill -9'd at 45, 997, 1035, 1430, 1497 and 1743 s, serving in
+    between. With the components' default (stable after 10 min) its fifth kill in 15 min escalated with an 80 s
+    wait — every request failed meanwhile; the proxy's own default restarts it at once after a minute's serving."""
+    from nodeagent.config.model import PROXY_RESTART, ProxyComponent
+
+    assert ProxyComponent().restart == PROXY_RESTART
+    kills = [45.0, 997.0, 1035.0, 1430.0, 1497.0, 1743.0]
+
+    def waits(spec: RestartSpec) -> list[tuple[str, float]]:
+        tracker, out = RestartTracker(spec=spec), []
+        for kill in kills:
+            decision = tracker.record_failure(kill, "killed")
+            out.append((decision.action, decision.delay_s))
+            tracker.record_start(kill + decision.delay_s)
+            tracker.record_healthy(kill + decision.delay_s + 5)  # up and serving 5 s after its start
+        return out
+
+    proxy = waits(PROXY_RESTART)
+    assert {action for action, _ in proxy} == {"restart"} and max(delay for _, delay in proxy) <= 2.0, proxy
+    default = waits(RestartSpec())
+    assert ("redeploy", 80.0) in default, f"the components' default escalates with a long wait: {default}"

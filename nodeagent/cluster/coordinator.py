@@ -93,7 +93,7 @@ class Coordinator:
                                   lambda: {n: m.record for n, m in membership.members.items()},
                                   lambda: self.records, port.emit,
                                   functools.partial(port.block_ready, plan.component, "backends"),
-                                  self.clock, proxy_post)
+                                  self.clock, proxy_post, lambda: self.store.state, config.cluster.member_ttl_s)
                         for plan in self.layout.proxies
                         if plan.node == self.node and plan.component in here.components]  # fmt: skip
         for proxy in self.proxies:
@@ -585,7 +585,8 @@ class Coordinator:
     def acks(self) -> dict[str, Any]:
         """For the member key: the generation each group's ranks here were started for."""
         here = self.port.snapshot().components
-        return {n: {"generation": g.acted, "released": g.released == g.acted, "ranks": list(g.components),
+        return {n: {"generation": g.acted, "epoch": g.acted_epoch, "released": g.released == g.acted,
+                    "ranks": list(g.components),
                     "running": [c for c in g.components if here[c].running]}
                 for n, g in self.gangs.items()}  # fmt: skip
 

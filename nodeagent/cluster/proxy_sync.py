@@ -28,6 +28,7 @@ from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ProxyBackends
 
 if TYPE_CHECKING:
+    from nodeagent.cluster.store import ConnectionState
     from nodeagent.seam.stackport import ComponentView
 
 PERIOD_S = 1.0
@@ -47,8 +48,10 @@ instance removed under load only when no request is in flight at its check, and 
 under steady traffic, never (the group stays out, unused)."""
 
 
-def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], generation: int | None) -> tuple[bool, str]:
-    """(healthy, why not) from the members' records (pure)."""
+def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], generation: int | None,
+                  epoch: str | None = None) -> tuple[bool, str]:  # fmt: skip
+    """(healthy, why not) from the members' records (pure). A member's ack of another store incarnation (`epoch`:
+    etcd was wiped) is no sign of an old generation: the new epoch's generations start again, nothing restarts."""
     for node in group.nodes:  # an isolated member first: it is why the others wait
         if (members.get(node) or {}).get("isolated"):
             return False, f"{node} is isolated: {members[node]['isolated']}"
@@ -60,9 +63,19 @@ def group_healthy(group: Group, members: Mapping[str, Mapping[str, Any]], genera
         if comp.get("state") not in SERVING_STATES or (proc.endpoint and not comp.get("ready")):
             return False, f"{proc.node}/{proc.component} is {comp.get('state', 'absent')}"
         ack = (record.get("gangs") or {}).get(group.name) or {}
-        if generation is not None and ack.get("generation") not in (None, generation):
+        if (generation is not None and ack.get("generation") not in (None, generation)
+                and (not epoch or ack.get("epoch") in (None, "", epoch))):  # fmt: skip
             return False, f"{proc.node} runs generation {ack.get('generation')}, the group is at {generation}"
     return True, ""
+
+
+def settled_members(members: Mapping[str, Mapping[str, Any]], last: Mapping[str, Mapping[str, Any]],
+                    settling: bool) -> dict[str, Mapping[str, Any]]:
+    """The member records to judge the groups by (pure): while etcd's view settles after etcd came back (`settling`:
+    wiped, restarted, or its leases expired while it was away), a member whose key is not written again yet counts
+    as it last was — its absence is etcd's doing, not its node's (the campaign's seed 3305: every group taken out of
+    the proxy at each etcd return). After that, a missing key is an agent gone."""
+    return {**last, **members} if settling else dict(members)
 
 
 def _components(group: Group, members: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -139,7 +152,8 @@ class ProxySync:
     def __init__(self, plan: ProxyPlan, groups: Iterable[Group], component: Callable[[], ComponentView | None],
                  members: Callable[[], Mapping[str, Any]], records: Callable[[], Mapping[str, Any]],
                  emit: Callable[..., Any], block_ready: Callable[[str | None], None], clock: Clock | None = None,
-                 post: ProxyPost | None = None) -> None:  # fmt: skip
+                 post: ProxyPost | None = None, connection: Callable[[], ConnectionState] | None = None,
+                 settle_s: float = 10.0) -> None:  # fmt: skip
         self.plan = plan
         self.clock = clock or Clock()
         self._send = post or http_post
@@ -172,6 +186,13 @@ class ProxySync:
         """group → (since, its nodes' component records) when its instances were seen gone from the proxy without
         this sync removing them: a node removed them as its rank died (`proxy_evict`). Kept out until one of those
         records changes — they saw the death or the restart since; with etcd away, at its return — or EVICTED_S."""
+        self._connection, self.settle_s = connection, settle_s
+        """etcd's connection state, and how long after etcd came back the members' records are still settling (their
+        agents write them again within a lease TTL)."""
+        self._since_seen: float | None = None
+        self._back_at: float | None = None
+        """When etcd was last seen come back (monotonic): a new `since` of a reachable connection."""
+        self._last_members: dict[str, Mapping[str, Any]] = {}
         self._launch_asked = False
         """A launch asked since the last new pid: the next new pid is that launch's (else one this agent did not
         launch — adopted: its lists are assumed to be its command line's, as the config says)."""
@@ -222,14 +243,28 @@ class ProxySync:
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
         self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
 
+    def settling(self) -> bool:
+        """etcd came back within `settle_s` (its connection's `since` changed while reachable: a return between two
+        looks is seen too)."""
+        state = self._connection() if self._connection is not None else None
+        if state is None or not state.reachable:
+            return False
+        if state.since != self._since_seen:
+            if self._since_seen is not None:
+                self._back_at = self.clock.monotonic()
+            self._since_seen = state.since
+        return self._back_at is not None and self.clock.monotonic() - self._back_at < self.settle_s
+
     def _read(self) -> tuple[dict[str, tuple[bool, str]], bool, set[str], dict[str, set[str]]]:
         """(group → (healthy and not held, why not), every hold source has read its state, the groups held out,
         group → the groups it waits for)."""
-        members = self._members()
+        members = settled_members(self._members(), self._last_members, self.settling())
+        self._last_members = dict(members)
         health: dict[str, tuple[bool, str]] = {}
         for group in self.groups:
             record = self._records().get(group.name)
-            health[group.name] = group_healthy(group, members, record.generation if record is not None else None)
+            health[group.name] = group_healthy(group, members, *((record.generation, record.epoch)
+                                                                 if record is not None else (None, None)))
             since, seen = self.evicted.get(group.name, (0.0, None))
             if seen is not None and seen == _components(group, members) and (
                     self.clock.monotonic() - since < EVICTED_S):  # fmt: skip
