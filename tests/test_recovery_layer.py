@@ -51,6 +51,9 @@ class FakeTools:
         procs = tuple(NpuProcess(n, 0, 4000 + n, "python3", 50000) for n in self.health) if self.busy() else ()
         return NpuSnapshot(self.clock.time(), NpuInfo("24.1.rc2", chips, procs))
 
+    async def info_text(self) -> str:
+        return "npu-smi 24.1.rc2 (the fake's table)"
+
     async def reset(self, argv: list[str]) -> str:
         self.resets.append(int(argv[argv.index("-i") + 1]))
         if self.heals:
