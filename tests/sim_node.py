@@ -478,26 +478,35 @@ class RealWorld(World):
         stack.host.backends = sup.launch_backends
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, sup, membership, clock=self.clock, proxy_post=post)
+        first, cluster, before = self.node_layers(stack, sup, coordinator)
         # as `agent.Agent.layers` orders them
-        for layer in (coordinator.ft, coordinator, ProxyEvict(coordinator, post), sup.container,
+        for layer in (*first, coordinator.ft, coordinator, ProxyEvict(coordinator, post), *cluster, sup.container,
                       ChangeObserver(membership.status_changed), ChangeObserver(stack.notify)):  # fmt: skip
             if layer is not None:
                 sup.attach(layer)
         stack.supervisor = sup
         membership.start()
         coordinator.start()
-        task = asyncio.ensure_future(self._start(sup))
+        task = asyncio.ensure_future(self._start(sup, before))
         stack.host.tasks.add(task)
         task.add_done_callback(stack.host.tasks.discard)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)  # type: ignore[arg-type]
         return agent
+
+    def node_layers(self, stack: RealStack, sup: Supervisor,
+                    coordinator: Coordinator) -> tuple[list[Any], list[Any], Callable[[], Any] | None]:  # fmt: skip
+        """The node's own layers (before the cluster's), the cluster's after the proxy evict, and what starts them
+        before the stack (the NPU guards and ladder: `sim_npu`); none here."""
+        return [], [], None
 
     def container_for(self, stack: RealStack) -> Callable[[Supervisor], Any] | None:
         """The node's container mode (`sim_container` gives one over a simulated engine); None: no container."""
         return None
 
     @staticmethod
-    async def _start(sup: Supervisor) -> None:
+    async def _start(sup: Supervisor, before: Callable[[], Any] | None = None) -> None:
+        if before is not None:  # the NPU guards, as the agent starts them before the stack
+            await before()
         if sup.container is not None:  # before the stack, as the agent does: its components adopt or wait for it
             await sup.container.start()  # type: ignore[attr-defined]
         await sup.start()
