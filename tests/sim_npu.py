@@ -224,6 +224,7 @@ class NpuSim:
         self.attempts: dict[str, list[float]] = {n: [] for n in world.stacks}
         """node → when each reset rung began since the node was last uncordoned (the ladder's budget)."""
         self.isolated: dict[str, str | None] = dict.fromkeys(world.stacks)
+        """node → why its ladder isolated it, until the operator's uncordon is answered (across its agents)."""
         self.uncordons = 0
         world.node_layers = self.node_layers
         kill_agent, before_launch = world.kill_agent, sim.before_launch
@@ -278,6 +279,7 @@ class NpuSim:
             if group is not None:  # the drain: one generation of the group per rung (reset_drain)
                 self.sim.group_causes[group] += 1
         elif event == "node_isolated":
+            self.isolated[node] = message
             self.judge_isolation(node, message)
             if group is not None:
                 self.sim.group_causes[group] += 1
@@ -303,8 +305,8 @@ class NpuSim:
         guards = self.guards.get(stack.node)
         rec = guards.recovery if guards is not None else None
         why = None
-        if rec is not None and rec.state.isolated is not None:
-            why = f"isolated ({rec.state.isolated})"
+        if self.isolated[stack.node] is not None:
+            why = f"isolated ({self.isolated[stack.node]}) and not uncordoned"
         elif rec is not None and rec.rung is not None:
             why = f"a chip reset runs ({rec.rung.get('step')})"
         elif self.chips[stack.node].resetting:
@@ -356,6 +358,7 @@ class NpuSim:
         except NotIsolated as exc:
             return self.sim.log(f"operator: uncordon {node} refused: {exc}")
         self.uncordons += 1
+        self.isolated[node] = None
         if node in self.sim.group_of:
             self.sim.group_causes[self.sim.group_of[node]] += 1
         self.sim.log(f"operator: uncordon {node} (was isolated: {was})")

@@ -1,0 +1,94 @@
+"""The NPU guards and the chip-reset ladder in the whole-cluster simulation (`tests/sim_npu.py`, `simulation.py --npu`):
+the real `StartGuards`, `NodeRecovery` and `RecoveryFollower` over a simulated chip set reset, isolate and are
+uncordoned cleanly on every layout, a seed replays its run, and the bugs the NPU invariants exist for are found when
+planted — a ladder that stops host components, an isolation before the reset budget is spent, an NPU user started
+on an isolated node, an uncordon that leaves the node isolated."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import simulation
+from simulation import make_schedule, run_schedule
+
+LAYOUTS = ("local-cluster", "small", "8node")
+
+
+def schedules(count: int, first: int = 1) -> list[simulation.Schedule]:
+    """Real-node schedules with the NPU faults, from seed `first`, the layouts in turn."""
+    return [make_schedule(seed, LAYOUTS[seed % 3], 180, node="real", npu=True) for seed in range(first, first + count)]
+
+
+def planted_find(invariants: set[str], tries: int = 8) -> dict[str, Any] | None:
+    for schedule in schedules(tries):
+        result = run_schedule(schedule)
+        hit = [v for v in result.violations if v.invariant in invariants]
+        if hit:
+            assert run_schedule(schedule).trace == result.trace, f"seed {schedule.seed} does not replay its run"
+            return {"seed": schedule.seed, "violation": str(hit[0]), "replay": simulation.replay_line(schedule)}
+    return None
+
+
+def test_chip_faults_resets_isolation_and_uncordon_run_clean_and_replay() -> None:
+    seen: Counter[str] = Counter()
+    for schedule in schedules(6):
+        result = run_schedule(schedule)
+        assert result.ok, simulation.describe(result) + "\n" + "\n".join(result.trace[-60:])
+        for line in result.trace:
+            for what in ("npu_reset:", "node_isolated:", "node_uncordoned:", "npu_reset_failed:", "gang_drain:"):
+                seen[what] += what in line
+    # the window exercises every rung: resets (some failing), isolation past the budget, the operator's uncordon
+    assert all(seen[w] for w in ("npu_reset:", "node_isolated:", "node_uncordoned:", "npu_reset_failed:",
+                                 "gang_drain:")), seen  # fmt: skip
+    again = schedules(1, 4)[0]
+    assert run_schedule(again).trace == run_schedule(again).trace
+    assert "--npu" in simulation.replay_line(again)
+
+
+def test_a_ladder_that_stops_host_components_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the ladder takes every component for an NPU user (the worker, etcd, the proxy too)."""
+    from nodeagent.layers import chip_reset
+
+    monkeypatch.setattr(chip_reset, "npu_users", lambda config: list(config.active_components()))
+    found = planted_find({"npu_beyond_ladder"})
+    assert found is not None, "the simulation did not find a chip reset that stops host components"
+    print(f"found: {found}")
+
+
+def test_an_isolation_before_the_reset_budget_is_spent_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the budget counts one reset more than were made (isolation after the first)."""
+    from nodeagent.layers.reset_ladder import LadderState
+
+    real = LadderState.resets_of
+    monkeypatch.setattr(LadderState, "resets_of", lambda self, chip, now: [*real(self, chip, now), *self.resets[:1]])
+    found = planted_find({"ladder_order"})
+    assert found is not None, "the simulation did not find an isolation before the reset budget was spent"
+    print(f"found: {found}")
+
+
+def test_an_npu_user_started_on_an_isolated_node_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the ladder forgets its isolation once it stopped the NPU users (nothing holds them then)."""
+    from nodeagent.layers.chip_reset import NodeRecovery
+
+    real = NodeRecovery.isolate
+
+    async def isolate(self: NodeRecovery, reason: str) -> None:
+        await real(self, reason)
+        self.state.isolated = None
+
+    monkeypatch.setattr(NodeRecovery, "isolate", isolate)
+    found = planted_find({"npu_user_on_bad_chip"})
+    assert found is not None, "the simulation did not find an NPU user started on an isolated node"
+    print(f"found: {found}")
+
+
+def test_an_uncordon_that_leaves_the_node_isolated_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: uncordon answers as done but the isolation stays."""
+    from nodeagent.layers.reset_ladder import LadderState
+
+    monkeypatch.setattr(LadderState, "uncordon", lambda self: self.isolated)
+    found = planted_find({"no_convergence", "ladder_stuck"})
+    assert found is not None, "the simulation did not find a node left isolated after the operator's uncordon"
+    print(f"found: {found}")
