@@ -104,6 +104,8 @@ class SimNpus:
     resetting: int = 0
     """Reset commands running at the chips now."""
     resets: int = 0
+    healthy_since: float = 0.0
+    """When the last fault went (replaced or cured by a reset): the chips read OK since, if none is left."""
 
     @property
     def clock(self) -> Any:
@@ -117,6 +119,7 @@ class SimNpus:
         for npu, fault in list(self.faults.items()):
             if fault.heals_at <= now:
                 del self.faults[npu]
+                self.healthy_since = max(self.healthy_since, fault.heals_at)
                 self.sim.log(f"npu: {self.node} npu {npu} replaced (healthy)")
 
     def users_alive(self) -> list[tuple[int, str]]:
@@ -186,6 +189,7 @@ class SimNpus:
         cured = [n for n, f in self.faults.items() if f.reset_cures]
         for n in cured:
             del self.faults[n]
+            self.healthy_since = self.now()
         self.sim.log(f"npu: {self.node} reset done (cured: {cured or 'nothing'})")
         return 0, out + "        Status                         : OK\n" \
                         "        Message                        : Reset card successfully.\n"  # fmt: skip
@@ -293,7 +297,14 @@ class NpuSim:
         policy = guards.recovery.state.policy
         now = self.sim.clock.monotonic()
         spent = [t for t in self.attempts[node] if now - t < policy.reset_window_s]
-        critical = any(f.state is CRITICAL for f in self.chips[node].faults.values())
+        chips = self.chips[node]
+        chips.heal_due()
+        period = guards.npu.period_s
+        if not chips.faults and now - chips.healthy_since > period + 1.0:
+            self.sim.violate("isolated_healthy", f"{node} isolated while its chips have read OK for "
+                             f"{now - chips.healthy_since:.0f}s (more than a poll period): {message}")  # fmt: skip
+            return
+        critical = any(f.state is CRITICAL for f in chips.faults.values())
         if critical or "chip reset impossible" in message or len(spent) >= policy.resets_per_chip:
             return
         self.sim.violate("ladder_order", f"{node} isolated after {len(spent)} reset(s) of a budget of "
