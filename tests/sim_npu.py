@@ -24,7 +24,8 @@ Invariants (strict): `npu_beyond_ladder` — a stop the ladder asks (`cause="npu
 users (never the worker, etcd or the proxy); other nodes' ranks stop only through their group's generation, which a
 chip fault licenses (`restart_without_cause` otherwise); `ladder_order` — no isolation before the reset budget is
 spent (`recovery.resets_per_chip_per_hour` resets since the last uncordon) unless a chip is `Critical` or the reset
-found its chips held; `npu_user_on_bad_chip` — no NPU user launched while its node is isolated or a reset runs
+found its chips held; `isolated_healthy` — no isolation once the chips have read OK for more than a poll period;
+`npu_user_on_bad_chip` — no NPU user launched while its node is isolated or a reset runs
 (from the ladder's stop to its start, or a reset command at the chips); after the faults heal and the operator's
 last uncordon, the node converges (`no_convergence`, with the ladder's own times added to the bound) and the
 ladder is at rest (`ladder_stuck`).

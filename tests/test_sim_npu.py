@@ -2,7 +2,7 @@
 the real `StartGuards`, `NodeRecovery` and `RecoveryFollower` over a simulated chip set reset, isolate and are
 uncordoned cleanly on every layout, a seed replays its run, and the bugs the NPU invariants exist for are found when
 planted — a ladder that stops host components, an isolation before the reset budget is spent, an NPU user started
-on an isolated node, an uncordon that leaves the node isolated."""
+on an isolated node, an uncordon that leaves the node isolated, faults that cleared still judged."""
 
 from __future__ import annotations
 
@@ -91,4 +91,24 @@ def test_an_uncordon_that_leaves_the_node_isolated_is_found(monkeypatch: pytest.
     monkeypatch.setattr(LadderState, "uncordon", lambda self: self.isolated)
     found = planted_find({"no_convergence", "ladder_stuck"})
     assert found is not None, "the simulation did not find a node left isolated after the operator's uncordon"
+    print(f"found: {found}")
+
+
+def test_a_ladder_that_judges_faults_that_cleared_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the monitor keeps reporting the first faults it saw after they cleared (the ladder resets
+    healthy chips, then isolates a node whose chips read OK)."""
+    from nodeagent.npu.monitor import NpuMonitor
+
+    real = NpuMonitor.faults.fget
+    assert real is not None
+
+    def stale(self: NpuMonitor) -> list[Any]:
+        now, kept = real(self), self.__dict__.setdefault("_kept", [])
+        if now and not kept:
+            kept.extend(now)
+        return now or list(kept)
+
+    monkeypatch.setattr(NpuMonitor, "faults", property(stale))
+    found = planted_find({"isolated_healthy"})
+    assert found is not None, "the simulation did not find an isolation of a node whose chips read OK"
     print(f"found: {found}")
