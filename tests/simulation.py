@@ -51,7 +51,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -1315,6 +1315,18 @@ def replay_line(s: Schedule) -> str:
     pd += " --npu" if any(e.kind.startswith("npu_") for e in s.events) else ""
     return (f"PYTHONHASHSEED=0 .venv/bin/python tests/simulation.py --seed {s.seed} --layout {s.layout} "
             f"--duration {s.duration:g} --node {s.node}{pd}")  # fmt: skip
+
+
+def planted_found(schedules: Iterable[Schedule], invariants: set[str]) -> dict[str, Any] | None:
+    """A planted bug's finding: the first of `schedules` that violates one of `invariants`, checked to replay its run
+    event for event (its seed, the violation, the replay line); None when none does."""
+    for schedule in schedules:
+        result = run_schedule(schedule)
+        hit = [v for v in result.violations if v.invariant in invariants]
+        if hit:
+            assert run_schedule(schedule).trace == result.trace, f"seed {schedule.seed} does not replay its run"
+            return {"seed": schedule.seed, "violation": str(hit[0]), "replay": replay_line(schedule)}
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,13 +22,7 @@ def schedules(count: int, first: int = 1) -> list[simulation.Schedule]:
 
 
 def planted_find(invariants: set[str], tries: int = 8) -> dict[str, Any] | None:
-    for schedule in schedules(tries):
-        result = run_schedule(schedule)
-        hit = [v for v in result.violations if v.invariant in invariants]
-        if hit:
-            assert run_schedule(schedule).trace == result.trace, f"seed {schedule.seed} does not replay its run"
-            return {"seed": schedule.seed, "violation": str(hit[0]), "replay": simulation.replay_line(schedule)}
-    return None
+    return simulation.planted_found(schedules(tries), invariants)
 
 
 def test_chip_faults_resets_isolation_and_uncordon_run_clean_and_replay() -> None:
