@@ -48,7 +48,7 @@ from nodeagent.cluster.reset_drain import RecoveryFollower
 from nodeagent.config.model import Config
 from nodeagent.core.process import ProcessRecord
 from nodeagent.core.run import RunTimeout
-from nodeagent.layers.chip_reset import NotIsolated, npu_users
+from nodeagent.layers.chip_reset import NotIsolated
 from nodeagent.layers.guards import StartGuards
 from nodeagent.npu.tools import NpuTools
 
@@ -72,6 +72,13 @@ RECOVERY = {"resets_per_chip_per_hour": 2, "pause_after_reset_s": 10.0, "idle_ti
 """The ladder's limits in these schedules: two resets per chip (isolation within a schedule), a short pause."""
 ALARM = {"health": "Alarm", "error_codes": ["80CB8009"]}
 CRITICAL = {"health": "Critical", "error_codes": ["80E18005"]}
+
+
+def npu_users(config: Config) -> list[str]:
+    """What holds the chips in this world (the checker's own fact, not the ladder's rule it checks): the vLLM ranks,
+    and a datasystem worker with RH2D device ids."""
+    return [n for n, c in config.active_components().items()
+            if c.kind == "vllm" or (c.kind == "datasystem" and getattr(c, "remote_h2d_device_ids", None))]  # fmt: skip
 
 
 def npu_config(config: Config) -> Config:
