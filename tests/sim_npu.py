@@ -113,6 +113,8 @@ class SimNpus:
     """Reset commands running at the chips now."""
     resets: int = 0
     healthy_since: float = 0.0
+    critical_gone: float = float("-inf")
+    """When the last `Critical` chip was replaced (the monitor may see it for one more poll period)."""
     """When the last fault went (replaced or cured by a reset): the chips read OK since, if none is left."""
 
     @property
@@ -128,6 +130,8 @@ class SimNpus:
             if fault.heals_at <= now:
                 del self.faults[npu]
                 self.healthy_since = max(self.healthy_since, fault.heals_at)
+                if fault.state is CRITICAL:
+                    self.critical_gone = max(self.critical_gone, fault.heals_at)
                 self.sim.log(f"npu: {self.node} npu {npu} replaced (healthy)")
 
     def users_alive(self) -> list[tuple[int, str]]:
@@ -312,7 +316,7 @@ class NpuSim:
             self.sim.violate("isolated_healthy", f"{node} isolated while its chips have read OK for "
                              f"{now - chips.healthy_since:.0f}s (more than a poll period): {message}")  # fmt: skip
             return
-        critical = any(f.state is CRITICAL for f in chips.faults.values())
+        critical = any(f.state is CRITICAL for f in chips.faults.values()) or now - chips.critical_gone <= period + 1.0
         if critical or "chip reset impossible" in message or len(spent) >= policy.resets_per_chip:
             return
         self.sim.violate("ladder_order", f"{node} isolated after {len(spent)} reset(s) of a budget of "
@@ -352,7 +356,11 @@ class NpuSim:
             npu = event.pick % NPUS
             state = CRITICAL if kind == "npu_chip_critical" else ALARM
             lasting = 30.0 + 3.0 * event.duration
-            chips.faults[npu] = ChipFault(npu, state, now + lasting, kind == "npu_chip_fault")
+            fault, was = ChipFault(npu, state, now + lasting, kind == "npu_chip_fault"), chips.faults.get(npu)
+            if was is not None:  # a second fault of a faulty chip: the worse state, the later replacement
+                fault = ChipFault(npu, CRITICAL if CRITICAL in (state, was.state) else ALARM,
+                                  max(fault.heals_at, was.heals_at), fault.reset_cures and was.reset_cures)  # fmt: skip
+            chips.faults[npu] = fault
             self.license(node, f"{kind} of {node} npu {npu}")
             return sim.log(f"npu: {node} npu {npu} {state['health']} ({kind}; replaced after {lasting:.0f}s)")
         if kind == "npu_reset_fail":
