@@ -106,3 +106,14 @@ def test_a_ladder_that_judges_faults_that_cleared_is_found(monkeypatch: pytest.M
     found = planted_find({"isolated_healthy"})
     assert found is not None, "the simulation did not find an isolation of a node whose chips read OK"
     print(f"found: {found}")
+
+
+@pytest.mark.parametrize(("seed", "layout"), [(760012, "local-cluster"), (760153, "local-cluster"),
+                                              (760224, "8node"), (760243, "local-cluster")])  # fmt: skip
+def test_a_seed_that_found_a_bug_of_the_ladder_stays_fixed(seed: int, layout: str) -> None:
+    """Found by the first 300-seed window (docs/simulation.md): a failed reset's verdict isolated a node whose chips
+    read OK (760012 after a failed verify, 760153 after a hung reset, 760224 on the 8-node file; fixed in
+    `NodeRecovery._chips_back`); 760243 has the same, and was the checker's own too (a Critical chip taken for the Alarm
+    that followed it)."""
+    result = run_schedule(make_schedule(seed, layout, 180, node="real", npu=True))
+    assert result.ok, simulation.describe(result) + "\n" + "\n".join(result.trace[-60:])

@@ -243,6 +243,9 @@ class NodeRecovery:
             await self.npu.poll(begun_after_call=True)
         self._note_baseline()
         now = self.clock.time()
+        if self.unverified is not None and self.state.decide([self.unverified], now) is not None \
+                and await self._chips_back():
+            return  # the failed reset's next rung is due, and the chips read OK now
         faults = [*self.npu.faults, *([self.unverified] if self.unverified else [])]
         action = self.state.decide(faults, now)
         if isinstance(action, ChipReset):
@@ -258,6 +261,26 @@ class NodeRecovery:
             await self.reset(action)
         elif isinstance(action, Isolate):
             await self.isolate(action.reason)
+
+    async def _chips_back(self) -> bool:
+        """A failed reset judged again on the chips as they are now, by the verify step's own rule (all present and
+        OK, HBM at its idle baseline): they came back late, or were replaced — the NPU users start, no next rung."""
+        snap = await self.npu.poll(begun_after_call=True)
+        if snap is None or snap.info is None or self.unverified is None:
+            return False
+        if self.state.decide(self.npu.faults, self.clock.time()) is not None:
+            return False  # the fresh poll sees a fault that asks a rung of its own: the ladder goes on
+        health = {c.npu: c.health for c in snap.info.chips}
+        hbm = {c.npu: c.hbm_used_mb for c in snap.info.chips if c.hbm_used_mb is not None}
+        ok, detail = verify_after_reset(health, hbm, self.state.policy, self.baseline)
+        if not ok:
+            return False
+        was, self.unverified, self.rung = self.unverified, None, None
+        self.port.emit("npu_reset_done", f"the chips read OK after the failed reset ({was.message}): {detail}; the "
+                       "NPU users start again", None)  # fmt: skip
+        self.port.wake()
+        self._changed()
+        return True
 
     def _note_baseline(self) -> None:
         snap = self.npu.last
