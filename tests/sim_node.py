@@ -10,7 +10,8 @@ checks) and time:
 - `SimHost`: one node's processes — a launch is a process that is up `start_s` later, killed (`crash`), hung
   (`hang`: its probes time out) or killed during start-up (`start_fail`, an OOM kill while loading); a stop takes
   its tree `stop_s` (a killed API server's orphaned engine), a stop begun goes on when the agent dies; adoption
-  verifies pid + start time; residue is always clean, prerequisites always there, the tree watch sees nothing;
+  verifies pid + start time; the residue cleanup kills what is left of a component's dead trees (nothing else is
+  residue), prerequisites are always there, the tree watch sees nothing;
 - `SimProbes`: the probe kinds' answers from the process table (the real prober's thresholds, periods, startup
   gating run on them);
 - `RealStack`: what the simulation reads of a node (as of `cluster_fakes.FakeStack`), from the real supervisor;
@@ -187,6 +188,15 @@ class SimHost:
         return None
 
     async def clean(self, plan: Any) -> list[Any]:
+        """The residue plan's kill of the component's leftovers: a tree whose main process died while it was not
+        stopped (an orphaned EngineCore) is killed -9 and gone before the start goes on, as the real cleanup
+        waits for it (the barrier cleans a rank that was not seen to die before it arrives)."""
+        left = [p for p in self.procs.values() if p.component == plan.component and not p.main_alive and not p.gone]
+        for proc in left:
+            until = self._tree_ends(proc, 0.05)
+            while not proc.gone:
+                await self.clock.sleep(max(until - self.clock.monotonic(), 0.001))
+                until = proc.gone_at or until
         return []
 
     async def launch(self, spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str], capture_dir: Path,
