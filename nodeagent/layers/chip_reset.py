@@ -450,7 +450,6 @@ class NodeRecovery:
         self.port.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written ({evidence.kind})", None,
                        path=str(path))  # fmt: skip
 
-
     async def _info_text(self) -> str | None:
         """The raw `npu-smi info` page for the bundle, from the monitor's own tools (None where npu-smi is absent)."""
         if self.npu.tools.missing is not None:
