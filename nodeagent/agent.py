@@ -215,8 +215,8 @@ class Agent:
 
         self.membership = Membership(self.config, self.supervisor)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
-        self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor)
         self.proxy_evict = ProxyEvict(self.coordinator)
+        self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor, self.proxy_evict)
         self._make_pd_watches()
         self.rollout = RolloutExecutor(self.coordinator, self)
 

@@ -44,6 +44,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures" / "ascend"))
 import fake_ascend
 
+from nodeagent.cluster.proxy_evict import ProxyEvict
 from nodeagent.cluster.reset_drain import RecoveryFollower
 from nodeagent.config.model import Config
 from nodeagent.core.process import ProcessRecord
@@ -274,7 +275,16 @@ class NpuSim:
             return real_emit(event, message, component, level, **data)
 
         sup.restart, sup.events.emit = restart, emit
-        return [guards, guards.recovery], [RecoveryFollower(coordinator, sup)], guards.start
+        world = self.sim.world
+
+        async def post(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+            """What the proxy answers (`cluster_fakes.FakeProxy`); none yet: not reachable."""
+            if world.proxy is None:
+                raise OSError("no proxy yet")
+            return await world.proxy.post(url, body)  # type: ignore[no-any-return]
+
+        evict = ProxyEvict(coordinator, post)  # the agent gives its drain the proxy evict it attaches
+        return [guards, guards.recovery], [RecoveryFollower(coordinator, sup, evict)], guards.start
 
     # ---- what the ladder does, checked -------------------------------------------------------------------------
     def ladder_stops(self, stack: Any, names: Sequence[str], reason: str) -> None:

@@ -111,7 +111,7 @@ def test_a_ladder_that_judges_faults_that_cleared_is_found(monkeypatch: pytest.M
 @pytest.mark.parametrize(("seed", "layout"), [(760012, "local-cluster"), (760153, "local-cluster"),
                                               (760224, "8node"), (760243, "local-cluster"),
                                               (760025, "small"), (760123, "local-cluster"),
-                                              (760398, "8node")])  # fmt: skip
+                                              (760398, "8node"), (760400, "small")])  # fmt: skip
 def test_a_seed_that_found_a_bug_of_the_ladder_stays_fixed(seed: int, layout: str) -> None:
     """Found by the first 300-seed window (docs/simulation.md): a failed reset's verdict isolated a node whose chips
     read OK (760012 after a failed verify, 760153 after a hung reset, 760224 on the 8-node file; fixed in
@@ -119,6 +119,7 @@ def test_a_seed_that_found_a_bug_of_the_ladder_stays_fixed(seed: int, layout: st
     that followed it). 760025 and 760123 were the simulation's own: a rank's tree crashed while no agent watched
     outlived the barrier's cleanup, which found nothing (`SimHost.clean` kills the leftovers now, as the real one).
     760398 (the second window): an uncordon refused while a reset ran wiped the reset's record, the rung never ended
-    and held the node's ranks for good (`LadderState.uncordon` changes nothing when not isolated)."""
+    and held the node's ranks for good (`LadderState.uncordon` changes nothing when not isolated). 760400: the proxy
+    routed a rank being reset for 31 s while the proxy's agent was away (the drain evicts its groups now)."""
     result = run_schedule(make_schedule(seed, layout, 180, node="real", npu=True))
     assert result.ok, simulation.describe(result) + "\n" + "\n".join(result.trace[-60:])
