@@ -62,6 +62,7 @@ class Agent:
         from nodeagent.api.vllm_sampler import VllmSampler
         from nodeagent.core.events import EventBus
         from nodeagent.core.sdnotify import Notifier
+        from nodeagent.layers.chip_reset import HostNpu
         from nodeagent.layers.guards import StartGuards
         from nodeagent.layers.start_phases import StartPhaseWatch
         from nodeagent.layers.weight_warm import WeightWarmer
@@ -81,7 +82,7 @@ class Agent:
         self.container: ContainerMode | None = cast("ContainerMode | None", self.supervisor.container)
         """The node's container (container mode), as the composition root made it for the supervisor."""
         mode = "warn" if force and config.agent.preflight == "enforce" else config.agent.preflight
-        self.guards = StartGuards(self.supervisor, mode)
+        self.guards = StartGuards(self.supervisor, mode, HostNpu())
         self.weights = WeightWarmer(self.supervisor)
         """Keeps this node's weight shards in the page cache (issue 32 item 3); its loop runs from the start."""
         self.phases = StartPhaseWatch(self.supervisor)
@@ -214,8 +215,8 @@ class Agent:
 
         self.membership = Membership(self.config, self.supervisor)
         self.coordinator = Coordinator(self.config, self.supervisor, self.membership)
-        self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor)
         self.proxy_evict = ProxyEvict(self.coordinator)
+        self.recovery_follower = RecoveryFollower(self.coordinator, self.supervisor, self.proxy_evict)
         self._make_pd_watches()
         self.rollout = RolloutExecutor(self.coordinator, self)
 

@@ -10,7 +10,8 @@ checks) and time:
 - `SimHost`: one node's processes — a launch is a process that is up `start_s` later, killed (`crash`), hung
   (`hang`: its probes time out) or killed during start-up (`start_fail`, an OOM kill while loading); a stop takes
   its tree `stop_s` (a killed API server's orphaned engine), a stop begun goes on when the agent dies; adoption
-  verifies pid + start time; residue is always clean, prerequisites always there, the tree watch sees nothing;
+  verifies pid + start time; the residue cleanup kills what is left of a component's dead trees (nothing else is
+  residue), prerequisites are always there, the tree watch sees nothing;
 - `SimProbes`: the probe kinds' answers from the process table (the real prober's thresholds, periods, startup
   gating run on them);
 - `RealStack`: what the simulation reads of a node (as of `cluster_fakes.FakeStack`), from the real supervisor;
@@ -187,6 +188,15 @@ class SimHost:
         return None
 
     async def clean(self, plan: Any) -> list[Any]:
+        """The residue plan's kill of the component's leftovers: a tree whose main process died while it was not
+        stopped (an orphaned EngineCore) is killed -9 and gone before the start goes on, as the real cleanup
+        waits for it (the barrier cleans a rank that was not seen to die before it arrives)."""
+        left = [p for p in self.procs.values() if p.component == plan.component and not p.main_alive and not p.gone]
+        for proc in left:
+            until = self._tree_ends(proc, 0.05)
+            while not proc.gone:
+                await self.clock.sleep(max(until - self.clock.monotonic(), 0.001))
+                until = proc.gone_at or until
         return []
 
     async def launch(self, spec: LaunchSpec, log_dir: Path, base_env: Mapping[str, str], capture_dir: Path,
@@ -478,26 +488,35 @@ class RealWorld(World):
         stack.host.backends = sup.launch_backends
         post = self.proxy.post if self.proxy is not None else None
         coordinator = Coordinator(config, sup, membership, clock=self.clock, proxy_post=post)
+        first, cluster, before = self.node_layers(stack, sup, coordinator)
         # as `agent.Agent.layers` orders them
-        for layer in (coordinator.ft, coordinator, ProxyEvict(coordinator, post), sup.container,
+        for layer in (*first, coordinator.ft, coordinator, ProxyEvict(coordinator, post), *cluster, sup.container,
                       ChangeObserver(membership.status_changed), ChangeObserver(stack.notify)):  # fmt: skip
             if layer is not None:
                 sup.attach(layer)
         stack.supervisor = sup
         membership.start()
         coordinator.start()
-        task = asyncio.ensure_future(self._start(sup))
+        task = asyncio.ensure_future(self._start(sup, before))
         stack.host.tasks.add(task)
         task.add_done_callback(stack.host.tasks.discard)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)  # type: ignore[arg-type]
         return agent
+
+    def node_layers(self, stack: RealStack, sup: Supervisor,
+                    coordinator: Coordinator) -> tuple[list[Any], list[Any], Callable[[], Any] | None]:  # fmt: skip
+        """The node's own layers (before the cluster's), the cluster's after the proxy evict, and what starts them
+        before the stack (the NPU guards and ladder: `sim_npu`); none here."""
+        return [], [], None
 
     def container_for(self, stack: RealStack) -> Callable[[Supervisor], Any] | None:
         """The node's container mode (`sim_container` gives one over a simulated engine); None: no container."""
         return None
 
     @staticmethod
-    async def _start(sup: Supervisor) -> None:
+    async def _start(sup: Supervisor, before: Callable[[], Any] | None = None) -> None:
+        if before is not None:  # the NPU guards, as the agent starts them before the stack
+            await before()
         if sup.container is not None:  # before the stack, as the agent does: its components adopt or wait for it
             await sup.container.start()  # type: ignore[attr-defined]
         await sup.start()

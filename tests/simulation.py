@@ -51,7 +51,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -214,7 +214,7 @@ class Schedule:
 def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 600.0,
                   mix: dict[str, float] | None = None, mean_gap_s: float = 25.0,
                   node: str = "fake", rollouts: dict[str, float] | None = None,
-                  pd: bool = False) -> Schedule:  # fmt: skip
+                  pd: bool = False, npu: bool = False) -> Schedule:  # fmt: skip
     """The seed's faults and commands, drawn before the run: exponential gaps, kinds by weight. Rollout commands
     come from a stream of their own (`ROLLOUTS`; `{}`: none — a schedule as drawn before rollouts were simulated;
     the real node's schedules have none: its agents run no rollout executor yet)."""
@@ -230,6 +230,12 @@ def make_schedule(seed: int, layout: str = "local-cluster", duration: float = 60
         from sim_pd import PD_FAULTS, PD_GAP_S
 
         events += _draw(random.Random(f"pd/{seed}"), PD_FAULTS, duration, PD_GAP_S)
+    if npu:  # chip faults, failed resets, uncordon (`sim_npu`): a stream of their own, the real node only, opt-in
+        from sim_npu import NPU_FAULTS, NPU_GAP_S
+
+        if node not in ("real", "container"):
+            raise ValueError(f"--npu needs the real node (--node real), not --node {node}")
+        events += _draw(random.Random(f"npu/{seed}"), NPU_FAULTS, duration, NPU_GAP_S)
     return Schedule(seed, layout, duration, tuple(sorted(events, key=lambda e: e.at)), node)
 
 
@@ -432,6 +438,12 @@ class Simulation:
             from sim_pd import PdSim
 
             self.pd = PdSim(self)
+        self.npu: Any = None
+        """The NPU guards and the chip-reset ladder over a simulated chip set (`sim_npu.NpuSim`), with its faults."""
+        if any(e.kind.startswith("npu_") for e in schedule.events):
+            from sim_npu import NpuSim
+
+            self.npu = NpuSim(self)
 
     def real_stack(self, config: Any) -> Any:
         """A node over the real supervisor (`sim_node.RealStack`), its launches, stops and restarts checked here."""
@@ -835,6 +847,8 @@ class Simulation:
             return await self.container.apply(event, node)
         if self.pd is not None and kind in self.pd.kinds:
             return await self.pd.apply(event, node)
+        if self.npu is not None and kind in self.npu.kinds:
+            return await self.npu.apply(event, node)
         if kind in ("crash", "crash_pair"):
             running = sorted(n for n, c in stack.components.items() if c.running and not c.stopping and not c.dying)
             if not running:
@@ -1106,6 +1120,7 @@ class Simulation:
         vllm = config.components.get("vllm")
         backoff = float(getattr(getattr(vllm, "restart", None), "max_backoff_s", 60.0) or 60.0)
         bound = 40.0 + 2 * backoff + 3.0 + 5.0 + 60.0 + (self.container.extra_bound() if self.container else 0.0)
+        bound += self.npu.extra_bound() if self.npu is not None else 0.0
         failed = [st.supervisor for st in self.world.stacks.values()
                   if self.real and st.supervisor is not None and st.supervisor.redeploys.failed]  # fmt: skip
         if failed:  # a failed node (policy: failed_after_redeploys) restarts anything at its backoff cap
@@ -1141,6 +1156,8 @@ class Simulation:
             if heal_by > self.now():
                 await self.world.advance(heal_by - self.now())
             await self.settle_rollout()
+            if self.npu is not None:
+                await self.npu.heal()  # the chips replaced: the operator uncordons what is still isolated
             bound = self.convergence_bound()
             try:
                 await self.world.until("convergence", lambda: self.converged() is None, within=bound)
@@ -1153,6 +1170,8 @@ class Simulation:
                 self.container.check_end()
             if self.pd is not None:
                 await self.pd.finish()
+            if self.npu is not None:
+                self.npu.check_end()
             for node, name, when, what in self.acked:
                 comp = self.world.stacks[node].components[name]
                 if not any(start >= when for start in comp.starts):
@@ -1167,6 +1186,8 @@ class Simulation:
             self.running = False
             if self.pd is not None:
                 self.pd.close()
+            if self.npu is not None:
+                self.npu.close()
             for task in self.tasks:
                 task.cancel()
             with contextlib.suppress(Exception):
@@ -1231,10 +1252,11 @@ def node_for(seed: int, node: str) -> str:
     return {1: "container", 5: "real"}.get(seed % 8, "fake")
 
 
-def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dict[str, Any]:
+def run_seed(seed: int, layout: str, duration: float, node: str = "fake", npu: bool = False) -> dict[str, Any]:
     """One schedule, summed up (a worker process's answer: plain data)."""
     cpu = time.process_time()
-    result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node)))
+    result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node),
+                                        npu=npu))  # fmt: skip
     return {"cpu_s": time.process_time() - cpu,
             "seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
             "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
@@ -1244,7 +1266,7 @@ def run_seed(seed: int, layout: str, duration: float, node: str = "fake") -> dic
 
 
 def batch(first: int, count: int, layout: str, duration: float, jobs: int,
-          node: str = "fake") -> list[dict[str, Any]]:  # fmt: skip
+          node: str = "fake", npu: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """`count` seeds from `first` over `jobs` worker processes (each with PYTHONHASHSEED=0: replays match)."""
     import concurrent.futures
     import multiprocessing
@@ -1252,10 +1274,11 @@ def batch(first: int, count: int, layout: str, duration: float, jobs: int,
     os.environ["PYTHONHASHSEED"] = "0"
     seeds = range(first, first + count)
     if jobs <= 1:
-        return [run_seed(seed, layout, duration, node) for seed in seeds]
+        return [run_seed(seed, layout, duration, node, npu) for seed in seeds]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        return list(pool.map(run_seed, seeds, [layout] * count, [duration] * count, [node] * count, chunksize=4))
+        return list(pool.map(run_seed, seeds, [layout] * count, [duration] * count, [node] * count, [npu] * count,
+                             chunksize=4))  # fmt: skip
 
 
 def shrink(schedule: Schedule, invariant: str, budget: int = 200) -> Schedule:
@@ -1291,8 +1314,21 @@ def describe(result: Result) -> str:
 
 def replay_line(s: Schedule) -> str:
     pd = " --pd" if any(e.kind.startswith("pd_") for e in s.events) else ""
+    pd += " --npu" if any(e.kind.startswith("npu_") for e in s.events) else ""
     return (f"PYTHONHASHSEED=0 .venv/bin/python tests/simulation.py --seed {s.seed} --layout {s.layout} "
             f"--duration {s.duration:g} --node {s.node}{pd}")  # fmt: skip
+
+
+def planted_found(schedules: Iterable[Schedule], invariants: set[str]) -> dict[str, Any] | None:
+    """A planted bug's finding: the first of `schedules` that violates one of `invariants`, checked to replay its run
+    event for event (its seed, the violation, the replay line); None when none does."""
+    for schedule in schedules:
+        result = run_schedule(schedule)
+        hit = [v for v in result.violations if v.invariant in invariants]
+        if hit:
+            assert run_schedule(schedule).trace == result.trace, f"seed {schedule.seed} does not replay its run"
+            return {"seed": schedule.seed, "violation": str(hit[0]), "replay": replay_line(schedule)}
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1307,6 +1343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", default="default", choices=["default", "all", "none"],
                         help="the rollout commands drawn: default (compatible ones), all (incompatible too), none")
     parser.add_argument("--pd", action="store_true", help="draw the PD watch's faults too (sim_pd; single runs)")
+    parser.add_argument("--npu", action="store_true", help="the NPU guards and chip-reset ladder over simulated "
+                        "chips, with chip faults, failed resets and uncordon (sim_npu; --node real)")
     parser.add_argument("--trace", action="store_true", help="print the whole trace of a single run")
     parser.add_argument("--shrink", action="store_true", help="shrink a failing single run")
     parser.add_argument("--json", type=Path, help="write the batch's summary here")
@@ -1315,7 +1353,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules == 1:
         mix = {"default": None, "all": ROLLOUTS_ALL, "none": {}}[args.rollouts]
         result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration,
-                                            node=node_for(first, args.node), rollouts=mix, pd=args.pd))
+                                            node=node_for(first, args.node), rollouts=mix, pd=args.pd,
+                                            npu=args.npu))
         print(describe(result))
         if args.trace or not result.ok:
             print("\n".join(result.trace if args.trace else result.trace[-80:]))
@@ -1328,7 +1367,7 @@ def main(argv: list[str] | None = None) -> int:
             print("replay: " + replay_line(result.schedule))
         return 0 if result.ok else 1
     started = time.perf_counter()
-    results = batch(first, args.schedules, args.layout, args.duration, args.jobs, args.node)
+    results = batch(first, args.schedules, args.layout, args.duration, args.jobs, args.node, args.npu)
     wall = time.perf_counter() - started
     failed = [r for r in results if not r["ok"]]
     for r in failed:

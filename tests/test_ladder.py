@@ -161,6 +161,18 @@ def test_isolation_stays_until_uncordon() -> None:
     assert state.uncordon() is None
 
 
+def test_an_uncordon_of_a_node_not_isolated_changes_nothing() -> None:
+    """The simulation's finding (seed 760398, `tests/test_sim_npu.py`): `nodeagentctl uncordon` while a reset ran —
+    answered 409 — wiped the reset history, the budget and the running reset's own record with it (the reset then
+    failed to note its end, and its rung held the node's vLLM ranks for good)."""
+    state = LadderState(LadderPolicy(resets_per_chip=2))
+    done = state.record_reset(ChipReset((3,), "npu 3 Alarm"), T0)
+    state.record_redeploy(T0 - 100, ok=False, cause="ACL stream synchronize failed, error code:507035")
+    assert state.uncordon() is None
+    assert state.resets == [done] and len(state.redeploys) == 1, "refused: the budget and the history are kept"
+    assert state.resets.index(done) == 0
+
+
 def test_never_both_with_an_external_resetter() -> None:
     state = LadderState(LadderPolicy(external_resetter="MindCluster Ascend Device Plugin"))
     assert state.decide([fault(Level.RestartNPU)], T0) is None, "MindCluster resets: we do not"

@@ -184,3 +184,38 @@ def test_locate_tool(tmp_path: Path) -> None:
     assert locate_tool("npu-smi", tmp_path / "absent", explicit=tmp_path / "nope") is None
     tools = NpuTools.locate(bin_dir=tmp_path)
     assert tools.missing is not None and "npu-smi not found" in tools.missing
+
+
+async def test_the_tools_run_where_their_runner_says_and_read_its_pids() -> None:
+    """The `ToolRunner` seam (a simulated chip set in tests/sim_npu.py): every call goes to the runner given — argv,
+    npu-smi's timeout, the reset's answer on stdin — and a process's visibility is the runner's, not this host's
+    /proc; a runner's timeout is the tool's error like `core.run`'s."""
+    import sys
+
+    from nodeagent.core.run import RunTimeout
+
+    sys.path.insert(0, str(FAKE_BIN.parent))
+    import fake_ascend
+
+    table = fake_ascend.npu_smi_info({"npus": 8, "processes": [{"npu": 0, "pid": 4242, "name": "python3",
+                                                                 "memory_mb": 900}, {"npu": 1, "pid": 77,
+                                                                 "name": "python3", "memory_mb": 900}]})  # fmt: skip
+    calls: list[tuple[list[str], float, bytes | None]] = []
+
+    class Runner:
+        async def run(self, argv: list[str], timeout_s: float, stdin: bytes | None, env: object) -> tuple[int, str]:
+            calls.append((argv, timeout_s, stdin))
+            if argv[1:2] == ["set"]:
+                raise RunTimeout(argv, timeout_s)
+            return 0, table if argv[1:] == ["info"] else "\tHealth Status : Warning\n\tError Code : NA\n"
+
+        def pid_visible(self, pid: int) -> bool:
+            return pid == 4242
+
+    tools = NpuTools("npu-smi", None, timeout_s=7.0, runner=Runner())
+    snap = await tools.snapshot(roce=False)
+    assert snap.info is not None and snap.info.chips and calls[0] == (["npu-smi", "info"], 7.0, None)
+    assert {p.pid: p.visible for p in snap.info.processes} == {4242: True, 77: False}
+    with pytest.raises(NpuToolError, match="timed out after 7s"):
+        await tools.reset(["npu-smi", "set", "-t", "reset", "-i", "3", "-c", "0"])
+    assert calls[-1] == (["npu-smi", "set", "-t", "reset", "-i", "3", "-c", "0"], 7.0, b"y\n")

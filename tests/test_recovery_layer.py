@@ -51,6 +51,9 @@ class FakeTools:
         procs = tuple(NpuProcess(n, 0, 4000 + n, "python3", 50000) for n in self.health) if self.busy() else ()
         return NpuSnapshot(self.clock.time(), NpuInfo("24.1.rc2", chips, procs))
 
+    async def info_text(self) -> str:
+        return "npu-smi 24.1.rc2 (the fake's table)"
+
     async def reset(self, argv: list[str]) -> str:
         self.resets.append(int(argv[argv.index("-i") + 1]))
         if self.heals:
@@ -165,6 +168,26 @@ async def test_a_mild_fault_or_an_external_resetter_resets_nothing(world: World)
     assert len(skipped) == 1
     assert "Container Manager (container-manager run) resets chips on this host; never both" in skipped[0]["message"]
     assert starts(world) == dict.fromkeys(NODES, 1)
+
+
+async def test_a_failed_reset_is_judged_again_on_the_chips_as_they_are(world: World) -> None:
+    """The simulation's finding (seed 760012 and ten more, `tests/test_sim_npu.py`): a reset that failed its verify
+    left a pseudo-fault (`unverified`) that drove the next rungs on its own — the chip replaced meanwhile (or back
+    late), the ladder reset healthy chips again and isolated a node whose chips read OK. The next rung looks first."""
+    ladder = Ladder(world, "n1")
+    ladder.tools.heals = False
+    await world.until("the proxy ready", lambda: world.stacks["n0"].components["proxy"].ready)
+    await ladder.chips(npu0="Alarm")
+    await world.until("the reset failed its verify", lambda: ladder.events("npu_reset_failed"), 120)
+    assert ladder.rec.unverified is not None and ladder.tools.resets == [0]
+    ladder.tools.health[0] = "OK"  # the operator replaced the card during the pause; no poll has seen it yet
+    await world.until("every rank up again", world.all_up, 300)
+    assert ladder.tools.resets == [0], "no second reset of chips that read OK"
+    assert ladder.rec.state.isolated is None and ladder.rec.unverified is None and ladder.rec.view() is None
+    (done,) = ladder.events("npu_reset_done")
+    assert "read OK after the failed reset" in done["message"], done
+    await world.advance(600)
+    assert ladder.tools.resets == [0] and ladder.rec.state.isolated is None
 
 
 async def test_resets_that_do_not_help_end_in_isolation_until_uncordon(world: World) -> None:

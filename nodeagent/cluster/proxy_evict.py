@@ -89,6 +89,14 @@ class ProxyEvict(ReportLayer):
             for plan, url in self.proxies:
                 self.co.spawn(self._remove(plan, url, group, why))
 
+    def evict(self, groups: Collection[str], why: str) -> None:
+        """These groups of this node out of every proxy now (the chip-reset drain: its planned stop is not a death
+        `on_node_change` sees, and the proxy's own sync needs the proxy's agent and etcd)."""
+        mine = {g.name: g for g in self.group_of.values() if g.name in groups}
+        for group in mine.values():
+            for plan, url in self.proxies:
+                self.co.spawn(self._remove(plan, url, group, why))
+
     async def _remove(self, plan: ProxyPlan, url: str, group: Group, why: str) -> None:
         """`why`: the dead ranks (this node's components) and their states, as the event names them."""
         body = {"type": group.kind, "instances": sorted(group.endpoints)}

@@ -17,15 +17,18 @@ from nodeagent.seam.stackport import ComponentView, Hold, MemberReport, StackPor
 
 if TYPE_CHECKING:
     from nodeagent.cluster.coordinator_port import CoordinatorPort
+    from nodeagent.cluster.proxy_evict import ProxyEvict
     from nodeagent.core.failure import Failure
 
 
 class RecoveryFollower:
     """A `NodeLayer` (it only listens): drains the node's groups once per reset or isolation."""
 
-    def __init__(self, coordinator: CoordinatorPort, port: StackPort) -> None:
+    def __init__(self, coordinator: CoordinatorPort, port: StackPort, evict: ProxyEvict | None = None) -> None:
+        """`evict`: takes the drained groups out of every PD proxy at once, without etcd or the proxy's agent."""
         self.coordinator = coordinator
         self.port = port
+        self.evict = evict
         self.drained: set[str] = set()
 
     def member_report(self) -> MemberReport | None:
@@ -43,6 +46,8 @@ class RecoveryFollower:
             self.port.emit("gang_drain", f"group {name} drains: {node} is {view.get('state')} "
                            f"({view.get('reason')}); its other members restart and wait for it", None, "warning",
                            group=name)  # fmt: skip
+        if self.evict is not None:
+            self.evict.evict(list(self.coordinator.gangs), f"{node} {view.get('state')}")
 
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         return None

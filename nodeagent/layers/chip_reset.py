@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from loguru import logger
 
@@ -36,13 +36,14 @@ from nodeagent.layers.reset_ladder import (
 )
 from nodeagent.npu.hbm_baseline import baseline_path, lower_baseline, read_baseline, write_baseline
 from nodeagent.npu.health import Fault, Level
-from nodeagent.npu.tools import NpuToolError
+from nodeagent.npu.tools import HostTools, NpuToolError, NpuTools, ToolRunner
 from nodeagent.seam.host import Clock
 from nodeagent.seam.stackport import ComponentView, Hold, HoldKind, MemberReport
 
 if TYPE_CHECKING:
-    from nodeagent.config.model import Config
+    from nodeagent.config.model import Config, NpuProbe
     from nodeagent.core.failure import Failure
+    from nodeagent.core.process import ProcessRecord
     from nodeagent.npu.monitor import NpuMonitor
     from nodeagent.seam.stackport import StackPort
 
@@ -67,6 +68,41 @@ def running_resetter() -> str | None:
     return external_resetter(cmdlines)
 
 
+class NpuHost(ToolRunner, Protocol):
+    """All the guards and the ladder touch of the NPUs' host: the tools (npu-smi, hccn_tool), which PIDs are ours,
+    who else resets chips, who holds a device file. The composition root gives `HostNpu`; the whole-cluster
+    simulation a simulated chip set (tests/sim_npu.py)."""
+
+    def tools(self, spec: NpuProbe) -> NpuTools: ...
+
+    async def our_pids(self, records: Iterable[ProcessRecord]) -> set[int]: ...
+
+    def resetter(self) -> str | None: ...
+
+    async def holders(self, devices: list[str]) -> list[str]: ...
+
+
+class HostNpu(HostTools):
+    """This host: the tools where `spec` (or PATH, the driver's place) says, /proc, the process table."""
+
+    def tools(self, spec: NpuProbe) -> NpuTools:
+        return NpuTools.locate(spec.npu_smi, spec.hccn_tool, timeout_s=spec.timeout_s)
+
+    async def our_pids(self, records: Iterable[ProcessRecord]) -> set[int]:
+        """From a pass begun after this call, so after npu-smi's snapshot: an older table would miss a vLLM
+        worker started meanwhile, which npu-smi shows, and call it foreign."""
+        from nodeagent.core.proctable import TABLES
+        from nodeagent.npu.monitor import our_pids
+
+        return our_pids(records, await TABLES.get(0))
+
+    def resetter(self) -> str | None:
+        return running_resetter()
+
+    async def holders(self, devices: list[str]) -> list[str]:
+        return await fuser([d for d in devices if Path(d).exists()])
+
+
 def npu_users(config: Config) -> list[str]:
     """The components that hold NPUs: vLLM ranks, and the datasystem worker with RH2D (device memory)."""
     return [n for n, c in config.active_components().items()
@@ -88,13 +124,14 @@ class NodeRecovery:
 
     def __init__(self, config: Config, port: StackPort, npu: NpuMonitor, *, changed: Callable[[], None],
                  redeploy_times: Callable[[], list[float]], clock: Clock | None = None,
-                 resetter: Callable[[], str | None] = running_resetter) -> None:  # fmt: skip
+                 resetter: Callable[[], str | None] | None = None, host: NpuHost | None = None) -> None:  # fmt: skip
+        self.host: NpuHost = host or HostNpu()
         self.port = port
         self.npu = npu
         self.clock = clock or Clock()
         self._changed = changed
         self._redeploy_times = redeploy_times
-        self._resetter = resetter
+        self._resetter = resetter or self.host.resetter
         self.path = config.agent.state_dir / "recovery.json"
         self.state = state_from_dict(read_json(self.path, {}), policy_of(config))
         self.users = npu_users(config)
@@ -206,6 +243,9 @@ class NodeRecovery:
             await self.npu.poll(begun_after_call=True)
         self._note_baseline()
         now = self.clock.time()
+        if self.unverified is not None and self.state.decide([self.unverified], now) is not None \
+                and await self._chips_back():
+            return  # the failed reset's next rung is due, and the chips read OK now
         faults = [*self.npu.faults, *([self.unverified] if self.unverified else [])]
         action = self.state.decide(faults, now)
         if isinstance(action, ChipReset):
@@ -221,6 +261,26 @@ class NodeRecovery:
             await self.reset(action)
         elif isinstance(action, Isolate):
             await self.isolate(action.reason)
+
+    async def _chips_back(self) -> bool:
+        """A failed reset judged again on the chips as they are now, by the verify step's own rule (all present and
+        OK, HBM at its idle baseline): they came back late, or were replaced — the NPU users start, no next rung."""
+        snap = await self.npu.poll(begun_after_call=True)
+        if snap is None or snap.info is None or self.unverified is None:
+            return False
+        if self.state.decide(self.npu.faults, self.clock.time()) is not None:
+            return False  # the fresh poll sees a fault that asks a rung of its own: the ladder goes on
+        health = {c.npu: c.health for c in snap.info.chips}
+        hbm = {c.npu: c.hbm_used_mb for c in snap.info.chips if c.hbm_used_mb is not None}
+        ok, detail = verify_after_reset(health, hbm, self.state.policy, self.baseline)
+        if not ok:
+            return False
+        was, self.unverified, self.rung = self.unverified, None, None
+        self.port.emit("npu_reset_done", f"the chips read OK after the failed reset ({was.message}): {detail}; the "
+                       "NPU users start again", None)  # fmt: skip
+        self.port.wake()
+        self._changed()
+        return True
 
     def _note_baseline(self) -> None:
         snap = self.npu.last
@@ -329,7 +389,7 @@ class NodeRecovery:
             snap = await self.npu.poll()
             holders = [f"npu {p.npu} pid {p.pid} {p.name}" for p in (snap.info.processes if snap and snap.info
                                                                        else ()) if p.npu in chips]  # fmt: skip
-            holders += await fuser([d for d in devices if Path(d).exists()])
+            holders += await self.host.holders(devices)
             if not holders:
                 return True, "no process holds a chip"
             if self.clock.monotonic() >= deadline:
@@ -379,17 +439,25 @@ class NodeRecovery:
 
     async def _write(self, evidence: Any) -> None:
         from nodeagent.core.postmortem import write_bundle
-        from nodeagent.npu.tools import npu_info_text
 
         try:
             agent = self.config.agent
-            text = await npu_info_text(self.config.node.npu_health.npu_smi)
+            text = await self._info_text()
             path = await write_bundle(evidence, agent.state_dir / "postmortem" / "node", agent.archive_keep, text)
         except Exception as exc:  # best effort, as every post-mortem
             self.port.emit("postmortem_failed", f"cannot write the ladder's post-mortem: {exc}", None, "warning")
             return
         self.port.emit("postmortem", f"post-mortem {path.stem.removesuffix('.tar')} written ({evidence.kind})", None,
                        path=str(path))  # fmt: skip
+
+    async def _info_text(self) -> str | None:
+        """The raw `npu-smi info` page for the bundle, from the monitor's own tools (None where npu-smi is absent)."""
+        if self.npu.tools.missing is not None:
+            return None
+        try:
+            return await self.npu.tools.info_text()
+        except NpuToolError as exc:
+            return f"npu-smi info failed: {exc}"
 
 
 async def fuser(devices: list[str]) -> list[str]:

@@ -15,11 +15,10 @@ import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nodeagent.core.proctable import TABLES
 from nodeagent.core.task_owner import log_death
-from nodeagent.layers.chip_reset import NodeRecovery
+from nodeagent.layers.chip_reset import HostNpu, NodeRecovery, NpuHost
 from nodeagent.layers.worker_headroom import WorkerHeadroom
-from nodeagent.npu.monitor import NpuMonitor, our_pids
+from nodeagent.npu.monitor import NpuMonitor
 from nodeagent.seam.stackport import ComponentView, Hold, HoldKind, MemberReport, StackPort
 
 if TYPE_CHECKING:
@@ -28,6 +27,7 @@ if TYPE_CHECKING:
     from nodeagent.core.failure import Failure
     from nodeagent.core.process import ProcessRecord
     from nodeagent.layers.preflight import PreflightReport
+    from nodeagent.seam.host import Clock
 
 PREFLIGHT_RECHECK_S = 60.0
 PER_COMPONENT_CHECKS = frozenset({"ports", "npu_processes", "npu_health"})
@@ -43,6 +43,7 @@ class GuardedNode(StackPort, Protocol):
 
     config: Config
     events: EventBus
+    clock: Clock
 
     def use_npu_monitor(self, npu: NpuMonitor) -> None: ...
 
@@ -56,17 +57,23 @@ class GuardedNode(StackPort, Protocol):
 
 
 class StartGuards:
-    def __init__(self, supervisor: GuardedNode, mode: str = "enforce") -> None:
+    def __init__(self, supervisor: GuardedNode, mode: str = "enforce", host: NpuHost | None = None) -> None:
+        """`host`: where the NPUs are (`HostNpu`: this host's tools, /proc; a simulation gives its chip set)."""
+        self.host: NpuHost = host or HostNpu()
         self.sup = supervisor
         self.mode = mode
         """enforce: a FAIL holds the stack; warn: reported only; off: not run."""
         self.report: PreflightReport | None = None
         self.blocking: list[str] = []
-        self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events)
+        clock = supervisor.clock
+        self.npu = NpuMonitor.from_config(supervisor.config, ours=self._our_pids, events=supervisor.events,
+                                          clock=clock.monotonic, wall=clock.time,
+                                          tools=self.host.tools(supervisor.config.node.npu_health))  # fmt: skip
         self.npu.on_change.append(supervisor.wake)
         supervisor.use_npu_monitor(self.npu)
         self.recovery = NodeRecovery(supervisor.config, supervisor, self.npu, changed=supervisor.state_changed,
-                                     redeploy_times=lambda: list(supervisor.redeploys.redeploy_times))
+                                     redeploy_times=lambda: list(supervisor.redeploys.redeploy_times), clock=clock,
+                                     host=self.host)  # fmt: skip
         """The ladder past node redeploy (chip reset, isolation): a layer of its own, after this one."""
         self.headroom = WorkerHeadroom(supervisor.config, supervisor)
         """A SIGKILLed worker's shared memory (openYuanrong FAQ §3): a layer of its own, after the ladder."""
@@ -74,9 +81,7 @@ class StartGuards:
         self._announced: tuple[str, ...] = ()
 
     async def _our_pids(self) -> set[int]:
-        """From a pass begun after this call, so after npu-smi's snapshot: an older table would miss a vLLM
-        worker started meanwhile, which npu-smi shows, and call it foreign."""
-        return our_pids(self.sup.process_records().values(), await TABLES.get(0))
+        return await self.host.our_pids(self.sup.process_records().values())
 
     @property
     def has_vllm(self) -> bool:

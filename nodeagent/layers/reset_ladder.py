@@ -149,7 +149,9 @@ class LadderState:
 
     def uncordon(self) -> str | None:
         """The operator takes the node back: isolation ends, the reset budget starts afresh. Returns the reason
-        it was isolated for (None: it was not)."""
+        it was isolated for (None: it was not — refused, and nothing changes: a reset may be running)."""
+        if self.isolated is None:
+            return None
         was, self.isolated, self.isolated_at = self.isolated, None, None
         self.resets.clear()
         self.redeploys.clear()

@@ -87,9 +87,10 @@ class NpuMonitor:
     @classmethod
     def from_config(cls, config: Config, spec: NpuProbe | None = None, ours: OursFn | None = None,
                     events: EventBus | None = None, clock: Callable[[], float] = time.monotonic,
-                    wall: Callable[[], float] = time.time) -> NpuMonitor:  # fmt: skip
+                    wall: Callable[[], float] = time.time, tools: NpuTools | None = None) -> NpuMonitor:  # fmt: skip
+        """`tools`: the NPU host's (`layers.chip_reset.NpuHost.tools`); default: this host's, as `spec` names them."""
         spec = spec or config.node.npu_health
-        tools = NpuTools.locate(spec.npu_smi, spec.hccn_tool, timeout_s=spec.timeout_s)
+        tools = tools or NpuTools.locate(spec.npu_smi, spec.hccn_tool, timeout_s=spec.timeout_s)
         return cls(tools, policy_from(spec, expected_npus(config)), spec.period_s, spec.detail_every, spec.roce,
                    ours, events, clock, wall)  # fmt: skip
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nodeagent.core.run import RunTimeout, run
 
@@ -291,6 +291,30 @@ def pid_visible(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
+class ToolRunner(Protocol):
+    """Where `npu-smi` and `hccn_tool` run and what their PIDs mean: the host (`HostTools`), or a simulated chip set
+    that answers with the same text (the parsers and every rule above them run unchanged)."""
+
+    async def run(self, argv: list[str], timeout_s: float, stdin: bytes | None,
+                  env: Mapping[str, str] | None) -> tuple[int, str]:  # fmt: skip
+        """(exit code, output with stderr merged); raises `RunTimeout` past `timeout_s`, OSError if it cannot run."""
+        ...
+
+    def pid_visible(self, pid: int) -> bool: ...
+
+
+class HostTools:
+    """The host's tools, through `core.run` (their own session, killed whole on a timeout)."""
+
+    async def run(self, argv: list[str], timeout_s: float, stdin: bytes | None,
+                  env: Mapping[str, str] | None) -> tuple[int, str]:  # fmt: skip
+        result = await run(argv, timeout_s, input=stdin, merge_stderr=True, env=env)
+        return result.returncode, result.output
+
+    def pid_visible(self, pid: int) -> bool:
+        return pid_visible(pid)
+
+
 # -------------------------------------------------------------------------------------------------- shell
 
 
@@ -315,7 +339,8 @@ class NpuTools:
     """Runs the two executables it was given; every method raises NpuToolError, nothing else."""
 
     def __init__(self, npu_smi: str | None, hccn_tool: str | None, timeout_s: float = TOOL_TIMEOUT_S,
-                 env: Mapping[str, str] | None = None) -> None:  # fmt: skip
+                 env: Mapping[str, str] | None = None, runner: ToolRunner | None = None) -> None:  # fmt: skip
+        self.runner: ToolRunner = runner or HostTools()
         self.npu_smi = npu_smi
         self.hccn_tool = hccn_tool
         self.timeout_s = timeout_s
@@ -349,15 +374,15 @@ class NpuTools:
     async def _run(self, argv: list[str], answer: bytes | None = None, check: bool = True) -> str:
         async with self._limit():
             try:
-                result = await run(argv, self.timeout_s, input=answer, merge_stderr=True, env=self.env)
+                code, output = await self.runner.run(argv, self.timeout_s, answer, self.env)
             except RunTimeout:
                 raise NpuToolError(f"{' '.join(argv)} timed out after {self.timeout_s:g}s") from None
             except OSError as exc:
                 raise NpuToolError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
-        if result.returncode != 0 and check:
-            said = _short(result.output) or "no output"
-            raise NpuToolError(f"{' '.join(argv[1:]) or argv[0]} exit {result.returncode}: {said}")
-        return result.output
+        if code != 0 and check:
+            said = _short(output) or "no output"
+            raise NpuToolError(f"{' '.join(argv[1:]) or argv[0]} exit {code}: {said}")
+        return output
 
     def _need(self, tool: str | None, name: str) -> str:
         if tool is None:
@@ -416,7 +441,7 @@ class NpuTools:
         except NpuToolError as exc:
             return NpuSnapshot(at, error=str(exc))
         info = NpuInfo(info.version, info.chips,
-                       tuple(_with_visibility(p) for p in info.processes))  # fmt: skip
+                       tuple(_with_visibility(p, self.runner) for p in info.processes))  # fmt: skip
         errors: list[str] = []
         sick = [c for c in info.chips if c.health != HEALTH_OK]
         check_roce = roce and self.hccn_tool is not None
@@ -446,8 +471,8 @@ class NpuTools:
         )  # fmt: skip
 
 
-def _with_visibility(proc: NpuProcess) -> NpuProcess:
-    return NpuProcess(proc.npu, proc.chip, proc.pid, proc.name, proc.memory_mb, pid_visible(proc.pid))
+def _with_visibility(proc: NpuProcess, runner: ToolRunner) -> NpuProcess:
+    return NpuProcess(proc.npu, proc.chip, proc.pid, proc.name, proc.memory_mb, runner.pid_visible(proc.pid))
 
 
 def describe_process(proc: NpuProcess) -> str:
