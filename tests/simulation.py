@@ -1245,18 +1245,24 @@ def layout_for(seed: int, layout: str) -> str:
 
 def node_for(seed: int, node: str) -> str:
     """`mixed`: one seed in four runs the real node (`sim_node`: ~2× the CPU of a fake one) — every other one of
-    them in container mode (`sim_container`: the real node, its ranks in a simulated container) —, the others the
-    fake stack; the CI budget stays within 5 minutes on 2 cores (docs/performance.md)."""
+    them in container mode (`sim_container`: the real node, its ranks in a simulated container), the rest with
+    the NPU guards and ladder over simulated chips (`npu_for`) —, the others the fake stack; the CI budget stays
+    within 5 minutes on 2 cores (docs/performance.md)."""
     if node != "mixed":
         return node
     return {1: "container", 5: "real"}.get(seed % 8, "fake")
+
+
+def npu_for(seed: int, node: str, npu: bool = False) -> bool:
+    """`mixed`: the seeds that run the plain real node (not in a container) get the chips too (`sim_npu`)."""
+    return npu or (node == "mixed" and node_for(seed, node) == "real")
 
 
 def run_seed(seed: int, layout: str, duration: float, node: str = "fake", npu: bool = False) -> dict[str, Any]:
     """One schedule, summed up (a worker process's answer: plain data)."""
     cpu = time.process_time()
     result = run_schedule(make_schedule(seed, layout_for(seed, layout), duration, node=node_for(seed, node),
-                                        npu=npu))  # fmt: skip
+                                        npu=npu_for(seed, node, npu)))  # fmt: skip
     return {"cpu_s": time.process_time() - cpu,
             "seed": seed, "layout": result.schedule.layout, "ok": result.ok, "report": describe(result),
             "violations": [asdict(v) for v in result.violations], "simulated_s": result.simulated_s,
@@ -1354,7 +1360,7 @@ def main(argv: list[str] | None = None) -> int:
         mix = {"default": None, "all": ROLLOUTS_ALL, "none": {}}[args.rollouts]
         result = run_schedule(make_schedule(first, layout_for(first, args.layout), args.duration,
                                             node=node_for(first, args.node), rollouts=mix, pd=args.pd,
-                                            npu=args.npu))
+                                            npu=npu_for(first, args.node, args.npu)))
         print(describe(result))
         if args.trace or not result.ok:
             print("\n".join(result.trace if args.trace else result.trace[-80:]))

@@ -205,7 +205,8 @@ def planted_find_real(invariant: str, tries: int = 30) -> dict[str, Any] | None:
     real = [s for s in range(first, first + 4 * tries) if simulation.node_for(s, NODE) != "fake"]
     for seed in real[:tries]:
         node = simulation.node_for(seed, NODE)
-        schedule = make_schedule(seed, simulation.layout_for(seed, "mixed"), DURATION, node=node)
+        schedule = make_schedule(seed, simulation.layout_for(seed, "mixed"), DURATION, node=node,
+                                 npu=simulation.npu_for(seed, NODE))  # fmt: skip
         result = run_schedule(schedule)
         hit = [v for v in result.violations if v.invariant == invariant]
         if hit:
