@@ -30,10 +30,12 @@ NODE_IP = "10.20.30.40"
 
 
 class FixtureHost(Host):
-    """The fixture tree, plus what a tree cannot hold: NICs and /dev/shm's size."""
+    """The fixture tree, plus what a tree cannot hold: NICs, /dev/shm's size and the free space of a healthy
+    host's disks (the test machine's own may be short: CI's had 12 GiB free, under 3x what the logs want)."""
 
     nics: dict[str, list[str]] = {"lo": ["127.0.0.1"], "enp61s0f2": [NODE_IP]}  # noqa: RUF012
     shm_bytes = 800 * 2**30
+    disk_bytes = 2 * 2**40
 
     def nic_addresses(self) -> dict[str, list[str]]:
         return self.nics
@@ -41,7 +43,7 @@ class FixtureHost(Host):
     def fs_space(self, path: Path) -> tuple[int, int] | None:
         if str(path) == "/dev/shm":
             return self.shm_bytes, self.shm_bytes
-        return super().fs_space(path)
+        return None if super().fs_space(path) is None else (self.disk_bytes, self.disk_bytes)
 
 
 def write_safetensors(path: Path, tensors: dict[str, int]) -> None:
@@ -145,6 +147,18 @@ def test_healthy_a2_host_passes(a2: A2) -> None:
     assert checks["nic"].value == f"enp61s0f2 carries {NODE_IP}"
     assert {c.status for c in report.checks} <= {PASS, SKIP}
     assert [c.name for c in report.checks if c.status == SKIP] == ["memory", "dev_shm", "clock_skew", "container"]
+
+
+def test_disk_space_short_of_the_logs_warns_then_fails(a2: A2, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logs want log_max_bytes x (log_keep + 1) per component: WARN under 3x that, FAIL under it."""
+    checks = by_name(a2.preflight())
+    want = float(checks["disk_logs"].value.split("want ")[1].split(" GiB")[0]) * 2**30
+    monkeypatch.setattr(FixtureHost, "disk_bytes", int(2 * want))
+    checks = by_name(a2.preflight())
+    assert checks["disk_logs"].status == WARN and checks["disk_state"].status == WARN
+    assert "point agent.log_dir/state_dir elsewhere" in checks["disk_logs"].hint
+    monkeypatch.setattr(FixtureHost, "disk_bytes", int(want / 2))
+    assert by_name(a2.preflight())["disk_logs"].status == FAIL
 
 
 def test_64k_pages_warn(a2: A2) -> None:

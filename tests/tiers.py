@@ -97,6 +97,7 @@ NOT_FAST: frozenset[str] = frozenset({
     "tests/test_preflight.py::test_64k_pages_warn",
     "tests/test_preflight.py::test_a_crashing_check_is_a_fail_not_a_crash",
     "tests/test_preflight.py::test_cann_too_old_and_missing",
+    "tests/test_preflight.py::test_disk_space_short_of_the_logs_warns_then_fails",
     "tests/test_preflight.py::test_enable_huge_tlb_without_huge_pages_fails",
     "tests/test_preflight.py::test_healthy_a2_host_passes",
     "tests/test_preflight.py::test_nic_that_does_not_carry_node_ip_fails",
