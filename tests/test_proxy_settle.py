@@ -141,3 +141,19 @@ async def test_a_return_between_two_looks_is_seen() -> None:
     del w.members["n1"]
     await w.step()
     assert not w.removed() and w.sync.settling()
+
+
+async def test_an_instance_the_proxy_no_longer_lists_is_not_removed_again() -> None:
+    """The campaign's seed 3306: n2 removed d0 from the proxy itself as its rank died (`proxy_evict`); the proxy's
+    node then saw n2 `starting` and posted a second remove, then the add — vllm-ascend's proxy crashed its
+    activation thread on it and never routed d0 again. The sync asks the proxy's lists first."""
+    w = World()
+    await w.step()
+    w.routed["decode"].discard("127.0.0.1:8200")  # taken out by its node (proxy_evict)
+    w.members["n2"] = {**w.members["n2"], "components": {"vllm": {"state": State.STARTING.value, "ready": False}}}
+    await w.step()
+    assert "127.0.0.1:8200" not in w.removed(), w.posts
+    assert "127.0.0.1:8200" not in w.sync.applied["decode"]  # type: ignore[index]
+    w.members["n2"] = member(1, "e1", "d0")
+    await w.step()
+    assert ("add", {"type": "decode", "instances": ["127.0.0.1:8200"]}) in w.posts, w.posts

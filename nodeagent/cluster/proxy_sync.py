@@ -332,6 +332,12 @@ class ProxySync:
         assert self.applied is not None
         for kind in ("prefill", "decode"):
             gone = self.applied[kind] - want[kind]
+            if gone and await self._post("add", kind, set(), quiet=True) and self.active is not None:
+                # only what the proxy still lists: vllm-ascend's proxy, asked to remove an instance a node already
+                # took out (`proxy_evict`) and then to add it, crashed its activation thread (KeyError in
+                # `_push_heap`) and never routed it again (the campaign's seed 3306)
+                self.applied[kind] -= gone - self.active[kind]
+                gone &= self.active[kind]
             if gone and await self._post("remove", kind, gone):
                 self.applied[kind] -= gone
         self.fenced = self._blocked(fences)
