@@ -701,6 +701,10 @@ class FakeProxy:
         self.timeline: list[tuple[float, dict[str, set[str]]]] = []
         """(when, what a request may be routed to then) after every change of the proxy's lists."""
         self.on_change: list[Callable[[], None]] = []
+        self.activation_dead = False
+        """vllm-ascend's `NodeListener` thread ended by an exception (seed 3306): an added instance waits for good
+        (not listed); a new process has the thread again."""
+        self.waiting: dict[str, set[str]] = {"prefill": set(), "decode": set()}
 
     def _changed(self) -> None:
         when = self.clock.monotonic() if self.clock is not None else 0.0
@@ -714,7 +718,9 @@ class FakeProxy:
                  else self.command_line)  # fmt: skip
         self.routed = {k: set(v) for k, v in given.items()}
         self.tainted = {"prefill": set(), "decode": set()}
+        self.waiting = {"prefill": set(), "decode": set()}
         self.busy = False
+        self.activation_dead = False
         self._changed()
 
     def idle(self) -> None:
@@ -734,11 +740,18 @@ class FakeProxy:
         if instances:
             self.calls.append((what, kind, tuple(sorted(instances))))
         if what == "remove" and self.busy:
-            self.tainted[kind] |= instances & self.routed[kind]
+            self.tainted[kind] |= instances  # whatever it is asked, listed or not (`remove_instances`)
         elif what == "remove":
             self.routed[kind] -= instances
+            self.tainted[kind] -= instances
         else:
-            self.routed[kind] |= instances - self.routed[kind]  # a listed (even tainted) one is left as it is
+            new = instances - self.routed[kind]  # a listed (even tainted) one is left as it is
+            if new & self.tainted[kind]:
+                self.activation_dead = True  # activating one tainted but not listed: KeyError in `_push_heap`
+            if self.activation_dead:
+                self.waiting[kind] |= new
+            else:
+                self.routed[kind] |= new
         if instances:
             self._changed()
         return {f"current_{k}_instances": sorted(v) for k, v in self.routed.items()}

@@ -25,6 +25,7 @@ from nodeagent.cluster.pd_watch import (
     proxy_restart,
     tokens_of,
 )
+from nodeagent.cluster.proxy_activation import activation_window, stuck_activations
 from nodeagent.config.model import RestartSpec
 from nodeagent.config.recovery import PdWatchConfig
 from nodeagent.seam.stackport import ComponentView
@@ -124,15 +125,21 @@ class Backends:
         self.calls: list[tuple[str, str]] = []
         self.at: list[tuple[float, str]] = []
         self.prefill_id = ""
+        self.models_down: set[int] = set()
+        """Ports whose `/v1/models` (the proxy's activation check) fails."""
 
     async def __call__(self, method: str, url: str, body: dict[str, Any] | None, timeout: float,
                        headers: Mapping[str, str]) -> tuple[int, str]:  # fmt: skip
         self.calls.append((method, url))
+        if url.endswith("/v1/models") and int(url.split("/")[2].rsplit(":", 1)[1]) in self.models_down:
+            return 503, ""
         if self.clock is not None:
             self.at.append((self.clock.monotonic(), url))
         port = int(url.split("/")[2].rsplit(":", 1)[1])
         if port in self.dead:
             raise ConnectionRefusedError(111, "Connection refused")
+        if url.endswith("/v1/models"):
+            return 200, json.dumps({"data": [{"id": "dsv4"}]})
         if url.endswith("/metrics"):
             return 200, f'vllm:kv_cache_usage_perc{{engine="0",model_name="dsv4"}} {self.usage.get(port, 0.1)}\n'
         if port == PROXY_PORT:
@@ -564,3 +571,60 @@ async def test_a_prefill_that_does_not_answer_is_no_proof_against_the_proxy(worl
     await world_dp.advance(35)
     assert watch.status_section()["pd_watch"]["proxy"]["fault"] is None
     assert world_dp.stacks["n0"].started("proxy") == 1 and not watch.acted
+
+
+@pytest.mark.parametrize("models", ["answers", "fails"])
+async def test_an_instance_the_proxy_never_activates_restarts_the_proxy_once_it_answers_the_proxys_check(
+        world_dp: World, models: str) -> None:
+    """vllm-ascend's proxy activates an added instance from a thread of its own; an exception ends that thread
+    for good (seed 3306) and the proxy then serves on without ever routing a restarted group again. An instance
+    added and still not listed after twice the proxy's window (1 s x 60 checks here: 120 s) while it answers the
+    proxy's own check (`/v1/models`) is the proxy's fault: said, and the proxy restarts (the new process routes it
+    at once). One that does not answer that check is its own fault: said, nothing restarts."""
+    co = world_dp.agents["n0"].coordinator
+    n0, proxy = world_dp.stacks["n0"], world_dp.proxy
+    assert proxy is not None
+    backends = Backends(world_dp.clock)
+    d0 = set(co.layout.group("d0").endpoints)
+    if models == "fails":
+        backends.models_down = {int(e.rsplit(":", 1)[1]) for e in d0}
+    watch = PdWatch(co, PdWatchConfig(probe_period_s=12), lambda: {}, model="dsv4", clock=world_dp.clock,
+                    http=backends)  # fmt: skip
+    watch.co.port.attach(watch)
+    co.spawn(watch.run())
+    await world_dp.advance(5)
+    proxy.activation_dead = True
+    await co.ask_generations(["d0"], "test: a restart", planned=False)
+    await world_dp.until("d0 restarted and waiting in the proxy", lambda: d0_starts(world_dp) == [2, 2]
+                         and proxy.waiting["decode"] == d0, 60)  # fmt: skip
+    waiting_from = world_dp.clock.monotonic()
+    await world_dp.advance(100)
+    assert n0.started("proxy") == 1 and not proxy.routed["decode"] & d0, "within twice its window: not yet"
+    said = [e for e in n0.events_of("pd_watch") if "has not activated" in e["message"]]
+    assert not said
+    if models == "fails":
+        await world_dp.advance(60)
+        said = [e["message"] for e in n0.events_of("pd_watch") if "has not activated" in e["message"]]
+        assert len(said) == 1 and "do not answer /v1/models (not the proxy's fault)" in said[0], said
+        assert n0.started("proxy") == 1 and d0_starts(world_dp) == [2, 2], "nothing restarts"
+        return
+    await world_dp.until("the proxy restarted", lambda: n0.started("proxy") == 2, 60)
+    assert 120 < world_dp.clock.monotonic() - waiting_from < 130
+    (restart,) = [r for r in n0.restarts if r[0] == "proxy"]
+    assert restart[1].startswith("pd watch: the proxy has not activated ") and restart[1].endswith(
+        "its activation thread is not running"), restart
+    said = [e for e in n0.events_of("pd_watch") if e["message"].startswith("the proxy has not activated")]
+    assert len(said) == 1 and said[0]["level"] == "error" and said[0]["message"].endswith("(it restarts)"), said
+    assert [e["message"] for e in n0.events_of("pd_watch") if e["message"].startswith("the proxy restarts: ")] == [
+        f"the proxy restarts: {restart[1].removeprefix('pd watch: ')}"]
+    await world_dp.until("d0 routed by the new proxy", lambda: proxy.routed["decode"] >= d0, 60)
+    await world_dp.advance(30)
+    assert n0.started("proxy") == 2 and d0_starts(world_dp) == [2, 2], "one restart, of the proxy only"
+    assert watch.status_section()["pd_watch"]["activation"] is None
+
+
+def test_an_instance_is_stuck_past_twice_the_proxys_activation_window_and_never_under_a_minute() -> None:
+    assert activation_window(1.0, 60) == 60.0 and activation_window(None, None) == 30.0, "the script's 10 s x 3"
+    pending = {"a:1": 0.0, "b:2": 100.0}
+    assert stuck_activations(pending, 120.0, 60.0) == [] and stuck_activations(pending, 121.0, 60.0) == ["a:1"]
+    assert stuck_activations(pending, 59.0, 1.0) == [] and stuck_activations(pending, 161.0, 1.0) == ["a:1", "b:2"]

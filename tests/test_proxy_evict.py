@@ -113,3 +113,25 @@ async def test_a_rank_its_node_removed_comes_back_only_once_its_member_record_sa
     world.store.set_reachable(True)
     await world.until("d0 routed again", lambda: endpoint in world.proxy.serving("decode"), within=30)
     assert not sync.evicted
+
+
+async def test_a_node_removes_only_what_the_proxy_lists_or_a_busy_proxy_never_routes_the_group_again(
+        world: World) -> None:
+    """The campaign's seed 3307: the sync had taken d0 out of an idle proxy; then, under load, d0's rank died and
+    its node asked the proxy to remove it again. vllm-ascend's proxy, busy, taints whatever it is asked to remove,
+    listed or not; adding the restarted rank back then crashed its activation thread (`KeyError` in `_push_heap`)
+    and d0 was never routed again. The node asks for what the proxy lists first and removes only that."""
+    proxy = world.proxy
+    assert proxy is not None
+    (endpoint,) = world.agents["n2"].coordinator.layout.group("d0").endpoints
+    n2 = world.stacks["n2"]
+    n2.block_ready("vllm", "test", "a probe fails")
+    await world.until("the sync took d0 out of the idle proxy", lambda: endpoint not in proxy.routed["decode"], 30)
+    proxy.busy = True
+    n2.crash("vllm")
+    await world.advance(0.01)
+    assert proxy.tainted["decode"] == set(), "nothing the proxy does not list is removed"
+    assert "group d0 already out of proxy" in n2.events_of("proxy_evict")[-1]["message"]
+    n2.block_ready("vllm", "test", None)
+    await world.until("d0 routed again", lambda: endpoint in proxy.serving("decode"), within=60)
+    assert not proxy.activation_dead

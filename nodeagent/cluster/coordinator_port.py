@@ -43,6 +43,10 @@ class ProxyView(Protocol):
     def active(self) -> Mapping[str, set[str]] | None:
         """What the proxy itself routes to, by its last answer (None: no proxy process)."""
 
+    @property
+    def pending_since(self) -> Mapping[str, float]:
+        """Instance → since when it is added but not listed by the proxy (monotonic)."""
+
 
 class MemberSource(Protocol):
     """The members' records (`membership.Membership`) and the node's lease."""

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from nodeagent.cluster.proxy_activation import ActivationWatch
 from nodeagent.cluster.store import StoreError
-from nodeagent.config.model import VllmComponent
+from nodeagent.config.model import ProxyComponent, VllmComponent
 from nodeagent.core.bindaddr import connect_host
 from nodeagent.core.errors import CoordinationUnavailable, UnknownComponentError
 from nodeagent.core.http import fetch
@@ -212,6 +213,8 @@ class PdWatch(ReportLayer):
         self.rounds = 0
         self.silent_prefills: set[str] = set()
         """The prefill instances that did not answer a probe this round."""
+        self.activation = ActivationWatch(self._pending, self._activation_flags, self._get, self._activation_restart,
+                                          self._say_activation, self.clock)  # fmt: skip
 
     @property
     def settings(self) -> PdWatchConfig:
@@ -250,6 +253,8 @@ class PdWatch(ReportLayer):
             try:
                 await self.watch_kv()
                 await self.watch_transfers()
+                if self.co.proxies:
+                    await self.activation.check()
             except Exception:  # a bug must not end the watch
                 logger.exception("pd watch: step failed")
             await self.clock.sleep(min(self.settings.probe_period_s, 5.0))
@@ -385,21 +390,44 @@ class PdWatch(ReportLayer):
         self.proxy_faults = self.proxy_faults + 1 if fault is not None else 0
         await self._restart_proxy(proxy, fault)
 
-    async def _restart_proxy(self, proxy: str, fault: str | None) -> None:
-        """The thin action of `proxy_restart`, once per cooldown (as for a group)."""
+    async def _restart_proxy(self, proxy: str, fault: str | None, *, stuck: bool = False) -> None:
+        """The thin action of `proxy_restart`, once per cooldown (as for a group): after `proxy_fault_after` rounds
+        in a row, or at once for an activation thread found gone (`stuck`: its proof took minutes already)."""
         view: ComponentView | None = None
         with contextlib.suppress(UnknownComponentError):
             view = self.co.port.component(proxy)
-        if not proxy_restart(self.proxy_faults, self.settings.proxy_fault_after, view):
+        after = self.settings.proxy_fault_after
+        if not proxy_restart(after if stuck else self.proxy_faults, after, view):
             return
         now = self.clock.monotonic()
         if now - self.acted.get(("hung", proxy), -RESTART_COOLDOWN_S) < RESTART_COOLDOWN_S:
             return
         self.acted[("hung", proxy)] = now
-        reason = f"{fault}, {self.proxy_faults} rounds in a row"
+        reason = fault if stuck else f"{fault}, {self.proxy_faults} rounds in a row"
         self.proxy_faults = 0
         self.co.port.emit("pd_watch", f"the proxy restarts: {reason}", proxy, "warning", why="hung")
         self.co.port.restart([proxy], f"pd watch: {reason}", planned=False, cause="probe")
+
+    def _pending(self) -> Mapping[str, float]:
+        return self.co.proxies[0].pending_since if self.co.proxies else {}
+
+    def _activation_flags(self) -> tuple[float | None, int | None]:
+        comp = self.co.config.components.get(self.co.proxies[0].plan.component) if self.co.proxies else None
+        if isinstance(comp, ProxyComponent):
+            return comp.activation_check_s, comp.activation_retries
+        return None, None
+
+    async def _get(self, url: str, timeout: float) -> int:
+        return (await self.http("GET", url, None, timeout, {}))[0]
+
+    async def _activation_restart(self, reason: str) -> None:
+        await self._restart_proxy(self.co.proxies[0].plan.component, reason, stuck=True)
+
+    def _say_activation(self, message: str, proxy_fault: bool) -> None:
+        after = self.settings.proxy_fault_after
+        then = (" (it restarts)" if after else " (proxy_fault_after 0: not restarted)") if proxy_fault else ""
+        level = "error" if proxy_fault else "warning" if "not activated" in message else "info"
+        self.co.port.emit("pd_watch", message + then, self.co.proxies[0].plan.component, level)
 
     async def watch_kv(self) -> None:
         healthy = self._health()
@@ -441,6 +469,7 @@ class PdWatch(ReportLayer):
         streaks = {g.name: {e: self.empties.streak.get(e, 0) for e in g.endpoints} for g in self._of("decode")}
         return {"pd_watch": {"probes": {g: dict(p) for g, p in self.last_probe.items()}, "empty_streaks": streaks,
                              "proxy": dict(self.proxy), "refused": dict(self.refused),
+                             "activation": self.activation.last,
                              "restarted": {f"{g} ({why})": round(self.clock.time() - (self.clock.monotonic() - t), 3)
                                            for (why, g), t in self.acted.items() if g}}}  # fmt: skip
 

@@ -98,19 +98,37 @@ class ProxyEvict(ReportLayer):
                 self.co.spawn(self._remove(plan, url, group, why))
 
     async def _remove(self, plan: ProxyPlan, url: str, group: Group, why: str) -> None:
-        """`why`: the dead ranks (this node's components) and their states, as the event names them."""
-        body = {"type": group.kind, "instances": sorted(group.endpoints)}
+        """`why`: the dead ranks (this node's components) and their states, as the event names them. Only what the
+        proxy lists now is removed (an empty add answers its lists): vllm-ascend's proxy, busy, taints whatever it
+        is asked to remove, listed or not, and an instance tainted but not listed crashes its activation thread
+        when it is added back (a `KeyError` in `_push_heap`; the fault campaign's seed 3307, after the sync had
+        removed the group already)."""
+        listed = await self._listed(url, group.kind)
+        gone = sorted(set(group.endpoints) & listed) if listed is not None else []
         answer: dict[str, object] | None = None
-        error = ""
-        with contextlib.suppress(OSError, ValueError):
-            answer = await self._send(f"{url}/instances/remove", body)
-        if answer is None:
-            error = "the proxy did not take it (its sync removes the group once the member record shows it)"
-        outcome = f"removed from {plan.component}" if not error else f"not removed from {plan.component}: {error}"
+        if gone:
+            with contextlib.suppress(OSError, ValueError):
+                answer = await self._send(f"{url}/instances/remove", {"type": group.kind, "instances": gone})
+        if listed is None or (gone and answer is None):
+            outcome = (f"not removed from {plan.component}: the proxy did not take it (its sync removes the group "
+                       "once the member record shows it)")  # fmt: skip
+        elif not gone:
+            outcome = f"already out of {plan.component}"
+        else:
+            outcome = f"removed from {plan.component}"
         self.last[group.name] = outcome
         logger.info(f"proxy evict: {why}: group {group.name} {outcome}")
         self.co.port.emit("proxy_evict", f"{why}: group {group.name} {outcome}", why.split(" ")[0],
-                          "info" if not error else "warning")  # fmt: skip
+                          "warning" if outcome.startswith("not ") else "info")  # fmt: skip
+
+    async def _listed(self, url: str, kind: str) -> set[str] | None:
+        """The instances of this kind the proxy lists now; None when it does not answer."""
+        with contextlib.suppress(OSError, ValueError):
+            answer = await self._send(f"{url}/instances/add", {"type": kind, "instances": []})
+            current = answer.get(f"current_{kind}_instances") if answer is not None else None
+            if isinstance(current, list):
+                return {str(e) for e in current}
+        return None
 
     def status_section(self) -> dict[str, object]:
         return {"proxy_evict": dict(self.last)} if self.last else {}

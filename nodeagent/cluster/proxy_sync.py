@@ -165,6 +165,9 @@ class ProxySync:
         self.active: dict[str, set[str]] | None = None
         """What the proxy itself routes to, from its own answers (an added instance waits for activation)."""
         self._reconciled_at = 0.0
+        self.pending_since: dict[str, float] = {}
+        """Instance → since when it is added but the proxy does not list it yet (waiting for its activation check;
+        `proxy_activation` judges one that waits too long)."""
         self.health: dict[str, str] = {}
         """group → why it is out of the proxy ("" when in)."""
         self._isolated_since: dict[str, float | None] = {}
@@ -238,10 +241,17 @@ class ProxySync:
             await self._apply(want, fences)
         else:
             self.fenced = self._blocked(fences)
+        self._track_pending()
         self._report(health)
         routed = self.active if self.active is not None else want
         empty = [kind for kind in ("prefill", "decode") if not (routed[kind] & want[kind])]
         self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
+
+    def _track_pending(self) -> None:
+        now, active = self.clock.monotonic(), self.active or {}
+        pending = ({e for k, v in self.applied.items() for e in v - active.get(k, set())}
+                   if self.applied is not None and self.active is not None else set())  # fmt: skip
+        self.pending_since = {e: self.pending_since.get(e, now) for e in pending}
 
     def settling(self) -> bool:
         """etcd came back within `settle_s` (its connection's `since` changed while reachable: a return between two

@@ -17,17 +17,17 @@ warm-up after them; the start's lines are a CPU vLLM 0.32's, `nodeagent.vllm.sta
 VLLM_STANDIN_EXIT_S (0: how long the engine, and so the API server, runs on after a SIGTERM — an A2 engine freeing
 its NPUs takes up to ~50 s; `inf`: the engine ignores SIGTERM and only SIGKILL ends the tree),
 VLLM_STANDIN_DEVICE_LOCK (a file flocked while the engine tree lives, standing for NPU memory),
-VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external
-blocks = no KV connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each
-running request decodes per step) and _PREFILL_TOKENS_PER_S (50000) for speed, and vLLM's own
-VLLM_LOG_STATS_INTERVAL (10 s), VLLM_STANDIN_FINGERPRINT (the answers' `system_fingerprint`, vLLM's null when unset:
-a fault campaign names the group that served a request through the PD proxy by it). `GET|POST /standin/fault` reads or switches the fault mode. `hang` stops the
-engine stepping: requests in flight freeze with their token counters (a hang under load), an idle engine
-never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine
-(`/health` too). `empty` answers 200 without a token. `kv_fail` is a decoder whose KV pulls fail: a request
-handed a remote prefill logs the Mooncake connector's `Mooncake transfer failed for request` and answers 500,
-every other request and `/health` are served — behind vllm-ascend's PD proxy it is the 200 with an empty body
-of #13140 (the proxy has sent 200 before it reads the decoder's error, and ends the stream empty).
+VLLM_STANDIN_BLOCK_SIZE / _LOCAL_BLOCKS / _EXTERNAL_BLOCKS (prefix-cache simulation, 0 external blocks = no KV
+connector), VLLM_STANDIN_STEP_S (0.02 s per engine step), _TOKENS_PER_STEP (4: tokens each running request decodes
+per step) and _PREFILL_TOKENS_PER_S (50000) for speed, and vLLM's own VLLM_LOG_STATS_INTERVAL (10 s),
+VLLM_STANDIN_FINGERPRINT (the answers' `system_fingerprint`, vLLM's null when unset: a fault campaign names the
+group that served a request through the PD proxy by it). `GET|POST /standin/fault` reads or switches the fault mode.
+`hang` stops the engine stepping: requests in flight freeze with their token counters (a hang under load), an idle
+engine never answers (an idle hang); `/health` and `/metrics` still answer, as in vLLM. `503` is an errored engine
+(`/health` too). `empty` answers 200 without a token. `kv_fail` is a decoder whose KV pulls fail: a request handed a
+remote prefill logs the Mooncake connector's `Mooncake transfer failed for request` and answers 500, every other
+request and `/health` are served — behind vllm-ascend's PD proxy it is the 200 with an empty body of #13140 (the
+proxy has sent 200 before it reads the decoder's error, and ends the stream empty).
 
 Metrics move as vLLM's do: the scheduler gauges with every engine step (a prefill chunk too: the KV-cache
 usage grows), and per batch of outputs the token counters and one `vllm:iteration_tokens_total` observation.
