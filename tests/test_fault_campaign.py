@@ -68,6 +68,17 @@ def test_a_restart_outside_every_fault_window_is_a_restart_without_cause() -> No
     assert cc.invariants(led)["restart_without_cause"] == []
 
 
+def test_a_restart_after_the_window_of_the_fault_that_stopped_it_has_that_cause() -> None:
+    """Seed 3307: a SIGSTOPped rank stopped at 572 s (in its fault's window), its group backed off 10 s as one and
+    started it at 583 s, past the window's end (healed 577 s, + 5 s). The stop it replaces explains the start; a
+    stop outside every window does not."""
+    stop = {"t": 24.0, "event": "stop", "pid": 7, "sid": 7, "node": "n2", "role": "vllm"}
+    led = ledger(faults=[fault(1, "stop_vllm", 20, 25, None)], processes=[start(1), stop, start(40)])
+    assert cc.invariants(led)["restart_without_cause"] == []
+    led["processes"] = [start(1), {**stop, "t": 50.0}, start(52)]
+    assert [e["t"] for e in cc.invariants(led)["restart_without_cause"]] == [52]
+
+
 def test_two_trees_alive_stopped_processes_and_slow_or_no_recovery_are_violations() -> None:
     led = ledger(faults=[fault(1, "stop_vllm", 10, 20, 95), fault(2, "kill_agent", 30, 35, None, node="n1")],
                  overlaps=[{"t": 12, "node": "n2", "sids": [1, 2]}],
