@@ -12,16 +12,25 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from loguru import logger
+
+_ENCODER = msgspec.json.Encoder(order="sorted")
+
+
+def encode_state(data: Any) -> bytes:
+    """Indented, keys sorted, in C: `json.dump` with `indent` is Python's pure encoder, ~20x slower, and the agent
+    writes its status on every burst of changes (the simulation's eight agents spent 6-14 % of their CPU on it)."""
+    return msgspec.json.format(_ENCODER.encode(data), indent=1) + b"\n"
 
 
 def write_json_atomic(path: Path, data: Any, durable: bool = True) -> None:
     """Never half-written; `durable` also survives a power cut (not needed for a mere view like status)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
+    raw = encode_state(data)
+    with open(tmp, "wb") as fh:
+        fh.write(raw)
         fh.flush()
         if durable:
             os.fsync(fh.fileno())
