@@ -21,7 +21,14 @@ _ENCODER = msgspec.json.Encoder(order="sorted")
 def encode_state(data: Any) -> bytes:
     """Indented, keys sorted, in C: `json.dump` with `indent` is Python's pure encoder, ~20x slower, and the agent
     writes its status on every burst of changes (the simulation's eight agents spent 6-14 % of their CPU on it)."""
-    return msgspec.json.format(_ENCODER.encode(data), indent=1) + b"\n"
+    try:
+        raw = _ENCODER.encode(data)
+    except TypeError:  # keys that are not strings (ints: NPU ids, ranks), which `order` refuses: JSON's strings
+        try:
+            raw = _ENCODER.encode(msgspec.json.decode(msgspec.json.encode(data)))
+        except TypeError:
+            return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+    return msgspec.json.format(raw, indent=1) + b"\n"
 
 
 def write_json_atomic(path: Path, data: Any, durable: bool = True) -> None:
