@@ -72,7 +72,8 @@ def test_three_agents_see_each_other_flag_a_hash_seed_and_lose_a_killed_one(thre
 
 
 def test_node_reads_from_any_member_api_or_member_key(tmp_path: Path, etcd: EtcdServer) -> None:
-    harness = ClusterHarness(tmp_path, etcd.endpoint, ["n0", "n1"], ttl_s=10)
+    # the hung agent's key must outlive two status calls that each wait out its API first (CI's loaded pool: > 10 s)
+    harness = ClusterHarness(tmp_path, etcd.endpoint, ["n0", "n1"], ttl_s=20)
     try:
         harness.start()
         harness.wait_members("n0", {"n0", "n1"})
@@ -138,7 +139,9 @@ def test_the_master_runs_etcd_itself_and_nobody_waits_for_it(tmp_path: Path) -> 
         first = harness.cluster("n1")["etcd"]["requests"]
         time.sleep(10)
         rate = (harness.cluster("n1")["etcd"]["requests"] - first) / 10
-        assert rate <= 1 / 1.0 + 1 / 5.0 + 0.2, f"{rate:.2f} etcd requests/s at rest"
+        # + 0.4: a record rewrite or two when a loaded machine's probe answers late (CI's pool: 1.5/s); a poll
+        # of any key would cost several a second
+        assert rate <= 1 / 1.0 + 1 / 5.0 + 0.4, f"{rate:.2f} etcd requests/s at rest"
     finally:
         harness.cleanup()
 
