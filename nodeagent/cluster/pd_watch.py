@@ -423,10 +423,9 @@ class PdWatch(ReportLayer):
     async def _activation_restart(self, reason: str) -> None:
         await self._restart_proxy(self.co.proxies[0].plan.component, reason, stuck=True)
 
-    def _say_activation(self, message: str, proxy_fault: bool) -> None:
+    def _say_activation(self, message: str, level: str) -> None:
         after = self.settings.proxy_fault_after
-        then = (" (it restarts)" if after else " (proxy_fault_after 0: not restarted)") if proxy_fault else ""
-        level = "error" if proxy_fault else "warning" if "not activated" in message else "info"
+        then = (" (it restarts)" if after else " (proxy_fault_after 0: not restarted)") if level == "error" else ""
         self.co.port.emit("pd_watch", message + then, self.co.proxies[0].plan.component, level)
 
     async def watch_kv(self) -> None:

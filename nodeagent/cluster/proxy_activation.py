@@ -65,11 +65,12 @@ Get = Callable[[str, float], Awaitable[int]]
 
 
 class ActivationWatch:
-    """Judges the sync's waiting instances at each call; `restart` and `say` are the PD watch's."""
+    """Judges the sync's waiting instances at each call; `restart` and `say` (message, event level: "error" when
+    the proxy is the fault) are the PD watch's."""
 
     def __init__(self, pending_since: Callable[[], Mapping[str, float]],
                  window: Callable[[], tuple[float | None, int | None]], get: Get,
-                 restart: Callable[[str], Awaitable[None]], say: Callable[[str, bool], None],
+                 restart: Callable[[str], Awaitable[None]], say: Callable[[str, str], None],
                  clock: Clock) -> None:  # fmt: skip
         self._pending, self._window, self._get = pending_since, window, get
         self._restart, self._say, self.clock = restart, say, clock
@@ -85,14 +86,14 @@ class ActivationWatch:
         stuck = stuck_activations(pending, now, activation_window(check_s, retries))
         if not stuck:
             if self._found is not None:
-                self._say("the proxy activates what it is given again", False)
+                self._say("the proxy activates what it is given again", "info")
             self.last = self._found = None
             return None
         answering = tuple([e for e in stuck if await self._answers(e)])
         verdict = ActivationVerdict(answering, tuple(e for e in stuck if e not in answering))
         message = verdict.message(max(now - pending[e] for e in stuck), check_s)
         if verdict != self._found:
-            self._say(message, verdict.proxy_fault)
+            self._say(message, "error" if verdict.proxy_fault else "warning")
         self.last, self._found = message, verdict
         if verdict.proxy_fault:
             await self._restart(message)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from nodeagent.cluster.proxy_sync import ProxyPost, http_post
+from nodeagent.cluster.proxy_sync import ProxyPost, http_post, proxy_lists
 from nodeagent.core.bindaddr import connect_host, url_host
 from nodeagent.core.states import SERVING_STATES, State
 from nodeagent.seam.stackport import ReportLayer
@@ -124,10 +124,8 @@ class ProxyEvict(ReportLayer):
     async def _listed(self, url: str, kind: str) -> set[str] | None:
         """The instances of this kind the proxy lists now; None when it does not answer."""
         with contextlib.suppress(OSError, ValueError):
-            answer = await self._send(f"{url}/instances/add", {"type": kind, "instances": []})
-            current = answer.get(f"current_{kind}_instances") if answer is not None else None
-            if isinstance(current, list):
-                return {str(e) for e in current}
+            lists = proxy_lists(await self._send(f"{url}/instances/add", {"type": kind, "instances": []}))
+            return lists[kind] if lists is not None else None
         return None
 
     def status_section(self) -> dict[str, object]:

@@ -136,6 +136,17 @@ ProxyPost = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 ValueError when it does not answer (tests give a fake proxy)."""
 
 
+def proxy_lists(answer: Mapping[str, Any] | None) -> dict[str, set[str]] | None:
+    """What the proxy lists, by kind, from any answer of its `/instances/add|remove` (an empty add only asks);
+    None when the answer carries no lists."""
+    if answer is None:
+        return None
+    lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
+    if not all(isinstance(v, list) for v in lists.values()):
+        return None
+    return {k: {str(e) for e in v or ()} for k, v in lists.items()}
+
+
 async def http_post(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
     answer = await fetch("POST", url, 5.0, json=body)
     if not answer.ok:
@@ -248,9 +259,9 @@ class ProxySync:
         self._block_ready(f"no healthy {' or '.join(empty)} group in the proxy" if empty else None)
 
     def _track_pending(self) -> None:
-        now, active = self.clock.monotonic(), self.active or {}
+        now, active = self.clock.monotonic(), self.active
         pending = ({e for k, v in self.applied.items() for e in v - active.get(k, set())}
-                   if self.applied is not None and self.active is not None else set())  # fmt: skip
+                   if self.applied is not None and active is not None else set())  # fmt: skip
         self.pending_since = {e: self.pending_since.get(e, now) for e in pending}
 
     def settling(self) -> bool:
@@ -340,12 +351,14 @@ class ProxySync:
     async def _apply(self, want: dict[str, set[str]], fences: Mapping[str, set[str]]) -> None:
         """Every removal first, then the additions the fences allow as the proxy's answers now say."""
         assert self.applied is not None
-        for kind in ("prefill", "decode"):
+        kinds = ("prefill", "decode")
+        # only what the proxy still lists is removed, asked once for both kinds (an empty add): vllm-ascend's proxy,
+        # asked to remove an instance a node already took out (`proxy_evict`) and then to add it, crashed its
+        # activation thread (KeyError in `_push_heap`) and never routed it again (the campaign's seed 3306)
+        listed = any(self.applied[k] - want[k] for k in kinds) and await self._post("add", "prefill", set(), quiet=True)
+        for kind in kinds:
             gone = self.applied[kind] - want[kind]
-            if gone and await self._post("add", kind, set(), quiet=True) and self.active is not None:
-                # only what the proxy still lists: vllm-ascend's proxy, asked to remove an instance a node already
-                # took out (`proxy_evict`) and then to add it, crashed its activation thread (KeyError in
-                # `_push_heap`) and never routed it again (the campaign's seed 3306)
+            if gone and listed and self.active is not None:  # a remove's answer below refreshes `active` too
                 self.applied[kind] -= gone - self.active[kind]
                 gone &= self.active[kind]
             if gone and await self._post("remove", kind, gone):
@@ -420,9 +433,8 @@ class ProxySync:
             answer = await self._send(f"{self.url}/instances/{what}", body)
             if answer is None:
                 return False
-            lists = {k: answer.get(f"current_{k}_instances") for k in ("prefill", "decode")}
-            if all(isinstance(v, list) for v in lists.values()):
-                before, self.active = self.active, {k: {str(e) for e in v or ()} for k, v in lists.items()}  # checked
+            if (lists := proxy_lists(answer)) is not None:
+                before, self.active = self.active, lists
                 self._note_evicted(before, set(instances) if what == "remove" else set(), kind)
                 if what == "remove":
                     self.isolated[kind] |= instances & self.active[kind]
