@@ -90,11 +90,20 @@ def test_cold_start_through_the_barrier_with_real_ranks(group: Group) -> None:
     assert "every node arrived (n0, n1)" in group.h.agents["n1"].log()
     comps = {s.component for s in group.watch.alive().values()}
     assert comps == set(RANKS.values()), comps
-    for node, comp in RANKS.items():  # issue 32: each phase of a real vLLM start, from its own lines, exported
+
+    def metrics(node: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{group.h.api_ports[node]}/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return r.read().decode()
+
+    def counted(comp: str, phase: str) -> str:
+        return f'dsv4_agent_vllm_start_phase_seconds_count{{component="{comp}",phase="{phase}"}} 1.0'
+
+    for node, comp in RANKS.items():  # issue 32: each phase of a real vLLM start, from its own lines, exported
+        # recorded by the watch's next look after the rank turned ready (every 0.5 s), not at the same instant
+        wait_for(f"{comp}'s start phases exported", lambda n=node, c=comp: counted(c, "ready") in metrics(n), 15, 0.25)
+        text = metrics(node)
         for phase in ("imports", "weights", "kv_cache", "api", "ready"):
-            assert f'dsv4_agent_vllm_start_phase_seconds_count{{component="{comp}",phase="{phase}"}} 1.0' in text, (
+            assert counted(comp, phase) in text, (
                 phase, [line for line in text.splitlines() if "start_phase_seconds_count" in line])  # fmt: skip
         seen = group.h.status(node)["start_phases"][comp]["run"]["seconds"]
         assert "graphs" not in seen and seen["weights"] < 60, seen  # --enforce-eager: no compile, no graphs on CPU
