@@ -150,9 +150,6 @@ def arrival_epoch(kv: KV) -> str | None:
     from 1 after etcd lost its data, and a lease re-granted after the wipe writes its keys back: an arrival for
     generation N of the old epoch must not count for the new epoch's generation N (the simulation found a rank
     started beside a peer's old tree that way: tests/test_simulation.py, seeds 108 and 109)."""
-    try:
-        data = json.loads(kv.value)
-    except (ValueError, TypeError):
-        return None
+    data = kv.json()
     epoch = data.get("epoch") if isinstance(data, dict) else None
     return str(epoch) if epoch is not None else None
