@@ -12,8 +12,9 @@ A ledger is plain JSON (times in seconds since the campaign began):
 - `processes`: {t, event: start|stop, pid, sid, node, role} as /proc showed them (polled)
 - `overlaps`: {t, node, sids} — a moment two vLLM trees of one node were alive at once (two generations)
 - `stopped_at_end`: {pid, node, role} left in state T once every fault had healed
-- `empties`: {t, group} every 200 answer without a token; `attributed`: {t, group} the first moment the agent's PD
-  watch counted an empty answer of that group (its status' `empty_streaks`)
+- `empties`: {t, group} every 200 answer without a token; `attributed`: {t, group, polled} when the agent's PD
+  watch asked the instance whose empty answer it counted (its status' `empty_since`), `polled` when the observer
+  saw the count (its status' `empty_streaks`)
 - `generations`: {t, group, generation, reason, by, backoff_s} each new generation in etcd; `backoff_s`: the group
   restart backoff it was written with (the recovery bound adds it: `backoff_in`)
 - `bounds`: {recovery_s, probe_period_s, warmup}: the limits the config gives
@@ -149,7 +150,8 @@ def target_check(ledger: dict[str, Any], f: dict[str, Any], row: dict[str, Any])
 
 def empties_attributed(ledger: dict[str, Any]) -> list[dict[str, Any]]:
     """Every group that answered 200-empty: when it did first (per fault window), when the agent attributed it (its
-    PD watch counted it, or it acted on that group), and whether within one probe period (+ the 0.5 s poll)."""
+    PD watch asked the instance it counted, or it acted on that group), and whether within one probe period + 0.5 s
+    (the probe's prefill request before the decode one is asked, and a round's drift on a loaded machine)."""
     period = ledger["bounds"]["probe_period_s"]
     rows = []
     for f in ledger["faults"]:

@@ -42,6 +42,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0,
 class Ledger:
     def __init__(self) -> None:
         self.t0 = time.monotonic()
+        self.wall0 = time.time()
         self.lock = threading.Lock()
         self.requests: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
@@ -56,6 +57,10 @@ class Ledger:
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
+
+    def of_wall(self, wall: float) -> float:
+        """A wall time an agent reported, in the ledger's seconds."""
+        return round(wall - self.wall0, 3)
 
     def note(self, what: str) -> None:
         with self.lock:
@@ -311,11 +316,16 @@ class Observer:
             watch = json.loads(body).get("pd_watch") or {}
         except ValueError:
             return
+        since = watch.get("empty_since") or {}
         for group, streaks in (watch.get("empty_streaks") or {}).items():
             count = max((int(v) for v in (streaks or {}).values()), default=0)
             if count > 0 and self.streaks.get(group, 0) == 0:
+                # when the agent's probe asked the instance that answered empty, not when this poll got to see it:
+                # the poll and the API's own answer are the observer's latency, slow on a loaded machine
+                asked = min((float(v) for v in (since.get(group) or {}).values()), default=None)
+                t = self.ledger.now() if asked is None else min(self.ledger.now(), self.ledger.of_wall(asked))
                 with self.ledger.lock:
-                    self.ledger.attributed.append({"t": self.ledger.now(), "group": group})
+                    self.ledger.attributed.append({"t": t, "group": group, "polled": self.ledger.now()})
             self.streaks[group] = count
 
 

@@ -53,6 +53,20 @@ def test_an_answer_needs_the_tokens_asked() -> None:
     assert not counter.observe("d0", False), "acted on: counted afresh"
 
 
+def test_an_empty_streak_says_when_its_first_empty_answer_was_asked_for() -> None:
+    """An operator (and the campaign's attribution check) reads when the instance went wrong, not when someone
+    looked: the streak's first probe time, kept through the streak, gone with a good answer or a restart."""
+    counter = EmptyCounter(after=3)
+    counter.observe("d0", False, 100.0)
+    counter.observe("d0", False, 102.0)
+    assert counter.since == {"d0": 100.0}
+    counter.observe("d0", True, 104.0)
+    assert counter.since == {}, "a good answer ends the streak"
+    counter.observe("d0", False, 106.0)
+    counter.clear(["d0"])
+    assert counter.since == {} and counter.streak == {"d0": 0}
+
+
 def test_the_proxy_is_the_fault_only_when_every_instance_answers() -> None:
     assert proxy_fault(True, "2 tokens", {"a:1": True}) is None
     why = proxy_fault(False, "200 with an empty body", {"a:1": True, "a:2": True})
@@ -338,6 +352,9 @@ async def test_a_proxy_that_fails_while_every_instance_answers_is_the_fault_and_
         assert n0.started("proxy") == 1 and not watch.acted
         if case == "a backend fails after its turn":
             assert watch.empties.streak[second] >= 2, "the instance is counted, asked again after the proxy"
+            since = watch.status_section()["pd_watch"]["empty_since"]
+            assert list(since) == ["d0"] and list(since["d0"]) == [second] and since["d0"][second] <= \
+                world_dp.clock.time(), "status says when the counted instance was first asked and answered empty"
     assert d0_starts(world_dp) == [1, 1], "no group restarts for the proxy's fault"
 
 

@@ -51,7 +51,7 @@ def test_an_empty_streak_never_acted_on_is_found(monkeypatch: pytest.MonkeyPatch
     """The planted bug: the streak of answers without tokens never reaches its threshold."""
     from nodeagent.cluster import pd_watch
 
-    monkeypatch.setattr(pd_watch.EmptyCounter, "observe", lambda self, endpoint, ok: False)
+    monkeypatch.setattr(pd_watch.EmptyCounter, "observe", lambda self, endpoint, ok, at=None: False)
     found = planted_find({"pd_unattributed"}, "pd_empty")
     assert found is not None, "the simulation did not find empty answers the PD watch never acted on"
     print(f"found: {found}")

@@ -109,16 +109,25 @@ class EmptyCounter:
 
     after: int
     streak: dict[str, int] = field(default_factory=dict)
+    since: dict[str, float] = field(default_factory=dict)
+    """instance → when the probe that began its streak asked it (wall time): an operator reads when it went wrong,
+    not when the streak was last looked at."""
 
-    def observe(self, instance: str, ok: bool) -> bool:
-        """True while this instance's streak is at `after` or more (act: `clear` once acted on)."""
+    def observe(self, instance: str, ok: bool, at: float | None = None) -> bool:
+        """True while this instance's streak is at `after` or more (act: `clear` once acted on); `at`: when this
+        answer was asked for."""
         self.streak[instance] = 0 if ok else self.streak.get(instance, 0) + 1
+        if ok:
+            self.since.pop(instance, None)
+        elif at is not None:
+            self.since.setdefault(instance, at)
         return not ok and self.streak[instance] >= self.after
 
     def clear(self, instances: Iterable[str]) -> None:
         """The group was restarted: its instances count afresh once back."""
         for instance in instances:
             self.streak[instance] = 0
+            self.since.pop(instance, None)
 
 
 def proxy_fault(proxy_ok: bool, proxy_what: str, instances: Mapping[str, bool], silent_prefills: int = 0) -> str | None:
@@ -352,6 +361,7 @@ class PdWatch(ReportLayer):
         if params is None:
             return None
         request = {**completion_request(self.model), "kv_transfer_params": params}
+        asked = self.clock.time()
         try:
             status, body = await self.http("POST", f"http://{_host(endpoint)}/v1/completions", request, timeout,
                                            headers)  # fmt: skip
@@ -359,7 +369,7 @@ class PdWatch(ReportLayer):
         except OSError as exc:
             ok, what = False, f"no answer: {exc}"
         self.last_probe.setdefault(group, {})[endpoint] = what
-        if self.empties.observe(endpoint, ok):
+        if self.empties.observe(endpoint, ok, asked):
             reason = (f"{self.empties.streak[endpoint]} answers in a row without the {PROBE_TOKENS} tokens asked "
                       f"from decode {group} instance {endpoint} ({what}): the proxy would answer 200 with an empty "
                       "or short body (vllm-ascend #13140)")  # fmt: skip
@@ -466,7 +476,10 @@ class PdWatch(ReportLayer):
 
     def status_section(self) -> dict[str, Any]:
         streaks = {g.name: {e: self.empties.streak.get(e, 0) for e in g.endpoints} for g in self._of("decode")}
+        since = {g.name: {e: round(self.empties.since[e], 3) for e in g.endpoints if e in self.empties.since}
+                 for g in self._of("decode")}  # fmt: skip
         return {"pd_watch": {"probes": {g: dict(p) for g, p in self.last_probe.items()}, "empty_streaks": streaks,
+                             "empty_since": {g: s for g, s in since.items() if s},
                              "proxy": dict(self.proxy), "refused": dict(self.refused),
                              "activation": self.activation.last,
                              "restarted": {f"{g} ({why})": round(self.clock.time() - (self.clock.monotonic() - t), 3)
