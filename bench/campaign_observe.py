@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any
@@ -161,19 +162,30 @@ class Observer:
         self.full = False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.watch_thread = threading.Thread(target=self._run_pd_watch, daemon=True)
+        """The PD watch's counts on their own beat: a streak lasts one probe period before the restart it causes
+        clears it, shorter than one round of the other polls on a loaded machine (/proc, etcd, every rank)."""
         self.overlap_seen: set[tuple[str, tuple[int, ...]]] = set()
 
     def start(self) -> None:
         self.thread.start()
+        self.watch_thread.start()
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+        self.watch_thread.join(10)
 
     def _run(self) -> None:
+        self._loop((self.poll_procs, self.poll_gens, self.poll_capacity))
+
+    def _run_pd_watch(self) -> None:
+        self._loop((self.poll_pd_watch,))
+
+    def _loop(self, steps: tuple[Callable[[], None], ...]) -> None:
         while not self.stop.is_set():
             began = time.monotonic()
-            for step in (self.poll_procs, self.poll_gens, self.poll_capacity, self.poll_pd_watch):
+            for step in steps:
                 try:
                     step()
                 except Exception as exc:  # an observer that dies silently would make the run look clean
