@@ -91,6 +91,53 @@ def test_before_the_members_records_are_read_the_proxy_gets_its_whole_command_li
     assert not events, "nothing chosen: the config's command line, as without a cluster layer"
 
 
+def test_a_proxy_waits_for_the_members_records_while_etcd_may_answer_and_not_longer() -> None:
+    """An agent just started: launched before the records are read, the proxy would route every endpoint of its
+    command line. It waits for them — not with etcd known away (it serves with its command line, as before), and
+    at most LAUNCH_WAIT_S."""
+    from cluster_fakes import VirtualClock
+
+    from nodeagent.cluster.proxy_sync import LAUNCH_WAIT_S
+    from nodeagent.cluster.store import ConnectionState
+
+    plan = ProxyPlan("proxy", "m", "127.0.0.1", 18020, ("10.0.0.1:8100",), ("10.0.0.4:8200",))
+    members: dict[str, Any] = {}
+    state = ConnectionState(None, "etcd", None, 0.0)
+    clock = VirtualClock()
+    groups: Any = GROUPS
+    sync = ProxySync(plan, groups, lambda: None, lambda: members, dict, lambda *a, **k: None, lambda _r: None,
+                     clock, connection=lambda: state)  # fmt: skip
+    hold = sync.launch_hold()
+    assert hold is not None and "waiting for the members' records" in hold.reason, hold
+    state = ConnectionState(False, "etcd", "refused", 0.0)
+    assert sync.launch_hold() is None, "etcd away: the proxy starts at once"
+    state = ConnectionState(True, "etcd", None, 0.0)
+    assert sync.launch_hold() is not None
+    clock._move(clock.mono + LAUNCH_WAIT_S + 0.1)
+    assert sync.launch_hold() is None, "never longer than LAUNCH_WAIT_S"
+    members["n1"] = {"components": {}}
+    assert sync.launch_hold() is None, "read: no group held out, nothing holds it"
+
+
+def test_a_proxy_does_not_start_while_a_rollout_holds_every_group_of_a_kind_out() -> None:
+    """Found by the simulation (seed 760303): a step with the operator's allowed outage holds p0, p1 (or d0, d1)
+    out; a proxy starting then was launched with all of them — an old, draining process beside a new one of
+    another KV connector. It starts once the step lets one back; one group of a kind left is enough."""
+    plan = ProxyPlan("proxy", "m", "127.0.0.1", 18020, ("10.0.0.1:8100",), ("10.0.0.4:8200",))
+    members = {"n1": {"components": {}}}
+    groups: Any = GROUPS
+    sync = ProxySync(plan, groups, lambda: None, lambda: members, dict, lambda *a, **k: None, lambda _r: None)
+    held: dict[str, str] | None = {"d0": "rollout r2 step 1: restarting", "d1": "rollout r2 step 1: restarting"}
+    sync.holds.append(lambda: held)
+    hold = sync.launch_hold()
+    assert hold is not None and hold.reason == ("proxy proxy: every decode group is held out (rollout r2 step 1: "
+                                                "restarting): it starts once one may be routed"), hold
+    held = {"d0": "rollout r2 step 1: restarting", "p0": "rollout r2 step 1: restarting"}
+    assert sync.launch_hold() is None
+    held = None  # the source has not read its state: it holds nothing yet
+    assert sync.launch_hold() is None
+
+
 async def test_a_proxy_being_launched_lists_what_it_was_given_before_its_pid_is_seen() -> None:
     """Found by the simulation (seed 760292, an incompatible rollout): between a proxy's launch and the sync's first
     look at its pid the sync said "no proxy process" (`active` None), a failed step's way back was marked unlisted

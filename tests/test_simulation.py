@@ -61,6 +61,9 @@ KEPT: list[tuple[int, str, float, str]] = [
      "rollout's file: it loaded the new file while its adopted rank ran the old one, kept no previous config, and "
      "its step's way back failed for want of the old file"),
     (760023, "8node", 180, "the same between two rollouts: back after the second one's file was installed"),
+    (760303, "local-cluster", 180, "an agent back from a pause started its crashed proxy while a rollout's step (the "
+     "operator's allowed outage) held every group out: the proxy, which needs one of each kind, was launched with all "
+     "of them and routed the old draining prefill beside a new decode rank of another KV connector (mixed_routes)"),
 ]
 
 
@@ -77,7 +80,7 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
 KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
                                                      760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
                                                      760372: simulation.ROLLOUTS_ALL, 760170: simulation.ROLLOUTS_ALL,
-                                                     760023: simulation.ROLLOUTS_ALL}
+                                                     760023: simulation.ROLLOUTS_ALL, 760303: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

@@ -456,10 +456,12 @@ class Coordinator:
     # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
         """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
-        backoff and barrier. Side-effect free: the node asks every layer's gate, and the earliest hold wins — what
-        follows from ours (asking a generation) is the work loop's, once it is the hold the rank shows."""
+        backoff and barrier; the proxy's wait for the records it chooses its backends from. Side-effect free: the
+        node asks every layer's gate, and the earliest hold wins — what follows from ours (asking a generation) is
+        the work loop's, once it is the hold the rank shows."""
         held = self.ops.gate(comp, operator) if self.ops is not None else None
-        return held or self._group_gate(comp)
+        proxy = next((p for p in self.proxies if p.plan.component == comp.name), None)
+        return held or self._group_gate(comp) or (proxy.launch_hold() if proxy is not None else None)
 
     def _group_gate(self, comp: ComponentView) -> Hold | None:
         gs = self.by_component.get(comp.name)

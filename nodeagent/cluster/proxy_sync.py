@@ -25,7 +25,7 @@ from nodeagent.core.bindaddr import connect_host
 from nodeagent.core.http import fetch
 from nodeagent.core.states import SERVING_STATES, State
 from nodeagent.seam.host import Clock
-from nodeagent.seam.stackport import ProxyBackends
+from nodeagent.seam.stackport import Hold, HoldKind, ProxyBackends
 
 if TYPE_CHECKING:
     from nodeagent.cluster.store import ConnectionState
@@ -42,6 +42,10 @@ EVICTED_S = 60.0
 """The longest a group its node removed (`evicted`) is kept out on records that did not change: a death and a
 restart both between two writes of the record would leave no change to see. Then the proxy's own activation check
 (the rank's /v1/models) is the gate, as for any add."""
+LAUNCH_WAIT_S = 10.0
+"""The longest a proxy's start waits for the members' records (an agent just started, etcd not heard from yet):
+launched before them, it would route every endpoint of its command line — a group a rollout keeps out, both sides
+of an incompatible change (simulation seed 760303). With etcd known away it starts at once, as it always did."""
 ISOLATED_WARN_S = 180.0
 """A healthy group the proxy has kept isolated this long gets one warning: vllm-ascend's proxy deletes an
 instance removed under load only when no request is in flight at its check, and ignores an add of it until then —
@@ -207,6 +211,7 @@ class ProxySync:
         self._back_at: float | None = None
         """When etcd was last seen come back (monotonic): a new `since` of a reachable connection."""
         self._last_members: dict[str, Mapping[str, Any]] = {}
+        self._created = self.clock.monotonic()
         self._launch_asked = False
         """A launch asked since the last new pid: the next new pid is that launch's (else one this agent did not
         launch — adopted: its lists are assumed to be its command line's, as the config says)."""
@@ -306,6 +311,31 @@ class ProxySync:
             for name, others in fence().items():
                 fences.setdefault(name, set()).update(others)
         return health, ready, held_out, fences
+
+    def launch_hold(self) -> Hold | None:
+        """What holds the proxy's start: the members' records not read yet while etcd may still answer, for at most
+        `LAUNCH_WAIT_S` after this sync began — `launch_backends` chooses from them what the proxy may route; then
+        every group of a kind held out (a rollout's step with its allowed outage): its command line needs one, so it
+        would route groups being drained or restarted — an old process beside a new one of another file (seed
+        760303) — and it could serve nothing meanwhile. It starts when the step lets a group back."""
+        if self._members():
+            held: dict[str, str] = {}
+            for source in self.holds:
+                held.update(source() or {})
+            for kind in ("prefill", "decode"):
+                mine = [g.name for g in self.groups if g.kind == kind]
+                if mine and all(name in held for name in mine):
+                    return Hold(HoldKind.ROLLOUT, f"proxy {self.plan.component}: every {kind} group is held out "
+                                f"({held[mine[0]]}): it starts once one may be routed")  # fmt: skip
+            return None
+        state = self._connection() if self._connection is not None else None
+        if state is not None and state.reachable is False:
+            return None  # etcd away: the proxy serves with its command line, as before (losing etcd stops nothing)
+        left = LAUNCH_WAIT_S - (self.clock.monotonic() - self._created)
+        if left <= 0:
+            return None
+        return Hold(HoldKind.COORDINATION, f"proxy {self.plan.component}: waiting for the members' records to "
+                    f"choose what it may route (at most {left:.0f}s more; with etcd away: every endpoint)")  # fmt: skip
 
     def launch_backends(self) -> ProxyBackends | None:
         """`stackport.ProxyRouting`: what the proxy starting now is launched with (`launch_choice`); None until the

@@ -57,7 +57,8 @@ class HoldKind(StrEnum):
     GROUP_BACKOFF = "group_backoff"
     ROLLOUT = "rollout"
     """An incompatible rollout's step: its ranks wait for the proxy to stop listing their group; any step: its ranks
-    wait for the generation its next known decision makes (`rollout_rules.next_restart`)."""
+    wait for the generation its next known decision makes (`rollout_rules.next_restart`); a proxy to start waits
+    while a step holds every group of a kind out (`ProxySync.launch_hold`)."""
     BARRIER = "barrier"
     FOREIGN_HOLDER = "foreign_holder"
     """A process that is not ours holds a port or an NPU: the start waits, nothing is signalled."""
