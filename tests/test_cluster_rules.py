@@ -12,6 +12,7 @@ from nodeagent.cluster.rules import (
     bump,
     command_error,
     effective_pause,
+    epoch_baseline,
     failed_in,
     may_wipe,
     must_restart_for,
@@ -86,6 +87,24 @@ def test_act_once_per_generation_and_never_on_a_new_store() -> None:
     # a bump in a stale epoch is ignored; a bump in a new one starts from its own generation
     out = bump(GangRecord(generation=9, epoch="e1"), 1, node="a", reason="x", now=NOW, epoch="e2", spec=SPEC)
     assert out is not None and out[0].generation == 2 and out[0].epoch == "e2"
+
+
+def test_an_agent_back_across_an_etcd_wipe_owes_the_restarts_asked_in_the_new_epoch() -> None:
+    """Seed 686167: etcd wiped while n2's agent was away; the new epoch began at generation 1 (every rank running
+    then belongs to it) and an operator's restart made 2. n2's agent, back, had acted in the old epoch: its rank
+    is of generation 1 and must restart for 2 — it adopted 2 and its peer waited at the barrier for ever."""
+    first = GangRecord(generation=1, epoch="e2", base=1)
+    made = bump(first, 1, node="n1", reason="operator restart", now=NOW, epoch="e2", spec=SPEC, planned=True)
+    assert made is not None and made[0].generation == 2 and made[0].base == 1, "the epoch's base is kept"
+    assert epoch_baseline(made[0], wiped=True) == 1
+    assert must_restart_for(GangView(made[0], acted=1, acted_epoch="e2"), "e2") == 2
+    assert epoch_baseline(made[0], wiped=False) == 2, "a first contact (no epoch acted in) adopts what runs"
+    fresh = bump(None, 4, node="n1", reason="vllm exited", now=NOW, epoch="e3", spec=SPEC)
+    assert fresh is not None and (fresh[0].generation, fresh[0].base) == (5, 4), \
+        "a new epoch's record made by a failure: the ranks that ran before it are of the one it leaves"
+    old = GangRecord.from_dict({"generation": 3, "epoch": "e2"})
+    assert old.base == 0 and epoch_baseline(old, wiped=True) == 3, "a record from before `base`: as before"
+    assert GangRecord.from_dict(made[0].to_dict()) == made[0]
 
 
 def test_barrier_releases_only_when_all_arrived_and_names_the_late() -> None:

@@ -64,6 +64,9 @@ KEPT: list[tuple[int, str, float, str]] = [
     (760303, "local-cluster", 180, "an agent back from a pause started its crashed proxy while a rollout's step (the "
      "operator's allowed outage) held every group out: the proxy, which needs one of each kind, was launched with all "
      "of them and routed the old draining prefill beside a new decode rank of another KV connector (mixed_routes)"),
+    (686167, "local-cluster", 180, "etcd wiped while n2's agent was away, then an operator's restart of decode0 made "
+     "the new epoch's generation 2: back, n2's agent adopted its rank (launched before the wipe) as generation 2, "
+     "never restarted it, and n1's new rank waited at the barrier for it for ever (no_convergence, command_lost)"),
 ]
 
 
@@ -80,7 +83,8 @@ KEPT_REAL: list[tuple[int, str, float, str]] = [
 KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS_ALL, 760167: None,
                                                      760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
                                                      760372: simulation.ROLLOUTS_ALL, 760170: simulation.ROLLOUTS_ALL,
-                                                     760023: simulation.ROLLOUTS_ALL, 760303: simulation.ROLLOUTS_ALL}
+                                                     760023: simulation.ROLLOUTS_ALL, 760303: simulation.ROLLOUTS_ALL,
+                                                     686167: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

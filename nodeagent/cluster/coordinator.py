@@ -351,7 +351,7 @@ class Coordinator:
         """First contact with this store: take its generation as ours, or create generation 1."""
         if gs.record is None or gs.record.epoch != epoch:
             first = rules.GangRecord(generation=1, reason="first generation", by=self.node, at=self.clock.time(),
-                                     epoch=epoch)  # fmt: skip
+                                     epoch=epoch, base=1)  # fmt: skip
             result = await self.store.compare_and_swap(rules.gang_key(self.cluster, gs.group.name), gs.mod_revision,
                                                        json.dumps(first.to_dict()))  # fmt: skip
             if not result.succeeded:
@@ -360,7 +360,8 @@ class Coordinator:
             self._wrote(gs, first, result.revision)
         assert gs.record is not None
         wiped = gs.acted_epoch not in ("", epoch)  # we had acted in another epoch: etcd lost its data since
-        gs.acted, gs.acted_epoch, gs.fresh, gs.deferred = gs.record.generation, epoch, False, None  # old epoch's
+        gs.acted, gs.acted_epoch = rules.epoch_baseline(gs.record, wiped), epoch
+        gs.fresh, gs.deferred = False, None  # old epoch's
         gs.arrivals, gs.arrived_for = set(), 0
         ranks = [self.port.snapshot().components[c] for c in gs.components]
         # a rank running on is adopted; one being stopped (a restart under way) starts only through the barrier

@@ -85,11 +85,15 @@ class GangRecord:
     epoch: str = ""
     policy: dict[str, Any] = field(default_factory=dict)
     """The group's RestartTracker, so a crash-looping group backs off as one whoever saw the failure."""
+    base: int = 0
+    """The generation of this epoch that the ranks running when it began belong to (0: not said — a record from
+    before it was kept): an agent away across an etcd wipe comes back with ranks of that generation, so one asked
+    after it is a restart still owed (`epoch_baseline`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"generation": self.generation, "reason": self.reason, "by": self.by, "at": self.at,
                 "planned": self.planned, "not_before": self.not_before, "epoch": self.epoch,
-                "policy": self.policy}  # fmt: skip
+                "policy": self.policy, "base": self.base}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any) -> GangRecord:
@@ -100,7 +104,7 @@ class GangRecord:
                        by=str(data.get("by", "")), at=float(data.get("at", 0.0)),
                        planned=bool(data.get("planned", False)), not_before=float(data.get("not_before", 0.0)),
                        epoch=str(data.get("epoch", "")),
-                       policy=dict(data.get("policy") or {}))  # fmt: skip
+                       policy=dict(data.get("policy") or {}), base=int(data.get("base", 0)))  # fmt: skip
         except (TypeError, ValueError):
             return cls()
 
@@ -121,6 +125,14 @@ def baseline(view: GangView, epoch: str) -> bool:
 
     A generation counts as news only within the epoch our `acted` belongs to."""
     return view.record is None or view.acted_epoch != epoch or view.record.epoch != epoch
+
+
+def epoch_baseline(record: GangRecord, wiped: bool) -> int:
+    """The generation a member adopts on first contact with an epoch (pure): the record's — but when etcd was wiped
+    under it (it had acted in another epoch), the epoch's `base`: its ranks, launched before the wipe, belong to
+    that one, and a generation asked after it (by a peer, an operator, while this agent was away) restarts them
+    too (seed 686167: a peer waited at the barrier for ever for a rank adopted into the newer generation)."""
+    return record.base if wiped and 0 < record.base <= record.generation else record.generation
 
 
 def must_restart_for(view: GangView, epoch: str) -> int | None:
@@ -196,9 +208,10 @@ def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason:
         decision = RestartDecision("restart", 0.0, reason, tracker.consecutive_failures, tracker.crash_loop)
     else:
         decision = tracker.record_failure(now, reason)
-    record = replace(base, generation=max(base.generation, seen_generation) + 1, reason=reason, by=node, at=now,
-                     planned=planned, not_before=now + decision.delay_s, epoch=epoch,
-                     policy=tracker.to_dict())  # fmt: skip
+    generation = max(base.generation, seen_generation) + 1
+    record = replace(base, generation=generation, reason=reason, by=node, at=now, planned=planned,
+                     not_before=now + decision.delay_s, epoch=epoch, policy=tracker.to_dict(),
+                     base=base.base if base.epoch == epoch and base.generation else generation - 1)  # fmt: skip
     return record, decision
 
 
