@@ -138,3 +138,28 @@ def test_command_errors_name_what_is_wrong() -> None:
     assert x.to_dict() == {"ok": False, "code": 4, "message": x.message}, "the wire format, the CLI's exit code"
     assert CommandResult(CommandOutcome.DONE, "n1: stop vllm").to_dict() == {
         "ok": True, "code": 0, "message": "n1: stop vllm"}
+
+
+def test_a_one_node_groups_rank_started_while_etcd_was_away_is_noted_in_the_generation_acted() -> None:
+    """Seed 638887: p0 (one node) acted on generation 2, etcd went away while its old tree stopped, and the new rank
+    started without a barrier (a one-node group restarts locally). Not noted as running in 2, the agent's successor
+    took it for unrestarted and restarted it — under a cluster pause. A rank still being stopped is not noted; a
+    multi-node group's only through its barrier."""
+    from types import SimpleNamespace
+
+    from nodeagent.cluster.gang import GangState
+
+    def gang(nodes: tuple[str, ...]) -> GangState:
+        gs = GangState(SimpleNamespace(nodes=nodes), ("vllm",))  # type: ignore[arg-type]
+        gs.acted, gs.released, gs.ran = 2, 1, {"vllm": 1}
+        return gs
+
+    one, two = gang(("n0",)), gang(("n0", "n1"))
+    assert one.runs_acted("vllm", running=True, going_down=False, reachable=False)
+    assert not one.runs_acted("vllm", running=True, going_down=True, reachable=False), "the old tree, stopping"
+    assert not one.runs_acted("vllm", running=True, going_down=False, reachable=True), "with etcd: its barrier says"
+    assert not two.runs_acted("vllm", running=True, going_down=False, reachable=False)
+    two.released = 2
+    assert two.runs_acted("vllm", running=True, going_down=False, reachable=True)
+    two.ran["vllm"] = 2
+    assert not two.runs_acted("vllm", running=True, going_down=False, reachable=True), "noted already"

@@ -67,6 +67,9 @@ KEPT: list[tuple[int, str, float, str]] = [
     (686167, "local-cluster", 180, "etcd wiped while n2's agent was away, then an operator's restart of decode0 made "
      "the new epoch's generation 2: back, n2's agent adopted its rank (launched before the wipe) as generation 2, "
      "never restarted it, and n1's new rank waited at the barrier for it for ever (no_convergence, command_lost)"),
+    (638887, "local-cluster", 180, "an agent back under a cluster pause found its one-node group's rank not noted "
+     "in the generation it had acted on (started while etcd was away, without a barrier) and restarted it at once, "
+     "paused (restart_while_paused)"),
 ]
 
 
@@ -84,7 +87,7 @@ KEPT_ROLLOUTS: dict[int, dict[str, float] | None] = {760038: simulation.ROLLOUTS
                                                      760050: simulation.ROLLOUTS_ALL, 760292: simulation.ROLLOUTS_ALL,
                                                      760372: simulation.ROLLOUTS_ALL, 760170: simulation.ROLLOUTS_ALL,
                                                      760023: simulation.ROLLOUTS_ALL, 760303: simulation.ROLLOUTS_ALL,
-                                                     686167: simulation.ROLLOUTS_ALL}
+                                                     686167: simulation.ROLLOUTS_ALL, 638887: simulation.ROLLOUTS_ALL}
 """Seeds found once rollouts were simulated: their schedules have them (as drawn then: incompatible ones too,
 `simulation.ROLLOUTS_ALL`); the others replay as found, without."""
 

@@ -1,14 +1,13 @@
 """The cluster layer's etcd I/O: gang restarts of a data-parallel group, start barriers, the cluster-wide pause.
 
 The rules are `cluster.rules` (pure); this module reads and writes the keys and sees the node only through its
-`stackport.StackPort`: frozen views of the components, and the port's few commands (restart these, wake the
-gates). It attaches to the node once, as its `NodeLayer`: a start gate, a say on failures and operator
-commands, and a /status section. Losing etcd freezes coordination and never stops a serving stack: a group that needs
-a restart while etcd is down waits (a single-node group restarts locally as before).
+`stackport.StackPort`: frozen views of the components, and the port's few commands (restart these, wake the gates). It
+attaches to the node once, as its `NodeLayer`: a start gate, a say on failures and operator commands, and a /status
+section. Losing etcd freezes coordination and never stops a serving stack: a group that needs a restart while etcd is
+down waits (a single-node group restarts locally as before).
 
 Per group this node belongs to: `acted` — the generation its vLLM was (re)started for — is persisted in
-`state_dir/cluster.json` before acting, so each generation is acted on exactly once, across agent restarts.
-"""
+`state_dir/cluster.json` before acting, so each generation is acted on exactly once, across agent restarts."""
 
 from __future__ import annotations
 
@@ -45,11 +44,11 @@ if TYPE_CHECKING:
 SETTLE_EVERY_S = 30.0
 RETRY_S = 1.0
 IDLE_TICK_S = 5.0
+"""At rest the work loop wakes only for watch events and gate checks, and otherwise this often (barrier timeouts,
+settling): an idle agent costs next to nothing and sends no etcd request."""
 DONE_REDEPLOYS_KEPT = 20
 """Cluster redeploys this node did its part of, newest last. There is one `redeploy` record at a time and a new
 one has a new id, so only the current record's id must be known; the last few cover a record read late."""
-"""At rest the work loop wakes only for watch events and gate checks, and otherwise this often (barrier timeouts,
-settling): an idle agent costs next to nothing and sends no etcd request."""
 
 
 class Coordinator:
@@ -107,9 +106,8 @@ class Coordinator:
 
     @property
     def config(self) -> Config:
-        """The node's config now, through the port (a reload reaches the rung, the rollout's drain and canary, the
-        PD watch). What `__init__` took from its config (the cluster, this node, the layout and its groups) a
-        reload cannot change: it refuses added or removed components."""
+        """The node's config now, through the port (a reload reaches the rung, drain, canary, PD watch); what
+        `__init__` took from it (cluster, node, layout, groups) a reload cannot change."""
         return self.port.config
 
     # ---- persistence ------------------------------------------------------------------------------------------
@@ -154,8 +152,8 @@ class Coordinator:
         """A rank started or stopped, a pause ended: note which generation each running rank runs in; look again."""
         if self.by_component:
             here = self.port.snapshot().components
-            seen = {(c, gs.acted) for gs in self.gangs.values() if gs.released == gs.acted
-                    for c in gs.components if here[c].running and gs.ran.get(c) != gs.acted}  # fmt: skip
+            seen = {(c, gs.acted) for gs in self.gangs.values() for c in gs.components
+                    if gs.runs_acted(c, here[c].running, here[c].going_down, self.reachable)}  # fmt: skip
             for c, generation in seen:
                 self.by_component[c].ran[c] = generation
             if seen:
@@ -316,8 +314,11 @@ class Coordinator:
             ranks = [here.components[c] for c in gs.components]
             if any(r.going_down for r in ranks):
                 return  # a tree still being stopped (a restart or a failure the previous agent saw): decided once gone
+            stale = gs.record and rules.unrestarted(gs.ran_before, gs.acted, [r.name for r in ranks if r.running])
+            if stale and here.paused and not gs.record.planned:  # type: ignore[union-attr]
+                return  # decided once the pause ends (a failure's restart waits for it, as below)
             gs.fresh = False
-            if gs.record and rules.unrestarted(gs.ran_before, gs.acted, [r.name for r in ranks if r.running]):
+            if stale:
                 return self._act(gs, gs.acted, here)  # the previous agent acted, then died before stopping them
             if any(r.running for r in ranks):
                 gs.released = gs.acted  # adopted: they run on in the generation they started in
@@ -456,10 +457,9 @@ class Coordinator:
 
     # ---- what the node asks (NodeLayer) -------------------------------------------------------------------------
     def gate(self, comp: ComponentView, operator: bool) -> Hold | None:
-        """The cluster's holds on a start: a cluster redeploy (ClusterOps), then the group's coordination,
-        backoff and barrier; the proxy's wait for the records it chooses its backends from. Side-effect free: the
-        node asks every layer's gate, and the earliest hold wins — what follows from ours (asking a generation) is
-        the work loop's, once it is the hold the rank shows."""
+        """The cluster's holds on a start: a cluster redeploy (ClusterOps), the group's coordination, backoff and
+        barrier, the proxy's `launch_hold`. Side-effect free: the earliest hold of every layer wins — what follows
+        from ours (asking a generation) is the work loop's, once it is the hold the rank shows."""
         held = self.ops.gate(comp, operator) if self.ops is not None else None
         proxy = next((p for p in self.proxies if p.plan.component == comp.name), None)
         return held or self._group_gate(comp) or (proxy.launch_hold() if proxy is not None else None)

@@ -62,6 +62,13 @@ class GangState:
     def multi(self) -> bool:
         return len(self.group.nodes) > 1
 
+    def runs_acted(self, name: str, running: bool, going_down: bool, reachable: bool) -> bool:
+        """This running rank runs in `acted` and is not noted so yet: its barrier released in it — or, a one-node
+        group while etcd is away, it started without one (seed 638887: a successor took it for unrestarted and
+        restarted it under a cluster pause)."""
+        return running and self.ran.get(name) != self.acted and (
+            self.released == self.acted or (not self.multi and not reachable and not going_down))
+
     def status(self) -> dict[str, Any]:
         """The group's part of the cluster section of /status."""
         record = self.record
