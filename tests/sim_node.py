@@ -355,6 +355,8 @@ class RealStack:
         self.clock = clock
         self.host = SimHost(self.node, clock, etcd_reachable)
         self.supervisor: Supervisor | None = None
+        self.starting: asyncio.Future[None] | None = None
+        """The agent's start: its container looked at (an engine call: virtual time), then the loops begun."""
         self.components = {n: RealComp(self, n, c.kind) for n, c in config.active_components().items()}
         self.listeners: list[Callable[[], None]] = []
         self.on_restart: Callable[[Sequence[str], str, bool], None] = lambda names, reason, planned: None
@@ -413,8 +415,8 @@ class RealStack:
         """Each desired-running component that is neither running, nor backing off with a reason, nor held by a
         typed hold (read when the loop is settled), or whose loop ended."""
         sup = self.supervisor
-        if sup is None:
-            return []
+        if sup is None or (self.starting is not None and not self.starting.done()):
+            return []  # the agent is starting: in container mode its loops begin once the container was looked at
         out = []
         redeploying = sup.redeploying is not None and not sup.redeploying.done()
         for name, comp in sup.components.items():
@@ -497,7 +499,7 @@ class RealWorld(World):
         stack.supervisor = sup
         membership.start()
         coordinator.start()
-        task = asyncio.ensure_future(self._start(sup, before))
+        task = stack.starting = asyncio.ensure_future(self._start(sup, before))
         stack.host.tasks.add(task)
         task.add_done_callback(stack.host.tasks.discard)
         agent = self.agents[name] = Agent(name, stack, membership, coordinator)  # type: ignore[arg-type]

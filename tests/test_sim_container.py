@@ -22,6 +22,9 @@ KEPT_CONTAINER: list[tuple[int, str, float, str]] = [
     (760353, "8node", 180, "an operator's restart lost: `--node a2-3 restart vllm` answered, a2-3's agent killed "
      "33 ms later (its drain under way, nothing stopped yet), its successor adopted the generation-1 rank as "
      "generation 2 (cluster.json said acted 2) and never restarted it (nothing of the container in it)"),
+    (880633, "local-cluster", 180, "the simulation's own: an agent starting in container mode looks at its container "
+     "(an engine call, virtual time) before its loops begin; the check read that moment as components left "
+     "unsupervised (unsupervised)"),
 ]
 
 
