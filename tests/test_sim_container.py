@@ -25,6 +25,9 @@ KEPT_CONTAINER: list[tuple[int, str, float, str]] = [
     (880633, "local-cluster", 180, "the simulation's own: an agent starting in container mode looks at its container "
      "(an engine call, virtual time) before its loops begin; the check read that moment as components left "
      "unsupervised (unsupervised)"),
+    (875065, "local-cluster", 180, "an agent back while its container engine answered nothing took the failed "
+     "inspect for no container: its ranks inside could not be adopted, its group restarted (restart_without_cause)"),
+    (880505, "small", 180, "the same on the small layout's p1"),
 ]
 
 

@@ -53,6 +53,11 @@ if TYPE_CHECKING:
 
 RETRY_MIN_S = 5.0
 RETRY_MAX_S = 120.0
+START_ENGINE_WAIT_S = 60.0
+"""How long an agent's start waits for an engine that does not answer before it gives its container up for
+unknown: the previous agent's ranks may run inside, and taking "no answer" for "no container" made them look dead
+(a new start beside them, their group restarted: simulation seeds 880505, 875065)."""
+START_ENGINE_RETRY_S = 2.0
 LOG_NAME = "container"
 """The log identifier of the container's own lines (setup output, lifecycle): `nodeagentctl logs container`."""
 
@@ -281,11 +286,10 @@ class ContainerMode:
     async def start(self) -> None:
         """Keep the container (call before the supervisor starts its components; the agent attaches it as a layer)."""
         self._wake = asyncio.Event()
-        with contextlib.suppress(EngineError):  # the container of a previous agent: its components are adopted
-            found = await self.engine.inspect()
-            record = self.records.load()
-            if found is not None and found.running and record is not None and record.container_id == found.id:
-                self.state = found
+        found = await self._inspect_at_start()  # the container of a previous agent: its components are adopted
+        record = self.records.load()
+        if found is not None and found.running and record is not None and record.container_id == found.id:
+            self.state = found
         for note in (*self.spec.adaptations, *self.spec.problems):
             self.sup.events.emit("container_adapted", f"container {self.spec.name}: {note.text}", None,
                                  "error" if note in self.spec.problems else "info")  # fmt: skip
@@ -295,6 +299,24 @@ class ContainerMode:
             with contextlib.suppress(OSError):
                 folder.mkdir(parents=True, exist_ok=True)
         self._task = asyncio.create_task(self._run(), name="container")
+
+    async def _inspect_at_start(self) -> ContainerState | None:
+        """The container as the engine sees it; an engine that does not answer is asked again for up to
+        `START_ENGINE_WAIT_S` (said once), then the container is taken as not there, as before."""
+        waited_from, said = self.sup.clock.monotonic(), False
+        while True:
+            try:
+                return await self.engine.inspect()
+            except EngineError as exc:
+                if self.sup.clock.monotonic() - waited_from >= START_ENGINE_WAIT_S:
+                    self._say(f"container {self.spec.name}: the engine did not answer for {START_ENGINE_WAIT_S:g}s "
+                              f"at the agent's start ({exc}): taken as not there")  # fmt: skip
+                    return None
+                if not said:
+                    said = True
+                    self._say(f"container {self.spec.name}: the engine does not answer at the agent's start ({exc}):"
+                              f" asking again for up to {START_ENGINE_WAIT_S:g}s before adopting anything")  # fmt: skip
+            await self.sup.clock.sleep(START_ENGINE_RETRY_S)
 
     async def stop_watching(self) -> None:
         """The agent stops: no recovery from now on (stopping the stack must not look like a death)."""
@@ -412,6 +434,10 @@ class ContainerMode:
             if self.sup.components[name].running:
                 self.sup.restart([name], f"container recreate: {reason}", planned=True, cause="reload")
                 await self.sup.wait(name, "stopped")
+
+    def _say(self, line: str) -> None:
+        self._log(line)
+        self.sup.events.emit("container_engine", line, None, "warning")
 
     def _log(self, line: str) -> None:
         with contextlib.suppress(OSError):
