@@ -140,13 +140,17 @@ class VirtualClock(Clock):
     def monotonic(self) -> float:
         return self.mono
 
+    def _timer(self, seconds: float) -> asyncio.Future[Any]:
+        """A future the clock resolves `seconds` from now (unless something resolves or cancels it first)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._timers, (self.mono + seconds, next(self._seq), future))
+        return future
+
     async def sleep(self, seconds: float) -> None:
         if seconds <= 0:
             await asyncio.sleep(0)
             return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._timers, (self.mono + seconds, next(self._seq), future))
-        await future
+        await self._timer(seconds)
 
     async def wait(self, event: asyncio.Event, timeout: float) -> bool:
         """One future, woken by whichever comes first: the event (as one of its own waiters) or the deadline (a
@@ -157,10 +161,9 @@ class VirtualClock(Clock):
         if timeout <= 0:
             await asyncio.sleep(0)
             return event.is_set()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future = self._timer(timeout)
         waiters = event._waiters  # type: ignore[attr-defined]  # Event.set() resolves each pending one
         waiters.append(future)
-        heapq.heappush(self._timers, (self.mono + timeout, next(self._seq), future))
         try:
             await future
         finally:

@@ -298,19 +298,27 @@ class ProxySync:
                                              "changed since")  # fmt: skip
             else:
                 self.evicted.pop(group.name, None)
-        ready, held_out = True, set()
-        for source in self.holds:
-            held = source()
-            ready = ready and held is not None
-            for name, why in (held or {}).items():
-                if name in health:
-                    health[name] = (False, why)
-                    held_out.add(name)
+        ready, held = self._held()
+        held_out = set()
+        for name, why in held.items():
+            if name in health:
+                health[name] = (False, why)
+                held_out.add(name)
         fences: dict[str, set[str]] = {}
         for fence in self.fences:
             for name, others in fence().items():
                 fences.setdefault(name, set()).update(others)
         return health, ready, held_out, fences
+
+    def _held(self) -> tuple[bool, dict[str, str]]:
+        """(every hold source has read its state, group → why a source holds it out)."""
+        ready = True
+        held: dict[str, str] = {}
+        for source in self.holds:
+            answer = source()
+            ready = ready and answer is not None
+            held.update(answer or {})
+        return ready, held
 
     def launch_hold(self) -> Hold | None:
         """What holds the proxy's start: the members' records not read yet while etcd may still answer, for at most
@@ -319,9 +327,7 @@ class ProxySync:
         would route groups being drained or restarted — an old process beside a new one of another file (seed
         760303) — and it could serve nothing meanwhile. It starts when the step lets a group back."""
         if self._members():
-            held: dict[str, str] = {}
-            for source in self.holds:
-                held.update(source() or {})
+            _ready, held = self._held()
             for kind in ("prefill", "decode"):
                 mine = [g.name for g in self.groups if g.kind == kind]
                 if mine and all(name in held for name in mine):

@@ -211,7 +211,7 @@ def bump(current: GangRecord | None, seen_generation: int, *, node: str, reason:
     generation = max(base.generation, seen_generation) + 1
     record = replace(base, generation=generation, reason=reason, by=node, at=now, planned=planned,
                      not_before=now + decision.delay_s, epoch=epoch, policy=tracker.to_dict(),
-                     base=base.base if base.epoch == epoch and base.generation else generation - 1)  # fmt: skip
+                     base=base.base if base.generation else generation - 1)  # fmt: skip
     return record, decision
 
 
